@@ -1,0 +1,53 @@
+# blockprep: every target installs what it needs into .venv (under the repo) on first use.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO ?= demo
+DATALIST ?= $(DEMO)/nifti/dataset.json
+PIPELINE ?= workflows/pipelines/spheres.py
+CACHE ?= $(DEMO)/cache
+MOUNTPOINT ?= $(DEMO)
+BMAP ?= $(DEMO)/bmap.json
+PYTEST_ARGS ?=
+# CPU torch by default; pass TORCH_PIP_ARGS="--index-url <your CPU wheel index>" where needed.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+
+.PHONY: install demo test lint typecheck bench cache bmap clean
+
+install: $(STAMP)
+
+# torch: keep a CUDA/ROCm build that is already importable; otherwise take the CPU build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_SPEC) $(TORCH_PIP_ARGS)
+	$(BIN)/python -m pip install -q -e '.[dev,dali]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python -m workflows.demo --out $(DEMO)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check prep loaders workflows tests
+	$(BIN)/ruff format --check prep loaders workflows tests
+
+typecheck: install
+	$(BIN)/mypy prep loaders workflows
+
+bench: install
+	$(BIN)/python -m workflows.benchmark all --data $(DEMO)
+
+cache: install
+	$(BIN)/prep cache $(DATALIST) --pipeline $(PIPELINE) --output $(CACHE)
+
+bmap: install
+	$(BIN)/prep bmap --mountpoint $(MOUNTPOINT) --output $(BMAP)
+
+clean:
+	rm -rf $(DEMO) bench_out .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,145 @@
+"""The one interface every backend implements: read a batch of (source, offset, nbytes) into buffers."""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from loaders.errors import BackendError
+from loaders.format import ALIGN
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Read `nbytes` of file `path` starting at byte `offset`."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """A uint8 host buffer whose address and length are multiples of `align` (what O_DIRECT needs)."""
+    size = -(-max(nbytes, 1) // align) * align
+    raw = np.empty(size + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + size]
+
+
+class FdCache:
+    """A small thread-safe LRU of open file descriptors, so a batch of reads does not reopen files."""
+
+    def __init__(self, flags: int = os.O_RDONLY, capacity: int = 256) -> None:
+        self.flags = flags
+        self.capacity = capacity
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> int:
+        """Open (or reuse) a descriptor for `path`."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is not None:
+                self._fds.move_to_end(path)
+                return fd
+        try:
+            fd = os.open(path, self.flags)
+        except OSError as exc:
+            raise BackendError(f"{path}: cannot open ({exc.strerror}); check the path and permissions") from exc
+        with self._lock:
+            if path in self._fds:  # another thread won the race
+                os.close(fd)
+                return self._fds[path]
+            self._fds[path] = fd
+            while len(self._fds) > self.capacity:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+        return fd
+
+    def close(self) -> None:
+        """Close every cached descriptor."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def pread_full(fd: int, buf: memoryview, offset: int, path: str = "?") -> int:
+    """pread until `buf` is full or end of file; returns bytes read."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class Backend(ABC):
+    """Moves bytes from storage into buffers. Subclasses set `name` and implement `read_into`.
+
+    Buffers are host numpy uint8 arrays for CPU backends; GPU backends (device="cuda:N") fill device arrays.
+    """
+
+    name: ClassVar[str] = "?"
+    gpu: ClassVar[bool] = False  # True: buffers are device arrays and __init__ takes device="cuda:N"
+    device: str = "cpu"
+
+    def __init__(self, threads: int = 16) -> None:
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """Thread pool for requests in flight (created on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"blockprep-{self.name}")
+        return self._pool
+
+    @abstractmethod
+    def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        """Fill buffers[i] with requests[i] (buffers at least nbytes long). Raise BackendError on short reads."""
+
+    def allocate(self, nbytes: int) -> Any:
+        """A buffer this backend reads into best (aligned host memory by default)."""
+        return aligned_empty(nbytes)
+
+    def read(self, requests: Sequence[ReadRequest]) -> list[Any]:
+        """Read requests into new buffers, each trimmed to its nbytes."""
+        buffers = [self.allocate(r.nbytes) for r in requests]
+        self.read_into(requests, buffers)
+        return [b[: r.nbytes] for b, r in zip(buffers, requests)]
+
+    def close(self) -> None:
+        """Release threads and descriptors."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A backend travels to DataLoader worker processes: pools and descriptors are rebuilt there.
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        return state
+
+
+def short_read(req: ReadRequest, got: int) -> BackendError:
+    """The error for a read that ended early (file shorter than the index says)."""
+    return BackendError(
+        f"{req.path}: short read at offset {req.offset} ({got} of {req.nbytes} bytes); the file is truncated "
+        "or changed since it was indexed: re-run `prep verify`/`prep cache`"
+    )

@@ -1,0 +1,409 @@
+"""The prepared-cache layout: the ONE definition. `prep cache` writes through it, every loader reads through it.
+
+A cache is a directory::
+
+    CACHE/
+      manifest.json        written LAST (temp, fsync, rename, fsync dir): no manifest = incomplete, resumable
+      index.npy            one row per tensor (INDEX_DTYPE), numpy .npy so it opens by mmap in microseconds
+      meta.jsonl           one JSON line per item, in item order: source entry, per-key MetaTensor meta
+      meta_offsets.npy     uint64 byte offset of each line of meta.jsonl (random access without parsing all)
+      shards/*.bin         tensors at ALIGN-aligned offsets, each padded to ALIGN (O_DIRECT/GDS need no bounce)
+      journal/             append-only per-writer journals while preparing (see prep.cache)
+      bmap.json            optional: the shards' block map
+
+Nested outputs (lists of tensors, dicts) are flattened to path keys: {"image": t, "crops": [a, b]} ->
+{"image": t, "crops/0": a, "crops/1": b}; `unflatten` restores them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
+
+SCHEMA_VERSION = "1.0"  # major.minor: readers reject an unknown major, accept any minor of a known major
+ALIGN = 4096
+MAX_NDIM = 6
+
+MANIFEST = "manifest.json"
+INDEX = "index.npy"
+META = "meta.jsonl"
+META_OFFSETS = "meta_offsets.npy"
+SHARD_DIR = "shards"
+JOURNAL_DIR = "journal"
+BMAP = "bmap.json"
+
+# Little-endian, fixed-size numeric dtypes only. The position in this tuple is the on-disk code: append only.
+DTYPES: tuple[str, ...] = (
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64",
+)  # fmt: skip
+_DTYPE_CODE = {name: code for code, name in enumerate(DTYPES)}
+
+INDEX_DTYPE = np.dtype(
+    [
+        ("item", "<u4"),  # item number (row of meta.jsonl)
+        ("key", "<u2"),  # position in manifest["keys"]
+        ("shard", "<u4"),  # position in manifest["shards"]
+        ("dtype", "u1"),  # position in DTYPES
+        ("ndim", "u1"),
+        ("offset", "<u8"),  # byte offset in the shard, multiple of ALIGN
+        ("nbytes", "<u8"),  # tensor bytes (without padding)
+        ("shape", "<u8", (MAX_NDIM,)),  # unused trailing dims are 0
+        ("xxh3", "<u8"),  # xxh3_64 of the tensor bytes
+    ]
+)
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """Smallest multiple of `align` that is >= n."""
+    return -(-n // align) * align
+
+
+def checksum(buf: Any) -> int:
+    """xxh3_64 of a buffer (bytes, memoryview or C-contiguous numpy array)."""
+    import xxhash
+
+    if isinstance(buf, np.ndarray):
+        buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1).data
+    return int(xxhash.xxh3_64_intdigest(buf))
+
+
+def dtype_code(dtype: Any) -> int:
+    """On-disk code of a numpy dtype; FormatError for dtypes the layout does not store."""
+    dt = np.dtype(dtype)
+    if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
+        raise FormatError(
+            f"big-endian dtype {dt.str} is not stored; convert with .astype('{dt.newbyteorder('<').str}')"
+        )
+    if dt.names is not None or dt.subdtype is not None:
+        raise FormatError(f"structured dtype {dt} (e.g. RGB voxels) is not stored; split it into channels first")
+    name = dt.name
+    if name not in _DTYPE_CODE:
+        raise FormatError(f"dtype {name} is not stored; supported: {', '.join(DTYPES)}")
+    return _DTYPE_CODE[name]
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts/lists/tuples of leaves into {"a/0/b": leaf}. Leaves are anything else."""
+    if isinstance(obj, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            if "/" in str(k):
+                raise FormatError(f"key {k!r} contains '/', which the cache uses as its path separator")
+            out.update(flatten(v, f"{prefix}{k}/"))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(flatten(v, f"{prefix}{i}/"))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of `flatten`: path components that are all digits under one parent become lists."""
+    root: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = root
+        parts = path.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = leaf
+    return _listify(root)
+
+
+def _listify(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    items = {k: _listify(v) for k, v in node.items()}
+    if items and all(k.isdigit() for k in items) and sorted(int(k) for k in items) == list(range(len(items))):
+        return [items[str(i)] for i in range(len(items))]
+    return items
+
+
+def to_jsonable(value: Any) -> Any:
+    """Metadata to plain JSON (numpy/torch arrays to nested lists, numpy scalars to Python)."""
+    if hasattr(value, "detach"):  # torch tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename inside it is durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write a file so readers see the old or the new content, never a torn one (temp, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: shard file, aligned offset, size, dtype, shape and checksum."""
+
+    item: int
+    key: str
+    shard: str
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    xxh3: int
+
+    @property
+    def padded(self) -> int:
+        """Bytes to read with O_DIRECT/GDS: nbytes rounded up to ALIGN."""
+        return align_up(self.nbytes)
+
+
+class ShardWriter:
+    """Append tensors to one shard file at ALIGN-aligned offsets, preallocating ahead so the shard is one or
+    few extents. Use as a context manager; `close()` trims the preallocation to the bytes written."""
+
+    def __init__(self, path: str | os.PathLike[str], prealloc: int = 256 << 20, start: int = 0) -> None:
+        self.path = Path(path)
+        self.prealloc = prealloc
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.size = align_up(start)
+        self._allocated = self.size
+        os.ftruncate(self._fd, self.size)
+
+    def _reserve(self, end: int) -> None:
+        if end <= self._allocated:
+            return
+        new = max(end, self._allocated + self.prealloc)
+        if hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(self._fd, self._allocated, new - self._allocated)
+            except OSError as exc:
+                if exc.errno not in (
+                    95,
+                    22,
+                ):  # EOPNOTSUPP/EINVAL: filesystem without fallocate; ENOSPC raises
+                    raise
+        self._allocated = new
+
+    def write(self, array: np.ndarray) -> tuple[int, int, int]:
+        """Write one tensor; returns (offset, nbytes, xxh3). Raises OSError (e.g. ENOSPC) untouched."""
+        data = np.ascontiguousarray(array)
+        raw = data.view(np.uint8).reshape(-1) if data.size else np.empty(0, np.uint8)
+        offset = self.size
+        nbytes = raw.nbytes
+        padded = align_up(nbytes) if nbytes else 0
+        self._reserve(offset + padded)
+        view = memoryview(raw)  # type: ignore[arg-type]
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        if padded > nbytes:
+            os.pwrite(self._fd, bytes(padded - nbytes), offset + nbytes)
+        self.size = offset + padded
+        return offset, nbytes, checksum(raw)
+
+    def sync(self) -> None:
+        """Flush written bytes to stable storage (before they are journaled as done)."""
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Trim the preallocated tail and close."""
+        if self._fd >= 0:
+            os.ftruncate(self._fd, self.size)
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_rows(entries: list[dict[str, Any]]) -> np.ndarray:
+    """Index rows from dicts with item, key (int), shard (int), offset, nbytes, dtype (name), shape, xxh3."""
+    rows = np.zeros(len(entries), dtype=INDEX_DTYPE)
+    for i, e in enumerate(entries):
+        shape = tuple(int(s) for s in e["shape"])
+        if len(shape) > MAX_NDIM:
+            raise FormatError(f"tensor with {len(shape)} dims exceeds the layout's {MAX_NDIM}")
+        rows[i]["item"] = e["item"]
+        rows[i]["key"] = e["key"]
+        rows[i]["shard"] = e["shard"]
+        rows[i]["dtype"] = dtype_code(e["dtype"])
+        rows[i]["ndim"] = len(shape)
+        rows[i]["offset"] = e["offset"]
+        rows[i]["nbytes"] = e["nbytes"]
+        rows[i]["shape"][: len(shape)] = shape
+        rows[i]["xxh3"] = e["xxh3"]
+    return rows
+
+
+def write_index(cache_dir: str | os.PathLike[str], rows: np.ndarray) -> None:
+    """Write index.npy atomically; rows are sorted by (item, key) so an item's rows are contiguous."""
+    rows = np.sort(rows, order=["item", "key"])
+    path = Path(cache_dir) / INDEX
+    tmp = path.with_name(f".{INDEX}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, rows, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]]) -> None:
+    """Write meta.jsonl (one line per item, in item order) and its offsets."""
+    offsets = np.zeros(len(metas), dtype="<u8")
+    chunks = []
+    pos = 0
+    for i, meta in enumerate(metas):
+        line = (json.dumps(to_jsonable(meta), separators=(",", ":")) + "\n").encode()
+        offsets[i] = pos
+        pos += len(line)
+        chunks.append(line)
+    atomic_write_bytes(Path(cache_dir) / META, b"".join(chunks))
+    path = Path(cache_dir) / META_OFFSETS
+    tmp = path.with_name(f".{META_OFFSETS}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, offsets, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(cache_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
+    """Commit the cache: write manifest.json last and atomically. Required keys: keys, shards, n_items."""
+    for required in ("keys", "shards", "n_items"):
+        if required not in manifest:
+            raise FormatError(f"manifest is missing '{required}'")
+    doc = {"schema_version": SCHEMA_VERSION, "format": "blockprep-cache", **manifest}
+    atomic_write_bytes(Path(cache_dir) / MANIFEST, json.dumps(to_jsonable(doc), indent=1).encode())
+
+
+def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load and check manifest.json; IncompleteCacheError if absent, SchemaVersionError if from the future."""
+    path = Path(cache_dir) / MANIFEST
+    if not Path(cache_dir).is_dir():
+        raise FormatError(f"{cache_dir}: no such cache directory; create it with `prep cache`")
+    if not path.exists():
+        raise IncompleteCacheError(
+            f"{path}: missing, so the cache is incomplete (interrupted run?); re-run the same `prep cache` to finish it"
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc}); re-run `prep cache --force` to rebuild") from exc
+    if not isinstance(doc, dict) or doc.get("format") != "blockprep-cache":
+        raise FormatError(f"{path}: not a blockprep cache manifest")
+    version = str(doc.get("schema_version", ""))
+    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        raise SchemaVersionError(
+            f"{path}: schema version {version} is not readable by this blockprep (reads {SCHEMA_VERSION}); "
+            "upgrade blockprep or rebuild the cache"
+        )
+    return doc
+
+
+class PreparedCache:
+    """Read-only view of a committed cache: manifest, index (mmap), per-item metadata, shard paths.
+
+    Opening reads the manifest and maps the index; metadata lines are read on demand, so a cache of a
+    million items opens in milliseconds.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(cache_dir)
+        self.manifest = read_manifest(self.root)
+        index_path = self.root / INDEX
+        try:
+            self.index: np.ndarray = np.load(index_path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{index_path}: unreadable index ({exc}); re-run `prep cache --force`") from exc
+        if self.index.dtype != INDEX_DTYPE:
+            raise FormatError(f"{index_path}: unexpected row layout {self.index.dtype}")
+        self.keys: list[str] = list(self.manifest["keys"])
+        self.shards: list[Path] = [self.root / s for s in self.manifest["shards"]]
+        self.n_items = int(self.manifest["n_items"])
+        self._starts = np.searchsorted(self.index["item"], np.arange(self.n_items + 1))
+
+    def __len__(self) -> int:
+        return self.n_items
+
+    @cached_property
+    def _meta_offsets(self) -> np.ndarray:
+        return np.load(self.root / META_OFFSETS, mmap_mode="r", allow_pickle=False)
+
+    def entries(self, item: int) -> list[TensorEntry]:
+        """The tensors of one item, in key order."""
+        if not 0 <= item < self.n_items:
+            raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
+        rows = self.index[self._starts[item] : self._starts[item + 1]]
+        return [self._entry(row) for row in rows]
+
+    def _entry(self, row: np.void) -> TensorEntry:
+        ndim = int(row["ndim"])
+        return TensorEntry(
+            item=int(row["item"]),
+            key=self.keys[int(row["key"])],
+            shard=str(self.shards[int(row["shard"])]),
+            offset=int(row["offset"]),
+            nbytes=int(row["nbytes"]),
+            dtype=np.dtype(DTYPES[int(row["dtype"])]),
+            shape=tuple(int(s) for s in row["shape"][:ndim]),
+            xxh3=int(row["xxh3"]),
+        )
+
+    def meta(self, item: int) -> dict[str, Any]:
+        """The item's metadata line: {"source": datalist entry, "meta": {key: MetaTensor meta}}."""
+        if not 0 <= item < self.n_items:
+            raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
+        with open(self.root / META, "rb") as f:
+            f.seek(int(self._meta_offsets[item]))
+            return dict(json.loads(f.readline()))
+
+    def iter_entries(self) -> Iterator[TensorEntry]:
+        """Every tensor of the cache, in index order."""
+        for row in self.index:
+            yield self._entry(row)
+
+
+def check(entry: TensorEntry, data: Any) -> None:
+    """Raise ChecksumError when `data` (the tensor's nbytes, bytes-like or numpy) does not match its entry."""
+    got = checksum(data)
+    if got != entry.xxh3:
+        raise ChecksumError(
+            f"{entry.shard}: item {entry.item} key '{entry.key}' at offset {entry.offset} fails its checksum "
+            f"(stored {entry.xxh3:016x}, read {got:016x}); run `prep verify` and rebuild the bad items"
+        )

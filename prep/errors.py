@@ -1,0 +1,37 @@
+"""Errors of the offline stages. The base `PrepError` is shared with `loaders` (defined there)."""
+
+from __future__ import annotations
+
+from loaders.errors import (
+    BackendError,
+    ChecksumError,
+    FormatError,
+    MissingDependencyError,
+    PrepError,
+    StaleError,
+)
+
+
+class UsageError(PrepError):
+    """Bad arguments: a missing parent directory, a count of 0, an unwritable path."""
+
+
+class UnsupportedFilesystemError(PrepError):
+    """The filesystem or device cannot be mapped (no FIEMAP, btrfs, md/dm)."""
+
+
+class LockedError(PrepError):
+    """Another `prep` run holds the output's lock."""
+
+
+__all__ = [
+    "BackendError",
+    "ChecksumError",
+    "FormatError",
+    "LockedError",
+    "MissingDependencyError",
+    "PrepError",
+    "StaleError",
+    "UnsupportedFilesystemError",
+    "UsageError",
+]

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaders import format as fmt
+from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
+
+
+def write_small_cache(root: Path, arrays: list[dict[str, np.ndarray]]) -> None:
+    """A committed cache written only through loaders.format (what prep.cache does, minus dask)."""
+    keys = sorted({k for a in arrays for k in a})
+    (root / fmt.SHARD_DIR).mkdir(parents=True)
+    rows = []
+    with fmt.ShardWriter(root / fmt.SHARD_DIR / "s0.bin", prealloc=1 << 16) as w:
+        for i, item in enumerate(arrays):
+            for k, a in item.items():
+                off, n, h = w.write(a)
+                rows.append(
+                    dict(
+                        item=i,
+                        key=keys.index(k),
+                        shard=0,
+                        offset=off,
+                        nbytes=n,
+                        dtype=a.dtype.name,
+                        shape=a.shape,
+                        xxh3=h,
+                    )
+                )
+    fmt.write_index(root, fmt.make_rows(rows))
+    fmt.write_meta(root, [{"source": {"i": i}} for i in range(len(arrays))])
+    fmt.write_manifest(root, {"keys": keys, "shards": [f"{fmt.SHARD_DIR}/s0.bin"], "n_items": len(arrays)})
+
+
+def test_roundtrip_aligned(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays = [
+        {"image": rng.random((3, 5, 7), dtype=np.float32), "label": np.arange(10, dtype=np.uint8)} for _ in range(3)
+    ]
+    write_small_cache(tmp_path / "c", arrays)
+    cache = fmt.PreparedCache(tmp_path / "c")
+    assert len(cache) == 3
+    for i, item in enumerate(arrays):
+        entries = {e.key: e for e in cache.entries(i)}
+        assert set(entries) == {"image", "label"}
+        for k, e in entries.items():
+            assert e.offset % fmt.ALIGN == 0
+            raw = np.fromfile(e.shard, dtype=np.uint8, count=e.nbytes, offset=e.offset)
+            fmt.check(e, raw)
+            assert np.array_equal(raw.view(e.dtype).reshape(e.shape), item[k])
+        assert cache.meta(i)["source"] == {"i": i}
+    assert (tmp_path / "c" / fmt.SHARD_DIR / "s0.bin").stat().st_size % fmt.ALIGN == 0
+
+
+def test_checksum_mismatch(tmp_path: Path) -> None:
+    write_small_cache(tmp_path / "c", [{"x": np.ones(100, np.float32)}])
+    e = fmt.PreparedCache(tmp_path / "c").entries(0)[0]
+    raw = np.fromfile(e.shard, dtype=np.uint8, count=e.nbytes, offset=e.offset)
+    raw[3] ^= 1
+    with pytest.raises(ChecksumError, match="item 0 key 'x'"):
+        fmt.check(e, raw)
+
+
+def test_incomplete_and_future(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    with pytest.raises(IncompleteCacheError, match="re-run"):
+        fmt.PreparedCache(tmp_path / "c")
+    write_small_cache(tmp_path / "d", [{"x": np.ones(3, np.float32)}])
+    doc = json.loads((tmp_path / "d" / fmt.MANIFEST).read_text())
+    doc["schema_version"] = "9.0"
+    (tmp_path / "d" / fmt.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(SchemaVersionError, match="9.0"):
+        fmt.PreparedCache(tmp_path / "d")
+
+
+@pytest.mark.parametrize("dtype", [">f4", "c8", [("r", "u1"), ("g", "u1")]])
+def test_unsupported_dtypes(dtype: object) -> None:
+    with pytest.raises(FormatError):
+        fmt.dtype_code(np.dtype(dtype))  # type: ignore[call-overload]
+
+
+leaves = st.integers()
+nested = st.recursive(
+    leaves,
+    lambda children: (
+        st.lists(children, min_size=1, max_size=3)
+        | st.dictionaries(st.text("abc", min_size=1, max_size=3), children, min_size=1, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@given(st.dictionaries(st.text("xyz", min_size=1, max_size=3), nested, min_size=1, max_size=3))
+def test_flatten_roundtrip(obj: dict) -> None:  # type: ignore[type-arg]
+    assert fmt.unflatten(fmt.flatten(obj)) == obj
+
+
+@settings(max_examples=50)
+@given(sizes=st.lists(st.integers(0, 20000), min_size=1, max_size=12))
+def test_every_tensor_aligned_and_disjoint(sizes: list[int], tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = tmp_path_factory.mktemp("shard") / "s.bin"
+    spans = []
+    with fmt.ShardWriter(path, prealloc=8192) as w:
+        for n in sizes:
+            off, nb, _ = w.write(np.zeros(n, np.uint8))
+            assert off % fmt.ALIGN == 0 and nb == n
+            spans.append((off, off + fmt.align_up(n)))
+    for (_, a1), (b0, _) in zip(spans, spans[1:]):
+        assert a1 <= b0
+    assert path.stat().st_size == spans[-1][1]
