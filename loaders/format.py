@@ -407,3 +407,36 @@ def check(entry: TensorEntry, data: Any) -> None:
             f"{entry.shard}: item {entry.item} key '{entry.key}' at offset {entry.offset} fails its checksum "
             f"(stored {entry.xxh3:016x}, read {got:016x}); run `prep verify` and rebuild the bad items"
         )
+
+
+def write_items(
+    cache_dir: str | os.PathLike[str],
+    items: list[Mapping[str, Any]],
+    metas: list[dict[str, Any]] | None = None,
+    manifest: Mapping[str, Any] | None = None,
+) -> PreparedCache:
+    """Write a whole cache in this process: one shard, index, meta, manifest (committed last).
+
+    `items` are (nested) dicts of numpy arrays. `prep cache` does the same in parallel with journals; this
+    is for small caches, tests and users exporting tensors from their own code.
+    """
+    root = Path(cache_dir)
+    (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    flat = [flatten(item) for item in items]
+    keys = sorted({k for f in flat for k in f})
+    shard = f"{SHARD_DIR}/shard-000000.bin"
+    rows = []
+    with ShardWriter(root / shard, prealloc=1 << 20) as writer:
+        for i, f in enumerate(flat):
+            for key, value in f.items():
+                array = np.asarray(value)
+                dtype_code(array.dtype)
+                offset, nbytes, xxh3 = writer.write(array)
+                rows.append(
+                    {"item": i, "key": keys.index(key), "shard": 0, "offset": offset, "nbytes": nbytes,
+                     "dtype": array.dtype.name, "shape": array.shape, "xxh3": xxh3}
+                )  # fmt: skip
+    write_index(root, make_rows(rows))
+    write_meta(root, metas if metas is not None else [{} for _ in items])
+    write_manifest(root, {**(manifest or {}), "keys": keys, "shards": [shard], "n_items": len(items)})
+    return PreparedCache(root)

@@ -98,6 +98,11 @@ def synth_images(
     typer.echo(f"wrote {classes * per_class} JPEG files in {classes} classes under {train}")
 
 
+# --- bmap commands (work in prep/bmap.py) ---
+
+# --- cache and verify commands (work in prep/cache.py) ---
+
+
 def main() -> None:
     """Entry point for `python -m prep`."""
     app()

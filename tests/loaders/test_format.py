@@ -13,49 +13,33 @@ from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, Sch
 
 
 def write_small_cache(root: Path, arrays: list[dict[str, np.ndarray]]) -> None:
-    """A committed cache written only through loaders.format (what prep.cache does, minus dask)."""
-    keys = sorted({k for a in arrays for k in a})
-    (root / fmt.SHARD_DIR).mkdir(parents=True)
-    rows = []
-    with fmt.ShardWriter(root / fmt.SHARD_DIR / "s0.bin", prealloc=1 << 16) as w:
-        for i, item in enumerate(arrays):
-            for k, a in item.items():
-                off, n, h = w.write(a)
-                rows.append(
-                    dict(
-                        item=i,
-                        key=keys.index(k),
-                        shard=0,
-                        offset=off,
-                        nbytes=n,
-                        dtype=a.dtype.name,
-                        shape=a.shape,
-                        xxh3=h,
-                    )
-                )
-    fmt.write_index(root, fmt.make_rows(rows))
-    fmt.write_meta(root, [{"source": {"i": i}} for i in range(len(arrays))])
-    fmt.write_manifest(root, {"keys": keys, "shards": [f"{fmt.SHARD_DIR}/s0.bin"], "n_items": len(arrays)})
+    fmt.write_items(root, arrays, [{"source": {"i": i}} for i in range(len(arrays))])
 
 
 def test_roundtrip_aligned(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     arrays = [
-        {"image": rng.random((3, 5, 7), dtype=np.float32), "label": np.arange(10, dtype=np.uint8)} for _ in range(3)
+        {
+            "image": rng.random((3, 5, 7), dtype=np.float32),
+            "label": np.arange(10, dtype=np.uint8),
+            "crops": [np.ones(2, np.int16)],
+        }
+        for _ in range(3)
     ]
     write_small_cache(tmp_path / "c", arrays)
     cache = fmt.PreparedCache(tmp_path / "c")
     assert len(cache) == 3
     for i, item in enumerate(arrays):
         entries = {e.key: e for e in cache.entries(i)}
-        assert set(entries) == {"image", "label"}
+        assert set(entries) == {"image", "label", "crops/0"}
+        flat = fmt.flatten(item)
         for k, e in entries.items():
             assert e.offset % fmt.ALIGN == 0
             raw = np.fromfile(e.shard, dtype=np.uint8, count=e.nbytes, offset=e.offset)
             fmt.check(e, raw)
-            assert np.array_equal(raw.view(e.dtype).reshape(e.shape), item[k])
+            assert np.array_equal(raw.view(e.dtype).reshape(e.shape), flat[k])
         assert cache.meta(i)["source"] == {"i": i}
-    assert (tmp_path / "c" / fmt.SHARD_DIR / "s0.bin").stat().st_size % fmt.ALIGN == 0
+    assert (tmp_path / "c" / fmt.SHARD_DIR / "shard-000000.bin").stat().st_size % fmt.ALIGN == 0
 
 
 def test_checksum_mismatch(tmp_path: Path) -> None:
