@@ -1,0 +1,1 @@
+"""Example transform chains for `prep cache --pipeline` (a PIPELINE.py and its bundle-config twin)."""
