@@ -1,0 +1,166 @@
+"""O_DIRECT reads into aligned host buffers, bypassing the page cache, with many requests in flight.
+
+Cold data is bound by how many requests the device sees at once, so every request is split into
+`chunk`-sized aligned pieces and all pieces of a batch go to the thread pool together: even one large
+read keeps `threads` requests in flight.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loaders.backends.base import Backend, FdCache, ReadRequest, aligned_empty, pread_full, short_read
+from loaders.errors import BackendError
+from loaders.format import ALIGN
+
+log = logging.getLogger(__name__)
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _as_bytes(buf: Any) -> np.ndarray:
+    """A writable 1-D uint8 view of a caller's buffer (numpy array or anything with the buffer protocol)."""
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise BackendError("direct: buffers must be C-contiguous; pass a contiguous array")
+    return arr.reshape(-1).view(np.uint8)
+
+
+@dataclass
+class _Job:
+    """One request mapped onto an aligned target: `target[skip : skip + nbytes]` receives the bytes."""
+
+    req: ReadRequest
+    target: np.ndarray  # aligned memory that the aligned file range [start, end) is read into
+    start: int  # aligned file offset of target[0]
+    end: int  # aligned end of the covering range
+    copy_to: np.ndarray | None  # caller's buffer when target is a bounce buffer
+    skip: int = 0
+
+
+class DirectBackend(Backend):
+    """O_DIRECT `pread` into 4 KiB-aligned buffers; the cold-data path on CPU.
+
+    Unaligned offsets and lengths read the covering aligned range (into a bounce buffer, or into a larger
+    buffer whose view is returned by `read`). A read may end short only at end of file. A file whose
+    filesystem refuses O_DIRECT (EINVAL at open or at the first read) falls back to buffered reads for
+    that file, logged once per file as a warning: the data are still correct, only not page-cache-free.
+    """
+
+    name = "direct"
+
+    def __init__(self, threads: int = 16, chunk: int = 1 << 20) -> None:
+        if not _O_DIRECT:
+            raise BackendError("direct: this platform has no O_DIRECT; use backend='posix'")
+        if chunk <= 0 or chunk % ALIGN:
+            raise BackendError(f"direct: chunk={chunk} must be a positive multiple of {ALIGN}")
+        super().__init__(threads)
+        self.chunk = chunk
+        self._init_fds()
+
+    def _init_fds(self) -> None:
+        self._direct = FdCache(os.O_RDONLY | _O_DIRECT)
+        self._buffered = FdCache(os.O_RDONLY)
+        self._fallback: set[str] = set()
+
+    def _fall_back(self, path: str, why: str) -> None:
+        if path not in self._fallback:
+            self._fallback.add(path)
+            log.warning("%s: O_DIRECT refused (%s); reading this file buffered", path, why)
+
+    def _fd(self, path: str) -> tuple[int, bool]:
+        """(descriptor, is_direct) for `path`."""
+        if path not in self._fallback:
+            try:
+                return self._direct.get(path), True
+            except BackendError as exc:
+                cause = exc.__cause__
+                if not (isinstance(cause, OSError) and cause.errno == errno.EINVAL):
+                    raise
+                self._fall_back(path, "open")
+        return self._buffered.get(path), False
+
+    def _piece(self, path: str, view: memoryview, offset: int) -> int:
+        """Read one aligned piece; returns bytes read (short only at end of file)."""
+        fd, direct = self._fd(path)
+        if not direct:
+            return pread_full(fd, view, offset, path)
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise BackendError(f"{path}: read failed at offset {offset + done} ({exc.strerror})") from exc
+                self._fall_back(path, "read")
+                return done + pread_full(self._buffered.get(path), view[done:], offset + done, path)
+            if n == 0 or n % ALIGN:  # an unaligned count means end of file; the next pread would be EINVAL
+                return done + n
+            done += n
+        return done
+
+    def _plan(self, req: ReadRequest, buf: Any | None) -> _Job:
+        start = req.offset - req.offset % ALIGN
+        end = -(-(req.offset + req.nbytes) // ALIGN) * ALIGN
+        skip = req.offset - start
+        if buf is None:
+            return _Job(req, aligned_empty(end - start), start, end, None, skip)
+        out = _as_bytes(buf)
+        if len(out) < req.nbytes:
+            raise BackendError(f"{req.path}: buffer of {len(out)} bytes is smaller than the read ({req.nbytes})")
+        if skip == 0 and out.ctypes.data % ALIGN == 0 and len(out) >= end - start:
+            return _Job(req, out, start, end, None)
+        return _Job(req, aligned_empty(end - start), start, end, out, skip)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        pieces = [(job, off) for job in jobs for off in range(job.start, job.end, self.chunk)]
+
+        def one(job: _Job, off: int) -> int:
+            n = min(self.chunk, job.end - off)
+            view = job.target.data[off - job.start : off - job.start + n]
+            return self._piece(job.req.path, view, off)
+
+        if len(pieces) == 1 or self.threads <= 1:
+            got = [one(j, o) for j, o in pieces]
+        else:
+            futs: list[Future[int]] = [self.pool.submit(one, j, o) for j, o in pieces]
+            got = [f.result() for f in futs]
+        for (job, off), n in zip(pieces, got):
+            need = min(off + self.chunk, job.req.offset + job.req.nbytes) - off
+            if n < need:
+                raise short_read(job.req, max(0, off + n - job.req.offset))
+        for job in jobs:
+            if job.copy_to is not None:
+                job.copy_to[: job.req.nbytes] = job.target[job.skip : job.skip + job.req.nbytes]
+
+    def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        self._run([self._plan(r, b) for r, b in zip(requests, buffers)])
+
+    def read(self, requests: Sequence[ReadRequest]) -> list[Any]:
+        """Read into new aligned buffers covering each request; returns views trimmed to each request."""
+        jobs = [self._plan(r, None) for r in requests]
+        self._run(jobs)
+        return [j.target[j.skip : j.skip + j.req.nbytes] for j in jobs]
+
+    def close(self) -> None:
+        super().close()
+        self._direct.close()
+        self._buffered.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for key in ("_direct", "_buffered", "_fallback"):  # descriptors do not travel; reopened there
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_fds()

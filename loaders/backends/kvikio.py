@@ -1,0 +1,180 @@
+"""kvikio `CuFile.pread` straight into GPU memory: GPUDirect Storage where present, kvikio's POSIX
+compat mode (its own thread pool reading through a pinned bounce buffer) otherwise.
+
+Needs an NVIDIA GPU, kvikio and cupy or torch: `pip install 'blockprep[gpu]'`. kvikio's thread count,
+task size and compat mode are process-wide settings; building a backend sets them for the process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from loaders._deps import require
+from loaders.backends.base import Backend, ReadRequest, short_read
+from loaders.errors import BackendError, MissingDependencyError
+
+_INSTALL = "pip install 'blockprep[gpu]'"
+
+
+def _device_index(device: str) -> int:
+    kind, _, idx = device.partition(":")
+    if kind != "cuda" or (idx and not idx.isdigit()):
+        raise BackendError(f"kvikio: device '{device}' is not a CUDA device; use device='cuda:N'")
+    return int(idx or 0)
+
+
+def _configure(kvikio: ModuleType, threads: int, task_size: int, compat: bool | None) -> None:
+    """Set kvikio's process-wide settings through its current API (`defaults.set`, kvikio >= 25.02),
+    or the older `*_reset` functions."""
+    d = kvikio.defaults
+    if hasattr(d, "set") and hasattr(d, "get"):
+        d.set({"num_threads": threads, "task_size": task_size})
+        if compat is not None:
+            d.set("compat_mode", kvikio.CompatMode.ON if compat else kvikio.CompatMode.OFF)
+    else:
+        d.num_threads_reset(threads)
+        d.task_size_reset(task_size)
+        if compat is not None:
+            d.compat_mode_reset(compat)
+
+
+def compat_mode_active(kvikio: ModuleType) -> bool:
+    """True when kvikio reads through its POSIX compat mode (no GDS) in this process."""
+    d = kvikio.defaults
+    if hasattr(d, "is_compat_mode_preferred"):
+        return bool(d.is_compat_mode_preferred())
+    return bool(d.compat_mode())
+
+
+class KvikioBackend(Backend):
+    """`kvikio.CuFile(path).pread` into device buffers, every request of a batch in flight at once.
+
+    Buffers are cupy arrays (or torch CUDA uint8 tensors with `array="torch"`, or when cupy is
+    missing); `read_into` accepts any CUDA array with `__cuda_array_interface__`. `mode` says whether
+    reads go through GDS ("gds") or kvikio's compat mode ("compat").
+    """
+
+    name = "kvikio"
+    gpu = True
+
+    def __init__(
+        self,
+        device: str = "cuda:0",
+        threads: int = 16,
+        task_size: int = 4 << 20,
+        compat: bool | None = None,
+        array: str = "auto",
+    ) -> None:
+        super().__init__(threads)
+        self.device = device
+        self.index = _device_index(device)
+        self.task_size = task_size
+        self.compat = compat
+        self._kvikio = require("kvikio", "the kvikio backend")
+        self.array = self._pick_array(array)
+        self._check_gpu()
+        _configure(self._kvikio, threads, task_size, compat)
+        self.mode = "compat" if compat_mode_active(self._kvikio) else "gds"
+        self._files: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _pick_array(self, array: str) -> str:
+        if array not in ("auto", "cupy", "torch"):
+            raise BackendError(f"kvikio: array='{array}' is not one of auto, cupy, torch")
+        if array in ("auto", "cupy"):
+            try:
+                require("cupy", "kvikio device buffers")
+                return "cupy"
+            except MissingDependencyError:
+                if array == "cupy":
+                    raise
+        require("torch", "kvikio device buffers")
+        return "torch"
+
+    def _check_gpu(self) -> None:
+        try:
+            if self.array == "cupy":
+                import cupy
+
+                count = cupy.cuda.runtime.getDeviceCount()
+            else:
+                import torch
+
+                count = torch.cuda.device_count()
+        except Exception as exc:  # cupy raises its CUDARuntimeError when there is no driver
+            raise BackendError(f"kvikio: no usable CUDA GPU ({exc}); use backend='posix' or {_INSTALL}") from exc
+        if self.index >= count:
+            raise BackendError(f"kvikio: {self.device} not present ({count} CUDA devices); use backend='posix'")
+
+    def allocate(self, nbytes: int) -> Any:
+        """A uint8 device buffer of `nbytes` on this backend's GPU."""
+        if self.array == "cupy":
+            import cupy
+
+            with cupy.cuda.Device(self.index):
+                return cupy.empty(max(nbytes, 1), dtype=cupy.uint8)
+        import torch
+
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+
+    def _file(self, path: str) -> Any:
+        with self._lock:
+            f = self._files.get(path)
+            if f is not None:
+                self._files.move_to_end(path)
+                return f
+            try:
+                f = self._kvikio.CuFile(path, "r")
+            except (OSError, RuntimeError) as exc:
+                raise BackendError(f"{path}: cannot open ({exc}); check the path and permissions") from exc
+            self._files[path] = f
+            while len(self._files) > 256:
+                self._files.popitem(last=False)[1].close()
+            return f
+
+    def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        futures = []
+        for req, buf in zip(requests, buffers):
+            if len(buf) < req.nbytes:
+                raise BackendError(f"{req.path}: buffer of {len(buf)} bytes is smaller than the read ({req.nbytes})")
+            fut = self._file(req.path).pread(buf[: req.nbytes], req.nbytes, req.offset, self.task_size)
+            futures.append((req, fut))
+        errors = []
+        for req, fut in futures:  # wait for all before raising, so no read still writes into freed buffers
+            try:
+                got = fut.get()
+            except (OSError, RuntimeError) as exc:  # kvikio raises at an unexpected end of file
+                size = os.path.getsize(req.path)
+                if req.offset + req.nbytes > size:
+                    errors.append(short_read(req, max(0, size - req.offset)))
+                else:
+                    errors.append(BackendError(f"{req.path}: read failed at offset {req.offset} ({exc})"))
+                continue
+            if got < req.nbytes:
+                errors.append(short_read(req, got))
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_kvikio"] = None
+        state["_files"] = OrderedDict()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._kvikio = require("kvikio", "the kvikio backend")
+        self._lock = threading.Lock()
