@@ -1,0 +1,185 @@
+"""Read files through a block map from the raw block device (or the loop image file standing in for it).
+
+Each request (file path or key, offset, nbytes) becomes device segments (`BlockMap.segments`); data
+segments are read with O_DIRECT into aligned buffers (the covering aligned range, then sliced when the
+file offset is unaligned), holes are zero-filled, many requests in flight on the thread pool. Entries that
+must not be read raw (inline, unwritten, ... extents) or that changed since mapping are read through the
+filesystem instead, with one warning per file, unless `fallback=False`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from loaders.backends.base import Backend, FdCache, ReadRequest, aligned_empty, pread_full, short_read
+from loaders.bmap import BlockMap, RawSource
+from loaders.errors import BackendError
+from loaders.format import ALIGN
+
+
+class RawDevice:
+    """An O_DIRECT reader of a block device or image file at any byte offset (buffered where O_DIRECT is refused)."""
+
+    def __init__(self, path: str, align: int = ALIGN) -> None:
+        self.path = path
+        self.align = align
+        self._fd: int | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+        self.direct = True
+
+    def fd(self) -> int:
+        """The descriptor, opened on first use (and again after a fork)."""
+        if self._fd is None or self._pid != os.getpid():
+            with self._lock:
+                if self._fd is None or self._pid != os.getpid():
+                    self._fd = self._open()
+                    self._pid = os.getpid()
+        return self._fd
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # the filesystem holding an image may not do O_DIRECT
+                self.direct = False
+                return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            raise BackendError(
+                f"{self.path}: cannot open for raw reads ({exc.strerror}); run as a user who may read the "
+                "device (root or the disk group), or pass the loop image file"
+            ) from None
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes at `offset`, reading the covering aligned range when unaligned."""
+        n = len(out)
+        if n == 0:
+            return
+        a = self.align
+        lo, hi = offset - offset % a, -(-(offset + n) // a) * a
+        fd = self.fd()
+        if (lo == offset and hi == offset + n and _address(out) % a == 0) or not self.direct:
+            got = pread_full(fd, out, offset, self.path)
+            if got < n:
+                raise BackendError(f"{self.path}: short read at byte {offset} ({got} of {n}); wrong device?")
+            return
+        scratch = aligned_empty(hi - lo, a)
+        got = pread_full(fd, scratch.data, lo, self.path)
+        if got < offset - lo + n:
+            raise BackendError(f"{self.path}: short read at byte {offset} ({got} of {hi - lo}); wrong device?")
+        out[:] = scratch.data[offset - lo : offset - lo + n]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # descriptors and locks do not travel to worker processes: reopened there on first use
+        return {"path": self.path, "align": self.align}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["align"])  # type: ignore[misc]
+
+    def close(self) -> None:
+        """Close the descriptor."""
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class BlockdevBackend(Backend):
+    """Raw block-range reads of mapped files. `bmap` is a BlockMap or a bmap.json path; `device_path` picks the
+    device, its whole disk, or the loop image file (default: the device when readable, else the image)."""
+
+    name = "blockdev"
+
+    def __init__(
+        self,
+        bmap: BlockMap | str | os.PathLike[str],
+        device_path: str | os.PathLike[str] | None = None,
+        threads: int = 16,
+        fallback: bool = True,
+    ) -> None:
+        super().__init__(threads)
+        self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
+        self.source: RawSource = self.bmap.source(device_path)
+        self.fallback = fallback
+        self._raw = RawDevice(self.source.path)
+        self._fs = FdCache(os.O_RDONLY)
+        self._why: dict[str, str | None] = {}  # key -> why it must go through the filesystem (checked once)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _filesystem_reason(self, key: str) -> str | None:
+        why = self._why.get(key, "?")
+        if why == "?":
+            e = self.bmap.entry(key)
+            if not e.raw_readable:
+                why = f"not raw-readable ({e.reason})"
+            else:
+                stale = self.bmap.stale_reason(key)
+                why = f"changed since it was mapped ({stale})" if stale else None
+            self._why[key] = why
+        return why
+
+    def _fs_read(self, key: str, why: str, req: ReadRequest, buf: memoryview) -> None:
+        path = self.bmap.file_path(key)
+        if not self.fallback:
+            raise BackendError(f"{path}: {why}; re-run `prep bmap` or allow fallback=True")
+        with self._lock:
+            first = key not in self._warned
+            self._warned.add(key)
+        if first:
+            warnings.warn(f"{path}: {why}; reading it through the filesystem", RuntimeWarning, stacklevel=4)
+        got = pread_full(self._fs.get(path), buf, req.offset, path)
+        if got < req.nbytes:
+            raise short_read(req, got)
+
+    def _one(self, req: ReadRequest, buf: Any) -> None:
+        key = self.bmap.key_for(req.path)
+        view = memoryview(buf)[: req.nbytes].cast("B")
+        why = self._filesystem_reason(key)
+        if why:
+            self._fs_read(key, why, req, view)
+            return
+        try:
+            segments = self.bmap.segments(key, req.offset, req.nbytes)
+        except ValueError:
+            raise short_read(req, max(0, self.bmap.entry(key).size - req.offset)) from None
+        base = self.source.base
+        for seg in segments:
+            dest = view[seg.file_offset - req.offset : seg.file_offset - req.offset + seg.nbytes]
+            if seg.device_offset is None:
+                dest[:] = bytes(seg.nbytes)  # a hole reads as zeros
+            else:
+                self._raw.read_into(base + seg.device_offset, dest)
+
+    def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        if len(requests) == 1 or self.threads <= 1:
+            for req, buf in zip(requests, buffers):
+                self._one(req, buf)
+            return
+        for fut in [self.pool.submit(self._one, r, b) for r, b in zip(requests, buffers)]:
+            fut.result()
+
+    def close(self) -> None:
+        super().close()
+        self._raw.close()
+        self._fs.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in ("_lock", "_fs"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._fs = FdCache(os.O_RDONLY)

@@ -1,0 +1,150 @@
+"""The Linux FIEMAP ioctl through `fcntl.ioctl`: where a file's bytes lie on its filesystem's device.
+
+Structures follow linux/fiemap.h: a 32-byte `struct fiemap` header followed by `fm_extent_count`
+56-byte `struct fiemap_extent` records. The kernel fills at most that many extents per call, so
+`fiemap` pages, restarting at the end of the last extent returned, until an extent carries
+FIEMAP_EXTENT_LAST (or none are left).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prep.errors import UnsupportedFilesystemError
+
+FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap)
+FIEMAP_MAX_OFFSET = (1 << 64) - 1
+
+FIEMAP_FLAG_SYNC = 0x1  # flush dirty data first, so delayed allocations get real addresses
+FIEMAP_FLAG_XATTR = 0x2
+FIEMAP_FLAG_CACHE = 0x4
+
+# Extent flags (fe_flags), every one the kernel header defines.
+EXTENT_FLAGS: dict[str, int] = {
+    "LAST": 0x1,
+    "UNKNOWN": 0x2,
+    "DELALLOC": 0x4,
+    "ENCODED": 0x8,
+    "DATA_ENCRYPTED": 0x80,
+    "NOT_ALIGNED": 0x100,
+    "DATA_INLINE": 0x200,
+    "DATA_TAIL": 0x400,
+    "UNWRITTEN": 0x800,
+    "MERGED": 0x1000,
+    "SHARED": 0x2000,
+}
+FIEMAP_EXTENT_LAST = EXTENT_FLAGS["LAST"]
+
+# Flags whose extents must never be read from the raw device; the value is the reason recorded.
+UNSAFE_FLAGS: dict[int, str] = {
+    EXTENT_FLAGS["UNKNOWN"]: "unknown",
+    EXTENT_FLAGS["DELALLOC"]: "delalloc",
+    EXTENT_FLAGS["ENCODED"]: "encoded",
+    EXTENT_FLAGS["DATA_ENCRYPTED"]: "encrypted",
+    EXTENT_FLAGS["NOT_ALIGNED"]: "not_aligned",
+    EXTENT_FLAGS["DATA_INLINE"]: "inline",
+    EXTENT_FLAGS["DATA_TAIL"]: "tail",
+    EXTENT_FLAGS["UNWRITTEN"]: "unwritten",
+}
+# Flags that say nothing against a raw read: LAST, MERGED (the fs merged its own records), SHARED (reflink).
+SAFE_FLAGS = EXTENT_FLAGS["LAST"] | EXTENT_FLAGS["MERGED"] | EXTENT_FLAGS["SHARED"]
+
+_HEADER = struct.Struct("=QQIIII")  # fm_start, fm_length, fm_flags, fm_mapped_extents, fm_extent_count, reserved
+_EXTENT = struct.Struct("=QQQQQIIII")  # logical, physical, length, reserved64[2], flags, reserved[3]
+assert _HEADER.size == 32 and _EXTENT.size == 56
+
+DEFAULT_BATCH = 64  # extents per ioctl: one call covers nearly every file; bigger ones page
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One extent: `length` bytes of the file at `logical` lie at byte `physical` of the filesystem's device."""
+
+    logical: int
+    physical: int
+    length: int
+    flags: int
+
+    @property
+    def flag_names(self) -> list[str]:
+        """Names of the flags set (unknown bits as hex)."""
+        return flag_names(self.flags)
+
+    @property
+    def end(self) -> int:
+        """Logical end (exclusive)."""
+        return self.logical + self.length
+
+
+def flag_names(flags: int) -> list[str]:
+    """Decode fe_flags into names; bits the header does not define appear as '0x...'."""
+    names = [name for name, bit in EXTENT_FLAGS.items() if flags & bit]
+    rest = flags & ~sum(EXTENT_FLAGS.values())
+    if rest:
+        names.append(hex(rest))
+    return names
+
+
+def unsafe_reasons(flags: int) -> list[str]:
+    """Why an extent with these flags must not be read raw ([] when it may). Undefined bits count as unsafe."""
+    reasons = [reason for bit, reason in UNSAFE_FLAGS.items() if flags & bit]
+    rest = flags & ~(SAFE_FLAGS | sum(UNSAFE_FLAGS))
+    if rest:
+        reasons.append(f"flag_{rest:#x}")
+    return reasons
+
+
+def fiemap_fd(fd: int, *, sync: bool = True, batch: int = DEFAULT_BATCH, name: str = "?") -> list[Extent]:
+    """All extents of the open file `fd`, paging until the LAST extent. Raises UnsupportedFilesystemError."""
+    flags = FIEMAP_FLAG_SYNC if sync else 0
+    buf = bytearray(_HEADER.size + batch * _EXTENT.size)
+    extents: list[Extent] = []
+    start = 0
+    while True:
+        _HEADER.pack_into(buf, 0, start, FIEMAP_MAX_OFFSET - start, flags, 0, batch, 0)
+        try:
+            fcntl.ioctl(fd, FS_IOC_FIEMAP, buf, True)  # releases the GIL: worker threads map in parallel
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY):
+                raise UnsupportedFilesystemError(
+                    f"{name}: the filesystem does not support FIEMAP ({exc.strerror}); "
+                    "block maps need ext4, xfs or another FIEMAP filesystem on a block device"
+                ) from exc
+            raise
+        mapped = _HEADER.unpack_from(buf, 0)[3]
+        page = [_EXTENT.unpack_from(buf, _HEADER.size + i * _EXTENT.size) for i in range(mapped)]
+        extents.extend(Extent(e[0], e[1], e[2], e[5]) for e in page)
+        if mapped < batch or not page or page[-1][5] & FIEMAP_EXTENT_LAST:
+            return extents
+        start = page[-1][0] + page[-1][2]
+
+
+def fiemap(path: str | os.PathLike[str], *, sync: bool = True, batch: int = DEFAULT_BATCH) -> list[Extent]:
+    """All extents of the file at `path` (FIEMAP_FLAG_SYNC by default)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return fiemap_fd(fd, sync=sync, batch=batch, name=os.fspath(path))
+    finally:
+        os.close(fd)
+
+
+def merge_adjacent(extents: Iterable[Extent]) -> list[Extent]:
+    """Join extents that continue each other both logically and physically with the same flags (LAST aside).
+
+    Filesystems split long runs into several records (ext4 at 128 MiB); for contiguity they are one range.
+    """
+    out: list[Extent] = []
+    for e in extents:
+        if out:
+            p = out[-1]
+            same = (p.flags & ~FIEMAP_EXTENT_LAST) == (e.flags & ~FIEMAP_EXTENT_LAST)
+            if same and p.end == e.logical and p.physical + p.length == e.physical:
+                out[-1] = Extent(p.logical, p.physical, p.length + e.length, e.flags)
+                continue
+        out.append(e)
+    return out
