@@ -20,6 +20,7 @@ from loaders.errors import BackendError, PrepError
 # name -> "module:Class"; modules import their heavy dependencies only when the class is built
 _REGISTRY: dict[str, str] = {
     "posix": "loaders.backends.posix:PosixBackend",
+    "blockdev": "loaders.backends.blockdev:BlockdevBackend",
     "direct": "loaders.backends.direct:DirectBackend",
     "kvikio": "loaders.backends.kvikio:KvikioBackend",
     "xnvme": "loaders.backends.xnvme:XnvmeBackend",
