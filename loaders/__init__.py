@@ -6,6 +6,9 @@ imported by the functions that use them.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from loaders.backends import ReadRequest, backend_names, get_backend
 from loaders.errors import (
     BackendError,
@@ -21,6 +24,19 @@ from loaders.format import PreparedCache
 
 __version__ = "0.1.0"
 
+# Public names whose modules import torch (or MONAI): resolved on first access, so `import loaders` stays light.
+_LAZY = {
+    "PreparedBatches": "loaders.dataset",
+    "PreparedDataset": "loaders.dataset",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'loaders' has no attribute {name!r}")
+
+
 __all__ = [
     "BackendError",
     "ChecksumError",
@@ -28,7 +44,9 @@ __all__ = [
     "IncompleteCacheError",
     "MissingDependencyError",
     "PrepError",
+    "PreparedBatches",
     "PreparedCache",
+    "PreparedDataset",
     "ReadRequest",
     "SchemaVersionError",
     "StaleError",

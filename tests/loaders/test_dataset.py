@@ -1,0 +1,296 @@
+"""PreparedDataset over a real cache: items, batches, shards, workers, threads, regions and bad input."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders.backends import backend_names, get_backend
+from loaders.errors import BackendError, ChecksumError, IncompleteCacheError, PrepError, SchemaVersionError
+from loaders.format import MANIFEST, write_items
+
+torch = pytest.importorskip("torch")
+from loaders.dataset import PreparedBatches, PreparedDataset  # noqa: E402
+
+CPU_BACKENDS = [n for n in backend_names() if n not in ("kvikio", "blockdev", "xnvme")]
+N = 7
+
+
+def _items() -> tuple[list[dict], list[dict]]:
+    rng = np.random.default_rng(5)
+    items, metas = [], []
+    for i in range(N):
+        items.append(
+            {
+                "image": rng.random((1, 16, 16, 16), dtype=np.float32),  # 16 KiB: zero-copy batches
+                "label": rng.integers(0, 4, (1, 16, 16, 16), dtype=np.uint8),
+                "extra": {"ints": np.arange(i + 3, dtype=np.int64), "flag": np.array(i % 2 == 0)},
+                "crops": [rng.random((5, 7), dtype=np.float64), rng.integers(0, 9, (3,), dtype=np.uint16)],
+            }
+        )
+        affine = np.diag([2.0, 2.0, 3.0, 1.0])
+        affine[:3, 3] = i
+        metas.append(
+            {
+                "source": {"image": f"img{i}.nii.gz"},
+                "meta": {
+                    "image": {"affine": affine, "filename_or_obj": f"img{i}.nii.gz", "pixdim": [1, 2, 2, 3]},
+                    "label": {"affine": affine, "filename_or_obj": f"lab{i}.nii.gz"},
+                },
+            }
+        )
+    return items, metas
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    items, metas = _items()
+    root = tmp_path_factory.mktemp("cache") / "c"
+    write_items(root, items, metas)
+    return root, items
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    try:
+        get_backend(request.param).close()
+    except PrepError as exc:
+        pytest.skip(f"{request.param} unavailable here: {exc}")
+    return str(request.param)
+
+
+def _same(got: object, want: object) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want)
+        for k in want:
+            _same(got[k], want[k])
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _same(g, w)
+    else:
+        array = got.as_tensor().numpy() if hasattr(got, "as_tensor") else got.numpy()  # type: ignore[attr-defined]
+        assert array.dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(array, want)
+
+
+def test_items_round_trip_with_meta(cache: tuple[Path, list[dict]], backend_name: str) -> None:
+    from monai.data import MetaTensor
+
+    root, items = cache
+    ds = PreparedDataset(root, backend=backend_name)
+    assert len(ds) == N and isinstance(ds, torch.utils.data.Dataset)
+    for i in range(N):
+        _same(ds[i], items[i])
+    image = ds[3]["image"]
+    assert isinstance(image, MetaTensor)
+    assert image.meta["filename_or_obj"] == "img3.nii.gz"
+    assert image.affine.dtype == torch.float64
+    np.testing.assert_array_equal(image.affine.numpy()[:3, 3], [3, 3, 3])
+    np.testing.assert_array_equal(image.pixdim, [2, 2, 3])
+    ds.close()
+
+
+def test_plain_tensors_without_monai(cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch) -> None:
+    from loaders import _deps
+
+    root, items = cache
+    off = PreparedDataset(root, backend="posix", meta=False)[0]["image"]
+    assert type(off) is torch.Tensor
+    _deps.has.cache_clear()
+    monkeypatch.setitem(sys.modules, "monai", None)
+    try:
+        item = PreparedDataset(root, backend="posix")[1]
+    finally:
+        _deps.has.cache_clear()
+    assert type(item["label"]) is torch.Tensor
+    _same(item, items[1])
+
+
+def test_keys_subset_and_unknown_key(cache: tuple[Path, list[dict]]) -> None:
+    root, items = cache
+    item = PreparedDataset(root, keys=["label"], backend="posix")[2]
+    assert set(item) == {"label"}
+    with pytest.raises(KeyError, match="not in the cache"):
+        PreparedDataset(root, keys=["nope"])
+
+
+def test_transform_is_applied(cache: tuple[Path, list[dict]]) -> None:
+    root, items = cache
+    ds = PreparedDataset(root, backend="posix", transform=lambda d: {"sum": d["label"].sum()})
+    assert int(ds[4]["sum"]) == int(items[4]["label"].sum())
+
+
+def test_batches_are_zero_copy_views(cache: tuple[Path, list[dict]], backend_name: str) -> None:
+    root, items = cache
+    ds = PreparedDataset(root, backend=backend_name)
+    seen = []
+    for batch in ds.iter_batches(3, prefetch=2):
+        idx = batch["_items"].tolist()
+        seen += idx
+        np.testing.assert_array_equal(batch["image"].numpy(), np.stack([items[i]["image"] for i in idx]))
+        np.testing.assert_array_equal(batch["label"].numpy(), np.stack([items[i]["label"] for i in idx]))
+        if len(idx) > 1:
+            assert isinstance(batch["extra"]["ints"], list)  # ragged: a list, not a stack
+        assert batch["crops"][0].shape == (len(idx), 5, 7)
+        assert batch["_meta"][0]["image"]["filename_or_obj"] == f"img{idx[0]}.nii.gz"
+        # one read buffer: image and label views share its storage
+        assert batch["image"].untyped_storage().data_ptr() == batch["label"].untyped_storage().data_ptr()
+    assert seen == list(range(N))
+    shuffled = [i for b in ds.iter_batches(2, shuffle=True, seed=1, drop_last=True) for i in b["_items"].tolist()]
+    assert len(shuffled) == 6 and len(set(shuffled)) == 6 and shuffled != sorted(shuffled)
+
+
+def test_shard_covers_everything_evenly(cache: tuple[Path, list[dict]]) -> None:
+    root, _ = cache
+    ds = PreparedDataset(root, backend="posix")
+    for contiguous in (False, True):
+        parts = [ds.shard(r, 3, contiguous=contiguous) for r in range(3)]
+        assert {len(p) for p in parts} == {3}
+        assert set(np.concatenate([p.items for p in parts]).tolist()) == set(range(N))
+    uneven = [len(ds.shard(r, 3, even=False)) for r in range(3)]
+    assert sorted(uneven) == [2, 2, 3]
+    part = ds.shard(1, 3)
+    assert part.items.tolist() == [1, 4, 0]  # strided, padded by wrapping around
+    np.testing.assert_array_equal(part[1]["label"].numpy(), ds[4]["label"].numpy())
+    with pytest.raises(ValueError, match="rank 3"):
+        ds.shard(3, 3)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torch_dataloader(cache: tuple[Path, list[dict]], workers: int) -> None:
+    root, items = cache
+    ds = PreparedDataset(root, backend="posix", keys=["image", "label"], meta=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=workers)
+    got = torch.cat([b["label"] for b in loader]).numpy()
+    np.testing.assert_array_equal(got, np.stack([it["label"] for it in items]))
+
+
+def test_batches_split_across_workers(cache: tuple[Path, list[dict]]) -> None:
+    root, _ = cache
+    ds = PreparedDataset(root, backend="posix", keys=["image"], meta=False)
+    batches = PreparedBatches(ds, 2)
+    assert len(batches) == 4
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2)
+    seen = sorted(i for b in loader for i in b["_items"].tolist())
+    assert seen == list(range(N))  # each item exactly once across the two workers
+
+
+def test_monai_thread_dataloader(cache: tuple[Path, list[dict]]) -> None:
+    from monai.data import ThreadDataLoader
+
+    root, items = cache
+    ds = PreparedDataset(root, backend="posix", keys=["image"])
+    loader = ThreadDataLoader(ds, batch_size=4, num_workers=2, use_thread_workers=True)
+    got = torch.cat([b["image"].as_tensor() for b in loader]).numpy()
+    np.testing.assert_array_equal(got, np.stack([it["image"] for it in items]))
+
+
+def test_pickles_without_pool(cache: tuple[Path, list[dict]]) -> None:
+    root, items = cache
+    ds = PreparedDataset(root, backend="posix")
+    ds[0]  # builds the backend and its descriptors
+    copy = pickle.loads(pickle.dumps(ds.shard(0, 2)))
+    _same(copy[1], items[2])
+
+
+def test_region_reads_and_roi(cache: tuple[Path, list[dict]]) -> None:
+    root, items = cache
+    ds = PreparedDataset(root, backend="posix", meta=False)
+    patch = ds.read_region(2, "image", (0, 3, 4, 5), (1, 8, 7, 6))
+    np.testing.assert_array_equal(patch.numpy(), items[2]["image"][:, 3:11, 4:11, 5:11])
+    roi = PreparedDataset(root, keys=["image", "label"], backend="posix", roi=((2, 2, 2), (4, 5, 6)))
+    item = roi[1]
+    np.testing.assert_array_equal(item["label"].as_tensor().numpy(), items[1]["label"][:, 2:6, 2:7, 2:8])
+    assert item["image"].shape == (1, 4, 5, 6)
+
+    def random_patch(i: int, shapes: dict) -> tuple:
+        rng = np.random.default_rng(i)
+        start = [int(rng.integers(0, s - 8 + 1)) for s in shapes["image"][1:]]
+        return start, (8, 8, 8)
+
+    ds2 = PreparedDataset(root, keys=["image", "label"], backend="posix", roi=random_patch, meta=False)
+    item = ds2[5]
+    s = random_patch(5, {"image": (1, 16, 16, 16)})[0]
+    want = items[5]["label"][:, s[0] : s[0] + 8, s[1] : s[1] + 8, s[2] : s[2] + 8]
+    np.testing.assert_array_equal(item["label"].numpy(), want)
+
+
+def _copy_cache(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_checksum_mismatch_names_item_key_and_shard(cache: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    root = _copy_cache(cache[0], tmp_path / "bad")
+    ds = PreparedDataset(root, backend="posix", verify=True)
+    entry = next(e for e in ds.cache.entries(3) if e.key == "label")
+    with open(entry.shard, "r+b") as f:
+        f.seek(entry.offset + 10)
+        old = f.read(1)
+        f.seek(entry.offset + 10)
+        f.write(bytes([old[0] ^ 0xFF]))
+    with pytest.raises(ChecksumError, match=r"shard-000000\.bin: item 3 key 'label'"):
+        ds[3]
+    with pytest.raises(ChecksumError, match="item 3"):
+        next(iter(ds.iter_batches(4)))
+    ds[2]  # other items still read
+    PreparedDataset(root, backend="posix", verify=False)[3]  # unverified reads do not check
+
+
+def test_truncated_shard_names_item(cache: tuple[Path, list[dict]], tmp_path: Path, backend_name: str) -> None:
+    root = _copy_cache(cache[0], tmp_path / "short")
+    ds = PreparedDataset(root, backend=backend_name)
+    last = max(ds.cache.entries(N - 1), key=lambda e: e.offset)  # the last bytes of the shard
+    with open(last.shard, "r+b") as f:
+        f.truncate(last.offset + last.nbytes - 1)
+    with pytest.raises(BackendError, match=rf"shard-000000\.bin: short read for item {N - 1} key '{last.key}'"):
+        ds[N - 1]
+    with pytest.raises(BackendError, match=rf"short read for item {N - 1}"):
+        list(ds.iter_batches(4))
+    ds[0]
+
+
+def test_incomplete_and_future_caches(cache: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    root = _copy_cache(cache[0], tmp_path / "future")
+    doc = json.loads((root / MANIFEST).read_text())
+    doc["schema_version"] = "9.0"
+    (root / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(SchemaVersionError, match="schema version 9.0"):
+        PreparedDataset(root)
+    (root / MANIFEST).unlink()
+    with pytest.raises(IncompleteCacheError, match="manifest.json: missing"):
+        PreparedDataset(root)
+
+
+def test_import_loaders_imports_no_torch() -> None:
+    code = (
+        "import sys, loaders, loaders.dataset, loaders.region, loaders.gpu\n"
+        "bad = [m for m in ('torch', 'monai', 'nvidia.dali') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["posix", "auto"])
+def test_gpu_delivery(cache: tuple[Path, list[dict]], backend: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    root, items = cache
+    ds = PreparedDataset(root, backend=backend, device="cuda:0", verify=True)
+    item = ds[2]
+    assert item["image"].device.type == "cuda"
+    _same({"image": item["image"].cpu()}, {"image": items[2]["image"]})
+    for batch in ds.iter_batches(3, prefetch=2):
+        idx = batch["_items"].tolist()
+        assert batch["label"].is_cuda
+        np.testing.assert_array_equal(batch["label"].cpu().numpy(), np.stack([items[i]["label"] for i in idx]))
