@@ -1,0 +1,90 @@
+"""KvikioBackend: install hints without kvikio; on a GPU (marked `gpu`), bytes read into device memory
+equal the file's bytes, in cupy and torch buffers, with kvikio's settings applied."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loaders.backends import ReadRequest, get_backend
+from loaders.backends.posix import PosixBackend
+from loaders.errors import BackendError, MissingDependencyError, PrepError
+
+
+def test_missing_kvikio_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kvikio", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'blockprep\[gpu\]'"):
+        get_backend("kvikio", device="cuda:0")
+
+
+def test_auto_on_cuda_falls_back_to_posix_without_kvikio(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "kvikio", None)
+    with get_backend("auto", device="cuda:0") as b:
+        assert isinstance(b, PosixBackend)
+
+
+def test_host_device_string_is_refused() -> None:
+    with pytest.raises(BackendError, match="not a CUDA device"):
+        get_backend("kvikio", device="cpu")
+
+
+@pytest.fixture
+def gpu_backend() -> Any:
+    def make(**options: Any) -> Any:
+        try:
+            return get_backend("kvikio", device=options.pop("device", "cuda:0"), **options)
+        except PrepError as exc:
+            pytest.skip(f"kvikio unavailable here: {exc}")
+
+    return make
+
+
+@pytest.fixture
+def payload_file(tmp_path: Path) -> tuple[Path, bytes]:
+    payload = np.random.default_rng(2).integers(0, 256, (9 << 20) + 1234, dtype=np.uint8).tobytes()
+    path = tmp_path / "vol.bin"
+    path.write_bytes(payload)
+    return path, payload
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("array", ["cupy", "torch"])
+def test_reads_into_gpu_memory(gpu_backend: Any, payload_file: tuple[Path, bytes], array: str) -> None:
+    if array == "cupy":
+        pytest.importorskip("cupy")
+    path, payload = payload_file
+    reqs = [ReadRequest(str(path), 0, len(payload)), ReadRequest(str(path), 4096 * 7, 1 << 20)]
+    reqs += [ReadRequest(str(path), 4096 * i + 13, 50_000 + i) for i in range(32)]
+    with gpu_backend(threads=8, task_size=1 << 20, array=array) as b:
+        bufs = b.read(reqs)
+        for r, buf in zip(reqs, bufs):
+            if array == "cupy":
+                assert type(buf).__module__.startswith("cupy") and buf.device.id == 0
+                host = buf.get()
+            else:
+                assert buf.is_cuda
+                host = buf.cpu().numpy()
+            assert host.tobytes() == payload[r.offset : r.offset + r.nbytes]
+
+
+@pytest.mark.gpu
+def test_settings_and_mode_reported(gpu_backend: Any) -> None:
+    with gpu_backend(threads=6, task_size=2 << 20) as b:
+        import kvikio
+
+        assert kvikio.defaults.get("num_threads") == 6
+        assert kvikio.defaults.get("task_size") == 2 << 20
+        assert b.mode == ("compat" if kvikio.defaults.is_compat_mode_preferred() else "gds")
+    with gpu_backend(compat=True) as b:
+        assert b.mode == "compat"
+
+
+@pytest.mark.gpu
+def test_missing_device_index(gpu_backend: Any) -> None:
+    gpu_backend().close()  # skips where kvikio or a GPU is missing
+    with pytest.raises(BackendError, match="not present"):
+        get_backend("kvikio", device="cuda:99")
