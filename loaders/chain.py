@@ -103,7 +103,12 @@ def versions() -> dict[str, str]:
 
     from loaders import __version__
 
-    return {"monai": monai.__version__, "torch": torch.__version__, "numpy": numpy.__version__, "blockprep": __version__}
+    return {
+        "monai": monai.__version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "blockprep": __version__,
+    }
 
 
 def fingerprint(head: Iterable[Any]) -> str:

@@ -100,7 +100,140 @@ def synth_images(
 
 # --- bmap commands (work in prep/bmap.py) ---
 
+bmap_app = typer.Typer(
+    help="Block maps: where every file's bytes lie on the block device (FIEMAP), for raw-device readers.\n\n"
+    "Example: prep bmap --mountpoint /mnt/scratch --output bmap.json --workers 8",
+)
+app.add_typer(bmap_app, name="bmap")
+
+
+@bmap_app.callback(invoke_without_command=True)
+def bmap_map(
+    ctx: typer.Context,
+    mountpoint: Annotated[Path | None, typer.Option(help="Mountpoint of the filesystem to map.")] = None,
+    output: Annotated[Path, typer.Option(help="Where to write the map (temp file + rename).")] = Path("bmap.json"),
+    fmt: Annotated[
+        str, typer.Option("--format", help="full: bmap.json with all extents; seed: flat {key: startblock/endblock}.")
+    ] = "full",
+    workers: Annotated[int, typer.Option(help="Threads mapping files in parallel.")] = 4,
+    include: Annotated[list[str] | None, typer.Option(help="Glob of files to map (repeatable; default all).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="Glob of files or folders to skip (repeatable).")] = None,
+    allow_subdir: Annotated[
+        bool, typer.Option(help="Map a folder that is not itself a mountpoint (keys stay relative to it).")
+    ] = False,
+    checksums: Annotated[bool, typer.Option(help="Also store an xxh3 of every file (reads all data).")] = False,
+) -> None:
+    """Map every regular file under MOUNTPOINT with FIEMAP and write a versioned, checksummed block map.
+
+    Example: prep bmap --mountpoint /mnt/nvme --output bmap.json --exclude '*.tmp' --workers 8
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if mountpoint is None:
+        raise fail("--mountpoint is required (the folder the filesystem is mounted on); see `prep bmap --help`")
+    from prep import bmap
+
+    with progress_bar(None, "bmap", "file") as update:
+        summary = guarded(
+            bmap.build_bmap,
+            mountpoint,
+            output,
+            include=include or (),
+            exclude=exclude or (),
+            workers=workers,
+            fmt=fmt,
+            require_mountpoint=not allow_subdir,
+            progress=update,
+            checksums=checksums,
+        )
+    typer.echo(summary.line())
+    if summary.skipped_path is not None:
+        typer.echo(f"files left out of the seed, with reasons: {summary.skipped_path}")
+
+
+@bmap_app.command("verify")
+def bmap_verify(
+    bmap_path: Annotated[Path, typer.Argument(help="The bmap.json to check.")],
+    device: Annotated[
+        Path | None,
+        typer.Option(help="Read from this device, its whole disk, or the loop image file (default: the mapped one)."),
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Files verified in parallel.")] = 4,
+) -> None:
+    """Read every mapped range from the raw device and compare with the filesystem; exit 1 on any mismatch.
+
+    Example: prep bmap verify bmap.json --device /scratch/images/train.img
+    """
+    from prep import bmap
+
+    with progress_bar(None, "verify", "file") as update:
+        mismatches = guarded(bmap.verify_bmap, bmap_path, device, workers=workers, progress=update)
+    for m in mismatches:
+        typer.echo(f"mismatch: {m}", err=True)
+    if mismatches:
+        raise fail(f"{bmap_path}: {len(mismatches)} mismatch(es); re-run `prep bmap` before raw reads")
+    typer.echo(f"ok: every mapped range in {bmap_path} matches the filesystem")
+
+
 # --- cache and verify commands (work in prep/cache.py) ---
+
+
+@app.command("cache")
+def cache_cmd(
+    datalist: Annotated[Path, typer.Argument(help="Decathlon-style datalist JSON (relative paths: its folder).")],
+    pipeline: Annotated[Path, typer.Option(help="PIPELINE.py with a `transform` Compose, or a bundle config.")],
+    output: Annotated[Path, typer.Option(help="Cache folder to create or resume.")],
+    workers: Annotated[int, typer.Option(help="Local dask worker processes (one thread each).")] = 2,
+    scheduler: Annotated[str | None, typer.Option(help="Use an existing dask cluster: tcp://host:port.")] = None,
+    shard_size: Annotated[int, typer.Option(help="Start a new shard file after this many bytes.")] = 1 << 30,
+    force: Annotated[bool, typer.Option(help="Rebuild a cache made with another pipeline/datalist.")] = False,
+    verify: Annotated[bool, typer.Option(help="Re-read and check every tensor after writing.")] = False,
+    bundle_key: Annotated[str | None, typer.Option(help="Bundle config entry of the chain.")] = None,
+    section: Annotated[list[str] | None, typer.Option(help="Datalist section(s) to prepare.")] = None,
+) -> None:
+    """Run the deterministic head of a MONAI transform chain once, on dask, into a prepared cache.
+
+    Example: prep cache demo/nifti/dataset.json --pipeline workflows/pipelines/spheres.py --output demo/cache
+    """
+    from tqdm import tqdm
+
+    from prep.cache import prepare_cache
+
+    with tqdm(desc="prep cache", unit="item", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None) as bar:
+
+        def progress(advance: int, total: int) -> None:
+            if bar.total != total:
+                bar.reset(total=total)
+            bar.update(advance)
+
+        summary = guarded(
+            prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
+            force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
+            progress=progress,
+        )  # fmt: skip
+    typer.echo("\n".join(summary.lines()))
+    if summary.quarantined:
+        raise fail(f"{len(summary.quarantined)} items quarantined (listed above); the rest is cached")
+    if summary.bad:
+        raise fail(f"{len(summary.bad)} tensors failed verification (listed above)")
+
+
+@app.command("verify")
+def verify_cmd(
+    cache_dir: Annotated[Path, typer.Argument(help="Prepared cache folder (written by `prep cache`).")],
+) -> None:
+    """Re-read every tensor of a prepared cache; check checksum, shape, dtype and shard lengths.
+
+    Example: prep verify demo/cache
+    """
+    from prep.verify import verify_cache
+
+    bad = guarded(verify_cache, cache_dir)
+    for item in bad:
+        typer.echo(f"bad: {item}")
+    if bad:
+        raise fail(f"{cache_dir}: {len(bad)} bad tensors; rebuild with `prep cache --force`")
+    typer.echo(f"{cache_dir}: every tensor verified")
 
 
 def main() -> None:

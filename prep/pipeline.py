@@ -96,7 +96,7 @@ def _load_bundle(path: Path, key: str) -> Any:
     except Exception as exc:  # yaml/json syntax errors of many kinds
         raise UsageError(f"{path}: not a readable bundle config ({type(exc).__name__}: {exc})") from exc
     if key not in parser:
-        top = ", ".join(sorted(str(k) for k in parser.get().keys())) if isinstance(parser.get(), dict) else ""
+        top = ", ".join(sorted(str(k) for k in parser.get())) if isinstance(parser.get(), dict) else ""
         raise UsageError(f"{path}: no entry '{key}' (top-level: {top}); name the chain with --bundle-key")
     try:
         return parser.get_parsed_content(key, instantiate=True)

@@ -1,0 +1,392 @@
+"""`prep cache`: plan items -> dask tasks -> shard files + journals -> index, meta, manifest (committed last).
+
+The run holds CACHE/.lock. Its plan (pipeline fingerprint, datalist hash) is written before any item, so a
+later run knows whether the journals it finds belong to the same preparation (resume) or not (stale).
+Tasks run `prep.worker.run_batch`; the commit turns journals into the layout of `loaders.format`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loaders import chain
+from loaders.format import (
+    BMAP,
+    INDEX,
+    JOURNAL_DIR,
+    MANIFEST,
+    META,
+    META_OFFSETS,
+    SHARD_DIR,
+    align_up,
+    make_rows,
+    write_index,
+    write_manifest,
+    write_meta,
+)
+from prep.errors import PrepError, StaleError, UsageError
+from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
+from prep.pipeline import Pipeline, load_pipeline
+from prep.verify import BadItem, verify_cache
+from prep.worker import TaskSpec, run_batch
+
+DEFAULT_SHARD_SIZE = 1 << 30
+Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
+
+
+@dataclass
+class CacheSummary:
+    """What a `prep cache` run did and what the cache holds."""
+
+    output: Path
+    n_planned: int
+    n_items: int
+    n_new: int
+    n_resumed: int
+    quarantined: list[dict[str, Any]]
+    seconds: float
+    tensor_bytes: int
+    bytes_on_disk: int
+    up_to_date: bool = False
+    bmap: Path | None = None
+    bmap_note: str = ""
+    bad: list[BadItem] = field(default_factory=list)
+
+    @property
+    def items_per_s(self) -> float:
+        """Items prepared per second in this run."""
+        return self.n_new / self.seconds if self.seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        """Human summary, one fact per line."""
+        state = "up to date" if self.up_to_date else f"prepared {self.n_new} items ({self.items_per_s:.1f} items/s)"
+        out = [
+            f"{self.output}: {state}; {self.n_items} of {self.n_planned} datalist items cached"
+            + (f", {self.n_resumed} resumed from the journal" if self.n_resumed else ""),
+            f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
+            f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
+        ]
+        out += [f"  quarantined: {q['path'] or q['entry']}: {q['reason']}" for q in self.quarantined]
+        out += [f"  verify: {b}" for b in self.bad]
+        return out
+
+
+def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> list[tuple[str, dict[str, Any]]]:
+    """(section, entry) pairs of a decathlon datalist; paths resolved against its folder exactly as MONAI does."""
+    from monai.data import load_decathlon_datalist
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: datalist not found; pass a decathlon-style dataset.json")
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: not valid JSON ({exc})") from exc
+    missing = [s for s in sections if s not in doc]
+    if missing:
+        have = ", ".join(k for k, v in doc.items() if isinstance(v, list)) if isinstance(doc, dict) else ""
+        raise UsageError(f"{path}: no section {', '.join(missing)} (lists here: {have}); choose with --section")
+    out = []
+    for section in sections:
+        for entry in load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=section):
+            out.append((section, dict(entry)))
+    return out
+
+
+def datalist_hash(items: list[tuple[str, dict[str, Any]]]) -> str:
+    """sha256 of the resolved entries (what is prepared), independent of formatting of the JSON file."""
+    return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prepare_cache(
+    datalist: str | Path,
+    pipeline: str | Path,
+    output: str | Path,
+    *,
+    workers: int = 2,
+    scheduler: str | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    force: bool = False,
+    verify: bool = False,
+    sections: Sequence[str] = ("training",),
+    bundle_key: str | None = None,
+    processes: bool = True,
+    batch_size: int | None = None,
+    progress: Progress | None = None,
+) -> CacheSummary:
+    """Run the pipeline's deterministic head over the datalist on dask and commit a prepared cache.
+
+    Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
+    unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
+    """
+    t0 = time.perf_counter()
+    if workers < 1 or shard_size < 4096:
+        raise UsageError(f"--workers must be >= 1 and --shard-size >= 4096 (got {workers}, {shard_size})")
+    pipe = load_pipeline(pipeline, bundle_key)
+    items = load_datalist(datalist, sections)
+    root = Path(output)
+    check_output(root)
+    plan = _plan(pipe, Path(datalist), items, sections)
+    with CacheLock(root):
+        manifest = _reconcile(root, plan, force)
+        if manifest is not None:
+            summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
+        else:
+            write_plan(root, plan)
+            before = read_journals(root)
+            todo = [i for i in range(len(items)) if i not in before.finished]
+            spec = TaskSpec(str(root.resolve()), str(pipe.path), pipe.bundle_key, pipe.fingerprint, shard_size,
+                            uuid.uuid4().hex[:8])  # fmt: skip
+            _run_tasks(spec, items, todo, workers, scheduler, processes, batch_size, progress)
+            state = read_journals(root)
+            missing = [i for i in range(len(items)) if i not in state.finished]
+            if missing:
+                raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
+            manifest = _commit(root, plan, pipe, items, state)
+            seconds = time.perf_counter() - t0
+            summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), seconds)
+            summary.bmap, summary.bmap_note = _write_bmap(root)
+        if verify:
+            summary.bad = verify_cache(root)
+    return summary
+
+
+def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]], sections: Sequence[str]) -> dict:
+    return {
+        "fingerprint": pipe.fingerprint,
+        "head": pipe.head_description,
+        "versions": chain.versions(),
+        "datalist": str(datalist.resolve()),
+        "datalist_hash": datalist_hash(items),
+        "n_datalist": len(items),
+        "sections": list(sections),
+        "pipeline": str(pipe.path),
+        "bundle_key": pipe.bundle_key,
+    }
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed between the plan an existing cache was made with and this run's plan."""
+    diffs = []
+    if old.get("fingerprint") != new["fingerprint"]:
+        if old.get("head") != new["head"]:
+            diffs.append(f"pipeline head changed ({old.get('head')} -> {new['head']})")
+        elif old.get("versions") != new["versions"]:
+            diffs.append(f"library versions changed ({old.get('versions')} -> {new['versions']})")
+        else:
+            diffs.append("pipeline head settings changed (same transforms, different configuration)")
+    if old.get("datalist_hash") != new["datalist_hash"]:
+        diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
+    if old.get("sections") != new["sections"]:
+        diffs.append(f"sections changed ({old.get('sections')} -> {new['sections']})")
+    return diffs
+
+
+def _reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] | None:
+    """The existing manifest if the cache is complete and current; else wipe (fresh/force) or keep (resume)."""
+    manifest = _load_json(root / MANIFEST)
+    previous = manifest if manifest is not None else read_plan(root)
+    if previous is None:
+        if force or (root / JOURNAL_DIR).exists() or (root / SHARD_DIR).exists():
+            _wipe(root)  # leftovers without a plan: the run died before any item could be journaled
+        return None
+    diffs = _differences(previous, plan)
+    if diffs and not force:
+        state = "cache" if manifest is not None else "partial cache (interrupted run)"
+        raise StaleError(f"{root}: {'; '.join(diffs)} since this {state} was made; re-run with --force to rebuild")
+    if force or diffs:
+        _wipe(root)
+        return None
+    return manifest
+
+
+def _load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StaleError(f"{path}: unreadable ({exc}); re-run with --force to rebuild the cache") from exc
+    return doc if isinstance(doc, dict) else None
+
+
+def _wipe(root: Path) -> None:
+    """Remove every cache file; the manifest first, so a crash mid-wipe leaves nothing trusted."""
+    for name in (MANIFEST, INDEX, META, META_OFFSETS, BMAP):
+        (root / name).unlink(missing_ok=True)
+    for name in (SHARD_DIR, JOURNAL_DIR):
+        shutil.rmtree(root / name, ignore_errors=True)
+
+
+@contextmanager
+def _client(workers: int, scheduler: str | None, processes: bool) -> Iterator[Any]:
+    from distributed import Client, LocalCluster
+
+    if scheduler:
+        try:
+            client = Client(scheduler, set_as_default=False, timeout="10s")
+        except OSError as exc:
+            raise UsageError(f"cannot reach the dask scheduler at {scheduler} ({exc}); check --scheduler") from exc
+        with client:
+            yield client
+        return
+    with (
+        LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=processes, dashboard_address=None,
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):  # fmt: skip
+        yield client
+
+
+def _batches(todo: list[int], workers: int, batch_size: int | None) -> list[list[int]]:
+    """Split the items to do into tasks: several per worker, so progress is smooth and resume is fine-grained."""
+    if not todo:
+        return []
+    size = batch_size or max(1, min(32, -(-len(todo) // (workers * 4))))
+    return [todo[i : i + size] for i in range(0, len(todo), size)]
+
+
+def _run_tasks(
+    spec: TaskSpec,
+    items: list[tuple[str, dict[str, Any]]],
+    todo: list[int],
+    workers: int,
+    scheduler: str | None,
+    processes: bool,
+    batch_size: int | None,
+    progress: Progress | None,
+) -> None:
+    """Submit one task per batch and wait; ENOSPC and lost workers become one-line PrepErrors."""
+    if progress:
+        progress(0, len(todo))
+    batches = _batches(todo, workers, batch_size)
+    if not batches:
+        return
+    from distributed import as_completed
+
+    with _client(workers, scheduler, processes) as client:
+        futures = [
+            client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], pure=False,
+                          key=f"blockprep-{spec.run_id}-{b}")
+            for b, batch in enumerate(batches)
+        ]  # fmt: skip
+        try:
+            for future in as_completed(futures, loop=client.loop):
+                statuses = future.result()
+                if progress:
+                    progress(len(statuses), len(todo))
+        except OSError as exc:
+            client.cancel(futures)
+            if exc.errno == errno.ENOSPC:
+                raise PrepError(
+                    f"{spec.output}: no space left on the device; finished items are kept: free space and "
+                    "re-run the same command to resume"
+                ) from None
+            raise PrepError(f"{spec.output}: write failed ({exc}); fix it and re-run to resume") from None
+        except PrepError:
+            client.cancel(futures)
+            raise
+        except Exception as exc:
+            client.cancel(futures)
+            if type(exc).__name__ == "KilledWorker":
+                raise PrepError(f"{spec.output}: a dask worker died repeatedly ({exc}); re-run to resume") from None
+            raise
+
+
+def _commit(
+    root: Path, plan: dict[str, Any], pipe: Pipeline, items: list[tuple[str, dict[str, Any]]], state: JournalState
+) -> dict[str, Any]:
+    """Consolidate journals into index.npy + meta.jsonl; write manifest.json last; drop the journals."""
+    order = [i for i in range(len(items)) if i in state.done]
+    records = [state.done[i] for i in order]
+    keys = sorted({t["key"] for r in records for t in r["tensors"]})
+    shards = sorted({r["shard"] for r in records})
+    _trim_shards(root, records, set(shards))
+    key_pos = {k: n for n, k in enumerate(keys)}
+    shard_pos = {s: n for n, s in enumerate(shards)}
+    rows = [
+        {**t, "item": n, "key": key_pos[t["key"]], "shard": shard_pos[r["shard"]]}
+        for n, r in enumerate(records)
+        for t in r["tensors"]
+    ]
+    try:
+        write_index(root, make_rows(rows))
+        write_meta(root, [r["meta"] for r in records])
+        quarantined = [
+            {"item": i, "entry": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
+            for i, q in sorted(state.quarantined.items())
+        ]
+        manifest = {
+            **plan,
+            "tail": pipe.tail_description,
+            "head_length": len(pipe.head),
+            "keys": keys,
+            "shards": shards,
+            "n_items": len(records),
+            "tensor_bytes": sum(int(t["nbytes"]) for r in records for t in r["tensors"]),
+            "quarantined": quarantined,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        write_manifest(root, manifest)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise PrepError(f"{root}: no space left to commit the index; free space and re-run to finish") from None
+        raise
+    shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
+    return json.loads((root / MANIFEST).read_text())
+
+
+def _trim_shards(root: Path, records: list[dict[str, Any]], used: set[str]) -> None:
+    """Cut each shard after its last trusted tensor (a killed writer leaves preallocation); drop orphans."""
+    ends: dict[str, int] = {}
+    for r in records:
+        for t in r["tensors"]:
+            ends[r["shard"]] = max(ends.get(r["shard"], 0), int(t["offset"]) + align_up(int(t["nbytes"])))
+    for shard in used:
+        path = root / shard
+        if path.stat().st_size != ends.get(shard, 0):
+            os.truncate(path, ends.get(shard, 0))
+    for path in (root / SHARD_DIR).glob("*"):
+        if f"{SHARD_DIR}/{path.name}" not in used:
+            path.unlink()
+
+
+def _summary_of(
+    root: Path, manifest: dict[str, Any], n_planned: int, n_new: int, n_resumed: int, seconds: float,
+    up_to_date: bool = False,
+) -> CacheSummary:  # fmt: skip
+    disk = sum((root / s).stat().st_size for s in manifest["shards"])
+    return CacheSummary(
+        output=root, n_planned=n_planned, n_items=int(manifest["n_items"]), n_new=n_new, n_resumed=n_resumed,
+        quarantined=list(manifest.get("quarantined", [])), seconds=seconds,
+        tensor_bytes=int(manifest.get("tensor_bytes", 0)), bytes_on_disk=disk, up_to_date=up_to_date,
+        bmap=root / BMAP if (root / BMAP).exists() else None, bmap_note="" if (root / BMAP).exists() else "absent",
+    )  # fmt: skip
+
+
+def _write_bmap(root: Path) -> tuple[Path | None, str]:
+    """Map the shards with prep.bmap when it is available and the filesystem supports it; else say why."""
+    try:
+        from prep.bmap import build_bmap
+    except ImportError as exc:
+        return None, f"block-map code unavailable ({exc})"
+    try:
+        build_bmap(root, root / BMAP, include=[f"{SHARD_DIR}/*"], require_mountpoint=False)
+    except PrepError as exc:
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return root / BMAP, ""

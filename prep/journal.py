@@ -1,0 +1,171 @@
+"""Crash safety of `prep cache`: the output lock, the run's plan, and the append-only per-writer journals.
+
+A journal line is written only after the item's tensors are fsynced in their shard, and is itself fsynced,
+so every parseable line describes bytes that are on stable storage. A torn last line (kill -9 mid-write)
+is ignored, and a line whose shard bytes are missing is not trusted: that item is simply prepared again.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loaders.format import JOURNAL_DIR, atomic_write_bytes, fsync_dir
+from prep.errors import LockedError, UsageError
+
+LOCK = ".lock"
+PLAN = "plan.json"
+
+
+class CacheLock:
+    """An exclusive fcntl.flock on CACHE/.lock holding the owner's PID; released by the kernel if we die."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.path = Path(cache_dir) / LOCK
+        self._fd = -1
+
+    def acquire(self) -> None:
+        """Take the lock or raise LockedError naming the PID that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LockedError(
+                    f"{self.path.parent}: another `prep cache` (PID {holder}) is writing this cache; "
+                    "wait for it to finish or choose another --output"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: removing it would race with a waiting run)."""
+        if self._fd >= 0:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> CacheLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def read_plan(cache_dir: Path) -> dict[str, Any] | None:
+    """The plan of an earlier (possibly interrupted) run, or None."""
+    path = Path(cache_dir) / JOURNAL_DIR / PLAN
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a torn plan means the run never started work: nothing to protect
+    return doc if isinstance(doc, dict) else None
+
+
+def write_plan(cache_dir: Path, plan: dict[str, Any]) -> None:
+    """Record what this run prepares (fingerprint, datalist hash, ...) before any item is written."""
+    journal = Path(cache_dir) / JOURNAL_DIR
+    journal.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(journal / PLAN, json.dumps(plan, indent=1).encode())
+
+
+class JournalWriter:
+    """Append-only JSON-lines journal of one writer (one task run); each line fsynced."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fsync_dir(self.path.parent)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record as one line and fsync it (O_APPEND: one write call per line)."""
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        done = 0
+        while done < len(line):
+            done += os.write(self._fd, line[done:])
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Close the journal file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> JournalWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class JournalState:
+    """What the journals say is finished: prepared records and quarantined items, by item number."""
+
+    done: dict[int, dict[str, Any]]
+    quarantined: dict[int, dict[str, Any]]
+
+    @property
+    def finished(self) -> set[int]:
+        """Items that need no more work."""
+        return set(self.done) | set(self.quarantined)
+
+
+def read_journals(cache_dir: Path) -> JournalState:
+    """Every trustworthy record of every journal. The first valid record of an item wins."""
+    root = Path(cache_dir)
+    done: dict[int, dict[str, Any]] = {}
+    quarantined: dict[int, dict[str, Any]] = {}
+    shard_sizes: dict[str, int] = {}
+    for path in sorted((root / JOURNAL_DIR).glob("*.jsonl")):
+        for raw in path.read_bytes().splitlines():
+            try:
+                record = json.loads(raw)
+                item = int(record["item"])
+            except (ValueError, KeyError, TypeError):
+                continue  # torn line from a killed writer
+            if item in done or item in quarantined:
+                continue
+            if "quarantined" in record:
+                quarantined[item] = record
+            elif _shard_holds(root, record, shard_sizes):
+                done[item] = record
+    return JournalState(done, quarantined)
+
+
+def _shard_holds(root: Path, record: dict[str, Any], sizes: dict[str, int]) -> bool:
+    shard = str(record.get("shard", ""))
+    if shard not in sizes:
+        try:
+            sizes[shard] = (root / shard).stat().st_size
+        except OSError:
+            sizes[shard] = -1
+    return all(int(t["offset"]) + int(t["nbytes"]) <= sizes[shard] for t in record.get("tensors", []))
+
+
+def check_output(cache_dir: Path) -> None:
+    """Create the output folder; refuse a non-empty folder that is not a blockprep cache."""
+    cache_dir = Path(cache_dir)
+    if not cache_dir.parent.exists():
+        raise UsageError(f"{cache_dir}: parent directory {cache_dir.parent} does not exist; create it first")
+    cache_dir.mkdir(exist_ok=True)
+    ours = {LOCK, JOURNAL_DIR, "shards", "manifest.json", "index.npy", "meta.jsonl", "meta_offsets.npy", "bmap.json"}
+    foreign = [p.name for p in cache_dir.iterdir() if p.name not in ours and not p.name.startswith(".")]
+    if foreign:
+        raise UsageError(
+            f"{cache_dir}: not empty and not a blockprep cache (has {', '.join(sorted(foreign)[:3])}); "
+            "choose an empty or new --output"
+        )

@@ -1,0 +1,90 @@
+"""Input checks run before an item's head: a bad file is quarantined with its path and reason, never cached.
+
+nibabel reads a .nii.gz lazily and may never reach the gzip trailer, so a flipped byte inside the stream can
+load silently; reading the whole stream here makes zlib check the CRC and length.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from loaders.format import dtype_code
+from prep.errors import FormatError
+
+IMAGE_SUFFIXES = (".nii", ".nii.gz", ".nrrd", ".mha", ".mhd", ".npy", ".npz", ".png", ".jpg", ".jpeg", ".tif", ".tiff")
+_CHUNK = 1 << 20
+
+
+def input_paths(entry: Mapping[str, Any]) -> list[str]:
+    """The file paths an item names: string values (or lists of them) that look like image files."""
+    paths: list[str] = []
+    for value in entry.values():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        paths.extend(v for v in values if isinstance(v, str) and v.lower().endswith(IMAGE_SUFFIXES))
+    return paths
+
+
+def check_entry(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(path, reason) of the first bad input file of an item, or None when all look sound."""
+    for path in input_paths(entry):
+        reason = check_file(path)
+        if reason:
+            return path, reason
+    return None
+
+
+def check_file(path: str | os.PathLike[str]) -> str | None:
+    """Why a file cannot be prepared (missing, empty, corrupt/truncated stream, unsupported dtype), or None."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing file"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if size == 0:
+        return "empty file"
+    data_bytes = size
+    if path.name.lower().endswith(".gz"):
+        try:
+            data_bytes = _gzip_length(path)
+        except (OSError, EOFError, zlib.error) as exc:
+            return f"corrupt or truncated gzip stream ({exc})"
+    if path.name.lower().endswith((".nii", ".nii.gz")):
+        return _check_nifti(path, data_bytes)
+    return None
+
+
+def _gzip_length(path: Path) -> int:
+    """Decompress the whole stream (so zlib checks CRC32 and ISIZE); return the decompressed length."""
+    total = 0
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            total += len(chunk)
+    return total
+
+
+def _check_nifti(path: Path, data_bytes: int) -> str | None:
+    import nibabel as nib
+    import numpy as np
+
+    try:
+        image: Any = nib.load(path)
+        header = image.header
+        dtype = np.dtype(header.get_data_dtype())
+        offset = getattr(image.dataobj, "offset", header.get_data_offset())
+        needed = int(offset) + int(np.prod(header.get_data_shape())) * dtype.itemsize
+    except Exception as exc:  # nibabel raises many kinds on a damaged header
+        return f"unreadable NIfTI header ({type(exc).__name__}: {exc})"
+    try:
+        dtype_code(dtype)
+    except FormatError as exc:
+        return f"unsupported dtype: {exc}"
+    if data_bytes < needed:
+        return f"truncated NIfTI: {data_bytes} bytes, header needs {needed}"
+    return None

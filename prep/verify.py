@@ -1,0 +1,83 @@
+"""`prep verify`: re-read every tensor of a committed cache and check it against the index."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loaders.format import DTYPES, PreparedCache, TensorEntry, align_up, checksum
+
+_CHUNK_ITEMS = 4096
+
+
+@dataclass(frozen=True)
+class BadItem:
+    """One tensor that fails verification, with the reason."""
+
+    item: int
+    key: str
+    shard: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"item {self.item} key '{self.key}' in {self.shard}: {self.reason}"
+
+
+def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
+    """Check every tensor's checksum, shape/dtype against its size, and every shard's length; list all failures.
+
+    Raises FormatError/IncompleteCacheError when the cache cannot be opened at all.
+    """
+    cache = PreparedCache(cache_dir)
+    bad: list[BadItem] = []
+    sizes: dict[str, int] = {}
+    for shard in cache.shards:
+        try:
+            sizes[str(shard)] = shard.stat().st_size
+        except OSError as exc:
+            sizes[str(shard)] = -1
+            bad.append(BadItem(-1, "", str(shard), f"shard unreadable ({exc.strerror})"))
+    ends: dict[str, int] = {}
+    fds: dict[str, int] = {}
+    try:
+        for entry in cache.iter_entries():
+            ends[entry.shard] = max(ends.get(entry.shard, 0), entry.offset + align_up(entry.nbytes))
+            reason = _check_entry(entry, sizes.get(entry.shard, -1), fds)
+            if reason:
+                bad.append(BadItem(entry.item, entry.key, Path(entry.shard).name, reason))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for name, end in ends.items():
+        if sizes.get(name, -1) >= 0 and sizes[name] != end:
+            bad.append(BadItem(-1, "", Path(name).name, f"shard is {sizes[name]} bytes, index says {end}"))
+    if len(cache.index) and int(cache.index["item"].max()) >= cache.n_items:
+        bad.append(BadItem(int(cache.index["item"].max()), "", "", "index row beyond the manifest's n_items"))
+    return bad
+
+
+def _check_entry(entry: TensorEntry, shard_size: int, fds: dict[str, int]) -> str | None:
+    """Why one tensor is bad, or None."""
+    if entry.dtype.name not in DTYPES:
+        return f"unknown dtype {entry.dtype}"
+    expected = int(np.prod(entry.shape, dtype=np.int64)) * entry.dtype.itemsize
+    if expected != entry.nbytes:
+        return f"shape {entry.shape} of {entry.dtype} needs {expected} bytes, index says {entry.nbytes}"
+    if entry.offset % 4096:
+        return f"offset {entry.offset} is not 4 KiB-aligned"
+    if shard_size < 0:
+        return "shard missing"
+    if entry.offset + entry.nbytes > shard_size:
+        return f"shard ends at {shard_size}, tensor needs bytes up to {entry.offset + entry.nbytes}"
+    if entry.shard not in fds:
+        fds[entry.shard] = os.open(entry.shard, os.O_RDONLY)
+    data = os.pread(fds[entry.shard], entry.nbytes, entry.offset)
+    if len(data) != entry.nbytes:
+        return f"short read: {len(data)} of {entry.nbytes} bytes"
+    got = checksum(data)
+    if got != entry.xxh3:
+        return f"checksum mismatch (stored {entry.xxh3:016x}, read {got:016x})"
+    return None

@@ -1,0 +1,188 @@
+"""What one dask task of `prep cache` does: run the deterministic head on a batch of items and write them.
+
+Each task run writes its own shard file(s) and its own journal, both named with a fresh token, so a task
+re-run after a crash never overwrites bytes that an earlier journal vouches for. Per item: write the
+tensors, fsync the shard, then append and fsync the journal line.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders.format import JOURNAL_DIR, SHARD_DIR, ShardWriter, dtype_code, flatten, to_jsonable
+from prep.errors import FormatError, StaleError
+from prep.journal import JournalWriter
+from prep.pipeline import Pipeline, load_pipeline
+from prep.quarantine import check_entry, input_paths
+
+_PREALLOC_MAX = 256 << 20
+_lock = threading.Lock()
+_pipelines: dict[tuple[str, str | None], tuple[Pipeline, Any]] = {}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs, picklable: where to write and which pipeline (by path) to run."""
+
+    output: str
+    pipeline: str
+    bundle_key: str | None
+    fingerprint: str
+    shard_size: int
+    run_id: str
+
+
+def _head(spec: TaskSpec) -> Any:
+    """The head Compose, loaded once per worker process; refuses a pipeline that changed since planning."""
+    key = (spec.pipeline, spec.bundle_key)
+    with _lock:
+        if key not in _pipelines:
+            pipe = load_pipeline(spec.pipeline, spec.bundle_key)
+            _pipelines[key] = (pipe, pipe.head_compose())
+        pipe, head = _pipelines[key]
+    if pipe.fingerprint != spec.fingerprint:
+        raise StaleError(
+            f"{spec.pipeline}: the pipeline on this worker differs from the one planned (edited during the run, "
+            "or other library versions on this worker); re-run `prep cache`"
+        )
+    return head
+
+
+def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Head output -> ({flat key: array}, meta line parts: per-key meta, applied operations, plain values)."""
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {}
+    ops: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for key, leaf in flatten(out).items():
+        if hasattr(leaf, "detach"):  # torch.Tensor or MonAI MetaTensor
+            if hasattr(leaf, "meta"):
+                meta[key] = to_jsonable(dict(leaf.meta))
+                jsonable_ops = _strict_jsonable(getattr(leaf, "applied_operations", []))
+                if jsonable_ops is not None:
+                    ops[key] = jsonable_ops
+                leaf = leaf.as_tensor()
+            arrays[key] = np.ascontiguousarray(leaf.detach().cpu().numpy())
+        elif isinstance(leaf, (np.ndarray, np.generic)):
+            arrays[key] = np.ascontiguousarray(leaf)
+        else:
+            values[key] = to_jsonable(leaf)
+    for key, array in arrays.items():
+        try:
+            dtype_code(array.dtype)
+        except FormatError as exc:
+            raise FormatError(f"output '{key}': {exc}") from None
+    parts: dict[str, Any] = {"meta": meta}
+    if ops:
+        parts["applied_operations"] = ops
+    if values:
+        parts["values"] = values
+    return arrays, parts
+
+
+def _strict_jsonable(value: Any) -> Any:
+    """`value` as plain JSON, or None when it holds objects JSON cannot carry faithfully."""
+    try:
+        doc = to_jsonable(value)
+        _reject_strings_of_objects(value)
+        json.dumps(doc)
+    except (TypeError, ValueError):
+        return None
+    return doc
+
+
+def _reject_strings_of_objects(value: Any) -> None:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            _reject_strings_of_objects(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _reject_strings_of_objects(v)
+    elif not (
+        value is None or isinstance(value, (str, int, float, bool, np.ndarray, np.generic)) or hasattr(value, "detach")
+    ):
+        raise TypeError(type(value).__name__)
+
+
+class _Shards:
+    """The shard files of one task run: a new file whenever the current one reaches shard_size."""
+
+    def __init__(self, root: Path, name: str, shard_size: int) -> None:
+        self.root, self.name, self.shard_size = root, name, shard_size
+        self.count = 0
+        self.writer: ShardWriter | None = None
+        self.rel = ""
+
+    def current(self) -> ShardWriter:
+        if self.writer is None or self.writer.size >= self.shard_size:
+            self.close()
+            self.rel = f"{SHARD_DIR}/shard-{self.name}-{self.count:03d}.bin"
+            self.count += 1
+            self.writer = ShardWriter(self.root / self.rel, prealloc=min(self.shard_size, _PREALLOC_MAX))
+        return self.writer
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any], str]]) -> list[dict[str, Any]]:
+    """Prepare (item number, resolved entry, section) triples; returns one small status dict per item."""
+    root = Path(spec.output)
+    head = _head(spec)
+    name = f"{batch:06d}-{spec.run_id}-{uuid.uuid4().hex[:8]}"
+    (root / SHARD_DIR).mkdir(exist_ok=True)
+    shards = _Shards(root, name, spec.shard_size)
+    statuses = []
+    with JournalWriter(root / JOURNAL_DIR / f"{name}.jsonl") as journal:
+        try:
+            for item, entry, section in items:
+                record = _prepare_one(head, shards, item, entry, section)
+                journal.append(record)
+                statuses.append({"item": item, "quarantined": record.get("quarantined")})
+        finally:
+            shards.close()
+    return statuses
+
+
+def _prepare_one(head: Any, shards: _Shards, item: int, entry: dict[str, Any], section: str) -> dict[str, Any]:
+    """Check, transform and write one item; returns its journal record (prepared or quarantined)."""
+    bad = check_entry(entry)
+    if bad:
+        return {"item": item, "quarantined": bad[1], "path": bad[0]}
+    try:
+        arrays, parts = split_output(head(dict(entry)))
+    except Exception as exc:  # any failure of the user's head on this input quarantines the item
+        paths = input_paths(entry)
+        reason = _root_cause(exc)
+        return {"item": item, "quarantined": reason[:500], "path": paths[0] if paths else ""}
+    writer = shards.current()
+    tensors = []
+    for key in sorted(arrays):
+        array = arrays[key]
+        offset, nbytes, xxh3 = writer.write(array)
+        tensors.append(
+            {"key": key, "offset": offset, "nbytes": nbytes, "dtype": array.dtype.name,
+             "shape": list(array.shape), "xxh3": xxh3}
+        )  # fmt: skip
+    writer.sync()
+    line = {"source": entry, "section": section, **parts}
+    return {"item": item, "shard": shards.rel, "tensors": tensors, "meta": line}
+
+
+def _root_cause(exc: BaseException) -> str:
+    """One line for an exception: MONAI wraps errors in "applying transform ..." so show the cause too."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = " ".join(str(root).split())
+    return f"{type(root).__name__}: {text}"[:500]
