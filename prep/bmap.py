@@ -70,9 +70,11 @@ def _matcher(globs: Sequence[str]) -> Callable[[str], bool] | None:
 def walk(
     root: Path, include: Sequence[str] = (), exclude: Sequence[str] = (), skip: str | None = None
 ) -> Iterator[str]:
-    """Relative paths of the regular files under `root` (symlinks not followed), filtered by globs that match
-    the relative path or the file name; a directory that cannot be listed raises UsageError."""
+    """Relative paths of the regular files under `root` (symlinks not followed, other filesystems mounted
+    inside not entered), filtered by globs that match the relative path or the file name; a directory that
+    cannot be listed raises UsageError."""
     inc, exc = _matcher(include), _matcher(exclude)
+    root_dev = os.stat(root).st_dev
     stack = [""]
     while stack:
         rel_dir = stack.pop()
@@ -81,14 +83,19 @@ def walk(
             with os.scandir(full) as it:
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as err:
+            if os.path.basename(full) == "lost+found":  # fsck's root-only folder on ext4: never data
+                continue
             raise UsageError(f"{full}: cannot list ({err.strerror}); fix its permissions or --exclude it") from None
-        for entry in reversed(entries):  # the stack pops in name order
+        subdirs = []
+        for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_dir(follow_symlinks=False):
-                if not (exc and exc(rel)):
-                    stack.append(rel)
+                # another filesystem mounted here has its own device: its addresses would be wrong in this map
+                if not (exc and exc(rel)) and entry.stat(follow_symlinks=False).st_dev == root_dev:
+                    subdirs.append(rel)
             elif entry.is_file(follow_symlinks=False) and rel != skip and _selected(rel, inc, exc):
                 yield rel
+        stack.extend(reversed(subdirs))  # popped in name order: keys come out sorted depth-first
 
 
 def _selected(rel: str, inc: Callable[[str], bool] | None, exc: Callable[[str], bool] | None) -> bool:
@@ -102,7 +109,9 @@ def classify(extents: Sequence[Extent], size: int) -> str | None:
     return ",".join(reasons) or None
 
 
-def _map_batch(root: str, rels: list[str], checksums: bool) -> list[tuple[str, dict[str, Any] | None, str | None]]:
+def _map_batch(
+    root: str, rels: list[str], checksums: bool, root_dev: int
+) -> list[tuple[str, dict[str, Any] | None, str | None]]:
     out: list[tuple[str, dict[str, Any] | None, str | None]] = []
     for rel in rels:
         path = f"{root}/{rel}"
@@ -113,7 +122,7 @@ def _map_batch(root: str, rels: list[str], checksums: bool) -> list[tuple[str, d
             continue
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != root_dev:  # replaced since listed, or a bind mount
                 continue
             extents = fiemap_fd(fd, name=path)
             rec: dict[str, Any] = {
@@ -158,10 +167,11 @@ def map_tree(
     files: dict[str, dict[str, Any]] = {}
     denied: list[tuple[str, str]] = []
     root_s = os.fspath(root)
+    root_dev = os.stat(root).st_dev
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="bmap") as pool:
         pending = []
         for batch in _batches(walk(root, include, exclude, skip), _BATCH):
-            pending.append(pool.submit(_map_batch, root_s, batch, checksums))
+            pending.append(pool.submit(_map_batch, root_s, batch, checksums, root_dev))
             if len(pending) >= 4 * workers:  # bounded queue: the walk does not run far ahead of the mapping
                 _collect(pending.pop(0).result(), files, denied, progress)
         for fut in pending:

@@ -90,9 +90,23 @@ def flag_names(flags: int) -> list[str]:
     return names
 
 
+# The kernel sets a general flag together with the specific one (linux/fiemap.h): report the specific one.
+_IMPLIES = {
+    EXTENT_FLAGS["DELALLOC"]: EXTENT_FLAGS["UNKNOWN"],
+    EXTENT_FLAGS["DATA_ENCRYPTED"]: EXTENT_FLAGS["ENCODED"],
+    EXTENT_FLAGS["DATA_INLINE"]: EXTENT_FLAGS["NOT_ALIGNED"],
+    EXTENT_FLAGS["DATA_TAIL"]: EXTENT_FLAGS["NOT_ALIGNED"],
+}
+
+
 def unsafe_reasons(flags: int) -> list[str]:
-    """Why an extent with these flags must not be read raw ([] when it may). Undefined bits count as unsafe."""
-    reasons = [reason for bit, reason in UNSAFE_FLAGS.items() if flags & bit]
+    """Why an extent with these flags must not be read raw ([] when it may), the specific reason rather than
+    the general flag the kernel sets with it (inline, not inline+not_aligned). Undefined bits count as unsafe."""
+    shown = flags
+    for specific, general in _IMPLIES.items():
+        if flags & specific:
+            shown &= ~general
+    reasons = [reason for bit, reason in UNSAFE_FLAGS.items() if shown & bit]
     rest = flags & ~(SAFE_FLAGS | sum(UNSAFE_FLAGS))
     if rest:
         reasons.append(f"flag_{rest:#x}")
