@@ -1,0 +1,143 @@
+"""Smoke tests of the benchmark (so it cannot rot) and tests of its pure parts; no timing is asserted."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workflows import benchmark
+from workflows.bench import ceilings, report
+from workflows.bench.core import Options, Result, Unavailable, cycle, evict, nbytes_of
+
+PIPELINE = Path(benchmark.__file__).parent / "pipelines" / "spheres.py"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, nifti_dataset: Path, image_tree: Path) -> Path:
+    """A demo-layout folder (nifti/, images/train, cache/) over the shared synthetic fixtures."""
+    from prep.cache import prepare_cache
+
+    root = tmp_path_factory.mktemp("demo")
+    (root / "nifti").symlink_to(nifti_dataset.parent)
+    (root / "images").mkdir()
+    (root / "images" / "train").symlink_to(image_tree)
+    prepare_cache(nifti_dataset, PIPELINE, root / "cache", workers=1, processes=False)
+    return root
+
+
+def _rows(out: Path) -> dict[str, dict[str, str]]:
+    with open(out / "bench.csv") as f:
+        return {r["name"]: r for r in csv.DictReader(f)}
+
+
+def test_all_runs_every_way_that_applies(demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    status = benchmark.main(["all", "--data", str(demo), "--batchsize", "2", "--batches", "2", "--warm",
+                             "--out", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert status == 0, text
+    rows = _rows(out)
+    for name in ("blockprep prepared (posix)", "blockprep prepared (direct)", report.PERSISTENT,
+                 "monai Dataset (NIfTI + head)", "monai CacheDataset", "dali readers.numpy (.npy)",
+                 "dali readers.file", "python-file external_source", "ceiling np.fromfile (warm)"):  # fmt: skip
+        assert name in rows, text
+    # every way read the same volumes: the same delivered bytes, 4 items each
+    volumes = {n: r for n, r in rows.items() if r["data"] == "volumes" and r["kind"] != "ceiling"}
+    assert len({r["nbytes"] for r in volumes.values()}) == 1, volumes
+    assert {r["items"] for r in rows.values()} == {"4"}
+    assert float(rows[report.PERSISTENT]["x_persistent"]) == pytest.approx(1.0)
+    assert float(rows["ceiling np.fromfile (warm)"]["x_ceiling"]) == pytest.approx(1.0)
+    # ways that cannot run on a CPU-only machine say so in one line each, and the run went on
+    assert text.count("unavailable: gds-dataset:") == 1
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["environment"]["mode"] == "warm" and "gds-dataset" in doc["unavailable"]
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    header = next(line for line in text.splitlines() if line.startswith("name"))
+    assert "items/s" in header and "GB/s" in header and "x ceiling" in header and "x PersistentDataset" in header
+
+
+def test_single_way_cold_reports_its_ceiling(demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = benchmark.main(["prepared", "--cache", str(demo / "cache"), "--backend", "posix", "--cold",
+                             "--batchsize", "3", "--batches", "2", "--out", str(tmp_path)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert status == 0, text
+    rows = _rows(tmp_path)
+    shards = len(list((demo / "cache" / "shards").iterdir()))
+    assert rows["blockprep prepared (posix)"]["note"].startswith(f"fadvise({shards} files)")
+    assert rows["ceiling O_DIRECT x16"]["x_ceiling"] == "1.0"
+    assert int(rows["blockprep prepared (posix)"]["items"]) == 6
+
+
+def test_unavailable_way_prints_one_line_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = benchmark.main(["gds-dataset", "--datalist", str(tmp_path / "x.json"), "--out", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "unavailable: gds-dataset" in line]
+    assert status == 1 and len(lines) == 1 and "cuda" in lines[0]
+
+
+def test_research_readers_deliver_decoded_images(image_tree: Path, tmp_path: Path) -> None:
+    from workflows.bench import research
+
+    opts = Options(batchsize=5, batches=3, cold=False, work=tmp_path)
+    files, labels = research.tree_files(image_tree)
+    assert labels == sorted(labels) and len(set(labels)) == 3
+    dali = research.dali_file(image_tree, opts)
+    python = research.python_file(image_tree, opts)
+    assert dali.nbytes == python.nbytes == 15 * 32 * 32 * 3  # 15 decoded 32x32 RGB images each
+    with pytest.raises(Unavailable, match="no such folder"):
+        research.tree_files(tmp_path / "missing")
+
+
+def test_dali_numpy_reads_the_cache_exports(demo: Path, tmp_path: Path) -> None:
+    from loaders.format import PreparedCache
+    from workflows.bench import peers
+
+    npy = peers.export_npy(demo / "cache", tmp_path / "npy")
+    cache = PreparedCache(demo / "cache")
+    first = cache.entries(0)[0]
+    assert np.load(npy[first.key][0]).shape == first.shape
+    result = peers.dali_numpy(npy, Options(batchsize=2, batches=3, cold=False, work=tmp_path))
+    assert result.nbytes == sum(e.nbytes for i in range(6) for e in cache.entries(i))
+
+
+def test_ceilings_read_exactly_the_tensor_bytes(demo: Path) -> None:
+    items = ceilings.cache_items(demo / "cache")
+    opts = Options(batchsize=3, batches=2, cold=True)
+    direct = ceilings.direct(items, opts, "volumes")
+    warm = ceilings.fromfile(items, opts, "volumes")
+    assert direct.nbytes == warm.nbytes == sum(s.nbytes for item in items for s in item)
+    with pytest.raises(Unavailable, match="cuda"):
+        ceilings.kvikio_bulk(items, opts, "volumes")
+
+
+def test_ratios_pick_the_ceiling_of_the_mode_and_data() -> None:
+    results = [
+        Result("ceiling O_DIRECT x16", "volumes", 10, 1.0, 100, "ceiling"),
+        Result("ceiling np.fromfile (warm)", "volumes", 10, 0.1, 100, "ceiling"),
+        Result(report.PERSISTENT, "volumes", 10, 4.0, 100),
+        Result("ours", "volumes", 10, 2.0, 100, "ours"),
+        Result("dali readers.file", "images", 10, 1.0, 5, "research"),
+    ]
+    cold = {r["name"]: r for r in report.ratios(results, cold=True)}
+    warm = {r["name"]: r for r in report.ratios(results, cold=False)}
+    assert cold["ours"]["x_ceiling"] == pytest.approx(0.5) and warm["ours"]["x_ceiling"] == pytest.approx(0.05)
+    assert cold["ours"]["x_persistent"] == pytest.approx(2.0)
+    assert cold["dali readers.file"]["x_ceiling"] is None and cold["dali readers.file"]["x_persistent"] is None
+    text = report.table(report.ratios(results, cold=True), [("xnvme-bam", "no GPU")])
+    assert text.splitlines()[-1] == "unavailable here: xnvme-bam"
+
+
+def test_helpers(tmp_path: Path) -> None:
+    import torch
+
+    batch = {"image": torch.zeros(2, 3, dtype=torch.float32), "_items": torch.arange(2), "x": [np.zeros(4, np.uint8)]}
+    assert nbytes_of(batch) == 2 * 3 * 4 + 4
+    assert cycle(3, 7) == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(Unavailable):
+        cycle(0, 1)
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"x" * 8192)
+    assert evict([f, tmp_path / "missing"], drop_caches=False) == "fadvise(1 files)"

@@ -1,0 +1,178 @@
+"""The benchmark harness: options, results, timing, page-cache eviction.
+
+Every way of loading is a function `(Options, args) -> Result` that raises `Unavailable` with a one-line
+reason when it cannot run on this machine (no GPU, no libxnvme, missing package). The harness times a
+fixed number of batches; bytes are the tensor (or file) bytes each way delivers, so GB/s compare
+like with like.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class Unavailable(Exception):  # noqa: N818  (a state, not an error: the run goes on)
+    """This way of loading cannot run here; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every subcommand shares."""
+
+    batchsize: int = 4
+    batches: int = 4
+    cold: bool = True
+    device: str = "cpu"
+    workers: int = 0
+    out: Path | None = None
+    work: Path = Path("bench_out/work")  # scratch for exports and peer caches
+
+    @property
+    def items(self) -> int:
+        """Items each way delivers in its timed pass."""
+        return self.batchsize * self.batches
+
+    @property
+    def gpu(self) -> bool:
+        """True when the destination is a CUDA device."""
+        return self.device.startswith("cuda")
+
+
+@dataclass
+class Result:
+    """One row of the table."""
+
+    name: str
+    data: str  # which data set the way read ("volumes", "images"): ratios compare within a data set
+    items: int
+    seconds: float
+    nbytes: int
+    kind: str = "peer"  # "ours", "peer", "research", "ceiling"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def items_per_s(self) -> float:
+        """Items delivered per second."""
+        return self.items / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def gb_per_s(self) -> float:
+        """Delivered gigabytes (1e9 bytes) per second."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict with the derived rates, for CSV/JSON."""
+        d = asdict(self)
+        d["items_per_s"] = self.items_per_s
+        d["gb_per_s"] = self.gb_per_s
+        return d
+
+
+def nbytes_of(obj: Any) -> int:
+    """Bytes of every array-like leaf of a (nested) batch: numpy, torch (CPU or GPU), DALI TensorList."""
+    if isinstance(obj, dict):  # "_items", "_meta": bookkeeping, not data
+        return sum(nbytes_of(v) for k, v in obj.items() if not str(k).startswith("_"))
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes_of(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):  # torch.Tensor without importing torch
+        return int(obj.element_size() * obj.numel())
+    if hasattr(obj, "as_array") or hasattr(obj, "as_cpu"):  # DALI TensorList(CPU|GPU)
+        cpu = obj.as_cpu() if hasattr(obj, "as_cpu") else obj
+        return sum(int(np.asarray(cpu[i]).nbytes) for i in range(len(cpu)))
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return len(obj)
+    return 0
+
+
+def time_batches(batches: Iterator[Any], count: int, sync: Callable[[], None] | None = None) -> tuple[float, int]:
+    """Pull `count` batches; return (seconds, delivered bytes). `sync` waits for a GPU before the clock stops."""
+    total = 0
+    start = time.perf_counter()
+    for _ in range(count):
+        total += nbytes_of(next(batches))
+    if sync is not None:
+        sync()
+    return time.perf_counter() - start, total
+
+
+def cycle(n: int, count: int) -> list[int]:
+    """`count` item indices 0..n-1 in order, wrapping around when the data set is smaller."""
+    if n < 1:
+        raise Unavailable("the data set is empty")
+    return [i % n for i in range(count)]
+
+
+def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    """Consecutive slices of `size` (the last may be shorter)."""
+    for i in range(0, len(seq), size):
+        yield seq[i : i + size]
+
+
+def evict(paths: Iterable[str | os.PathLike[str]], drop_caches: bool = True) -> str:
+    """Push files out of the page cache so the next read comes from the device; returns how it was done.
+
+    posix_fadvise(DONTNEED) per file works unprivileged but only drops clean pages, hence the fdatasync
+    first; as root, /proc/sys/vm/drop_caches also drops the filesystem's metadata caches.
+    """
+    count = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            with contextlib.suppress(OSError):
+                os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            count += 1
+        finally:
+            os.close(fd)
+    how = f"fadvise({count} files)"
+    if drop_caches and os.geteuid() == 0:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            how += "+drop_caches"
+        except OSError:
+            pass  # read-only /proc/sys in many containers: fadvise alone still evicts the data pages
+    return how
+
+
+def files_under(root: str | os.PathLike[str], suffixes: tuple[str, ...] = ()) -> list[str]:
+    """Regular files under `root`, sorted, optionally only those ending in one of `suffixes` (case-insensitive)."""
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            if not suffixes or name.lower().endswith(suffixes):
+                out.append(os.path.join(dirpath, name))
+    return sorted(out)
+
+
+def cuda_sync(device: str) -> Callable[[], None] | None:
+    """A function that waits for `device` (None on CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return lambda: torch.cuda.synchronize(torch.device(device))
+
+
+def require_gpu(opts: Options, what: str) -> None:
+    """Raise Unavailable unless the run targets a CUDA device that torch can see."""
+    from loaders._deps import cuda_available
+
+    if not opts.gpu:
+        raise Unavailable(f"{what} needs --device cuda:N (this run is on {opts.device})")
+    if not cuda_available():
+        raise Unavailable(f"{what} needs a CUDA GPU; torch sees none here")

@@ -1,0 +1,175 @@
+"""The research loaders' set: file trees read by DALI, by Python into an `external_source`, and by xNVMe.
+
+Names and arguments follow the research code users compare against: `dali --datadir`, `python-file
+--datadir`, `xnvme-file --datadir`, `xnvme-gds --uri --mem cpu|gpu --bmap`, `xnvme-bam --uri --bmap`.
+Image files are decoded (`fn.decoders.image`) in every variant so that they differ only in how bytes arrive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workflows.bench.core import Options, Result, Unavailable, cycle, evict, files_under, time_batches
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+Reader = Callable[[list[str]], list[np.ndarray]]
+
+
+def _dali() -> Any:
+    from loaders._deps import has
+
+    if not has("nvidia.dali"):
+        raise Unavailable("nvidia-dali is not installed (pip install 'blockprep[dali]')")
+    import nvidia.dali as dali
+
+    return dali
+
+
+def tree_files(datadir: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
+    """Files of a class-folder tree and their labels, in the order `fn.readers.file` gives them
+    (classes = sorted subfolders numbered from 0; files sorted within each)."""
+    root = Path(datadir)
+    if not root.is_dir():
+        raise Unavailable(f"{root}: no such folder (pass --datadir pointing at a class-folder tree)")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    files: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        found = files_under(root / name)
+        files += found
+        labels += [label] * len(found)
+    if not files:
+        raise Unavailable(f"{root}: no files in class subfolders")
+    return files, labels
+
+
+def _pipeline(opts: Options) -> Any:
+    dali = _dali()
+    device_id = int(opts.device.partition(":")[2] or 0) if opts.gpu else None
+    return dali.Pipeline(batch_size=opts.batchsize, num_threads=max(2, os.cpu_count() or 2), device_id=device_id)
+
+
+def _decode(encoded: Any, files: list[str], opts: Options) -> Any:
+    if not files[0].lower().endswith(IMAGE_SUFFIXES):
+        return encoded  # not images: deliver the bytes
+    fn = _dali().fn
+    return fn.decoders.image(encoded, device="mixed" if opts.gpu else "cpu")
+
+
+def run_pipeline(
+    build: Callable[[], Any],
+    files: list[str],
+    opts: Options,
+    name: str,
+    data: str = "images",
+    kind: str = "research",
+    outputs: int = 1,
+) -> Result:
+    """Time `opts.batches` runs of a fresh pipeline from `build()`, counting its first `outputs` outputs.
+
+    Warm: a first pipeline reads the same items untimed, so the timed one starts at item 0 from the page cache.
+    """
+    if not opts.cold:
+        warm = build()
+        for _ in range(opts.batches):
+            warm.run()
+        del warm
+    pipe = build()
+    how = evict(files) if opts.cold else "warm"
+
+    def batches() -> Iterator[Any]:
+        while True:
+            yield list(pipe.run())[:outputs]
+
+    seconds, nbytes = time_batches(batches(), opts.batches)
+    return Result(name, data, opts.items, seconds, nbytes, kind, how)
+
+
+def dali_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
+    """DALI `fn.readers.file` + decode: DALI's own reader threads."""
+    files, labels = tree_files(datadir)
+    fn = _dali().fn
+
+    def build() -> Any:
+        pipe = _pipeline(opts)
+        with pipe:
+            encoded, label = fn.readers.file(files=files, labels=labels, random_shuffle=False, name="reader")
+            pipe.set_outputs(_decode(encoded, files, opts), label)
+        pipe.build()
+        return pipe
+
+    return run_pipeline(build, files, opts, "dali readers.file")
+
+
+def python_read(paths: list[str]) -> list[np.ndarray]:
+    """Read whole files with Python `open().read()` (the baseline `external_source` feeding)."""
+    out = []
+    for p in paths:
+        with open(p, "rb") as f:
+            out.append(np.frombuffer(f.read(), dtype=np.uint8))
+    return out
+
+
+def backend_read(backend: Any) -> Reader:
+    """Whole-file reads through a blockprep backend (used for the xNVMe file API)."""
+    from loaders.backends import ReadRequest
+
+    def read(paths: list[str]) -> list[np.ndarray]:
+        reqs = [ReadRequest(p, 0, os.path.getsize(p)) for p in paths]
+        return [np.asarray(b) for b in backend.read(reqs)]
+
+    return read
+
+
+def external(files: list[str], read: Reader, opts: Options, name: str) -> Result:
+    """Feed batches that `read` returns into a DALI `external_source`, then decode like `dali`."""
+    order = [files[i] for i in cycle(len(files), opts.items)]
+    dali = _dali()
+
+    def build() -> Any:
+        state = {"at": 0}  # each pipeline starts at item 0
+
+        def source() -> list[np.ndarray]:
+            at = state["at"] % len(order)
+            state["at"] = at + opts.batchsize
+            batch = order[at : at + opts.batchsize]
+            return read(batch + order[: opts.batchsize - len(batch)])
+
+        pipe = _pipeline(opts)
+        with pipe:
+            encoded = dali.fn.external_source(source=source, batch=True, dtype=dali.types.UINT8)
+            pipe.set_outputs(_decode(encoded, files, opts))
+        pipe.build()
+        return pipe
+
+    return run_pipeline(build, files, opts, name)
+
+
+def python_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
+    """Python file reads into an `external_source`."""
+    files, _ = tree_files(datadir)
+    return external(files, python_read, opts, "python-file external_source")
+
+
+def _xnvme_backend(**options: Any) -> Any:
+    from loaders.backends import backend_names, get_backend
+    from loaders.errors import PrepError
+
+    if "xnvme" not in backend_names():
+        raise Unavailable("xnvme: loaders.backends.xnvme is not part of this install")
+    try:
+        return get_backend("xnvme", **options)
+    except (PrepError, OSError, ImportError) as exc:
+        raise Unavailable(f"xnvme: {str(exc).splitlines()[0]}") from exc
+
+
+def xnvme_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
+    """xNVMe file API (libxnvme's file backend) into an `external_source`."""
+    files, _ = tree_files(datadir)
+    with _xnvme_backend() as backend:
+        return external(files, backend_read(backend), opts, "xnvme-file external_source")
