@@ -29,7 +29,7 @@ def fragment(paths: list[Path], chunks: int, chunk: int = 4096) -> dict[Path, by
     data = {p: b"" for p in paths}
     fds = {p: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in paths}
     try:
-        for i in range(chunks):
+        for _ in range(chunks):
             for p, fd in fds.items():
                 piece = os.urandom(chunk - 100) + bytes(100)
                 os.write(fd, piece)
