@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders.backends import ReadRequest, get_backend
-from loaders.backends.direct import DirectBackend
+from loaders.backends.direct import DirectBackend, PageCacheProbe
 from loaders.errors import BackendError
 
 SIZE = 3 * (1 << 20) + 5 * 4096 + 77  # several default chunks, an unaligned tail
@@ -149,3 +149,33 @@ def test_loop_mounts(make_loopfs: Callable[..., object], fstype: str, mkfs_args:
         for r, buf in zip(reqs, b.read(reqs)):
             assert bytes(buf) == payload[r.offset : r.offset + r.nbytes]
         assert not b._fallback
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_o_direct_bypasses_and_warm_chunks_come_from_the_cache(tmp_path: Path) -> None:
+    probe = PageCacheProbe()
+    path = tmp_path / "c.bin"
+    path.write_bytes(np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not probe.available or probe.resident(fd, 0, 1 << 20):
+            pytest.skip("cachestat(2) unavailable or eviction not honoured here")
+        with DirectBackend(chunk=64 * 1024) as b:
+            b.read([ReadRequest(str(path), 0, 1 << 20)])
+            assert not probe.resident(fd, 0, 4096)  # O_DIRECT left the page cache alone
+            path.read_bytes()  # now warm
+            assert probe.resident(fd, 0, 1 << 20)
+            seen: list[str] = []
+            real = b._buffered.get
+            b._buffered.get = lambda p: seen.append(p) or real(p)  # type: ignore[method-assign]
+            (buf,) = b.read([ReadRequest(str(path), 0, 1 << 20)])
+        assert bytes(buf) == path.read_bytes() and len(seen) == 16  # every warm chunk read buffered
+    finally:
+        os.close(fd)
