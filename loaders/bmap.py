@@ -192,7 +192,7 @@ class BlockMap:
             return p
         if os.path.isabs(p):
             rel = os.path.relpath(p, self.root)
-            if not rel.startswith(".."):
+            if rel in self.files:
                 return rel
         raise FormatError(f"{p}: not in block map {self.path} (root {self.root}); re-run `prep bmap` to add it")
 

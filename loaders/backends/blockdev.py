@@ -18,7 +18,7 @@ from typing import Any
 
 from loaders.backends.base import Backend, FdCache, ReadRequest, aligned_empty, pread_full, short_read
 from loaders.bmap import BlockMap, RawSource
-from loaders.errors import BackendError
+from loaders.errors import BackendError, FormatError
 from loaders.format import ALIGN
 
 
@@ -142,7 +142,10 @@ class BlockdevBackend(Backend):
             raise short_read(req, got)
 
     def _one(self, req: ReadRequest, buf: Any) -> None:
-        key = self.bmap.key_for(req.path)
+        try:
+            key = self.bmap.key_for(req.path)
+        except FormatError as exc:
+            raise BackendError(str(exc)) from None
         view = memoryview(buf)[: req.nbytes].cast("B")
         why = self._filesystem_reason(key)
         if why:

@@ -1,0 +1,159 @@
+"""BlockdevBackend on real loop-mounted ext4/xfs: raw reads through the map equal the filesystem's bytes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loaders.backends import ReadRequest, get_backend
+from loaders.backends.blockdev import BlockdevBackend, RawDevice
+from loaders.bmap import BlockMap
+from loaders.errors import BackendError
+from prep.bmap import build_bmap
+
+MiB = 1 << 20
+pytestmark = pytest.mark.loopdev
+
+
+def make_tree(mnt: Path) -> dict[str, bytes]:
+    """Fragmented, sparse, odd-sized, empty and nested files; returns key -> content."""
+    content: dict[str, bytes] = {}
+    (mnt / "d").mkdir()
+    fds = {k: os.open(mnt / k, os.O_WRONLY | os.O_CREAT, 0o644) for k in ("d/frag0", "d/frag1")}
+    for k in fds:
+        content[k] = b""
+    for _ in range(8):  # interleaved appends with fsync: many extents per file
+        for k, fd in fds.items():
+            piece = os.urandom(5000)
+            os.write(fd, piece)
+            os.fsync(fd)
+            content[k] += piece
+    for fd in fds.values():
+        os.close(fd)
+    for i, n in enumerate([1, 511, 4096, 4097, 70001]):
+        content[f"odd{i}"] = os.urandom(n)
+        (mnt / f"odd{i}").write_bytes(content[f"odd{i}"])
+    with open(mnt / "sparse", "wb") as f:
+        f.seek(12288 + 100)
+        f.write(b"\x55" * 9000)
+        f.truncate(64 * 1024)
+    content["sparse"] = bytes(12388) + b"\x55" * 9000 + bytes(64 * 1024 - 12388 - 9000)
+    content["empty"] = b""
+    (mnt / "empty").write_bytes(b"")
+    return content
+
+
+@pytest.fixture(params=["ext4", "xfs"])
+def mapped(request: pytest.FixtureRequest, make_loopfs: Callable[..., Any], tmp_path: Path) -> tuple[Any, Path, dict]:
+    """A loop filesystem at a 1 MiB offset of its image, a tree on it, and its bmap."""
+    fs = make_loopfs(request.param, offset=MiB)
+    content = make_tree(fs.mountpoint)
+    out = tmp_path / "bmap.json"
+    build_bmap(fs.mountpoint, out)
+    return fs, out, content
+
+
+def requests_for(root: Path, content: dict[str, bytes], seed: int = 0) -> list[ReadRequest]:
+    rng = random.Random(seed)
+    reqs = [ReadRequest(str(root / k), 0, len(v)) for k, v in content.items()]
+    for k, v in content.items():  # unaligned sub-ranges, some across extent boundaries and holes
+        for _ in range(6):
+            off = rng.randrange(0, len(v) + 1)
+            reqs.append(ReadRequest(k, off, rng.randrange(0, len(v) - off + 1)))
+    return reqs
+
+
+@pytest.mark.parametrize("via", ["device", "image"])
+def test_raw_reads_match_the_filesystem(mapped: tuple[Any, Path, dict], via: str) -> None:
+    fs, out, content = mapped
+    device = fs.image if via == "image" else fs.device
+    with BlockdevBackend(out, device_path=device, threads=8) as b:
+        assert b.source.base == (MiB if via == "image" else 0)
+        reqs = requests_for(fs.mountpoint, content)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every file here is raw-readable: no fallback may happen
+            bufs = b.read(reqs)
+        for req, buf in zip(reqs, bufs):
+            key = os.path.relpath(req.path, fs.mountpoint) if os.path.isabs(req.path) else req.path
+            assert bytes(buf) == content[key][req.offset : req.offset + req.nbytes], req
+
+
+def test_registry_pickling_and_errors(mapped: tuple[Any, Path, dict]) -> None:
+    fs, out, content = mapped
+    b = get_backend("blockdev", bmap=out, device_path=fs.image, threads=2)
+    try:
+        clone = pickle.loads(pickle.dumps(b))  # DataLoader workers get a copy that reopens its descriptors
+        (got,) = clone.read([ReadRequest("odd4", 10, 60000)])
+        assert bytes(got) == content["odd4"][10:60010]
+        clone.close()
+        with pytest.raises(BackendError, match="short read"):
+            b.read([ReadRequest("odd1", 500, 100)])
+        with pytest.raises(BackendError, match="not in block map"):
+            b.read([ReadRequest(str(fs.mountpoint.parent / "x"), 0, 1)])
+    finally:
+        b.close()
+
+
+def test_stale_and_filesystem_only_fall_back_with_one_warning(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    fs = make_loopfs("ext4", mkfs_args=("-O", "inline_data"))
+    mnt: Path = fs.mountpoint
+    (mnt / "tiny").write_bytes(b"inline bytes")
+    with open(mnt / "unwritten", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 16384)
+    (mnt / "changing").write_bytes(os.urandom(8192))
+    build_bmap(mnt, tmp_path / "m.json")
+    new = os.urandom(8192)
+    (mnt / "changing.tmp").write_bytes(new)
+    os.replace(mnt / "changing.tmp", mnt / "changing")
+    with BlockdevBackend(tmp_path / "m.json", device_path=fs.image) as b:
+        with pytest.warns(RuntimeWarning) as record:
+            for _ in range(3):
+                got = b.read(
+                    [ReadRequest("tiny", 0, 12), ReadRequest("unwritten", 100, 50), ReadRequest("changing", 0, 8192)]
+                )
+        assert [bytes(g) for g in got] == [b"inline bytes", bytes(50), new]
+        messages = sorted(str(w.message) for w in record)
+        assert len(messages) == 3  # once per file, not once per read
+        assert "changed since it was mapped" in messages[0] and "changing" in messages[0]
+        assert "not raw-readable (inline)" in messages[1] and "not raw-readable (unwritten)" in messages[2]
+    with BlockdevBackend(tmp_path / "m.json", device_path=fs.image, fallback=False) as strict:
+        with pytest.raises(BackendError, match="tiny: not raw-readable"):
+            strict.read([ReadRequest("tiny", 0, 1)])
+
+
+def test_lba_ranges_address_the_device(mapped: tuple[Any, Path, dict]) -> None:
+    fs, out, content = mapped
+    bm = BlockMap.load(out)
+    lbs = bm.logical_block_size
+    fd = os.open(fs.image, os.O_RDONLY)
+    try:
+        for key in ("d/frag0", "sparse", "odd3"):
+            got = bytearray(len(content[key]))
+            for r in bm.lba_ranges(key):
+                run = os.pread(fd, r.nblocks * lbs, MiB + r.lba * lbs)  # whole-disk LBAs + the image offset
+                got[r.file_offset : r.file_offset + r.nbytes] = run[r.skip : r.skip + r.nbytes]
+            assert bytes(got) == content[key], key
+    finally:
+        os.close(fd)
+
+
+def test_raw_device_unaligned_reads(tmp_path: Path) -> None:
+    data = os.urandom(3 * 4096 + 77)
+    (tmp_path / "img").write_bytes(data)
+    raw = RawDevice(str(tmp_path / "img"))
+    try:
+        for off, n in [(0, 4096), (1, 10), (4095, 4098), (8192, 4096 + 77), (0, len(data))]:
+            out = bytearray(n)
+            raw.read_into(off, memoryview(out))
+            assert bytes(out) == data[off : off + n]
+        with pytest.raises(BackendError, match="short read"):
+            raw.read_into(len(data) - 5, memoryview(bytearray(10)))
+    finally:
+        raw.close()
