@@ -123,9 +123,9 @@ def test_stale_and_filesystem_only_fall_back_with_one_warning(make_loopfs: Calla
         assert len(messages) == 3  # once per file, not once per read
         assert "changed since it was mapped" in messages[0] and "changing" in messages[0]
         assert "not raw-readable (inline)" in messages[1] and "not raw-readable (unwritten)" in messages[2]
-    with BlockdevBackend(tmp_path / "m.json", device_path=fs.image, fallback=False) as strict:
-        with pytest.raises(BackendError, match="tiny: not raw-readable"):
-            strict.read([ReadRequest("tiny", 0, 1)])
+    strict = BlockdevBackend(tmp_path / "m.json", device_path=fs.image, fallback=False)
+    with strict, pytest.raises(BackendError, match="tiny: not raw-readable"):
+        strict.read([ReadRequest("tiny", 0, 1)])
 
 
 def test_lba_ranges_address_the_device(mapped: tuple[Any, Path, dict]) -> None:
