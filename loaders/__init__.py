@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "PreparedBatches": "loaders.dataset",
     "PreparedDataset": "loaders.dataset",
+    "PreparedPersistentDataset": "loaders.monai",
 }
 
 
@@ -47,6 +48,7 @@ __all__ = [
     "PreparedBatches",
     "PreparedCache",
     "PreparedDataset",
+    "PreparedPersistentDataset",
     "ReadRequest",
     "SchemaVersionError",
     "StaleError",

@@ -31,10 +31,8 @@ from loaders.region import read_region_entry
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
 Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, ...]]], Any]
 
-# MetaTensor meta keys that MONAI keeps as arrays (JSON stored them as nested lists)
-_TORCH_META = ("affine", "original_affine")
-_NUMPY_META = ("pixdim", "spacing", "spatial_shape", "original_channel_dim_shape", "dim")
-
+# MetaTensor meta keys that are not arrays although JSON stored them as lists
+_LIST_META = ("applied_operations", "crop_center")
 
 @dataclass
 class _Batch:
@@ -61,23 +59,32 @@ def torch_dtype(dtype: np.dtype) -> Any:
 
 
 def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
-    """Wrap a tensor as a MONAI MetaTensor with its stored meta (affine as a float64 tensor)."""
+    """Wrap a tensor as a MONAI MetaTensor with its stored meta, types as LoadImage made them: affine a
+    float64 tensor, original_affine and other numeric lists numpy arrays, space a SpaceKeys."""
     import torch
     from monai.data import MetaTensor
+    from monai.utils import SpaceKeys
 
     meta = dict(meta or {})
     ops = meta.pop("applied_operations", None)
-    for k in _TORCH_META:
-        if k in meta and meta[k] is not None:
-            meta[k] = torch.as_tensor(np.asarray(meta[k], dtype=np.float64))
-    for k in _NUMPY_META:
-        if isinstance(meta.get(k), list):
-            meta[k] = np.asarray(meta[k])
     affine = meta.pop("affine", None)
+    if affine is not None:
+        affine = torch.as_tensor(np.asarray(affine, dtype=np.float64))
+    for k, v in meta.items():
+        if isinstance(v, list) and k not in _LIST_META and _numeric(v):
+            meta[k] = np.asarray(v, dtype=np.float64 if "affine" in k else None)
+    if meta.get("space") in {s.value for s in SpaceKeys}:
+        meta["space"] = SpaceKeys(meta["space"])
     out = MetaTensor(tensor, affine=affine, meta=meta)
     if ops:
         out.applied_operations = list(ops)
     return out
+
+
+def _numeric(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_numeric(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class _DatasetCore:
@@ -105,6 +112,7 @@ class _DatasetCore:
         self.cache = PreparedCache(self.root)
         known = self.cache.keys
         self.keys = list(keys) if keys is not None else list(known)
+        self._all_keys = keys is None
         missing = [k for k in self.keys if k not in known]
         if missing:
             raise KeyError(f"{self.root}: keys {missing} are not in the cache (it has {known})")
@@ -252,13 +260,28 @@ class _DatasetCore:
         return view.view(torch_dtype(entry.dtype)).reshape(entry.shape)
 
     def _item_meta(self, item: int) -> dict[str, Any]:
-        return dict(self.cache.meta(item).get("meta", {}) or {})
+        """The item's meta line: {"meta": {key: MetaTensor meta}, "applied_operations": {key: [...]},
+        "values": {key: non-tensor output}, "source": datalist entry}."""
+        return dict(self.cache.meta(item) or {})
 
-    def _wrap(self, key: str, tensor: Any, meta: Mapping[str, Any]) -> Any:
+    def _wrap(self, key: str, tensor: Any, line: Mapping[str, Any]) -> Any:
         if not self.meta:
             return tensor
         top = key.split("/")[0]
-        return restore_meta(tensor, meta.get(key, meta.get(top)))
+        metas = line.get("meta") or {}
+        ops = (line.get("applied_operations") or {}).get(key)
+        meta = dict(metas.get(key, metas.get(top)) or {})
+        if ops is not None:
+            meta["applied_operations"] = ops
+        return restore_meta(tensor, meta)
+
+    def _assemble(self, item: int, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Tensors (+ stored non-tensor outputs) -> the item's nested dict, MetaTensors restored."""
+        line = self._item_meta(item)
+        flat = {k: self._wrap(k, t, line) for k, t in tensors.items()}
+        if self._all_keys:  # non-tensor outputs of the head (strings, numbers) come back as they were
+            flat.update(line.get("values") or {})
+        return unflatten(flat)
 
     def __getitem__(self, index: int) -> Any:
         item = int(self.items[index])
@@ -268,8 +291,7 @@ class _DatasetCore:
             batch = self._read([item], self._stager(), 0) if self._staged() else self._read([item])
             buf = self._flat_tensor(batch)
             flat = {e.key: self._tensor(buf, e, o) for e, o in zip(batch.entries[0], batch.offsets[0])}
-        meta = self._item_meta(item) if self.meta else {}
-        out = unflatten({k: self._wrap(k, t, meta) for k, t in flat.items()})
+        out = self._assemble(item, flat)
         return self.transform(out) if self.transform is not None else out
 
     # --- region reads ---
@@ -372,7 +394,7 @@ class _DatasetCore:
         result = unflatten(out)
         result["_items"] = torch.as_tensor(batch.items)
         if self.meta:
-            result["_meta"] = [self._item_meta(i) for i in batch.items]
+            result["_meta"] = [self._item_meta(i).get("meta") or {} for i in batch.items]
         return self.transform(result) if self.transform is not None else result
 
 

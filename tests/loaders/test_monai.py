@@ -1,0 +1,149 @@
+"""PreparedPersistentDataset returns what MONAI's PersistentDataset returns for the same pipeline and seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loaders.errors import StaleError
+from loaders.format import MANIFEST
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("monai")
+
+PIPELINE = """
+from monai.transforms import (Compose, EnsureChannelFirstd, LoadImaged, RandCropByPosNegLabeld, RandFlipd,
+                              ScaleIntensityRanged, Spacingd)
+KEYS = ["image", "label"]
+transform = Compose([
+    LoadImaged(keys=KEYS),
+    EnsureChannelFirstd(keys=KEYS),
+    Spacingd(keys=KEYS, pixdim=(1.0, 1.0, 1.5), mode=("bilinear", "nearest")),
+    ScaleIntensityRanged(keys="image", a_min=0.0, a_max=A_MAX, b_min=0.0, b_max=1.0, clip=True),
+    RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=(12, 12, 12), pos=1, neg=1, num_samples=2),
+    RandFlipd(keys=KEYS, prob=0.5, spatial_axis=0),
+])
+"""
+
+
+def _pipeline(path: Path, a_max: float = 1000.0) -> Path:
+    path.write_text(PIPELINE.replace("A_MAX", repr(a_max)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(nifti_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from prep.cache import load_datalist, prepare_cache
+
+    tmp = tmp_path_factory.mktemp("monai")
+    pipeline = _pipeline(tmp / "pipeline.py")
+    prepare_cache(nifti_dataset, pipeline, tmp / "cache", workers=1, processes=False)
+    data = [entry for _, entry in load_datalist(nifti_dataset)]
+    return {"tmp": tmp, "pipeline": pipeline, "cache": tmp / "cache", "data": data}
+
+
+def _transform(pipeline: Path) -> Any:
+    from prep.pipeline import load_pipeline
+
+    return load_pipeline(pipeline).transform
+
+
+def _same_item(ref: Any, got: Any) -> None:
+    from monai.data import MetaTensor
+
+    if isinstance(ref, list):
+        assert isinstance(got, list) and len(got) == len(ref)
+        for r, g in zip(ref, got):
+            _same_item(r, g)
+        return
+    assert set(ref) == set(got)
+    for key in ("image", "label"):
+        r, g = ref[key], got[key]
+        assert isinstance(g, MetaTensor) and g.dtype == r.dtype
+        assert torch.equal(r.as_tensor(), g.as_tensor())
+        assert torch.equal(r.affine, g.affine)
+        np.testing.assert_array_equal(r.meta["original_affine"], g.meta["original_affine"])
+        assert r.meta["filename_or_obj"] == g.meta["filename_or_obj"]
+        assert set(r.meta) == set(g.meta)
+        assert [op["class"] for op in r.applied_operations] == [op["class"] for op in g.applied_operations]
+
+
+def test_matches_monai_persistent_dataset(prepared: dict[str, Any]) -> None:
+    from monai.data import Dataset, PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+
+    transform = _transform(prepared["pipeline"])
+    data = prepared["data"]
+    ref = PersistentDataset(data, transform, prepared["tmp"] / "pt")
+    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix")
+    assert isinstance(ours, Dataset) and len(ours) == len(data)
+    transform.set_random_state(11)
+    want = [ref[i] for i in range(len(data))]
+    transform.set_random_state(11)
+    got = [ours[i] for i in range(len(data))]
+    _same_item(want, got)
+    assert len(ours[1:3]) == 2  # slicing as monai.data.Dataset does
+
+
+def test_matches_by_source_when_reordered(prepared: dict[str, Any]) -> None:
+    from loaders.monai import PreparedPersistentDataset
+
+    transform = _transform(prepared["pipeline"])
+    data = list(reversed(prepared["data"]))
+    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix", verify=True)
+    head = ours.dataset[ours._lookup(0)]
+    assert head["image"].meta["filename_or_obj"] == data[0]["image"]
+    extra = [*data, {"image": "/nope/img.nii.gz", "label": "/nope/lab.nii.gz"}]
+    with pytest.raises(StaleError, match=r"data\[6\] is not in the cache"):
+        PreparedPersistentDataset(extra, transform, prepared["cache"], backend="posix")[6]
+
+
+def test_stale_pipeline_is_refused(prepared: dict[str, Any]) -> None:
+    from loaders.monai import PreparedPersistentDataset
+
+    other = _transform(_pipeline(prepared["tmp"] / "other.py", a_max=500.0))
+    with pytest.raises(StaleError, match=r"manifest.json: the cache was prepared with a different pipeline head"):
+        PreparedPersistentDataset(prepared["data"], other, prepared["cache"])
+
+
+def test_thread_dataloader_with_list_outputs(prepared: dict[str, Any]) -> None:
+    from monai.data import ThreadDataLoader
+
+    from loaders.monai import PreparedPersistentDataset
+
+    ds = PreparedPersistentDataset(prepared["data"], _transform(prepared["pipeline"]), prepared["cache"])
+    batches = list(ThreadDataLoader(ds, batch_size=3, num_workers=2))
+    assert sum(b["image"].shape[0] for b in batches) == 2 * len(ds)  # two crops per item
+    assert batches[0]["image"].shape[1:] == (1, 12, 12, 12)
+
+
+def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path) -> None:
+    """A cache exported by user code (format.write_items) with the head's fingerprint works too."""
+    from monai.transforms import Compose
+
+    from loaders import chain
+    from loaders.format import write_items
+    from loaders.monai import PreparedPersistentDataset
+
+    transform = _transform(prepared["pipeline"])
+    head, _ = chain.split(transform)
+    data = prepared["data"][:2]
+    outs = [Compose(head)(dict(d)) for d in data]
+    items = [{k: o[k].as_tensor().numpy() for k in ("image", "label")} for o in outs]
+    metas = [{"source": d, "meta": {k: dict(o[k].meta) for k in ("image", "label")}} for d, o in zip(data, outs)]
+    write_items(tmp_path / "c", items, metas, {"fingerprint": chain.fingerprint(head)})
+    ds = PreparedPersistentDataset(data, transform, tmp_path / "c", backend="posix")
+    transform.set_random_state(5)
+    got = ds[1]
+    assert got[0]["image"].shape == (1, 12, 12, 12)
+    assert got[0]["image"].meta["filename_or_obj"] == data[1]["image"]
+    doc = json.loads((tmp_path / "c" / MANIFEST).read_text())
+    doc["fingerprint"] = "0" * 64
+    (tmp_path / "c" / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(StaleError, match="fingerprint 000000000000"):
+        PreparedPersistentDataset(data, transform, tmp_path / "c")
