@@ -140,7 +140,7 @@ def prepare_cache(
     root = Path(output)
     check_output(root)
     plan = _plan(pipe, Path(datalist), items, sections)
-    with CacheLock(root):
+    with CacheLock(root), _no_space(root):
         manifest = _reconcile(root, plan, force)
         if manifest is not None:
             summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
@@ -232,6 +232,20 @@ def _wipe(root: Path) -> None:
 
 
 @contextmanager
+def _no_space(root: Path) -> Iterator[None]:
+    """A full disk anywhere in the run becomes one clear PrepError; journaled items stay for the resume."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise PrepError(
+            f"{root}: no space left on the device; finished items are kept: free space and re-run the same "
+            "command to resume"
+        ) from None
+
+
+@contextmanager
 def _client(workers: int, scheduler: str | None, processes: bool) -> Iterator[Any]:
     from distributed import Client, LocalCluster
 
@@ -290,15 +304,7 @@ def _run_tasks(
                 statuses = future.result()
                 if progress:
                     progress(len(statuses), len(todo))
-        except OSError as exc:
-            client.cancel(futures)
-            if exc.errno == errno.ENOSPC:
-                raise PrepError(
-                    f"{spec.output}: no space left on the device; finished items are kept: free space and "
-                    "re-run the same command to resume"
-                ) from None
-            raise PrepError(f"{spec.output}: write failed ({exc}); fix it and re-run to resume") from None
-        except PrepError:
+        except (OSError, PrepError):
             client.cancel(futures)
             raise
         except Exception as exc:
@@ -324,29 +330,24 @@ def _commit(
         for n, r in enumerate(records)
         for t in r["tensors"]
     ]
-    try:
-        write_index(root, make_rows(rows))
-        write_meta(root, [r["meta"] for r in records])
-        quarantined = [
-            {"item": i, "entry": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
-            for i, q in sorted(state.quarantined.items())
-        ]
-        manifest = {
-            **plan,
-            "tail": pipe.tail_description,
-            "head_length": len(pipe.head),
-            "keys": keys,
-            "shards": shards,
-            "n_items": len(records),
-            "tensor_bytes": sum(int(t["nbytes"]) for r in records for t in r["tensors"]),
-            "quarantined": quarantined,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-        write_manifest(root, manifest)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise PrepError(f"{root}: no space left to commit the index; free space and re-run to finish") from None
-        raise
+    write_index(root, make_rows(rows))
+    write_meta(root, [r["meta"] for r in records])
+    quarantined = [
+        {"item": i, "entry": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
+        for i, q in sorted(state.quarantined.items())
+    ]
+    manifest = {
+        **plan,
+        "tail": pipe.tail_description,
+        "head_length": len(pipe.head),
+        "keys": keys,
+        "shards": shards,
+        "n_items": len(records),
+        "tensor_bytes": sum(int(t["nbytes"]) for r in records for t in r["tensors"]),
+        "quarantined": quarantined,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_manifest(root, manifest)
     shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
     return json.loads((root / MANIFEST).read_text())
 
