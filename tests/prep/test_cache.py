@@ -78,8 +78,9 @@ def test_cache_equals_monai_head_bit_exact(tmp_path: Path, nifti_dataset: Path) 
         expected = head(dict(entry))
         got = {e.key: _read(e) for e in cache.entries(item)}
         assert set(got) == {"image", "label", "views/0", "views/1/top"}
-        for key, tensor in [("image", expected["image"]), ("label", expected["label"]),
-                            ("views/0", expected["views"][0]), ("views/1/top", expected["views"][1]["top"])]:  # fmt: skip
+        views = expected["views"]
+        pairs = [("image", expected["image"]), ("label", expected["label"]), ("views/0", views[0])]
+        for key, tensor in [*pairs, ("views/1/top", views[1]["top"])]:
             want = _to_numpy(tensor)
             assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
         assert got["label"].dtype == np.uint8
@@ -256,9 +257,8 @@ def _bad_inputs(root: Path) -> Path:
     for name in ("flip", "trunc", "empty", "missing", "bigend", "complex", "rgb"):
         doc["training"].append({"image": f"{name}.nii.gz", "label": good_label})
     datalist.write_text(json.dumps(doc))
-    with gzip.open(root / "flip.nii.gz") as f:  # the flipped byte really is inside the stream
-        with pytest.raises((OSError, EOFError)):
-            f.read()
+    with gzip.open(root / "flip.nii.gz") as f, pytest.raises((OSError, EOFError)):
+        f.read()  # the flipped byte really is inside the stream
     return datalist
 
 
