@@ -7,6 +7,7 @@ task size and compat mode are process-wide settings; building a backend sets the
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections import OrderedDict
@@ -31,7 +32,7 @@ def _device_index(device: str) -> int:
 def _configure(kvikio: ModuleType, threads: int, task_size: int, compat: bool | None) -> None:
     """Set kvikio's process-wide settings through its current API (`defaults.set`, kvikio >= 25.02),
     or the older `*_reset` functions."""
-    d = kvikio.defaults
+    d = importlib.import_module("kvikio.defaults")  # a submodule that `import kvikio` does not load
     if hasattr(d, "set") and hasattr(d, "get"):
         d.set({"num_threads": threads, "task_size": task_size})
         if compat is not None:
@@ -45,7 +46,7 @@ def _configure(kvikio: ModuleType, threads: int, task_size: int, compat: bool | 
 
 def compat_mode_active(kvikio: ModuleType) -> bool:
     """True when kvikio reads through its POSIX compat mode (no GDS) in this process."""
-    d = kvikio.defaults
+    d = importlib.import_module("kvikio.defaults")
     if hasattr(d, "is_compat_mode_preferred"):
         return bool(d.is_compat_mode_preferred())
     return bool(d.compat_mode())
@@ -133,32 +134,46 @@ class KvikioBackend(Backend):
             except (OSError, RuntimeError) as exc:
                 raise BackendError(f"{path}: cannot open ({exc}); check the path and permissions") from exc
             self._files[path] = f
-            while len(self._files) > 256:
-                self._files.popitem(last=False)[1].close()
             return f
 
+    def _trim(self) -> None:
+        # only between batches: a handle closed under an in-flight pread would fail that read
+        with self._lock:
+            while len(self._files) > 256:
+                self._files.popitem(last=False)[1].close()
+
     def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
-        futures = []
-        for req, buf in zip(requests, buffers):
-            if len(buf) < req.nbytes:
-                raise BackendError(f"{req.path}: buffer of {len(buf)} bytes is smaller than the read ({req.nbytes})")
-            fut = self._file(req.path).pread(buf[: req.nbytes], req.nbytes, req.offset, self.task_size)
-            futures.append((req, fut))
-        errors = []
-        for req, fut in futures:  # wait for all before raising, so no read still writes into freed buffers
-            try:
-                got = fut.get()
-            except (OSError, RuntimeError) as exc:  # kvikio raises at an unexpected end of file
-                size = os.path.getsize(req.path)
-                if req.offset + req.nbytes > size:
-                    errors.append(short_read(req, max(0, size - req.offset)))
-                else:
-                    errors.append(BackendError(f"{req.path}: read failed at offset {req.offset} ({exc})"))
-                continue
-            if got < req.nbytes:
-                errors.append(short_read(req, got))
+        futures: list[tuple[ReadRequest, Any]] = []
+        errors: list[BackendError] = []
+        try:
+            for req, buf in zip(requests, buffers):
+                if len(buf) < req.nbytes:
+                    raise BackendError(
+                        f"{req.path}: buffer of {len(buf)} bytes is smaller than the read ({req.nbytes})"
+                    )
+                if req.nbytes:
+                    fut = self._file(req.path).pread(buf[: req.nbytes], req.nbytes, req.offset, self.task_size)
+                    futures.append((req, fut))
+        except BackendError as exc:
+            errors.append(exc)
+        for req, fut in futures:  # wait for every read before raising: none may still write into the buffers
+            err = self._wait(req, fut)
+            if err is not None:
+                errors.append(err)
+        self._trim()
         if errors:
             raise errors[0]
+
+    @staticmethod
+    def _wait(req: ReadRequest, fut: Any) -> BackendError | None:
+        try:
+            got = fut.get()
+        except (OSError, RuntimeError) as exc:  # kvikio raises at an unexpected end of file
+            size = os.path.getsize(req.path)
+            if req.offset + req.nbytes > size:
+                return short_read(req, max(0, size - req.offset))
+            return BackendError(f"{req.path}: read failed at offset {req.offset} ({exc})")
+        return short_read(req, got) if got < req.nbytes else None
 
     def close(self) -> None:
         super().close()

@@ -32,6 +32,16 @@ def test_host_device_string_is_refused() -> None:
         get_backend("kvikio", device="cpu")
 
 
+def test_no_gpu_is_a_backend_error() -> None:
+    pytest.importorskip("kvikio", reason="kvikio is not installed")
+    from loaders._deps import cuda_available, has
+
+    if cuda_available() or has("cupy"):
+        pytest.skip("a GPU (or cupy) is present here: the no-GPU path cannot be taken")
+    with pytest.raises(BackendError, match=r"cuda:0 not present \(0 CUDA devices\)"):
+        get_backend("kvikio", device="cuda:0")
+
+
 @pytest.fixture
 def gpu_backend() -> Any:
     def make(**options: Any) -> Any:
@@ -75,6 +85,7 @@ def test_reads_into_gpu_memory(gpu_backend: Any, payload_file: tuple[Path, bytes
 def test_settings_and_mode_reported(gpu_backend: Any) -> None:
     with gpu_backend(threads=6, task_size=2 << 20) as b:
         import kvikio
+        import kvikio.defaults
 
         assert kvikio.defaults.get("num_threads") == 6
         assert kvikio.defaults.get("task_size") == 2 << 20
