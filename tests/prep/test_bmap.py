@@ -285,3 +285,24 @@ def test_cli_permission_denied_keeps_the_old_map(make_loopfs: Callable[..., Any]
     assert proc.stderr.count("error:") == 1 and str(secret) in proc.stderr and "Permission denied" in proc.stderr
     assert out.read_bytes() == good  # nothing partial replaced the good map
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bmap.json.tmp")]
+
+
+@pytest.mark.loopdev
+def test_parallel_maps_equal_serial(make_loopfs: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    from prep import bmap
+
+    fs = make_loopfs("ext4")
+    populate(fs.mountpoint)
+    for i in range(600):
+        (fs.mountpoint / "train" / "b" / f"s{i}").write_bytes(b"y" * (i * 37 % 9000))
+    serial = bmap.map_tree(fs.mountpoint, workers=1)
+    assert bmap.map_tree(fs.mountpoint, workers=3) == serial  # threads (a small tree)
+    monkeypatch.setattr(bmap, "PROCESS_MIN_FILES", 100)  # the large-tree path: worker processes
+    if threading.active_count() == 1:
+        with bmap._executor(2, large=True) as pool:
+            assert isinstance(pool, ProcessPoolExecutor)
+    assert bmap.map_tree(fs.mountpoint, workers=3) == serial
+    assert len(serial) == 609
