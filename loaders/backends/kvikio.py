@@ -52,6 +52,14 @@ def compat_mode_active(kvikio: ModuleType) -> bool:
     return bool(d.compat_mode())
 
 
+def _failure(req: ReadRequest, exc: Exception) -> BackendError:
+    """kvikio raises (RuntimeError "...EOF") where a read passes the end of file: call that a short read."""
+    size = os.path.getsize(req.path)
+    if req.offset + req.nbytes > size:
+        return short_read(req, max(0, size - req.offset))
+    return BackendError(f"{req.path}: read failed at offset {req.offset} ({exc})")
+
+
 class KvikioBackend(Backend):
     """`kvikio.CuFile(path).pread` into device buffers, every request of a batch in flight at once.
 
@@ -151,9 +159,13 @@ class KvikioBackend(Backend):
                     raise BackendError(
                         f"{req.path}: buffer of {len(buf)} bytes is smaller than the read ({req.nbytes})"
                     )
-                if req.nbytes:
-                    fut = self._file(req.path).pread(buf[: req.nbytes], req.nbytes, req.offset, self.task_size)
-                    futures.append((req, fut))
+                if not req.nbytes:
+                    continue
+                handle = self._file(req.path)
+                try:  # reads under kvikio's GDS threshold run at once, and raise here rather than in get()
+                    futures.append((req, handle.pread(buf[: req.nbytes], req.nbytes, req.offset, self.task_size)))
+                except (OSError, RuntimeError) as exc:
+                    errors.append(_failure(req, exc))
         except BackendError as exc:
             errors.append(exc)
         for req, fut in futures:  # wait for every read before raising: none may still write into the buffers
@@ -168,11 +180,8 @@ class KvikioBackend(Backend):
     def _wait(req: ReadRequest, fut: Any) -> BackendError | None:
         try:
             got = fut.get()
-        except (OSError, RuntimeError) as exc:  # kvikio raises at an unexpected end of file
-            size = os.path.getsize(req.path)
-            if req.offset + req.nbytes > size:
-                return short_read(req, max(0, size - req.offset))
-            return BackendError(f"{req.path}: read failed at offset {req.offset} ({exc})")
+        except (OSError, RuntimeError) as exc:
+            return _failure(req, exc)
         return short_read(req, got) if got < req.nbytes else None
 
     def close(self) -> None:

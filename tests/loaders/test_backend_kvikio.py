@@ -42,6 +42,17 @@ def test_no_gpu_is_a_backend_error() -> None:
         get_backend("kvikio", device="cuda:0")
 
 
+def test_kvikio_errors_become_short_reads_past_eof(tmp_path: Path) -> None:
+    from loaders.backends.kvikio import _failure
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 10_000)
+    eof = RuntimeError("KvikIO failure: POSIX error on pread: EOF")  # what kvikio 26.10 raises
+    assert "short read at offset 4096 (5904 of 8000 bytes)" in str(_failure(ReadRequest(str(path), 4096, 8000), eof))
+    other = _failure(ReadRequest(str(path), 0, 100), RuntimeError("device lost"))
+    assert "read failed at offset 0 (device lost)" in str(other)
+
+
 @pytest.fixture
 def gpu_backend() -> Any:
     def make(**options: Any) -> Any:
