@@ -62,13 +62,13 @@ def test_any_range_any_chunk(big_file: tuple[Path, bytes], offset: int, length: 
 
 def test_one_large_read_is_split_into_many_requests(big_file: tuple[Path, bytes]) -> None:
     path, payload = big_file
-    b = DirectBackend(threads=8, chunk=64 * 1024)
+    b = DirectBackend(threads=8, chunk=64 * 1024, page_cache=False)
     seen: list[int] = []
     piece = b._piece
 
-    def spy(p: str, view: memoryview, offset: int) -> int:
+    def spy(p: str, view: memoryview, offset: int, warm: bool = False) -> int:
         seen.append(offset)
-        return piece(p, view, offset)
+        return piece(p, view, offset, warm)
 
     b._piece = spy  # type: ignore[method-assign]
     with b:
@@ -158,24 +158,34 @@ def _evict(path: Path) -> None:
     os.close(fd)
 
 
-def test_o_direct_bypasses_and_warm_chunks_come_from_the_cache(tmp_path: Path) -> None:
+def test_o_direct_bypasses_and_warm_data_come_from_the_cache(tmp_path: Path) -> None:
     probe = PageCacheProbe()
     path = tmp_path / "c.bin"
-    path.write_bytes(np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    payload = np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    path.write_bytes(payload)
     _evict(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        if not probe.available or probe.resident(fd, 0, 1 << 20):
+        if not probe.available or probe.resident(fd, 0, 4096):
             pytest.skip("cachestat(2) unavailable or eviction not honoured here")
         with DirectBackend(chunk=64 * 1024) as b:
+            seen: list[tuple[int, bool]] = []
+            piece = b._piece
+            b._piece = lambda p, v, o, w=False: seen.append((o, w)) or piece(p, v, o, w)  # type: ignore[method-assign]
             b.read([ReadRequest(str(path), 0, 1 << 20)])
-            assert not probe.resident(fd, 0, 4096)  # O_DIRECT left the page cache alone
-            path.read_bytes()  # now warm
-            assert probe.resident(fd, 0, 1 << 20)
-            seen: list[str] = []
+            assert not probe.resident(fd, 0, 4096) and not any(w for _, w in seen)  # O_DIRECT left the cache alone
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the half we read
+            os.pread(fd, 1 << 19, 0)  # first half warm
             real = b._buffered.get
-            b._buffered.get = lambda p: seen.append(p) or real(p)  # type: ignore[method-assign]
-            (buf,) = b.read([ReadRequest(str(path), 0, 1 << 20)])
-        assert bytes(buf) == path.read_bytes() and len(seen) == 16  # every warm chunk read buffered
+            buffered: list[str] = []
+            b._buffered.get = lambda p: buffered.append(p) or real(p)  # type: ignore[method-assign]
+            (half,) = b.read([ReadRequest(str(path), 0, 1 << 20)])
+            assert len(buffered) == 8  # the eight cached 64 KiB chunks were copied, the rest read O_DIRECT
+            path.read_bytes()  # now all warm: one warm request, read buffered into the caller's buffer
+            seen.clear()
+            out = np.zeros((1 << 20) + 1, np.uint8)[1:]
+            b.read_into([ReadRequest(str(path), 0, 1 << 20)], [out])
+            assert seen == [(0, True)]
+        assert bytes(half) == payload and bytes(out) == payload
     finally:
         os.close(fd)
