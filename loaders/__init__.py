@@ -26,6 +26,9 @@ __version__ = "0.1.0"
 
 # Public names whose modules import torch (or MONAI): resolved on first access, so `import loaders` stays light.
 _LAZY = {
+    "BmapSource": "loaders.dali",
+    "CacheSource": "loaders.dali",
+    "FileSource": "loaders.dali",
     "PreparedBatches": "loaders.dataset",
     "PreparedDataset": "loaders.dataset",
     "PreparedPersistentDataset": "loaders.monai",
@@ -40,7 +43,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BackendError",
+    "BmapSource",
+    "CacheSource",
     "ChecksumError",
+    "FileSource",
     "FormatError",
     "IncompleteCacheError",
     "MissingDependencyError",

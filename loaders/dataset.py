@@ -188,7 +188,7 @@ class _DatasetCore:
             return self._view(items[rank * per : (rank + 1) * per])
         return self._view(items[rank::world_size])
 
-    def subset(self, indices: Sequence[int]) -> Any:
+    def subset(self, indices: Sequence[int] | np.ndarray) -> Any:
         """A view over positions `indices` of this dataset."""
         return self._view(self.items[np.asarray(indices, dtype=np.int64)])
 

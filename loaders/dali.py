@@ -1,0 +1,236 @@
+"""DALI face: sources for `fn.external_source(source=..., batch=True)` that read through blockprep backends.
+
+    @pipeline_def(batch_size=32, num_threads=4, device_id=0)
+    def pipe():
+        src = FileSource("train/", batch_size=32)
+        jpegs, labels = fn.external_source(source=src, num_outputs=2, batch=True, cycle="raise")
+        return fn.decoders.image(jpegs, device="mixed"), labels
+
+- `FileSource`: files of a class-folder tree through any backend, with labels exactly as
+  `fn.readers.file(file_root=...)` derives them (sorted subfolders, one level, DALI's file filters).
+- `BmapSource`: files of a block map read as raw device ranges (`blockdev`, or `xnvme`).
+- `CacheSource`: prepared-cache tensors as numpy (CPU) or CUDA torch tensors (GPU; use
+  `fn.external_source(device="gpu")`), one dense batch per key.
+
+Each source is an iterable: one epoch per `iter()`, StopIteration at its end, a new shuffle each epoch
+(seed + epoch). Pass `cycle="raise"` to external_source for epochs (StopIteration, then `pipe.reset()`).
+DALI itself is only needed to run the pipeline, not to build a source.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders.backends import Backend, ReadRequest, get_backend
+
+# fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
+DEFAULT_FILE_FILTERS = (
+    "*.jpg", "*.jpeg", "*.png", "*.bmp", "*.tif", "*.tiff", "*.pnm", "*.ppm", "*.pgm", "*.pbm", "*.jp2",
+    "*.webp", "*.flac", "*.ogg", "*.wav",
+)  # fmt: skip
+
+
+def _matches(name: str, filters: Sequence[str], case_sensitive: bool) -> bool:
+    if not case_sensitive:
+        name, filters = name.lower(), [f.lower() for f in filters]
+    return any(fnmatch.fnmatchcase(name, f) for f in filters)
+
+
+def list_labeled_files(
+    root: str | os.PathLike[str],
+    file_filters: Sequence[str] = DEFAULT_FILE_FILTERS,
+    case_sensitive_filter: bool = False,
+) -> list[tuple[str, int]]:
+    """(path relative to root, label) as `fn.readers.file(file_root=root)` lists them: every subfolder of
+    root in byte order is a label (empty ones too), its matching files in byte order; nothing deeper."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such folder of class subfolders")
+    classes = sorted((d.name for d in os.scandir(root) if d.is_dir()), key=os.fsencode)
+    out = []
+    for label, name in enumerate(classes):
+        files = [
+            f.name
+            for f in os.scandir(root / name)
+            if f.is_file() and _matches(f.name, file_filters, case_sensitive_filter)
+        ]
+        out += [(f"{name}/{f}", label) for f in sorted(files, key=os.fsencode)]
+    return out
+
+
+class _EpochSource:
+    """Batches of positions over `n` samples: shard, per-epoch shuffle, short last batch."""
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, shard_id: int, num_shards: int) -> None:
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} is outside num_shards {num_shards}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        # contiguous shards, as DALI readers split with shard_id/num_shards
+        self.positions = np.arange(n * shard_id // num_shards, n * (shard_id + 1) // num_shards)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = -1
+        self._order: np.ndarray = self.positions
+        self._next = 0
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return -(-len(self.positions) // self.batch_size)
+
+    def __iter__(self) -> Any:
+        self.epoch += 1
+        rng = np.random.default_rng(self.seed + self.epoch)
+        self._order = rng.permutation(self.positions) if self.shuffle else self.positions
+        self._next = 0
+        return self
+
+    def __next__(self) -> Any:
+        if self._next >= len(self._order):
+            raise StopIteration
+        chunk = self._order[self._next : self._next + self.batch_size]
+        self._next += len(chunk)
+        return self._batch([int(i) for i in chunk])
+
+    def _batch(self, positions: list[int]) -> Any:
+        raise NotImplementedError
+
+
+def _read_files(backend: Backend, paths: Sequence[str], sizes: Sequence[int]) -> list[np.ndarray]:
+    """All files of a batch in one backend call (many requests in flight)."""
+    buffers = backend.read([ReadRequest(p, 0, n) for p, n in zip(paths, sizes)])
+    return [np.asarray(b) for b in buffers]
+
+
+class FileSource(_EpochSource):
+    """(encoded bytes, label) batches of a class-folder tree, read through `backend`.
+
+    Yields ([uint8 arrays], [int32 arrays of shape (1,)]) like `fn.readers.file`'s two outputs; use
+    `fn.external_source(source=src, num_outputs=2, batch=True)`. `files` holds the (path, label) list."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        backend: str | Backend = "auto",
+        batch_size: int = 32,
+        shuffle: bool = False,
+        seed: int = 0,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        file_filters: Sequence[str] = DEFAULT_FILE_FILTERS,
+        case_sensitive_filter: bool = False,
+    ) -> None:
+        self.root = Path(root)
+        self.files = list_labeled_files(root, file_filters, case_sensitive_filter)
+        super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
+        self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+
+    def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        paths = [str(self.root / self.files[i][0]) for i in positions]
+        sizes = [os.stat(p).st_size for p in paths]
+        data = _read_files(self.backend, paths, sizes)
+        return data, [np.array([self.files[i][1]], dtype=np.int32) for i in positions]
+
+
+class BmapSource(_EpochSource):
+    """(bytes, label) batches of the files of a block map, read as raw device ranges.
+
+    bmap: a bmap.json path or a BlockMap. backend: "blockdev" (O_DIRECT on the device or loop image) or
+    "xnvme". folder: the class-folder root inside the map ("" = the map's root). Files are those
+    `fn.readers.file` would list there (class subfolders, DALI's filters); labels are the index of the class
+    folder among the sorted subfolders, as there (only a wholly empty folder, absent from a map, differs)."""
+
+    def __init__(
+        self,
+        bmap: Any,
+        backend: str = "blockdev",
+        batch_size: int = 32,
+        shuffle: bool = False,
+        seed: int = 0,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        file_filters: Sequence[str] = DEFAULT_FILE_FILTERS,
+        device_path: str | None = None,
+        folder: str = "",
+    ) -> None:
+        from loaders.bmap import BlockMap
+
+        self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
+        prefix = folder.strip("/") + "/" if folder.strip("/") else ""
+        mapped: Iterator[str] = self.bmap.keys()  # BlockMap has keys() but no __iter__
+        under = [k[len(prefix) :] for k in mapped if k.startswith(prefix)]
+        # a class is any subfolder holding mapped files (of any kind, at any depth), as readers.file counts
+        # every subfolder; only folders that are entirely empty are invisible in a map
+        classes = sorted({k.split("/")[0] for k in under if "/" in k}, key=os.fsencode)
+        rel = [k for k in under if k.count("/") == 1 and _matches(k.split("/")[1], file_filters, False)]
+        label = {c: i for i, c in enumerate(classes)}
+        #  `files` are relative to `folder` (as FileSource's); the backend reads the map's keys
+        self.files = sorted(((k, label[k.split("/")[0]]) for k in rel), key=lambda kv: os.fsencode(kv[0]))
+        self.prefix = prefix
+        super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
+        options: dict[str, Any] = {"bmap": self.bmap}
+        if device_path is not None:
+            options["device_path"] = device_path
+        self.backend = get_backend(backend, **options)
+
+    def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        keys = [self.prefix + self.files[i][0] for i in positions]
+        sizes = [self.bmap.entry(k).size for k in keys]
+        data = _read_files(self.backend, keys, sizes)
+        return data, [np.array([self.files[i][1]], dtype=np.int32) for i in positions]
+
+
+class CacheSource(_EpochSource):
+    """Prepared-cache tensors, batch mode: one dense (B, ...) array per key (a list when shapes differ).
+
+    device="cpu": numpy arrays (zero-copy views of the read buffers). device="cuda:N": CUDA torch tensors
+    (kvikio straight to the GPU, else pinned staging); give `fn.external_source(device="gpu")`."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        keys: str | Sequence[str] = "image",
+        batch_size: int = 8,
+        backend: str | Backend = "auto",
+        device: str = "cpu",
+        shuffle: bool = False,
+        seed: int = 0,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        prefetch: int = 2,
+    ) -> None:
+        from loaders.dataset import PreparedDataset
+
+        self.keys = [keys] if isinstance(keys, str) else list(keys)
+        self.dataset = PreparedDataset(cache_dir, keys=self.keys, backend=backend, device=device, meta=False)
+        super().__init__(len(self.dataset), batch_size, shuffle, seed, shard_id, num_shards)
+        self.prefetch = prefetch
+        self._batches: Iterator[dict[str, Any]] | None = None
+
+    def __iter__(self) -> Any:
+        super().__iter__()
+        view = self.dataset.subset(self._order)  # this epoch's order (shard and shuffle applied)
+        self._batches = view.iter_batches(self.batch_size, prefetch=self.prefetch)
+        return self
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            iter(self)
+        assert self._batches is not None
+        batch = next(self._batches)  # StopIteration ends the epoch
+        outs = [self._out(batch[k]) for k in self.keys]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _out(self, value: Any) -> Any:
+        if self.dataset.on_gpu:
+            return value
+        if isinstance(value, list):
+            return [v.numpy() for v in value]
+        return value.numpy()

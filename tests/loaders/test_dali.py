@@ -1,0 +1,165 @@
+"""DALI sources in real DALI CPU pipelines: same (file, label) pairs as fn.readers.file, cache tensors, bmaps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
+from loaders.format import write_items
+
+dali = pytest.importorskip("nvidia.dali")
+fn = pytest.importorskip("nvidia.dali.fn")
+pipeline_def = dali.pipeline_def
+
+
+def _readers_file(root: Path) -> list[tuple[str, int]]:
+    """(relative path, label) in the order a real DALI readers.file pipeline yields them."""
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def pipe() -> Any:
+        data, label = fn.readers.file(file_root=str(root), name="r")
+        return data, label
+
+    p = pipe()
+    p.build()
+    n = p.epoch_size("r")
+    out: list[tuple[str, int]] = []
+    while len(out) < n:
+        data, labels = p.run()
+        out += [(data[i].source_info(), int(np.array(labels[i]).item())) for i in range(len(data))]
+    return out[:n]
+
+
+def _tricky_tree(root: Path) -> Path:
+    """Byte-order folder names, an empty class, upper-case and hidden images, non-images, nested files."""
+    for rel in ["b/2.jpg", "b/10.jpg", "b/x.JPG", "b/notes.txt", "a/1.png", "a/sub/deep.jpg", "a/.hidden.jpg",
+                "C/q.jpeg", "C/r.webp", "Ab/k.bmp", "top.jpg"]:  # fmt: skip
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rel.encode() * 3)
+    (root / "B0").mkdir()
+    return root
+
+
+def test_labels_match_dali_readers_file(image_tree: Path, tmp_path: Path) -> None:
+    assert list_labeled_files(image_tree) == _readers_file(image_tree)
+    tricky = _tricky_tree(tmp_path / "tricky")
+    assert list_labeled_files(tricky) == _readers_file(tricky)
+    assert FileSource(tricky, backend="posix").files == _readers_file(tricky)
+
+
+def test_file_source_in_a_dali_pipeline(image_tree: Path) -> None:
+    pairs = list_labeled_files(image_tree)
+    src = FileSource(image_tree, backend="posix", batch_size=4)
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def ours() -> Any:
+        jpegs, labels = fn.external_source(source=src, num_outputs=2, batch=True, cycle="raise")
+        return jpegs, fn.decoders.image(jpegs, device="cpu"), labels
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+    def theirs() -> Any:
+        jpegs, labels = fn.readers.file(file_root=str(image_tree))
+        return fn.decoders.image(jpegs, device="cpu"), labels
+
+    a, b = ours(), theirs()
+    a.build()
+    b.build()
+    seen = 0
+    for _ in range(len(src)):
+        raw, images, labels = a.run()
+        ref_images, ref_labels = b.run()
+        for i in range(len(raw)):
+            path, label = pairs[seen]
+            assert np.array(raw[i]).tobytes() == (image_tree / path).read_bytes()
+            assert int(np.array(labels[i]).item()) == label == int(np.array(ref_labels[i]).item())
+            np.testing.assert_array_equal(np.array(images[i]), np.array(ref_images[i]))
+            seen += 1
+    assert seen == len(pairs)
+    with pytest.raises(StopIteration):
+        a.run()
+    a.reset()
+    raw, _, labels = a.run()  # a new epoch after reset (cycle="raise" re-iterates the source)
+    assert np.array(raw[0]).tobytes() == (image_tree / pairs[0][0]).read_bytes()
+
+
+def test_shuffle_and_shards(image_tree: Path) -> None:
+    n = len(list_labeled_files(image_tree))
+    src = FileSource(image_tree, backend="posix", batch_size=4, shuffle=True, seed=3)
+    first = [bytes(x) for batch in src for x in batch[0]]
+    second = [bytes(x) for batch in src for x in batch[0]]
+    assert len(first) == n and sorted(first) == sorted(second) and first != second
+    parts = [FileSource(image_tree, backend="posix", shard_id=s, num_shards=2) for s in range(2)]
+    assert sum(len(p.positions) for p in parts) == n
+    assert set(parts[0].positions).isdisjoint(parts[1].positions)
+    with pytest.raises(ValueError, match="shard_id 2"):
+        FileSource(image_tree, shard_id=2, num_shards=2)
+
+
+def test_cache_source_in_a_dali_pipeline(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    items = [{"image": rng.random((1, 8, 8, 8), dtype=np.float32), "label": rng.integers(0, 3, (1, 8, 8, 8),
+              dtype=np.uint8)} for _ in range(5)]  # fmt: skip
+    write_items(tmp_path / "c", items)
+    src = CacheSource(tmp_path / "c", keys=["image", "label"], batch_size=2, backend="posix")
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def pipe() -> Any:
+        image, label = fn.external_source(
+            source=src, num_outputs=2, batch=True, dtype=[dali.types.FLOAT, dali.types.UINT8]
+        )
+        return image * 2.0, label
+
+    p = pipe()
+    p.build()
+    got_images, got_labels = [], []
+    for _ in range(len(src)):
+        images, labels = p.run()
+        got_images += [np.array(images[i]) for i in range(len(images))]
+        got_labels += [np.array(labels[i]) for i in range(len(labels))]
+    np.testing.assert_allclose(np.stack(got_images), np.stack([it["image"] * 2 for it in items]), rtol=1e-6)
+    np.testing.assert_array_equal(np.stack(got_labels), np.stack([it["label"] for it in items]))
+    shuffled = CacheSource(tmp_path / "c", keys="label", batch_size=5, backend="posix", shuffle=True, seed=1)
+    batch = next(iter(shuffled))
+    order = shuffled._order.tolist()
+    assert sorted(order) == list(range(5))
+    np.testing.assert_array_equal(batch, np.stack([items[i]["label"] for i in order]))
+
+
+@pytest.mark.loopdev
+def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    from prep.bmap import build_bmap
+    from prep.synth import image_tree
+
+    fs = make_loopfs("ext4")
+    root = image_tree(fs.mountpoint, classes=3, per_class=4, size=32, seed=1)
+    (root / "class_empty_files_only").mkdir()
+    (root / "class_empty_files_only" / "readme.txt").write_text("not an image")
+    build_bmap(fs.mountpoint, tmp_path / "bmap.json")
+    src = BmapSource(tmp_path / "bmap.json", batch_size=5, folder="train")
+    assert src.files == list_labeled_files(root)  # the folder with no image still takes label 0
+    seen = 0
+    for data, labels in src:
+        for raw, label in zip(data, labels):
+            path, want = src.files[seen]
+            assert raw.tobytes() == (root / path).read_bytes() and int(label[0]) == want
+            seen += 1
+    assert seen == len(src.files) == 12
+
+
+@pytest.mark.gpu
+def test_cache_source_on_gpu(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    items = [{"image": np.full((4, 4), i, np.float32)} for i in range(3)]
+    write_items(tmp_path / "c", items)
+    batch = next(iter(CacheSource(tmp_path / "c", batch_size=3, device="cuda:0")))
+    assert batch.is_cuda
+    np.testing.assert_array_equal(batch.cpu().numpy(), np.stack([it["image"] for it in items]))
