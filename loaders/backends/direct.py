@@ -83,6 +83,7 @@ class _Job:
     copy_to: np.ndarray | None  # caller's buffer when target is a bounce buffer
     skip: int = 0
     warm: bool = False  # wholly in the page cache: [start, end) is the exact request, read buffered
+    whole: ReadRequest | None = None  # the caller's request when this job is its unaligned tail (for errors)
 
 
 class DirectBackend(Backend):
@@ -163,22 +164,29 @@ class DirectBackend(Backend):
         fd, direct = self._fd(req.path)
         return direct and self._probe.resident(fd, req.offset - req.offset % ALIGN, req.nbytes + req.offset % ALIGN)
 
-    def _plan(self, req: ReadRequest, buf: Any | None) -> _Job:
+    def _plan(self, req: ReadRequest, buf: Any | None) -> list[_Job]:
+        """Map a request onto aligned targets: the caller's buffer where alignment allows, else a bounce."""
         out = None if buf is None else _as_bytes(buf)
         if out is not None and len(out) < req.nbytes:
             raise BackendError(f"{req.path}: buffer of {len(out)} bytes is smaller than the read ({req.nbytes})")
         end_exact = req.offset + req.nbytes
         if self._warm(req):  # buffered reads need no alignment: straight into the caller's buffer
             target = aligned_empty(req.nbytes) if out is None else out
-            return _Job(req, target, req.offset, end_exact, None, warm=True)
+            return [_Job(req, target, req.offset, end_exact, None, warm=True)]
         start = req.offset - req.offset % ALIGN
         end = -(-end_exact // ALIGN) * ALIGN
         skip = req.offset - start
         if out is None:
-            return _Job(req, aligned_empty(end - start), start, end, None, skip)
-        if skip == 0 and out.ctypes.data % ALIGN == 0 and len(out) >= end - start:
-            return _Job(req, out, start, end, None)
-        return _Job(req, aligned_empty(end - start), start, end, out, skip)
+            return [_Job(req, aligned_empty(end - start), start, end, None, skip)]
+        if skip or out.ctypes.data % ALIGN:
+            return [_Job(req, aligned_empty(end - start), start, end, out, skip)]
+        if len(out) >= end - start:
+            return [_Job(req, out, start, end, None)]
+        # aligned start, unaligned length: the bulk straight into the caller's buffer, the last block bounced
+        bulk = req.nbytes - req.nbytes % ALIGN
+        tail = ReadRequest(req.path, start + bulk, req.nbytes - bulk)
+        jobs = [_Job(ReadRequest(req.path, req.offset, bulk), out[:bulk], start, start + bulk, None)] if bulk else []
+        return [*jobs, _Job(tail, aligned_empty(ALIGN), tail.offset, tail.offset + ALIGN, out[bulk:], whole=req)]
 
     def _run(self, jobs: list[_Job]) -> None:
         # warm pieces are memory copies: larger pieces, fewer Python round trips
@@ -198,17 +206,18 @@ class DirectBackend(Backend):
         for (job, off, size), n in zip(pieces, got):
             need = min(off + size, job.req.offset + job.req.nbytes) - off
             if n < need:
-                raise short_read(job.req, max(0, off + n - job.req.offset))
+                whole = job.whole or job.req
+                raise short_read(whole, max(0, off + n - whole.offset))
         for job in jobs:
             if job.copy_to is not None:
                 job.copy_to[: job.req.nbytes] = job.target[job.skip : job.skip + job.req.nbytes]
 
     def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
-        self._run([self._plan(r, b) for r, b in zip(requests, buffers)])
+        self._run([job for r, b in zip(requests, buffers) for job in self._plan(r, b)])
 
     def read(self, requests: Sequence[ReadRequest]) -> list[Any]:
         """Read into new aligned buffers covering each request; returns views trimmed to each request."""
-        jobs = [self._plan(r, None) for r in requests]
+        jobs = [job for r in requests for job in self._plan(r, None)]
         self._run(jobs)
         return [j.target[j.skip : j.skip + j.req.nbytes] for j in jobs]
 

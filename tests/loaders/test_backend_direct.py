@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaders.backends import ReadRequest, get_backend
+from loaders.backends import ReadRequest, aligned_empty, get_backend
 from loaders.backends.direct import DirectBackend, PageCacheProbe
 from loaders.errors import BackendError
 
@@ -40,24 +40,40 @@ def test_registered_and_reads_with_o_direct(big_file: tuple[Path, bytes]) -> Non
         assert direct and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     offset=st.integers(0, SIZE - 1),
     length=st.integers(1, 300_000),
     chunk=st.sampled_from([4096, 3 * 4096, 1 << 20]),
-    into=st.booleans(),
+    into=st.sampled_from(["new", "aligned", "misaligned"]),
+    page_cache=st.booleans(),
 )
-def test_any_range_any_chunk(big_file: tuple[Path, bytes], offset: int, length: int, chunk: int, into: bool) -> None:
+def test_any_range_any_chunk(
+    big_file: tuple[Path, bytes], offset: int, length: int, chunk: int, into: str, page_cache: bool
+) -> None:
     path, payload = big_file
     nbytes = min(length, SIZE - offset)
     req = ReadRequest(str(path), offset, nbytes)
-    with DirectBackend(threads=4, chunk=chunk) as b:
-        if into:
-            out = np.zeros(nbytes + 3, np.uint8)[3:]  # caller buffer, usually not aligned
-            b.read_into([req], [out])
-        else:
+    with DirectBackend(threads=4, chunk=chunk, page_cache=page_cache) as b:
+        if into == "new":
             (out,) = b.read([req])
+        else:  # caller buffers of exactly nbytes: aligned (bulk read in place, tail bounced) or not
+            out = aligned_empty(nbytes + 4096)[:nbytes] if into == "aligned" else np.zeros(nbytes + 3, np.uint8)[3:]
+            out[:] = 7
+            b.read_into([req], [out])
     assert bytes(out) == payload[offset : offset + nbytes]
+
+
+def test_aligned_caller_buffer_is_filled_in_place(big_file: tuple[Path, bytes]) -> None:
+    path, payload = big_file
+    big = aligned_empty(3 * 4096)
+    big[:] = 9
+    out = big[: 2 * 4096 + 100]  # aligned start, unaligned length: only the last block goes through a bounce
+    with DirectBackend(page_cache=False) as b:
+        jobs = b._plan(ReadRequest(str(path), 4096, len(out)), out)
+        assert [j.target.ctypes.data == out.ctypes.data for j in jobs] == [True, False]
+        b.read_into([ReadRequest(str(path), 4096, len(out))], [out])
+    assert bytes(out) == payload[4096 : 4096 + len(out)] and set(big[len(out) :]) == {9}  # nothing past it
 
 
 def test_one_large_read_is_split_into_many_requests(big_file: tuple[Path, bytes]) -> None:

@@ -17,6 +17,8 @@ CPU_BACKENDS = [n for n in backend_names() if n not in ("kvikio", "blockdev", "x
 # Backends that need hardware or a system library: they run where it is present and skip with the reason.
 PARAMS = [
     *CPU_BACKENDS,
+    # test files are in the page cache right after writing: this one takes the O_DIRECT path regardless
+    pytest.param(("direct", {"page_cache": False}), id="direct-o_direct-only"),
     pytest.param("xnvme", marks=pytest.mark.xnvme),
     pytest.param("kvikio", marks=pytest.mark.gpu),
 ]
@@ -24,11 +26,12 @@ PARAMS = [
 
 @pytest.fixture(params=PARAMS)
 def backend(request: pytest.FixtureRequest) -> Backend:
-    device = "cuda:0" if request.param == "kvikio" else "cpu"
+    name, options = request.param if isinstance(request.param, tuple) else (request.param, {})
+    device = "cuda:0" if name == "kvikio" else "cpu"
     try:
-        b = get_backend(request.param, device=device)
+        b = get_backend(name, device=device, **options)
     except PrepError as exc:
-        pytest.skip(f"{request.param} unavailable here: {exc}")
+        pytest.skip(f"{name} unavailable here: {exc}")
     request.addfinalizer(b.close)
     return b
 
