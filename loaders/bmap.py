@@ -155,6 +155,7 @@ class BlockMap:
         self.doc = doc
         self.path = path
         self.files: dict[str, dict[str, Any]] = doc["files"]
+        self._entries: dict[str, FileEntry] = {}  # parsed on first use: a loader asks for the same files often
         self.root = os.path.abspath(root if root is not None else doc["root"])
         self.device: str = doc["device"]
         self.disk: str = doc.get("disk", self.device)
@@ -199,10 +200,14 @@ class BlockMap:
     def entry(self, key: str | os.PathLike[str]) -> FileEntry:
         """The FileEntry for a key or a path under the root."""
         k = self.key_for(key)
+        cached = self._entries.get(k)
+        if cached is not None:
+            return cached
         r = self.files[k]
         ext = tuple((int(e[0]), int(e[1]), int(e[2]), int(e[3])) for e in r["extents"])
         reason, xxh3 = r.get("reason"), r.get("xxh3")
-        return FileEntry(k, r["size"], r["inode"], r["mtime_ns"], ext, r["raw_readable"], reason, xxh3)
+        e = self._entries[k] = FileEntry(k, r["size"], r["inode"], r["mtime_ns"], ext, r["raw_readable"], reason, xxh3)
+        return e
 
     def file_path(self, key: str) -> str:
         """Where the file is now, through the filesystem."""

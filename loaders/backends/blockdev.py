@@ -54,16 +54,17 @@ class RawDevice:
                 "device (root or the disk group), or pass the loop image file"
             ) from None
 
-    def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill `out` with the bytes at `offset`, reading the covering aligned range when unaligned."""
-        n = len(out)
+    def read_into(self, offset: int, out: memoryview, nbytes: int | None = None) -> None:
+        """Fill out[:nbytes] with the bytes at `offset`. Bytes of `out` past `nbytes` (default len(out)) may be
+        overwritten: given that room, an aligned read with an unaligned end lands in place, with no copy."""
+        n = len(out) if nbytes is None else nbytes
         if n == 0:
             return
         a = self.align
         lo, hi = offset - offset % a, -(-(offset + n) // a) * a
         fd = self.fd()
-        if (lo == offset and hi == offset + n and _address(out) % a == 0) or not self.direct:
-            got = pread_full(fd, out, offset, self.path)
+        if not self.direct or (lo == offset and hi - lo <= len(out) and _address(out) % a == 0):
+            got = pread_full(fd, out[: n if not self.direct else hi - lo], offset, self.path)
             if got < n:
                 raise BackendError(f"{self.path}: short read at byte {offset} ({got} of {n}); wrong device?")
             return
@@ -71,7 +72,7 @@ class RawDevice:
         got = pread_full(fd, scratch.data, lo, self.path)
         if got < offset - lo + n:
             raise BackendError(f"{self.path}: short read at byte {offset} ({got} of {hi - lo}); wrong device?")
-        out[:] = scratch.data[offset - lo : offset - lo + n]
+        out[:n] = scratch.data[offset - lo : offset - lo + n]
 
     def __getstate__(self) -> dict[str, Any]:
         # descriptors and locks do not travel to worker processes: reopened there on first use
@@ -95,7 +96,11 @@ def _address(view: memoryview) -> int:
 
 class BlockdevBackend(Backend):
     """Raw block-range reads of mapped files. `bmap` is a BlockMap or a bmap.json path; `device_path` picks the
-    device, its whole disk, or the loop image file (default: the device when readable, else the image)."""
+    device, its whole disk, or the loop image file (default: the device when readable, else the image).
+
+    Before its first raw read, each file is stat()ed through the filesystem to catch a stale map (one
+    metadata lookup per file per backend); `check_stale=False` skips that for data that cannot change
+    (a read-only mount). `fallback=False` raises instead of reading through the filesystem."""
 
     name = "blockdev"
 
@@ -105,11 +110,13 @@ class BlockdevBackend(Backend):
         device_path: str | os.PathLike[str] | None = None,
         threads: int = 16,
         fallback: bool = True,
+        check_stale: bool = True,
     ) -> None:
         super().__init__(threads)
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
         self.source: RawSource = self.bmap.source(device_path)
         self.fallback = fallback
+        self.check_stale = check_stale
         self._raw = RawDevice(self.source.path)
         self._fs = FdCache(os.O_RDONLY)
         self._why: dict[str, str | None] = {}  # key -> why it must go through the filesystem (checked once)
@@ -120,9 +127,10 @@ class BlockdevBackend(Backend):
         why = self._why.get(key, "?")
         if why == "?":
             e = self.bmap.entry(key)
+            why = None
             if not e.raw_readable:
                 why = f"not raw-readable ({e.reason})"
-            else:
+            elif self.check_stale:
                 stale = self.bmap.stale_reason(key)
                 why = f"changed since it was mapped ({stale})" if stale else None
             self._why[key] = why
@@ -141,34 +149,45 @@ class BlockdevBackend(Backend):
         if got < req.nbytes:
             raise short_read(req, got)
 
-    def _one(self, req: ReadRequest, buf: Any) -> None:
+    def _one(self, req: ReadRequest, buf: Any, room: int = 0) -> None:
+        # room: bytes of buf past nbytes that this backend allocated itself and may overwrite
         try:
             key = self.bmap.key_for(req.path)
         except FormatError as exc:
             raise BackendError(str(exc)) from None
-        view = memoryview(buf)[: req.nbytes].cast("B")
+        view = memoryview(buf).cast("B")[: req.nbytes + room]
         why = self._filesystem_reason(key)
         if why:
-            self._fs_read(key, why, req, view)
+            self._fs_read(key, why, req, view[: req.nbytes])
             return
         try:
             segments = self.bmap.segments(key, req.offset, req.nbytes)
         except ValueError:
             raise short_read(req, max(0, self.bmap.entry(key).size - req.offset)) from None
         base = self.source.base
-        for seg in segments:
-            dest = view[seg.file_offset - req.offset : seg.file_offset - req.offset + seg.nbytes]
+        for seg in segments:  # in file order: a segment's overrun is overwritten by the ones after it
+            at = seg.file_offset - req.offset
             if seg.device_offset is None:
-                dest[:] = bytes(seg.nbytes)  # a hole reads as zeros
+                view[at : at + seg.nbytes] = bytes(seg.nbytes)  # a hole reads as zeros
             else:
-                self._raw.read_into(base + seg.device_offset, dest)
+                # a segment may spill into the next segment's place or the room, never past them
+                self._raw.read_into(base + seg.device_offset, view[at:], seg.nbytes)
 
     def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        self._run(requests, buffers, [0] * len(requests))
+
+    def read(self, requests: Sequence[ReadRequest]) -> list[Any]:
+        # Buffers allocated here are padded to the alignment: their tails take the unaligned ends in place.
+        buffers = [self.allocate(r.nbytes) for r in requests]
+        self._run(requests, buffers, [len(b) - r.nbytes for r, b in zip(requests, buffers)])
+        return [b[: r.nbytes] for b, r in zip(buffers, requests)]
+
+    def _run(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
         if len(requests) == 1 or self.threads <= 1:
-            for req, buf in zip(requests, buffers):
-                self._one(req, buf)
+            for req, buf, room in zip(requests, buffers, rooms):
+                self._one(req, buf, room)
             return
-        for fut in [self.pool.submit(self._one, r, b) for r, b in zip(requests, buffers)]:
+        for fut in [self.pool.submit(self._one, *args) for args in zip(requests, buffers, rooms)]:
             fut.result()
 
     def close(self) -> None:

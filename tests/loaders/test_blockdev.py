@@ -74,7 +74,8 @@ def requests_for(root: Path, content: dict[str, bytes], seed: int = 0) -> list[R
 def test_raw_reads_match_the_filesystem(mapped: tuple[Any, Path, dict], via: str) -> None:
     fs, out, content = mapped
     device = fs.image if via == "image" else fs.device
-    with BlockdevBackend(out, device_path=device, threads=8) as b:
+    b = BlockdevBackend(out, device_path=device, threads=8)
+    with b:
         assert b.source.base == (MiB if via == "image" else 0)
         reqs = requests_for(fs.mountpoint, content)
         with warnings.catch_warnings():
@@ -157,3 +158,17 @@ def test_raw_device_unaligned_reads(tmp_path: Path) -> None:
             raw.read_into(len(data) - 5, memoryview(bytearray(10)))
     finally:
         raw.close()
+
+
+def test_check_stale_off_trusts_the_map(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    fs = make_loopfs("ext4")
+    data = os.urandom(10000)
+    (fs.mountpoint / "f").write_bytes(data)
+    build_bmap(fs.mountpoint, tmp_path / "m.json")
+    os.utime(fs.mountpoint / "f", ns=(1, 1))  # only the mtime changes: the blocks still hold the same bytes
+    trusting = BlockdevBackend(tmp_path / "m.json", device_path=fs.image, check_stale=False)
+    with trusting, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bytes(trusting.read([ReadRequest("f", 0, 10000)])[0]) == data
+    with BlockdevBackend(tmp_path / "m.json", device_path=fs.image) as b, pytest.warns(RuntimeWarning, match="mtime"):
+        assert bytes(b.read([ReadRequest("f", 0, 10000)])[0]) == data

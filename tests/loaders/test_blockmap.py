@@ -148,7 +148,7 @@ def test_lba_round_trip(offset: int, nbytes: int, block: int) -> None:
 
 
 def test_partition_start_applies_to_whole_disk_addresses(tmp_path: Path) -> None:
-    rec = {"size": 10000, "inode": 1, "mtime_ns": 1, "raw_readable": True}
+    rec: dict[str, Any] = {"size": 10000, "inode": 1, "mtime_ns": 1, "raw_readable": True}
     rec["extents"] = [[0, 40960, 8192, 0], [8192, 1 << 20, 4096, 1]]
     path = tmp_path / "m.json"
     path.write_bytes(encode_document(doc_for(tmp_path, {"f": rec}, partition_start=2048 * 512)))
