@@ -1,0 +1,240 @@
+"""Benchmark block maps: mapping rate against `filefrag`, and cold raw range reads against one large O_DIRECT read.
+
+    python -m workflows.bench_bmap --files 100000 --workers 8
+
+Needs root (it makes and loop-mounts an ext4 image with N small files under --tmp, and removes it after).
+Every ratio compares two things measured in the same run on the same files:
+
+- mapping: `prep.bmap.build_bmap` (1 worker and W workers) vs `filefrag -s -e` (the same FIEMAP_FLAG_SYNC
+  and extent listing) over the same files, many paths per invocation, as one process and as W processes;
+- raw reads (cold: page cache dropped before each run): every mapped file read whole through
+  `BlockdevBackend` from the image file, vs the same number of bytes read from one contiguous region of
+  the image with O_DIRECT, T requests in flight: once in 1 MiB requests (the device's ceiling) and once in
+  requests of the same sizes as the files (the same request count; isolates the cost of the map).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FILEFRAG_BATCH = 2000  # paths per filefrag invocation: process start-up is amortised, as a user would batch
+
+
+@dataclass
+class Row:
+    """One line of the result table."""
+
+    what: str
+    seconds: float
+    count: int  # files or requests
+    nbytes: int
+    peer: str = ""
+    ratio: float | None = None
+
+    def rate(self) -> str:
+        per_s = self.count / self.seconds if self.seconds > 0 else 0.0
+        gbs = self.nbytes / self.seconds / 1e9 if self.seconds > 0 and self.nbytes else 0.0
+        return f"{per_s:>12,.0f}/s" + (f" {gbs:7.2f} GB/s" if gbs else " " * 13)
+
+
+def _run(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextmanager
+def loop_ext4(tmp: Path, size_mb: int, inodes: int) -> Iterator[tuple[Path, Path, str]]:
+    """A fresh ext4 image under `tmp`, loop-mounted; yields (image, mountpoint, device); always cleaned up."""
+    if os.geteuid() != 0:
+        raise SystemExit("bench_bmap needs root: it loop-mounts an ext4 image (run it as root or in CI)")
+    image, mnt = tmp / "bench.img", tmp / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    device = _run("losetup", "--find", "--show", str(image))
+    try:
+        _run("mkfs.ext4", "-q", "-F", "-N", str(inodes), device)
+        _run("mount", device, str(mnt))
+        try:
+            yield image, mnt, device
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False)
+    finally:
+        subprocess.run(["losetup", "-d", device], check=False)
+
+
+def make_files(mnt: Path, n: int, mean_size: int, seed: int = 0) -> list[str]:
+    """N files of random sizes (1 byte .. 2x mean) in folders of 1000, like a class-folder image tree."""
+    rng = random.Random(seed)
+    payload = os.urandom(2 * mean_size)
+    keys = []
+    for i in range(n):
+        d = mnt / f"c{i // 1000:04d}"
+        if i % 1000 == 0:
+            d.mkdir()
+        key = f"{d.name}/f{i:07d}.bin"
+        (mnt / key).write_bytes(payload[: rng.randint(1, 2 * mean_size)])
+        keys.append(key)
+    os.sync()
+    return keys
+
+
+def drop_caches(image: Path) -> None:
+    """Evict the image's pages (and, as root, every clean page) so the next read is cold."""
+    os.sync()
+    fd = os.open(image, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # not root or not permitted: fadvise above still evicted the image
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def time_filefrag(mnt: Path, keys: Sequence[str], procs: int) -> float:
+    """Seconds for `filefrag -s -e` over every file, FILEFRAG_BATCH paths per call, `procs` calls at a time."""
+    batches = [[str(mnt / k) for k in keys[i : i + FILEFRAG_BATCH]] for i in range(0, len(keys), FILEFRAG_BATCH)]
+
+    def one(paths: list[str]) -> None:
+        subprocess.run(["filefrag", "-s", "-e", *paths], check=True, stdout=subprocess.DEVNULL)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(procs) as pool:
+        list(pool.map(one, batches))
+    return time.perf_counter() - t0
+
+
+def bench_mapping(mnt: Path, keys: Sequence[str], workers: int, out: Path) -> list[Row]:
+    """Mapping rate of build_bmap (1 and W workers) vs filefrag (1 and W processes), metadata warm for all."""
+    from prep.bmap import build_bmap
+
+    time_filefrag(mnt, keys, workers)  # warm the inode and extent caches for everyone
+    n = len(keys)
+    ff1 = time_filefrag(mnt, keys, 1)
+    ffw = time_filefrag(mnt, keys, workers)
+    rows = [Row("filefrag -s -e, 1 process", ff1, n, 0), Row(f"filefrag -s -e, {workers} processes", ffw, n, 0)]
+    for w in sorted({1, workers}):
+        s = build_bmap(mnt, out, workers=w)
+        assert s.files == n, f"mapped {s.files} of {n} files"
+        rows.append(Row(f"build_bmap, {w} worker(s)", s.seconds, n, 0, "filefrag 1 process", ff1 / s.seconds))
+        if w == workers and workers > 1:
+            rows.append(Row(f"build_bmap, {w} workers", s.seconds, n, 0, f"filefrag {workers} procs", ffw / s.seconds))
+    return rows
+
+
+def _direct_reads(image: Path, offsets: Sequence[int], sizes: Sequence[int], threads: int) -> float:
+    """Seconds to read (offset, size) pairs with O_DIRECT into aligned buffers, `threads` in flight."""
+    from loaders.backends.base import aligned_empty
+    from loaders.format import align_up
+
+    fd = os.open(image, os.O_RDONLY | os.O_DIRECT)
+    try:
+
+        def one(i: int) -> None:
+            buf = aligned_empty(align_up(sizes[i]))
+            os.preadv(fd, [buf.data], offsets[i])
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(len(offsets)), chunksize=64))
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+def bench_reads(image: Path, bmap_path: Path, threads: int, batch: int = 1024) -> list[Row]:
+    """Cold raw reads of every mapped file through BlockdevBackend vs one contiguous O_DIRECT region."""
+    from loaders.backends import ReadRequest
+    from loaders.backends.blockdev import BlockdevBackend
+    from loaders.bmap import BlockMap
+    from loaders.format import align_up
+
+    bm = BlockMap.load(bmap_path)
+    reqs = [ReadRequest(k, 0, bm.files[k]["size"]) for k in bm.files if bm.files[k]["size"]]
+    total = sum(r.nbytes for r in reqs)
+    sizes = [r.nbytes for r in reqs]
+    rows = []
+    t_bmap = {}
+    for check in (True, False):
+        with BlockdevBackend(bm, device_path=image, threads=threads, check_stale=check) as b:
+            drop_caches(image)
+            t0 = time.perf_counter()
+            for i in range(0, len(reqs), batch):
+                b.read(reqs[i : i + batch])
+            t_bmap[check] = time.perf_counter() - t0
+    # peers read the same bytes from the start of the image: one contiguous region
+    drop_caches(image)
+    big = 1 << 20
+    big_offsets = list(range(0, align_up(total, big), big))
+    t_big = _direct_reads(image, big_offsets, [big] * len(big_offsets), threads)
+    drop_caches(image)
+    same_offsets = list(np.cumsum([0] + [align_up(s) for s in sizes[:-1]]))
+    t_same = _direct_reads(image, [int(o) for o in same_offsets], sizes, threads)
+    # the same reads at the files' own device offsets, without the map: what the device gives for this layout
+    drop_caches(image)
+    mapped = [bm.source(image).base + bm.files[r.path]["extents"][0][1] for r in reqs]
+    t_at = _direct_reads(image, mapped, sizes, threads)
+    n = len(reqs)
+    rows.append(Row(f"O_DIRECT 1 MiB requests, {threads} in flight", t_big, len(big_offsets), total))
+    rows.append(Row(f"O_DIRECT file-sized requests, {threads} in flight", t_same, n, total))
+    rows.append(Row(f"O_DIRECT at the files' offsets, {threads} in flight", t_at, n, total))
+    for check, label in ((True, "stat check"), (False, "check_stale=False")):
+        t = t_bmap[check]
+        what = f"BlockdevBackend {threads} thr, {label}"
+        rows.append(Row(what, t, n, total, "1 MiB O_DIRECT", t_big / t))
+        rows.append(Row(what, t, n, total, "same-size O_DIRECT", t_same / t))
+        rows.append(Row(what, t, n, total, "O_DIRECT at offsets", t_at / t))
+    return rows
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    """The result table: rate per row, and the ratio against its peer (>1: faster than the peer)."""
+    print(f"{'what':<50} {'seconds':>8} {'rate':>28}  vs peer")
+    for r in rows:
+        vs = f"{r.ratio:5.2f}x {r.peer}" if r.ratio is not None else ""
+        print(f"{r.what:<50} {r.seconds:8.3f} {r.rate():>28}  {vs}")
+
+
+def run(files: int, workers: int, threads: int = 16, mean_size: int = 16384, tmp: Path | None = None) -> list[Row]:
+    """Make the image, run both benchmarks, clean up; returns the table rows."""
+    base = Path(tempfile.mkdtemp(prefix="bench_bmap-", dir=tmp))
+    try:
+        size_mb = 64 + files * (mean_size + 4096 + 512) * 3 // 2 // (1 << 20)
+        with loop_ext4(base, size_mb, files + 1024) as (image, mnt, _device):
+            keys = make_files(mnt, files, mean_size)
+            rows = bench_mapping(mnt, keys, workers, base / "bmap.json")
+            rows += bench_reads(image, base / "bmap.json", threads)
+        return rows
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command-line entry."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=100_000, help="number of small files (default 100000)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 4, help="mapping workers / filefrag procs")
+    parser.add_argument("--threads", type=int, default=16, help="raw read requests in flight (default 16)")
+    parser.add_argument("--mean-size", type=int, default=16384, help="mean file size in bytes (default 16 KiB)")
+    parser.add_argument("--tmp", type=Path, default=None, help="where the image goes (default: the system temp)")
+    args = parser.parse_args(argv)
+    rows = run(args.files, args.workers, args.threads, args.mean_size, args.tmp)
+    print(f"\nbench_bmap: {args.files} files (mean {args.mean_size} B) on a loop-mounted ext4 image")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
