@@ -64,6 +64,13 @@ class FdCache:
                 os.close(old)
         return fd
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Descriptors and locks do not cross processes: a DataLoader worker reopens what it reads.
+        return {"flags": self.flags, "capacity": self.capacity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["flags"], state["capacity"])  # type: ignore[misc]
+
     def close(self) -> None:
         """Close every cached descriptor."""
         with self._lock:

@@ -35,7 +35,3 @@ class PosixBackend(Backend):
     def close(self) -> None:
         super().close()
         self._fds.close()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._fds = FdCache(os.O_RDONLY)

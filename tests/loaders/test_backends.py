@@ -113,8 +113,6 @@ def test_read_into_caller_buffers(backend: Backend, data_file: tuple[Path, bytes
 
 def test_survives_pickling(backend: Backend, data_file: tuple[Path, bytes]) -> None:
     path, payload = data_file
-    if backend.name == "posix":
-        pytest.xfail("posix keeps its FdCache (holding a lock) in __getstate__: fix due in base/posix")
     backend.read([ReadRequest(str(path), 0, 10)])  # opens descriptors and the pool before pickling
     with pickle.loads(pickle.dumps(backend)) as clone:
         (buf,) = clone.read([ReadRequest(str(path), 100, 5000)])
