@@ -10,6 +10,8 @@ PIPELINE ?= workflows/pipelines/spheres.py
 CACHE ?= $(DEMO)/cache
 MOUNTPOINT ?= $(DEMO)
 BMAP ?= $(DEMO)/bmap.json
+# the demo folder is not a mountpoint; for a real one: make bmap MOUNTPOINT=/mnt/nvme BMAP_ARGS=
+BMAP_ARGS ?= --allow-subdir
 PYTEST_ARGS ?=
 # CPU torch by default; pass TORCH_PIP_ARGS="--index-url <your CPU wheel index>" where needed.
 TORCH_SPEC ?= torch==2.13.0
@@ -47,7 +49,7 @@ cache: install
 	$(BIN)/prep cache $(DATALIST) --pipeline $(PIPELINE) --output $(CACHE)
 
 bmap: install
-	$(BIN)/prep bmap --mountpoint $(MOUNTPOINT) --output $(BMAP)
+	$(BIN)/prep bmap --mountpoint $(MOUNTPOINT) --output $(BMAP) $(BMAP_ARGS)
 
 clean:
 	rm -rf $(DEMO) bench_out .pytest_cache .mypy_cache .ruff_cache build *.egg-info
