@@ -1,0 +1,50 @@
+"""The training examples run a few CPU steps on tiny data and report how long they waited for data."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from workflows import train_classify2d, train_seg3d
+
+PIPELINE = Path(train_seg3d.__file__).parent / "pipelines" / "spheres.py"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three 48^3 volumes (the pipeline's 32^3 crops need >= 32 voxels after resampling to 1 mm)."""
+    from prep.cache import prepare_cache
+    from prep.synth import nifti_dataset
+
+    root = tmp_path_factory.mktemp("seg")
+    datalist = nifti_dataset(root / "nifti", count=3, size=48, seed=1)
+    prepare_cache(datalist, PIPELINE, root / "cache", workers=1, processes=False)
+    return root / "cache"
+
+
+@pytest.mark.slow  # ~8 s: a cache, two loaders, a UNet
+def test_seg3d_blockprep_and_persistent_train_on_the_same_data(cache: Path, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    reports = train_seg3d.main(["--cache", str(cache), "--loader", "both", "--iters", "2", "--batchsize", "1",
+                                "--workers", "0", "--channels", "4", "8", "--persistent-dir", str(tmp_path / "pt"),
+                                "--json", str(report)])  # fmt: skip
+    blockprep, persistent = reports
+    assert (blockprep.loader, persistent.loader) == ("blockprep", "persistent")
+    for r in reports:
+        assert r.iters == 2 and 0 < r.wait_seconds < r.seconds and 0 < r.wait_share < 1
+        assert math.isfinite(r.first_loss) and math.isfinite(r.last_loss)
+    # same seed, same crops, same weights: the cache delivers what PersistentDataset delivers
+    assert blockprep.first_loss == pytest.approx(persistent.first_loss, rel=1e-4)
+    assert any((tmp_path / "pt").iterdir())
+    assert [d["loader"] for d in json.loads(report.read_text())] == ["blockprep", "persistent"]
+
+
+def test_classify2d_trains_on_a_class_tree(image_tree: Path) -> None:
+    for reader in ("dali", "torch"):
+        report = train_classify2d.main([str(image_tree), "--reader", reader, "--iters", "3", "--batchsize", "4",
+                                        "--size", "32", "--workers", "0"])  # fmt: skip
+        assert report.iters == 3 and report.classes == 3 and math.isfinite(report.last_loss)
+        assert 0 <= report.wait_share < 1

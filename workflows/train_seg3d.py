@@ -1,0 +1,179 @@
+"""3D UNet segmentation on a prepared cache, and how much of each step waits for data.
+
+    python -m workflows.train_seg3d --cache demo/cache --iters 50                       # blockprep
+    python -m workflows.train_seg3d --cache demo/cache --loader persistent --iters 50    # MONAI PersistentDataset
+    python -m workflows.train_seg3d --cache demo/cache --loader both --device cuda:0     # one after the other
+
+`blockprep` reads the head's output from the cache with `PreparedPersistentDataset` (the MONAI drop-in) and
+applies the random tail (crops, flips) per step; `persistent` runs MONAI's `PersistentDataset` over the
+same datalist and pipeline (its .pt files are written before timing starts). A plain loop with DiceLoss,
+Adam, and AMP on GPU. The report: the share of step time spent waiting for the next batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PIPELINE = Path(__file__).parent / "pipelines" / "spheres.py"
+
+
+@dataclass
+class TrainReport:
+    """What one run measured."""
+
+    loader: str
+    iters: int
+    seconds: float
+    wait_seconds: float
+    first_loss: float
+    last_loss: float
+
+    @property
+    def wait_share(self) -> float:
+        """Fraction of step time spent waiting for data (0..1)."""
+        return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        """One human-readable summary line."""
+        return (f"{self.loader:>10}: {self.iters} steps in {self.seconds:.2f} s, {self.seconds / self.iters * 1e3:.1f}"
+                f" ms/step, waiting for data {100 * self.wait_share:.1f}% of step time, loss "
+                f"{self.first_loss:.3f} -> {self.last_loss:.3f}")  # fmt: skip
+
+
+def cache_sources(cache_dir: Path) -> tuple[list[dict[str, Any]], Path]:
+    """The datalist entries the cache was made from (in item order) and the pipeline it recorded."""
+    from loaders.format import PreparedCache
+
+    cache = PreparedCache(cache_dir)
+    data = [cache.meta(i)["source"] for i in range(len(cache))]
+    recorded = cache.manifest.get("pipeline")
+    return data, Path(recorded) if recorded and Path(recorded).is_file() else DEFAULT_PIPELINE
+
+
+def make_dataset(args: argparse.Namespace, loader: str) -> Any:
+    """The training dataset of one loader: both apply the full pipeline, only where the head comes from differs."""
+    from prep.pipeline import load_pipeline
+
+    data, recorded = cache_sources(args.cache)
+    transform = load_pipeline(args.pipeline or recorded).transform
+    transform.set_random_state(seed=args.seed)  # both loaders draw the same crops and flips
+    if loader == "blockprep":
+        from loaders.monai import PreparedPersistentDataset
+
+        options: dict[str, Any] = (
+            {"backend_options": {"bmap": str(args.cache / "bmap.json")}} if args.backend == "blockdev" else {}
+        )
+        return PreparedPersistentDataset(data, transform, args.cache, backend=args.backend, **options)
+    from monai.data import PersistentDataset
+
+    persistent_dir = args.persistent_dir or args.cache.parent / f"{args.cache.name}_persistent"
+    persistent_dir.mkdir(parents=True, exist_ok=True)
+    dataset = PersistentDataset(data, transform, cache_dir=persistent_dir)
+    for i in range(len(dataset)):  # write the .pt files first: steady-state reading is what is compared
+        dataset[i]
+    return dataset
+
+
+def make_model(channels: tuple[int, ...], device: str) -> Any:
+    """A small 3D UNet (1 input channel, background/foreground output)."""
+    from monai.networks.nets import UNet
+
+    return UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=channels,
+                strides=(2,) * (len(channels) - 1), num_res_units=1).to(device)  # fmt: skip
+
+
+def _batches(dataset: Any, args: argparse.Namespace) -> Any:
+    """Endless shuffled batches (epochs chained); crops of every item are flattened into the batch."""
+    import torch
+    from monai.data import DataLoader, list_data_collate
+
+    generator = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(dataset, batch_size=args.batchsize, shuffle=True, num_workers=args.workers,
+                        collate_fn=list_data_collate, generator=generator, pin_memory=args.device.startswith("cuda"),
+                        persistent_workers=args.workers > 0)  # fmt: skip
+    while True:
+        yield from loader
+
+
+def train(args: argparse.Namespace, loader: str) -> TrainReport:
+    """Run `args.iters` steps with one loader; time spent in `next(batches)` and the copy to the device is waiting."""
+    import torch
+    from monai.losses import DiceLoss
+
+    torch.manual_seed(args.seed)
+    cuda = args.device.startswith("cuda")
+    dataset = make_dataset(args, loader)
+    model = make_model(tuple(args.channels), args.device)
+    optimiser = torch.optim.Adam(model.parameters(), lr=args.lr)
+    loss_fn = DiceLoss(to_onehot_y=True, softmax=True)
+    amp = cuda and args.amp
+    scaler = torch.amp.GradScaler("cuda", enabled=amp)
+    batches = _batches(dataset, args)
+    losses: list[float] = []
+    wait = 0.0
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        image = batch["image"].to(args.device, non_blocking=True).as_tensor()
+        label = batch["label"].to(args.device, non_blocking=True).as_tensor()
+        if cuda:
+            torch.cuda.synchronize(args.device)  # the copy is part of waiting for data
+        wait += time.perf_counter() - t0
+        optimiser.zero_grad(set_to_none=True)
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.float16, enabled=amp):
+            loss = loss_fn(model(image), label)
+        scaler.scale(loss).backward()
+        scaler.step(optimiser)
+        scaler.update()
+        losses.append(float(loss.detach()))  # .item() syncs: the step's compute is finished here
+    seconds = time.perf_counter() - start
+    return TrainReport(loader, args.iters, seconds, wait, losses[0], losses[-1])
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", type=Path, required=True, help="prepared cache (prep cache)")
+    p.add_argument("--pipeline", type=Path, default=None, help="PIPELINE.py (default: the one the cache recorded)")
+    p.add_argument("--loader", choices=["blockprep", "persistent", "both"], default="blockprep")
+    p.add_argument("--backend", default="auto", help="blockprep backend: auto, posix, direct, blockdev, kvikio")
+    p.add_argument("--persistent-dir", type=Path, default=None, help="PersistentDataset cache_dir")
+    p.add_argument("--iters", type=int, default=20, help="training steps per loader")
+    p.add_argument("--batchsize", type=int, default=2, help="items per batch (each gives the tail's crops)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
+    p.add_argument("--channels", type=int, nargs="+", default=[16, 32, 64, 128], help="UNet channels per level")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling and the random tail")
+    p.add_argument("--json", type=Path, default=None, help="also write the reports here")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.batchsize < 1:
+        p.error("--iters and --batchsize must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[TrainReport]:
+    """Train with the chosen loader(s) and print the share of step time spent waiting for data."""
+    args = parse(argv)
+    loaders = ["blockprep", "persistent"] if args.loader == "both" else [args.loader]
+    reports = []
+    for loader in loaders:
+        report = train(args, loader)
+        print(report.line(), flush=True)
+        reports.append(report)
+    if len(reports) == 2 and reports[0].seconds > 0:
+        print(f"blockprep steps take {reports[0].seconds / reports[1].seconds:.2f}x the time of PersistentDataset's")
+    if args.json is not None:
+        args.json.write_text(json.dumps([{**asdict(r), "wait_share": r.wait_share} for r in reports], indent=1))
+    return reports
+
+
+if __name__ == "__main__":
+    main()
