@@ -13,6 +13,7 @@ BMAP ?= $(DEMO)/bmap.json
 # the demo folder is not a mountpoint; for a real one: make bmap MOUNTPOINT=/mnt/nvme BMAP_ARGS=
 BMAP_ARGS ?= --allow-subdir
 PYTEST_ARGS ?=
+BENCH_ARGS ?= --batchsize 4 --batches 4 --cold --out bench_out
 # CPU torch by default; pass TORCH_PIP_ARGS="--index-url <your CPU wheel index>" where needed.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
@@ -42,8 +43,10 @@ lint: install
 typecheck: install
 	$(BIN)/mypy prep loaders workflows
 
+# A few minutes on 2 cores: every way of loading the demo volumes and images, one table (+ CSV/JSON/PNG).
 bench: install
-	$(BIN)/python -m workflows.benchmark all --data $(DEMO)
+	test -f $(DEMO)/cache/manifest.json || $(MAKE) demo
+	$(BIN)/python -m workflows.benchmark all --data $(DEMO) $(BENCH_ARGS)
 
 cache: install
 	$(BIN)/prep cache $(DATALIST) --pipeline $(PIPELINE) --output $(CACHE)

@@ -36,6 +36,24 @@ def bmap_step(out: Path, train: Path) -> None:
     print(f"  verify: {len(mismatches)} mismatches" + "".join(f"\n    {m}" for m in mismatches))
 
 
+def bench_step(out: Path, batchsize: int = 4, batches: int = 2) -> None:
+    """A small load benchmark over the demo data: every way that runs here, one table (bench_out-style files
+    under OUT/bench). `make bench` runs a larger one."""
+    from workflows.bench.core import Options
+    from workflows.bench.report import ratios, table, write
+    from workflows.benchmark import run_all
+
+    step(f"load benchmark: {batches} batches of {batchsize}, cold, every way that runs here")
+    if not (out / "cache" / "manifest.json").is_file():
+        print(f"  skipped: no prepared cache under {out / 'cache'}")
+        return
+    opts = Options(batchsize=batchsize, batches=batches, cold=True, out=out / "bench", work=out / "bench" / "work")
+    results, skipped = run_all(out, opts)
+    rows = ratios(results, opts.cold)
+    print("\n" + table(rows, skipped))
+    print("  wrote " + ", ".join(str(p) for p in write(out / "bench", rows, skipped, opts)))
+
+
 def run(out: Path, count: int = 16, size: int = 64) -> None:
     """Run every stage that exists on a synthetic dataset under `out`."""
     from prep import synth
@@ -51,6 +69,7 @@ def run(out: Path, count: int = 16, size: int = 64) -> None:
         synth.image_tree(out / "images", classes=4, per_class=32, seed=0)
     print(f"  datalist: {datalist}\n  images:   {train}")
     bmap_step(out, train)
+    bench_step(out)  # last: it reads every earlier output (NIfTI, JPEG tree, cache, bmap)
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f}s; outputs under {out}/")
 
 

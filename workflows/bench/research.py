@@ -72,13 +72,13 @@ def run_pipeline(
 ) -> Result:
     """Time `opts.batches` runs of a fresh pipeline from `build()`, counting its first `outputs` outputs.
 
-    Warm: a first pipeline reads the same items untimed, so the timed one starts at item 0 from the page cache.
+    A first pipeline reads the same items untimed (one-time costs stay out; warm runs find the page cache
+    filled, cold runs evict after it), so the timed one starts at item 0.
     """
-    if not opts.cold:
-        warm = build()
-        for _ in range(opts.batches):
-            warm.run()
-        del warm
+    warm = build()
+    for _ in range(opts.batches):
+        warm.run()
+    del warm
     pipe = build()
     how = evict(files) if opts.cold else "warm"
 
