@@ -259,7 +259,7 @@ def _client(workers: int, scheduler: str | None, processes: bool) -> Iterator[An
         return
     with (
         LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=processes, dashboard_address=None,
+            n_workers=workers, threads_per_worker=1, processes=processes, dashboard_address=":0",
             silence_logs=logging.ERROR,
         ) as cluster,
         Client(cluster, set_as_default=False) as client,

@@ -1,0 +1,26 @@
+"""Smoke test of workflows.bench_cache at tiny sizes, so the benchmark cannot rot (no timing asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loaders.format import PreparedCache
+from workflows import bench_cache
+
+
+@pytest.mark.slow
+def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = bench_cache.run(
+        count=3, size=16, workers=1, index_items=2000, pipeline=bench_cache.DEFAULT_PIPELINE, out=tmp_path,
+        processes=False,
+    )  # fmt: skip
+    assert result["persistent"]["items_per_s"] > 0 and result["prep"]["items_per_s"] > 0
+    assert result["speedup_vs_persistent"] > 0
+    assert 1.0 <= result["disk_over_tensor_bytes"] < 1.5  # only alignment padding over the tensor bytes
+    assert result["open"]["n_items"] == 2000
+    index = PreparedCache(tmp_path / "index")
+    assert len(index) == 2000 and index.entries(1999)[1].key == "label"
+    assert index.meta(1234)["source"]["image"].endswith("case_0001234.nii.gz")
+    assert "PersistentDataset first pass" in capsys.readouterr().out

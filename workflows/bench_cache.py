@@ -1,0 +1,151 @@
+"""Benchmark `prep cache` against MONAI PersistentDataset's first pass, and opening a 1M-item cache.
+
+Both preparations run the same deterministic head (the pipeline's transforms before its first random one)
+over the same synthetic datalist in the same run; only ratios between them are meaningful.
+
+python -m workflows.bench_cache --count 64 --size 96 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_PIPELINE = Path(__file__).parent / "pipelines" / "spheres.py"
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path) -> dict[str, float]:
+    """MONAI PersistentDataset, first pass: runs the head and pickles each item to cache_dir (one process)."""
+    from monai.data import PersistentDataset
+
+    from prep.cache import load_datalist
+    from prep.pipeline import load_pipeline
+
+    pipe = load_pipeline(pipeline)
+    entries = [entry for _, entry in load_datalist(datalist)]
+    t0 = time.perf_counter()
+    dataset = PersistentDataset(data=entries, transform=pipe.head_compose(), cache_dir=cache_dir)
+    for i in range(len(dataset)):
+        dataset[i]
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "items_per_s": len(entries) / seconds, "disk_bytes": _tree_bytes(cache_dir)}
+
+
+def bench_prep(datalist: Path, pipeline: Path, out: Path, workers: int, processes: bool) -> dict[str, float]:
+    """`prep cache` on a local dask cluster (its start-up included in the time)."""
+    from prep.cache import prepare_cache
+
+    t0 = time.perf_counter()
+    summary = prepare_cache(datalist, pipeline, out, workers=workers, processes=processes)
+    seconds = time.perf_counter() - t0
+    return {
+        "seconds": seconds,
+        "items_per_s": summary.n_items / seconds,
+        "items_per_s_per_worker": summary.n_items / seconds / workers,
+        "disk_bytes": summary.bytes_on_disk,
+        "tensor_bytes": summary.tensor_bytes,
+    }
+
+
+def synthetic_index(root: Path, n_items: int, keys: tuple[str, ...] = ("image", "label")) -> None:
+    """Write a committed cache of n_items index rows (no shard bytes) through loaders.format."""
+    from loaders.format import ALIGN, INDEX_DTYPE, make_rows, write_index, write_manifest, write_meta
+
+    root.mkdir(parents=True, exist_ok=True)
+    template = make_rows(
+        [{"item": 0, "key": k, "shard": 0, "offset": 0, "nbytes": 4 * 96**3, "dtype": "float32",
+          "shape": (1, 96, 96, 96), "xxh3": 0} for k in range(len(keys))]
+    )  # fmt: skip
+    rows = np.tile(template, n_items).astype(INDEX_DTYPE)
+    rows["item"] = np.repeat(np.arange(n_items, dtype="<u4"), len(keys))
+    rows["offset"] = np.arange(len(rows), dtype="<u8") * ((4 * 96**3 + ALIGN - 1) // ALIGN * ALIGN)
+    write_index(root, rows)
+    write_meta(root, [{"source": {"image": f"imagesTr/case_{i:07d}.nii.gz"}} for i in range(n_items)])
+    write_manifest(root, {"keys": list(keys), "shards": ["shards/shard-0.bin"], "n_items": n_items})
+
+
+def bench_open(root: Path, repeats: int = 5) -> dict[str, float]:
+    """Median seconds to open the cache with PreparedCache, and to fetch one item's entries and meta."""
+    from loaders.format import PreparedCache
+
+    opens, firsts = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        cache = PreparedCache(root)
+        t1 = time.perf_counter()
+        cache.entries(len(cache) // 2)
+        cache.meta(len(cache) - 1)
+        firsts.append(time.perf_counter() - t1)
+        opens.append(t1 - t0)
+    return {"open_s": float(np.median(opens)), "first_item_s": float(np.median(firsts)), "n_items": len(cache)}
+
+
+def run(
+    count: int, size: int, workers: int, index_items: int, pipeline: Path, out: Path, processes: bool = True
+) -> dict[str, Any]:
+    """Run every measurement under `out`; return the numbers and print a report."""
+    from prep.synth import nifti_dataset
+
+    datalist = nifti_dataset(out / "data", count=count, size=size, seed=0)
+    persistent = bench_persistent(datalist, pipeline, out / "persistent")
+    prep = bench_prep(datalist, pipeline, out / "cache", workers, processes)
+    synthetic_index(out / "index", index_items)
+    opened = bench_open(out / "index")
+    result = {
+        "count": count,
+        "size": size,
+        "workers": workers,
+        "persistent": persistent,
+        "prep": prep,
+        "speedup_vs_persistent": prep["items_per_s"] / persistent["items_per_s"],
+        "disk_over_tensor_bytes": prep["disk_bytes"] / prep["tensor_bytes"],
+        "persistent_disk_over_tensor_bytes": persistent["disk_bytes"] / prep["tensor_bytes"],
+        "open": opened,
+    }
+    print(
+        f"prepare {count} x {size}^3 pairs\n"
+        f"  MONAI PersistentDataset first pass: {persistent['items_per_s']:.2f} items/s\n"
+        f"  prep cache, {workers} workers:       {prep['items_per_s']:.2f} items/s "
+        f"({prep['items_per_s_per_worker']:.2f} per worker), {result['speedup_vs_persistent']:.2f}x\n"
+        f"  size on disk / raw tensor bytes:  prep {result['disk_over_tensor_bytes']:.4f}, "
+        f"PersistentDataset {result['persistent_disk_over_tensor_bytes']:.4f}\n"
+        f"open a {opened['n_items']}-item cache: {opened['open_s'] * 1e3:.1f} ms "
+        f"(+ {opened['first_item_s'] * 1e3:.2f} ms for one item's entries and meta)"
+    )
+    return result
+
+
+def main() -> None:
+    """Command-line entry."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=64, help="image/label pairs to prepare")
+    parser.add_argument("--size", type=int, default=96, help="volume edge in voxels")
+    parser.add_argument("--workers", type=int, default=2, help="dask worker processes for prep cache")
+    parser.add_argument("--index-items", type=int, default=1_000_000, help="items in the synthetic index to open")
+    parser.add_argument("--pipeline", type=Path, default=DEFAULT_PIPELINE, help="PIPELINE.py (its head is timed)")
+    parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one, removed)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the numbers to this JSON file")
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_cache_"))
+    try:
+        result = run(args.count, args.size, args.workers, args.index_items, args.pipeline, out)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+    finally:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
