@@ -36,6 +36,21 @@ def bmap_step(out: Path, train: Path) -> None:
     print(f"  verify: {len(mismatches)} mismatches" + "".join(f"\n    {m}" for m in mismatches))
 
 
+def cache_step(out: Path, datalist: Path, workers: int = 2) -> None:
+    """Prepare the NIfTI datalist with the spheres pipeline into OUT/cache (resumes or reports up to date)."""
+    from prep.cache import prepare_cache
+    from prep.errors import PrepError
+
+    pipeline = Path(__file__).parent / "pipelines" / "spheres.py"
+    step(f"prepared cache: {datalist} through {pipeline.name}'s deterministic head, {workers} dask workers")
+    try:
+        summary = prepare_cache(datalist, pipeline, out / "cache", workers=workers)
+    except PrepError as exc:
+        print(f"  failed: {exc}")
+        return
+    print("  " + "\n  ".join(summary.lines()))
+
+
 def bench_step(out: Path, batchsize: int = 4, batches: int = 2) -> None:
     """A small load benchmark over the demo data: every way that runs here, one table (bench_out-style files
     under OUT/bench). `make bench` runs a larger one."""
@@ -69,6 +84,7 @@ def run(out: Path, count: int = 16, size: int = 64) -> None:
         synth.image_tree(out / "images", classes=4, per_class=32, seed=0)
     print(f"  datalist: {datalist}\n  images:   {train}")
     bmap_step(out, train)
+    cache_step(out, datalist)
     bench_step(out)  # last: it reads every earlier output (NIfTI, JPEG tree, cache, bmap)
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f}s; outputs under {out}/")
 
