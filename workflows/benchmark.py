@@ -89,6 +89,11 @@ WAYS: dict[str, tuple[str, list[tuple[str, dict[str, Any]]], Way]] = {
                    ("--datadir", {"type": Path, "default": None, "help": "only bmap files under this folder"})],
                   _xnvme_gds),
     "xnvme-bam": ("xNVMe BaM (GPU-initiated) block reads", [_URI, _BMAP], _xnvme_bam),
+    "blockprep-dali": ("blockprep's DALI sources (FileSource, or BmapSource with --bmap) + decode",
+                       [("--datadir", {"type": Path, "default": None, "help": "class-folder file tree"}),
+                        ("--bmap", {"type": Path, "default": None, "help": "read the tree's files raw via this bmap"}),
+                        ("--backend", {"default": "auto", "help": "backend (with --bmap: blockdev or xnvme)"})],
+                       lambda a, o: research.blockprep_dali(o, a.datadir, a.bmap, a.backend)),
     "prepared": ("blockprep PreparedDataset over a prepared cache",
                  [_CACHE, ("--backend", {"choices": ours.BACKENDS, "default": "auto", "help": "backend"}),
                   ("--bmap", {"type": Path, "default": None, "help": "shards' bmap for --backend blockdev"})],
@@ -112,7 +117,7 @@ def _ceilings_for(name: str, args: argparse.Namespace, opts: Options) -> list[Ca
     """The ceilings of the data a single subcommand reads (so its ratio column is filled)."""
     if getattr(args, "cache", None) is not None:
         return _volume_ceilings(Path(args.cache), opts)
-    if name in ("dali", "python-file", "xnvme-file"):
+    if getattr(args, "datadir", None) is not None and name in ("dali", "python-file", "xnvme-file", "blockprep-dali"):
         return _image_ceilings(Path(args.datadir), opts)
     return []
 
@@ -130,6 +135,8 @@ def run_all(data: Path, opts: Options, pipeline: Path = DEFAULT_PIPELINE) -> tup
     for way in ("persistent", "monai-dataset", "cache-dataset", "gds-dataset", "dali-numpy"):
         jobs.append((way, _bind(WAYS[way][2], ns, opts)))
     jobs += [(f"ceiling {k} (images)", f) for k, f in zip(CEILINGS, _image_ceilings(ns.datadir, opts))]
+    jobs.append(("blockprep-dali", lambda: research.blockprep_dali(opts, ns.datadir)))
+    jobs.append(("blockprep-dali --bmap", lambda: research.blockprep_dali(opts, ns.datadir, ns.bmap, "blockdev")))
     for way in ("dali", "python-file", "xnvme-file", "xnvme-gds", "xnvme-bam"):
         jobs.append((way, _bind(WAYS[way][2], ns, opts)))
     return _run_jobs(jobs)
@@ -163,7 +170,9 @@ def _run_jobs(jobs: list[tuple[str, Callable[[], Result]]]) -> tuple[list[Result
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--batchsize", type=int, default=4, help="items per batch (default 4)")
-    common.add_argument("--batches", type=int, default=4, help="timed batches per way (default 4)")
+    common.add_argument(
+        "--batches", type=int, default=4, help="timed batches per way (default 4; wraps around small data)"
+    )
     cold = common.add_mutually_exclusive_group()
     cold.add_argument("--cold", dest="cold", action="store_true", default=True, help="evict page cache first")
     cold.add_argument("--warm", dest="cold", action="store_false", help="read from the page cache (warm-up pass)")

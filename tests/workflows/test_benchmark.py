@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -141,3 +142,31 @@ def test_helpers(tmp_path: Path) -> None:
     f = tmp_path / "f.bin"
     f.write_bytes(b"x" * 8192)
     assert evict([f, tmp_path / "missing"], drop_caches=False) == "fadvise(1 files)"
+
+
+@pytest.mark.loopdev
+def test_raw_block_ways_on_a_loop_mounted_filesystem(
+    make_loopfs: Any, nifti_dataset: Path, image_tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On ext4 through a loop device, the blockdev ways read the same bytes raw that the others read."""
+    import shutil
+
+    from prep.bmap import build_bmap
+    from prep.cache import prepare_cache
+    from workflows.bench import ours, research
+
+    fs = make_loopfs("ext4", size_mb=96)
+    tree = fs.mountpoint / "train"
+    shutil.copytree(image_tree, tree)
+    build_bmap(fs.mountpoint, fs.mountpoint / "bmap.json")
+    prepare_cache(nifti_dataset, PIPELINE, fs.mountpoint / "cache", workers=1, processes=False, shard_size=8 << 20)
+    opts = Options(batchsize=5, batches=3, cold=True)
+    raw = research.blockprep_dali(opts, tree, fs.mountpoint / "bmap.json", "blockdev")
+    files = research.blockprep_dali(opts, tree, backend="posix")
+    assert raw.nbytes == files.nbytes == 15 * 32 * 32 * 3 and raw.kind == "ours"
+    if not (fs.mountpoint / "cache" / "bmap.json").is_file():
+        pytest.skip("prep cache wrote no shard bmap here")
+    cache = fs.mountpoint / "cache"
+    blockdev = ours.prepared(cache, "blockdev", opts, **ours.backend_options("blockdev", cache / "bmap.json"))
+    posix = ours.prepared(cache, "posix", opts)
+    assert blockdev.name == "blockprep prepared (blockdev)" and blockdev.nbytes == posix.nbytes > 0

@@ -173,3 +173,74 @@ def xnvme_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
     files, _ = tree_files(datadir)
     with _xnvme_backend() as backend:
         return external(files, backend_read(backend), opts, "xnvme-file external_source")
+
+
+def _probe(source: Any) -> None:
+    """Read the first item once, so that a backend that cannot read here fails before DALI wraps its error."""
+    from loaders.errors import PrepError
+
+    try:
+        next(iter(source))
+    except StopIteration as exc:
+        raise Unavailable("the source lists no files") from exc
+    except (PrepError, OSError) as exc:
+        raise Unavailable(str(exc).splitlines()[0]) from exc
+
+
+def blockprep_dali(
+    opts: Options,
+    datadir: str | os.PathLike[str] | None = None,
+    bmap: str | os.PathLike[str] | None = None,
+    backend: str = "auto",
+) -> Result:
+    """blockprep's DALI face: `loaders.dali.FileSource` (a file tree through a backend) or `BmapSource` (the
+    files of a bmap as raw device ranges) into an `external_source`, decoded like `dali`."""
+    from loaders.bmap import BlockMap
+    from loaders.dali import BmapSource, FileSource
+    from loaders.errors import PrepError
+
+    if bmap is not None:
+        if not Path(bmap).is_file():
+            raise Unavailable(f"{bmap} not found (make one with `prep bmap`)")
+        try:
+            block_map = BlockMap.load(bmap)
+        except PrepError as exc:
+            raise Unavailable(str(exc).splitlines()[0]) from exc
+        # the tree's folder inside the map (the demo maps images/train itself: folder "")
+        folder = os.path.relpath(datadir, block_map.root) if datadir is not None else ""
+        if folder == "." or folder.startswith(".."):
+            folder = ""
+        raw = backend if backend != "auto" else "blockdev"
+
+        def make() -> Any:
+            return BmapSource(block_map, backend=raw, batch_size=opts.batchsize, folder=folder)
+
+        name = f"blockprep dali BmapSource ({raw})"
+    elif datadir is not None:
+        tree_files(datadir)  # the same checks and message as the other file-tree ways
+
+        def make() -> Any:
+            return FileSource(datadir, backend=backend, batch_size=opts.batchsize)
+
+        name = f"blockprep dali FileSource ({backend})"
+    else:
+        raise Unavailable("pass --datadir (a class-folder tree) or --bmap (its block map)")
+    try:
+        probe = make()
+        _probe(probe)
+    except (PrepError, OSError, TypeError) as exc:  # TypeError: a backend that takes no bmap
+        raise Unavailable(str(exc).splitlines()[0]) from exc
+    root = Path(probe.bmap.root) / probe.prefix if bmap is not None else Path(str(datadir))
+    files = [str(root / p) for p, _ in probe.files]
+    dali = _dali()
+
+    def build() -> Any:
+        source = make()
+        pipe = _pipeline(opts)
+        with pipe:
+            data, label = dali.fn.external_source(source=source, num_outputs=2, batch=True, cycle="quiet")
+            pipe.set_outputs(_decode(data, files, opts), label)
+        pipe.build()
+        return pipe
+
+    return run_pipeline(build, files, opts, name, kind="ours")
