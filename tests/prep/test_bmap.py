@@ -252,6 +252,12 @@ def test_cli_map_verify_and_corrupt_maps(make_loopfs: Callable[..., Any], tmp_pa
     assert result.exit_code == 0, result.output
     assert re.search(r"9 files, \d+ bytes, \d+ extents; 9 raw-readable; skipped: none; [\d,]+ files/s", result.output)
     one_line_error(runner.invoke(app, ["bmap", "--mountpoint", str(fs.mountpoint / "train")]), "not a mountpoint")
+    seed = tmp_path / "seed.json"
+    args = ["--format", "seed", "--output", str(seed), "--allow-subdir", "--include", "*.jpg", "--exclude", "*img4*"]
+    result = runner.invoke(app, ["bmap", "--mountpoint", str(fs.mountpoint / "train"), *args])
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(seed.read_text())) == {f"a/img{i}.jpg" for i in range(4)}
+    assert "seed.skipped.json" in result.output
     result = runner.invoke(app, ["bmap", "verify", str(out), "--device", str(fs.image)])
     assert result.exit_code == 0 and "ok:" in result.output, result.output
     one_line_error(runner.invoke(app, ["bmap", "verify", str(out), "--device", "/dev/null"]), "/dev/null", "made on")

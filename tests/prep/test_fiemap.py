@@ -7,6 +7,7 @@ import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -43,9 +44,9 @@ def filefrag_extents(path: Path) -> list[tuple[int, int, int]]:
 
 @pytest.mark.loopdev
 @pytest.mark.parametrize("fstype", ["ext4", "xfs"])
-def test_fragmented_extents_match_filefrag(make_loopfs: Callable[..., object], fstype: str) -> None:
+def test_fragmented_extents_match_filefrag(make_loopfs: Callable[..., Any], fstype: str) -> None:
     fs = make_loopfs(fstype)
-    paths = [fs.mountpoint / f"frag{i}" for i in range(3)]  # type: ignore[attr-defined]
+    paths = [fs.mountpoint / f"frag{i}" for i in range(3)]
     fragment(paths, chunks=12)
     for p in paths:
         ours = fiemap(p)
@@ -59,9 +60,9 @@ def test_fragmented_extents_match_filefrag(make_loopfs: Callable[..., object], f
 
 
 @pytest.mark.loopdev
-def test_sparse_empty_and_unwritten(make_loopfs: Callable[..., object]) -> None:
+def test_sparse_empty_and_unwritten(make_loopfs: Callable[..., Any]) -> None:
     fs = make_loopfs("ext4")
-    mnt: Path = fs.mountpoint  # type: ignore[attr-defined]
+    mnt: Path = fs.mountpoint
     (mnt / "empty").write_bytes(b"")
     assert fiemap(mnt / "empty") == []
     with open(mnt / "sparse", "wb") as f:
