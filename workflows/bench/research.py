@@ -225,11 +225,26 @@ def blockprep_dali(
         name = f"blockprep dali FileSource ({backend})"
     else:
         raise Unavailable("pass --datadir (a class-folder tree) or --bmap (its block map)")
+    made: list[Any] = []
+
+    def tracked() -> Any:
+        made.append(make())
+        return made[-1]
+
     try:
-        probe = make()
-        _probe(probe)
+        return _run_sources(tracked, bmap, datadir, opts, name)
     except (PrepError, OSError, TypeError) as exc:  # TypeError: a backend that takes no bmap
         raise Unavailable(str(exc).splitlines()[0]) from exc
+    finally:  # open descriptors would keep the data's filesystem busy (and unmountable)
+        for source in made:
+            source.backend.close()
+
+
+def _run_sources(
+    make: Callable[[], Any], bmap: Any, datadir: str | os.PathLike[str] | None, opts: Options, name: str
+) -> Result:
+    probe = make()
+    _probe(probe)
     root = Path(probe.bmap.root) / probe.prefix if bmap is not None else Path(str(datadir))
     files = [str(root / p) for p, _ in probe.files]
     dali = _dali()
