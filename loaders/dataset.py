@@ -12,6 +12,7 @@ in flight together, landing at aligned offsets of one buffer; tensors are zero-c
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,6 +34,40 @@ Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, 
 
 # MetaTensor meta keys that are not arrays although JSON stored them as lists
 _LIST_META = ("applied_operations", "crop_center")
+
+class _BufferPool:
+    """Reuses host read buffers once nothing references them any more (tensors are views of them).
+
+    Fresh memory costs a page fault and zeroing per 4 KiB on first touch, as much as the copy from the page
+    cache itself; reusing faulted-in buffers is what lets a warm read run at memory speed. A buffer is free
+    when the reference counts of it and of its owning array are back to what they were at allocation: no
+    view, tensor or pending batch holds it."""
+
+    def __init__(self, allocate: Callable[[int], Any], keep: int = 8) -> None:
+        self._allocate = allocate
+        self._keep = keep
+        self._bufs: list[list[Any]] = []  # [buffer, owning array, reference counts when free]
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _counts(entry: list[Any]) -> tuple[int, int]:
+        return sys.getrefcount(entry[0]), sys.getrefcount(entry[1])
+
+    def get(self, nbytes: int) -> np.ndarray:
+        """A host uint8 buffer of at least `nbytes` (aligned as the backend allocates)."""
+        with self._lock:
+            # No local names for buffers here or below: the counts must be taken in the same state.
+            for entry in self._bufs:
+                if nbytes <= entry[0].nbytes <= 2 * nbytes + 65536 and self._counts(entry) == entry[2]:
+                    return entry[0]  # type: ignore[no-any-return]
+            entry = [self._allocate(nbytes), None, None]
+            entry[1] = entry[0].base if isinstance(entry[0].base, np.ndarray) else entry[0]
+            self._bufs.append(entry)
+            entry[2] = self._counts(entry)
+            if len(self._bufs) > self._keep:  # forget the oldest (freed when its last view goes)
+                del self._bufs[0]
+            return entry[0]  # type: ignore[no-any-return]
+
 
 @dataclass
 class _Batch:
@@ -131,7 +166,7 @@ class _DatasetCore:
     # --- process-local state (rebuilt after pickling into DataLoader workers) ---
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(cache=None, _local=None, _lock=None)
+        state.update(cache=None, _local=None, _lock=None, _buffers=None)
         if not isinstance(self._backend_spec, Backend):
             state["_backend"] = None
         return state
@@ -212,7 +247,12 @@ class _DatasetCore:
                         places.append((ii, ei))
                         pos += align_up(e.nbytes)
         backend = self.backend
-        buf = stager.host(slot, pos) if stager is not None else backend.allocate(pos)
+        if stager is not None:
+            buf = stager.host(slot, pos)
+        elif backend.gpu:
+            buf = backend.allocate(pos)
+        else:
+            buf = self._pool().get(pos)
         targets = [buf[offsets[ii][ei] : offsets[ii][ei] + r.nbytes] for (ii, ei), r in zip(places, requests)]
         try:
             backend.read_into(requests, targets)
@@ -230,6 +270,16 @@ class _DatasetCore:
                 if self.backend.gpu:
                     data = data.get() if hasattr(data, "get") else np.asarray(data.cpu())
                 check(e, np.asarray(data))
+
+    def _pool(self) -> _BufferPool:
+        pool = self.__dict__.get("_buffers")
+        if pool is None:
+            backend = self.backend  # built outside the lock (it takes the same lock)
+            with self._lock:
+                pool = self.__dict__.get("_buffers")
+                if pool is None:
+                    pool = self.__dict__["_buffers"] = _BufferPool(backend.allocate)
+        return pool  # type: ignore[no-any-return]
 
     def _stager(self) -> Any:
         """This thread's pinned stager for item reads (threads of a ThreadDataLoader each get their own)."""
@@ -309,7 +359,7 @@ class _DatasetCore:
         if entry is None:
             raise KeyError(f"{self.root}: item {item} has no key '{key}'")
         try:
-            array = read_region_entry(self.backend, entry, start, shape)
+            array = read_region_entry(self.backend, entry, start, shape, allocate=self._pool().get)
         except BackendError as exc:
             raise _name_short_read([[entry]], exc) from exc
         tensor = torch.from_numpy(array)

@@ -192,6 +192,24 @@ def test_monai_thread_dataloader(cache: tuple[Path, list[dict]]) -> None:
     np.testing.assert_array_equal(got, np.stack([it["image"] for it in items]))
 
 
+def test_read_buffers_are_reused_only_when_free(cache: tuple[Path, list[dict]]) -> None:
+    root, items = cache
+    ds = PreparedDataset(root, backend="posix", keys=["image", "label"], meta=False)
+    held = [ds[i] for i in range(N)]  # every item alive: no buffer may be reused under them
+    for _ in range(2):
+        for batch in ds.iter_batches(3, prefetch=2):
+            batch["image"].add_(0)
+        ds[0]
+    for i in range(N):
+        np.testing.assert_array_equal(held[i]["image"].numpy(), items[i]["image"])
+        np.testing.assert_array_equal(held[i]["label"].numpy(), items[i]["label"])
+    first = ds[1]["image"].data_ptr()
+    assert ds[1]["image"].data_ptr() == first  # dropped at once: its faulted-in buffer is used again
+    kept = ds[2]["image"]
+    assert ds[3]["image"].data_ptr() != kept.data_ptr()
+    np.testing.assert_array_equal(kept.numpy(), items[2]["image"])
+
+
 def test_pickles_without_pool(cache: tuple[Path, list[dict]]) -> None:
     root, items = cache
     ds = PreparedDataset(root, backend="posix")
@@ -273,7 +291,7 @@ def test_incomplete_and_future_caches(cache: tuple[Path, list[dict]], tmp_path: 
 
 def test_import_loaders_imports_no_torch() -> None:
     code = (
-        "import sys, loaders, loaders.dataset, loaders.region, loaders.gpu\n"
+        "import sys, loaders, loaders.dataset, loaders.region, loaders.gpu, loaders.monai, loaders.dali\n"
         "bad = [m for m in ('torch', 'monai', 'nvidia.dali') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
