@@ -35,6 +35,7 @@ Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, 
 # MetaTensor meta keys that are not arrays although JSON stored them as lists
 _LIST_META = ("applied_operations", "crop_center")
 
+
 class _BufferPool:
     """Reuses host read buffers once nothing references them any more (tensors are views of them).
 
