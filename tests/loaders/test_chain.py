@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from monai.transforms import (
     Compose,
     EnsureChannelFirstd,
@@ -54,6 +55,7 @@ def test_fingerprint_ignores_random_state() -> None:
     assert chain.fingerprint([a]) == chain.fingerprint([b])
 
 
+@pytest.mark.slow
 def test_fingerprint_same_in_another_process() -> None:
     code = (
         "from monai.transforms import LoadImaged, EnsureChannelFirstd, Spacingd\n"

@@ -280,6 +280,7 @@ def test_quarantine_each_bad_input_kind(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_cli_quarantine_exit_code_and_count(tmp_path: Path) -> None:
     datalist = _bad_inputs(tmp_path / "data")
     out = tmp_path / "cache"

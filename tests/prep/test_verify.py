@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from prep.verify import verify_cache
 @pytest.fixture
 def cache(tmp_path: Path) -> PreparedCache:
     rng = np.random.default_rng(0)
-    items = [
+    items: list[Mapping[str, Any]] = [
         {
             "image": rng.random((1, 9, 10, 11), dtype=np.float32),
             "label": (rng.random((1, 9, 10, 11)) > 0.5).astype("u1"),
