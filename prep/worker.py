@@ -25,7 +25,7 @@ from prep.quarantine import check_entry, input_paths
 
 _PREALLOC_MAX = 256 << 20
 _lock = threading.Lock()
-_pipelines: dict[tuple[str, str | None], tuple[Pipeline, Any]] = {}
+_pipelines: dict[tuple[str, str | None, str], tuple[Pipeline, Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class TaskSpec:
 
 def _head(spec: TaskSpec) -> Any:
     """The head Compose, loaded once per worker process; refuses a pipeline that changed since planning."""
-    key = (spec.pipeline, spec.bundle_key)
+    # keyed by fingerprint too: a long-lived cluster (--scheduler) may serve runs of an edited pipeline
+    key = (spec.pipeline, spec.bundle_key, spec.fingerprint)
     with _lock:
         if key not in _pipelines:
             pipe = load_pipeline(spec.pipeline, spec.bundle_key)

@@ -3,7 +3,7 @@
 Both preparations run the same deterministic head (the pipeline's transforms before its first random one)
 over the same synthetic datalist in the same run; only ratios between them are meaningful.
 
-python -m workflows.bench_cache --count 64 --size 96 --workers 2
+python -m workflows.bench_cache --count 128 --size 96 --workers 2
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ DEFAULT_PIPELINE = Path(__file__).parent / "pipelines" / "spheres.py"
 
 def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def warm_inputs(datalist: Path) -> None:
+    """Read every input file once, so neither contender pays for a cold page cache the other does not."""
+    from prep.cache import load_datalist
+    from prep.quarantine import input_paths
+
+    for _, entry in load_datalist(datalist):
+        for path in input_paths(entry):
+            Path(path).read_bytes()
 
 
 def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path) -> dict[str, float]:
@@ -98,6 +108,7 @@ def run(
     from prep.synth import nifti_dataset
 
     datalist = nifti_dataset(out / "data", count=count, size=size, seed=0)
+    warm_inputs(datalist)
     persistent = bench_persistent(datalist, pipeline, out / "persistent")
     prep = bench_prep(datalist, pipeline, out / "cache", workers, processes)
     synthetic_index(out / "index", index_items)
@@ -129,7 +140,7 @@ def run(
 def main() -> None:
     """Command-line entry."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--count", type=int, default=64, help="image/label pairs to prepare")
+    parser.add_argument("--count", type=int, default=128, help="image/label pairs to prepare")
     parser.add_argument("--size", type=int, default=96, help="volume edge in voxels")
     parser.add_argument("--workers", type=int, default=2, help="dask worker processes for prep cache")
     parser.add_argument("--index-items", type=int, default=1_000_000, help="items in the synthetic index to open")
