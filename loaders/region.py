@@ -119,7 +119,7 @@ def read_region_entry(
     else:
         backend.read_into(requests, targets)
     if backend.gpu:  # device buffer: bring the slabs home once (region reads are for host pipelines)
-        host = np.asarray(buf.get() if hasattr(buf, "get") else buf)
+        host = buf.get() if hasattr(buf, "get") else buf.cpu().numpy()  # cupy array or torch CUDA tensor
     slabs = np.asarray(host[: slab_bytes * len(plan.spans)]).view(entry.dtype)
     slabs = slabs.reshape(*plan.lead_shape, *plan.slab_shape)
     trailing = tuple(slice(s, s + n) for s, n in zip(start[plan.axis + 1 :], shape[plan.axis + 1 :]))
