@@ -182,6 +182,9 @@ class BlockMap:
     def __contains__(self, key: object) -> bool:
         return key in self.files
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
     def keys(self) -> Iterator[str]:
         """Keys (paths relative to the root), in map order."""
         return iter(self.files)

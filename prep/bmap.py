@@ -17,7 +17,7 @@ import stat
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -72,7 +72,7 @@ def _matcher(globs: Sequence[str]) -> Callable[[str], bool] | None:
 
 
 def walk(
-    root: Path, include: Sequence[str] = (), exclude: Sequence[str] = (), skip: str | None = None
+    root: Path, include: Sequence[str] = (), exclude: Sequence[str] = (), skip: Collection[str] = ()
 ) -> Iterator[str]:
     """Relative paths of the regular files under `root` (symlinks not followed, other filesystems mounted
     inside not entered), filtered by globs that match the relative path or the file name; a directory that
@@ -97,7 +97,7 @@ def walk(
                 # another filesystem mounted here has its own device: its addresses would be wrong in this map
                 if not (exc and exc(rel)) and entry.stat(follow_symlinks=False).st_dev == root_dev:
                     subdirs.append(rel)
-            elif entry.is_file(follow_symlinks=False) and rel != skip and _selected(rel, inc, exc):
+            elif entry.is_file(follow_symlinks=False) and rel not in skip and _selected(rel, inc, exc):
                 yield rel
         stack.extend(reversed(subdirs))  # popped in name order: keys come out sorted depth-first
 
@@ -170,7 +170,7 @@ def map_tree(
     exclude: Sequence[str] = (),
     workers: int = 4,
     checksums: bool = False,
-    skip: str | None = None,
+    skip: Collection[str] = (),
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Map every selected file under `root`: key -> record. Unreadable files raise UsageError (nothing partial)."""
@@ -341,14 +341,15 @@ def build_bmap(
         raise UsageError(f"{output}: parent directory {output.parent} does not exist; create it first")
     info = resolve_device(root, require_mountpoint)
     t0 = time.perf_counter()
-    own = os.path.relpath(output, root)
+    # the map (and the seed's side file) may live inside the tree: never map them
+    own = {os.path.relpath(p, root) for p in (output, skipped_path(output))}
     files = map_tree(
         root,
         include=include,
         exclude=exclude,
         workers=workers,
         checksums=checksums,
-        skip=None if own.startswith("..") else own,
+        skip={p for p in own if not p.startswith("..")},
         progress=progress,
     )
     doc = header(root, info) | {"files": files}

@@ -204,9 +204,14 @@ def test_globs_subdirs_nested_mounts_and_own_output(make_loopfs: Callable[..., A
         (fs.mountpoint / "other" / "x").write_bytes(b"x")
         build_bmap(fs.mountpoint, fs.mountpoint / "bmap.json")
         build_bmap(fs.mountpoint, fs.mountpoint / "bmap.json")
+        for _ in range(2):
+            build_bmap(fs.mountpoint, fs.mountpoint / "s.json", fmt="seed", exclude=["bmap.json"])
     finally:
         subprocess.run(["umount", str(fs.mountpoint / "other")], check=True)
     assert set(BlockMap.load(fs.mountpoint / "bmap.json").files) == set(content)
+    seeded = set(json.loads((fs.mountpoint / "s.json").read_text()))
+    seeded |= set(json.loads((fs.mountpoint / "s.skipped.json").read_text()))
+    assert seeded == set(content)
 
 
 def test_unsupported_and_missing(tmp_path: Path) -> None:
