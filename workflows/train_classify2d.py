@@ -2,12 +2,14 @@
 
     python -m workflows.train_classify2d demo/images/train --iters 100                  # DALI, CPU pipeline
     python -m workflows.train_classify2d demo/images/train --device cuda:0 --iters 500  # DALI, GPU decode
+    python -m workflows.train_classify2d demo/images/train --reader blockprep --backend direct
     python -m workflows.train_classify2d demo/images/train --reader torch               # PIL + DataLoader
 
 DALI: `fn.readers.file(file_root=...)` reads files and gives labels (the sorted class folders numbered from
-0), `fn.decoders.image` decodes (on the GPU with device="mixed"), then resize, random flip and normalise.
-PyTorch: the same labels, decoded by PIL in DataLoader workers. A small CNN; the report gives the share of
-step time spent waiting for the next batch.
+0), or `--reader blockprep` reads the same files with the same labels through a blockprep backend
+(`loaders.dali.FileSource` into `fn.external_source`). `fn.decoders.image` decodes (on the GPU with
+device="mixed"), then resize, random flip and normalise. PyTorch: the same labels, decoded by PIL in
+DataLoader workers. A small CNN; the report gives the share of step time spent waiting for the next batch.
 """
 
 from __future__ import annotations
@@ -63,11 +65,19 @@ def dali_batches(root: Path, args: argparse.Namespace) -> Iterator[tuple[Any, An
     plugin = require("nvidia.dali.plugin.pytorch", "the DALI reader (or pass --reader torch)")
     fn, types = dali.fn, dali.types
     gpu = args.device.startswith("cuda")
+    source = None
+    if args.reader == "blockprep":
+        from loaders.dali import FileSource
+
+        source = FileSource(root, backend=args.backend, batch_size=args.batchsize, shuffle=True, seed=args.seed)
 
     @dali.pipeline_def(batch_size=args.batchsize, num_threads=max(2, os.cpu_count() or 2), seed=args.seed,
                   device_id=int(args.device.partition(":")[2] or 0) if gpu else None)  # fmt: skip
     def pipe() -> Any:
-        jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="reader")
+        if source is None:
+            jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="reader")
+        else:  # blockprep: the same files and labels, read through a backend (many requests in flight)
+            jpegs, labels = fn.external_source(source=source, num_outputs=2, batch=True, cycle="raise")
         images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
         images = fn.resize(images, resize_x=args.size, resize_y=args.size)
         images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN, std=STD,
@@ -76,8 +86,10 @@ def dali_batches(root: Path, args: argparse.Namespace) -> Iterator[tuple[Any, An
 
     pipeline = pipe()
     pipeline.build()
-    it = plugin.DALIGenericIterator(pipeline, ["image", "label"], reader_name="reader",
-                                    last_batch_policy=plugin.LastBatchPolicy.DROP, auto_reset=True)  # fmt: skip
+    # epochs end where the reader says (reader_name), or where the external source raises StopIteration
+    epoch = {"reader_name": "reader"} if source is None else {}
+    it = plugin.DALIGenericIterator(pipeline, ["image", "label"], last_batch_policy=plugin.LastBatchPolicy.DROP,
+                                    auto_reset=True, **epoch)  # fmt: skip
     while True:
         for out in it:
             yield out[0]["image"], out[0]["label"].reshape(-1).long()
@@ -147,7 +159,7 @@ def train(args: argparse.Namespace) -> ClassifyReport:
     reader = pick_reader(args.reader)
     root = Path(args.datadir)
     classes = len(class_tree(root)[2])
-    batches = dali_batches(root, args) if reader == "dali" else torch_batches(root, args)
+    batches = torch_batches(root, args) if reader == "torch" else dali_batches(root, args)
     model = small_cnn(classes).to(args.device)
     optimiser = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -174,7 +186,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("datadir", type=Path, help="class-folder tree: DATADIR/<class>/<image>")
-    p.add_argument("--reader", choices=["auto", "dali", "torch"], default="auto", help="who reads and decodes")
+    p.add_argument(
+        "--reader",
+        choices=["auto", "dali", "blockprep", "torch"],
+        default="auto",
+        help="dali: fn.readers.file; blockprep: loaders.dali.FileSource; torch: PIL + DataLoader",
+    )
+    p.add_argument("--backend", default="auto", help="backend of --reader blockprep (auto, posix, direct, ...)")
     p.add_argument("--iters", type=int, default=50, help="training steps")
     p.add_argument("--batchsize", type=int, default=32, help="images per batch")
     p.add_argument("--size", type=int, default=64, help="images are resized to SIZE x SIZE")

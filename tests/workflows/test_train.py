@@ -42,9 +42,19 @@ def test_seg3d_blockprep_and_persistent_train_on_the_same_data(cache: Path, tmp_
     assert [d["loader"] for d in json.loads(report.read_text())] == ["blockprep", "persistent"]
 
 
-def test_classify2d_trains_on_a_class_tree(image_tree: Path) -> None:
-    for reader in ("dali", "torch"):
-        report = train_classify2d.main([str(image_tree), "--reader", reader, "--iters", "3", "--batchsize", "4",
-                                        "--size", "32", "--workers", "0"])  # fmt: skip
-        assert report.iters == 3 and report.classes == 3 and math.isfinite(report.last_loss)
-        assert 0 <= report.wait_share < 1
+@pytest.mark.parametrize("reader", ["dali", "blockprep", "torch"])
+def test_classify2d_trains_on_a_class_tree(image_tree: Path, reader: str) -> None:
+    report = train_classify2d.main([str(image_tree), "--reader", reader, "--iters", "3", "--batchsize", "4",
+                                    "--size", "32", "--workers", "0"])  # fmt: skip
+    assert report.reader == reader and report.iters == 3 and report.classes == 3
+    assert math.isfinite(report.first_loss) and math.isfinite(report.last_loss)
+    assert 0 <= report.wait_share < 1
+
+
+def test_classify2d_labels_follow_readers_file(image_tree: Path) -> None:
+    from loaders.dali import list_labeled_files
+
+    files, labels, classes = train_classify2d.class_tree(image_tree)
+    expected = list_labeled_files(image_tree)
+    assert [(str(Path(f).relative_to(image_tree)), label) for f, label in zip(files, labels)] == expected
+    assert classes == sorted(classes) and len(classes) == 3
