@@ -94,6 +94,10 @@ def test_cache_equals_monai_head_bit_exact(tmp_path: Path, nifti_dataset: Path) 
             assert meta["meta"][key]["filename_or_obj"] == entry[key]
         assert meta["applied_operations"]["image"][0]["class"] == "Orientation"
     assert verify_cache(out) == []
+    if summary.bmap is not None:  # the shards' block map, where the filesystem has FIEMAP
+        assert sorted(json.loads(summary.bmap.read_text())["files"]) == sorted(cache.manifest["shards"])
+    else:
+        assert summary.bmap_note
     # raw tensor bytes vs disk: only alignment padding on top
     assert summary.bytes_on_disk >= summary.tensor_bytes > 0
 
