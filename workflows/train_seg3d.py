@@ -65,9 +65,11 @@ def make_dataset(args: argparse.Namespace, loader: str) -> Any:
     if loader == "blockprep":
         from loaders.monai import PreparedPersistentDataset
 
-        options: dict[str, Any] = (
-            {"backend_options": {"bmap": str(args.cache / "bmap.json")}} if args.backend == "blockdev" else {}
-        )
+        options: dict[str, Any] = {}
+        if args.backend == "blockdev":
+            options["backend_options"] = {"bmap": str(args.cache / "bmap.json")}
+        if args.backend == "kvikio":  # GPU-only path (not run in CI): reads land in GPU memory, tail runs there
+            options["device"] = args.device
         return PreparedPersistentDataset(data, transform, args.cache, backend=args.backend, **options)
     from monai.data import PersistentDataset
 
@@ -87,15 +89,16 @@ def make_model(channels: tuple[int, ...], device: str) -> Any:
                 strides=(2,) * (len(channels) - 1), num_res_units=1).to(device)  # fmt: skip
 
 
-def _batches(dataset: Any, args: argparse.Namespace) -> Any:
+def _batches(dataset: Any, args: argparse.Namespace, loader_name: str) -> Any:
     """Endless shuffled batches (epochs chained); crops of every item are flattened into the batch."""
     import torch
     from monai.data import DataLoader, list_data_collate
 
-    generator = torch.Generator().manual_seed(args.seed)
-    loader = DataLoader(dataset, batch_size=args.batchsize, shuffle=True, num_workers=args.workers,
-                        collate_fn=list_data_collate, generator=generator, pin_memory=args.device.startswith("cuda"),
-                        persistent_workers=args.workers > 0)  # fmt: skip
+    gpu_reads = loader_name == "blockprep" and args.backend == "kvikio"  # tensors already on the GPU
+    loader = DataLoader(dataset, batch_size=args.batchsize, shuffle=True, num_workers=0 if gpu_reads else args.workers,
+                        collate_fn=list_data_collate, generator=torch.Generator().manual_seed(args.seed),
+                        pin_memory=args.device.startswith("cuda") and not gpu_reads,
+                        persistent_workers=args.workers > 0 and not gpu_reads)  # fmt: skip
     while True:
         yield from loader
 
@@ -113,7 +116,7 @@ def train(args: argparse.Namespace, loader: str) -> TrainReport:
     loss_fn = DiceLoss(to_onehot_y=True, softmax=True)
     amp = cuda and args.amp
     scaler = torch.amp.GradScaler("cuda", enabled=amp)
-    batches = _batches(dataset, args)
+    batches = _batches(dataset, args, loader)
     losses: list[float] = []
     wait = 0.0
     start = time.perf_counter()
