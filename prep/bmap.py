@@ -28,10 +28,11 @@ from loaders.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, BlockMap, enc
 from loaders.format import atomic_write_bytes, checksum
 from prep.devices import DeviceInfo, check_mappable, device_info
 from prep.errors import PrepError, UsageError
-from prep.fiemap import EXTENT_FLAGS, SAFE_FLAGS, Extent, fiemap_fd, merge_adjacent, unsafe_reasons
+from prep.fiemap import EXTENT_FLAGS, SAFE_FLAGS, Extent, FiemapReader, merge_adjacent, unsafe_reasons
 
 FORMATS = ("full", "seed")
 _BATCH = 256  # files per pool task: amortises task overhead, small enough for a smooth progress bar
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 PROCESS_MIN_FILES = 20_000  # trees at least this large are mapped by worker processes, smaller by threads
 
 
@@ -106,16 +107,16 @@ def _selected(rel: str, inc: Callable[[str], bool] | None, exc: Callable[[str], 
     return (inc is None or inc(rel)) and not (exc and exc(rel))
 
 
-def classify(extents: Sequence[Extent], size: int) -> str | None:
+def classify(extents: Sequence[Sequence[int]], size: int) -> str | None:
     """Why the file must not be read raw (comma-joined reasons), or None. Only extents that hold file bytes
     count: an unwritten preallocation beyond EOF is harmless."""
     seen = 0
     for e in extents:
-        if e.logical < size:
-            seen |= e.flags
+        if e[0] < size:
+            seen |= e[3]
     if not seen & ~SAFE_FLAGS:  # the common case: one plain extent
         return None
-    reasons = sorted({r for e in extents if e.logical < size for r in unsafe_reasons(e.flags)})
+    reasons = sorted({r for e in extents if e[0] < size for r in unsafe_reasons(e[3])})
     return ",".join(reasons) or None
 
 
@@ -123,10 +124,11 @@ def _map_batch(
     root: str, rels: list[str], checksums: bool, root_dev: int
 ) -> list[tuple[str, dict[str, Any] | None, str | None]]:
     out: list[tuple[str, dict[str, Any] | None, str | None]] = []
+    extents_of = FiemapReader()
     for rel in rels:
-        path = f"{root}/{rel}"
+        path = root + "/" + rel
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as err:
             out.append((rel, None, err.strerror))
             continue
@@ -134,15 +136,16 @@ def _map_batch(
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_dev != root_dev:  # replaced since listed, or a bind mount
                 continue
-            extents = fiemap_fd(fd, name=path)
+            extents = extents_of(fd, path)
+            reason = classify(extents, st.st_size)
             rec: dict[str, Any] = {
                 "size": st.st_size,
                 "inode": st.st_ino,
                 "mtime_ns": st.st_mtime_ns,
-                "extents": [tuple(e) for e in extents],  # JSON arrays [logical, physical, length, flags]
-                "reason": classify(extents, st.st_size),
+                "extents": extents,  # JSON arrays [logical, physical, length, flags]
+                "reason": reason,
+                "raw_readable": reason is None,
             }
-            rec["raw_readable"] = rec["reason"] is None
             if checksums:
                 with os.fdopen(os.dup(fd), "rb") as f:
                     rec["xxh3"] = checksum(f.read())
