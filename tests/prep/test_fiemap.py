@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prep.errors import UnsupportedFilesystemError
-from prep.fiemap import EXTENT_FLAGS, Extent, fiemap, flag_names, merge_adjacent, unsafe_reasons
+from prep.fiemap import EXTENT_FLAGS, Extent, FiemapReader, fiemap, flag_names, merge_adjacent, unsafe_reasons
 
 
 def fragment(paths: list[Path], chunks: int, chunk: int = 4096) -> dict[Path, bytes]:
@@ -42,6 +42,14 @@ def filefrag_extents(path: Path) -> list[tuple[int, int, int]]:
     return [(int(lo) * block, int(ph) * block, int(n) * block) for lo, ph, n in rows]
 
 
+def reader_extents(path: Path) -> list[tuple[int, int, int, int]]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return FiemapReader()(fd, str(path))
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.loopdev
 @pytest.mark.parametrize("fstype", ["ext4", "xfs"])
 def test_fragmented_extents_match_filefrag(make_loopfs: Callable[..., Any], fstype: str) -> None:
@@ -57,6 +65,10 @@ def test_fragmented_extents_match_filefrag(make_loopfs: Callable[..., Any], fsty
         # paging: one extent per ioctl gives the same list
         assert fiemap(p, batch=1) == ours
         assert fiemap(p, batch=2) == ours
+        assert reader_extents(p) == [tuple(e) for e in ours]  # the fast reader pages the same way
+    plain = fs.mountpoint / "plain"
+    plain.write_bytes(os.urandom(5000))
+    assert reader_extents(plain) == [tuple(e) for e in fiemap(plain)] and len(fiemap(plain)) == 1
 
 
 @pytest.mark.loopdev
@@ -64,7 +76,7 @@ def test_sparse_empty_and_unwritten(make_loopfs: Callable[..., Any]) -> None:
     fs = make_loopfs("ext4")
     mnt: Path = fs.mountpoint
     (mnt / "empty").write_bytes(b"")
-    assert fiemap(mnt / "empty") == []
+    assert fiemap(mnt / "empty") == [] == reader_extents(mnt / "empty")
     with open(mnt / "sparse", "wb") as f:
         f.seek(1 << 20)
         f.write(b"x" * 4096)
