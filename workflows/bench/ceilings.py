@@ -81,6 +81,8 @@ def direct(items: list[list[Span]], opts: Options, data: str, depth: int = 16) -
     how = evict(fds) if opts.cold else "warm"
     try:
         with ThreadPoolExecutor(depth) as pool:
+            barrier = threading.Barrier(depth)  # start every thread before the clock: spawning is not reading
+            list(pool.map(lambda _: barrier.wait(), range(depth)))
             start = time.perf_counter()
             nbytes = sum(pool.map(one, spans))
             seconds = time.perf_counter() - start
