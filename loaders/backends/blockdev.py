@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -207,7 +208,8 @@ class BlockdevBackend(Backend):
             return
         self._run_coalesced(requests, buffers, rooms)
 
-    def _keys(self, requests: Sequence[ReadRequest]) -> list[str]:
+    def _keys(self, requests: Sequence[ReadRequest]) -> tuple[list[str], list[Future[list[str | None]]]]:
+        """Keys of the requests, and the freshness checks still running for files not checked before."""
         try:
             keys = [self.bmap.key_for(r.path) for r in requests]
         except FormatError as exc:
@@ -216,24 +218,31 @@ class BlockdevBackend(Backend):
         if not self.check_stale:
             for k in unchecked:
                 self._filesystem_reason(k)
-        elif unchecked:  # freshness stats are metadata reads: overlap them on the pool, in chunks
-            step = max(16, len(unchecked) // self.threads + 1)
-            chunks = [unchecked[i : i + step] for i in range(0, len(unchecked), step)]
-            list(self.pool.map(lambda ks: [self._filesystem_reason(k) for k in ks], chunks))
-        return keys
+            return keys, []
+        # stat() is a metadata read: run the checks on the pool alongside the data reads, in chunks
+        step = max(16, len(unchecked) // self.threads + 1)
+        chunks = [unchecked[i : i + step] for i in range(0, len(unchecked), step)]
+        return keys, [self.pool.submit(lambda ks: [self._filesystem_reason(k) for k in ks], c) for c in chunks]
 
     def _run_coalesced(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
         """Sort every data segment of the batch by device offset and read neighbours (at most `max_gap` apart)
         as one O_DIRECT read of up to `coalesce` bytes: many small files laid out together read at the
-        bandwidth of large requests. Filesystem-only entries and holes are handled per request."""
-        futures = []
+        bandwidth of large requests. Filesystem-only entries and holes are handled per request. Files whose
+        freshness check is still running are read raw speculatively and re-read through the filesystem if
+        the check finds them changed, so metadata and data reads overlap."""
+        keys, checks = self._keys(requests)
+        futures: list[Future[Any]] = []
         pieces: list[tuple[int, int, memoryview]] = []  # (device offset, nbytes, destination)
-        for key, req, buf, room in zip(self._keys(requests), requests, buffers, rooms):
-            if self._why[key] is not None:
+        confirm: list[tuple[ReadRequest, Any, int, str]] = []
+        for key, req, buf, room in zip(keys, requests, buffers, rooms):
+            why = self._why.get(key, "?")  # "?": its check is still running
+            e = self.bmap.entry(key)
+            if not e.raw_readable or why not in ("?", None):
                 futures.append(self.pool.submit(self._one, req, buf, room))
                 continue
+            if why == "?":
+                confirm.append((req, buf, room, key))
             view = memoryview(buf).cast("B")
-            e = self.bmap.entry(key)
             if (
                 len(e.extents) == 1
                 and e.extents[0][0] <= req.offset
@@ -245,6 +254,8 @@ class BlockdevBackend(Backend):
             try:
                 segments = self.bmap.segments(key, req.offset, req.nbytes)
             except ValueError:
+                if why == "?":  # beyond the mapped size: maybe the file grew; settled once its check is in
+                    continue
                 raise short_read(req, max(0, e.size - req.offset)) from None
             for seg in segments:
                 at = seg.file_offset - req.offset
@@ -265,8 +276,13 @@ class BlockdevBackend(Backend):
             run.append(piece)
         if run:
             futures.append(self.pool.submit(self._read_run, run))
-        for fut in futures:
+        for fut in [*checks, *futures]:
             fut.result()
+        for req, buf, room, key in confirm:
+            if self._why[key] is not None:  # changed since mapping: the raw bytes may be wrong, read it again
+                self._one(req, buf, room)
+            elif req.offset + req.nbytes > self.bmap.entry(key).size:
+                raise short_read(req, max(0, self.bmap.entry(key).size - req.offset))
 
     def _read_run(self, run: list[tuple[int, int, memoryview]]) -> None:
         if len(run) == 1:

@@ -196,3 +196,21 @@ def test_many_small_files_coalesced_without_overrun(
         b.read_into(reqs, [packed[st : st + n] for st, n in zip(starts, sizes)])
         assert bytes(packed[: sum(sizes)]) == b"".join(content[k] for k in keys)
         assert bytes(packed[sum(sizes) :]) == b"\xee" * 7
+
+
+def test_grown_file_is_read_through_the_filesystem(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    fs = make_loopfs("ext4")
+    for name in ("a", "b"):
+        (fs.mountpoint / name).write_bytes(os.urandom(4096))
+    build_bmap(fs.mountpoint, tmp_path / "m.json")
+    grown = os.urandom(20000)
+    with open(fs.mountpoint / "a", "ab") as f:  # appended in place: same inode, bigger than mapped
+        f.write(grown)
+    whole = (fs.mountpoint / "a").read_bytes()
+    with BlockdevBackend(tmp_path / "m.json", device_path=fs.image, threads=4) as b:
+        with pytest.warns(RuntimeWarning, match="size 4096 -> 24096"):
+            got = b.read([ReadRequest("a", 100, 20000), ReadRequest("b", 0, 4096)])
+        assert bytes(got[0]) == whole[100:20100]
+        assert bytes(got[1]) == (fs.mountpoint / "b").read_bytes()
+        with pytest.raises(BackendError, match="short read"):
+            b.read([ReadRequest("b", 10, 4096), ReadRequest("a", 0, 1)])  # b did not grow: past its end
