@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,14 @@ def test_all_runs_every_way_that_applies(demo: Path, tmp_path: Path, capsys: pyt
     text = capsys.readouterr().out
     assert status == 0, text
     rows = _rows(out)
-    for name in ("blockprep prepared (posix)", "blockprep prepared (direct)", report.PERSISTENT,
-                 "monai Dataset (NIfTI + head)", "monai CacheDataset", "dali readers.numpy (.npy)",
-                 "dali readers.file", "python-file external_source", "ceiling np.fromfile (warm)"):  # fmt: skip
+    from loaders._deps import has
+
+    expected = ["blockprep prepared (posix)", "blockprep prepared (direct)", report.PERSISTENT,
+                "monai Dataset (NIfTI + head)", "monai CacheDataset", "ceiling np.fromfile (warm)"]  # fmt: skip
+    if has("nvidia.dali"):  # the DALI ways (make install brings DALI; without it they say so in one line)
+        expected += ["dali readers.numpy (.npy)", "dali readers.file", "python-file external_source",
+                     "blockprep dali FileSource (auto)"]  # fmt: skip
+    for name in expected:
         assert name in rows, text
     # every way read the same volumes: the same delivered bytes, 4 items each
     volumes = {n: r for n, r in rows.items() if r["data"] == "volumes" and r["kind"] != "ceiling"}
@@ -170,3 +176,12 @@ def test_raw_block_ways_on_a_loop_mounted_filesystem(
     blockdev = ours.prepared(cache, "blockdev", opts, **ours.backend_options("blockdev", cache / "bmap.json"))
     posix = ours.prepared(cache, "posix", opts)
     assert blockdev.name == "blockprep prepared (blockdev)" and blockdev.nbytes == posix.nbytes > 0
+
+
+def test_without_dali_the_dali_ways_say_so(
+    monkeypatch: pytest.MonkeyPatch, image_tree: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    status = benchmark.main(["dali", "--datadir", str(image_tree), "--batches", "1", "--warm", "--out", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  unavailable: dali:")]
+    assert status == 1 and len(lines) == 1 and "blockprep[dali]" in lines[0]

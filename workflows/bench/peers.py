@@ -157,12 +157,9 @@ def export_npy(cache_dir: str | os.PathLike[str], out: Path) -> dict[str, list[s
 
 def dali_numpy(npy: dict[str, list[str]], opts: Options) -> Result:
     """DALI `fn.readers.numpy` (one reader per key, same file order) on `.npy` exports; GDS on a GPU."""
-    from workflows.bench.research import _pipeline, run_pipeline
+    from workflows.bench.research import _dali, _pipeline, run_pipeline
 
-    try:
-        from nvidia.dali import fn
-    except ImportError as exc:
-        raise Unavailable("nvidia-dali is not installed (pip install 'blockprep[dali]')") from exc
+    fn = _dali().fn
     if not npy:
         raise Unavailable("no .npy exports to read")
 

@@ -21,13 +21,13 @@ Reader = Callable[[list[str]], list[np.ndarray]]
 
 
 def _dali() -> Any:
-    from loaders._deps import has
+    from loaders._deps import require
+    from loaders.errors import MissingDependencyError
 
-    if not has("nvidia.dali"):
-        raise Unavailable("nvidia-dali is not installed (pip install 'blockprep[dali]')")
-    import nvidia.dali as dali
-
-    return dali
+    try:
+        return require("nvidia.dali", "the DALI ways")
+    except MissingDependencyError as exc:
+        raise Unavailable(str(exc).splitlines()[0]) from exc
 
 
 def tree_files(datadir: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
