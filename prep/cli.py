@@ -131,7 +131,11 @@ def bmap_map(
         return
     if mountpoint is None:
         raise fail("--mountpoint is required (the folder the filesystem is mounted on); see `prep bmap --help`")
+    import tqdm
+
     from prep import bmap
+
+    tqdm.tqdm.monitor_interval = 0  # no monitor thread: large trees are mapped by forked worker processes
 
     with progress_bar(None, "bmap", "file") as update:
         summary = guarded(
