@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loaders.errors import PrepError
 from workflows.bench import ceilings, ours, peers, report, research
 from workflows.bench.core import Options, Result, Unavailable
 
@@ -58,8 +59,10 @@ def _image_ceilings(datadir: Path, opts: Options) -> list[Callable[[], Result]]:
 def _npy(args: argparse.Namespace, opts: Options) -> Result:
     if args.npy is not None:
         npy = {p.name: sorted(str(f) for f in p.glob("*.npy")) for p in sorted(Path(args.npy).iterdir()) if p.is_dir()}
-    else:
+    elif args.cache is not None:
         npy = peers.export_npy(args.cache, opts.work / "npy")
+    else:
+        raise Unavailable("dali-numpy needs --cache (to export) or --npy (exports)")
     return peers.dali_numpy(npy, opts)
 
 
@@ -157,8 +160,8 @@ def _run_jobs(jobs: list[tuple[str, Callable[[], Result]]]) -> tuple[list[Result
     for label, job in jobs:
         try:
             result = job()
-        except Unavailable as exc:
-            why = str(exc).removeprefix(f"{label}: ")
+        except (Unavailable, PrepError) as exc:  # PrepError: this data lacks what the way needs (one line)
+            why = str(exc).splitlines()[0].removeprefix(f"{label}: ")
             skipped.append((label, why))
             print(f"  unavailable: {label}: {why}", flush=True)  # the one line a way that cannot run prints
             continue

@@ -185,3 +185,17 @@ def test_without_dali_the_dali_ways_say_so(
     status = benchmark.main(["dali", "--datadir", str(image_tree), "--batches", "1", "--warm", "--out", str(tmp_path)])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  unavailable: dali:")]
     assert status == 1 and len(lines) == 1 and "blockprep[dali]" in lines[0]
+
+
+def test_all_on_partial_data_measures_what_is_there(
+    tmp_path: Path, image_tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "data" / "images").mkdir(parents=True)
+    (tmp_path / "data" / "images" / "train").symlink_to(image_tree)
+    status = benchmark.main(["all", "--data", str(tmp_path / "data"), "--batches", "1", "--batchsize", "2", "--warm",
+                             "--out", str(tmp_path / "out")])  # fmt: skip
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert "unavailable: persistent: " in text and "datalist not found" in text
+    assert "unavailable: dali-numpy: " in text and "unavailable: prepared --backend posix: " in text
+    assert {r["data"] for r in _rows(tmp_path / "out").values()} == {"images"}

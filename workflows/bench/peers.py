@@ -135,12 +135,15 @@ def gds_dataset(datalist: str | os.PathLike[str], pipeline: str | os.PathLike[st
 
 
 def export_npy(cache_dir: str | os.PathLike[str], out: Path) -> dict[str, list[str]]:
-    """Write each tensor of a prepared cache as OUT/<key>/<item>.npy (skipped when already there);
-    returns the files per key, in item order."""
+    """Write each tensor of a prepared cache as OUT/<manifest digest>/<key>/<item>.npy (kept for later runs
+    of the same cache: a rebuilt cache gets a new folder); returns the files per key, in item order."""
+    import hashlib
+
     from loaders.backends import ReadRequest, get_backend
-    from loaders.format import PreparedCache
+    from loaders.format import MANIFEST, PreparedCache
 
     cache = PreparedCache(cache_dir)
+    out = out / hashlib.sha256((Path(cache_dir) / MANIFEST).read_bytes()).hexdigest()[:16]
     files: dict[str, list[str]] = {}
     with get_backend("posix") as backend:
         for item in range(len(cache)):
