@@ -117,22 +117,35 @@ def time_filefrag(mnt: Path, keys: Sequence[str], procs: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench_mapping(mnt: Path, keys: Sequence[str], workers: int, out: Path) -> list[Row]:
-    """Mapping rate of build_bmap (1 and W workers) vs filefrag (1 and W processes), metadata warm for all."""
+def bench_mapping(mnt: Path, keys: Sequence[str], workers: int, out: Path, repeat: int = 3) -> list[Row]:
+    """Mapping rate of build_bmap (1 and W workers, including writing the map) vs filefrag (1 and W processes),
+    metadata warm for all; each the best of `repeat` runs, interleaved so that load spikes hit all alike."""
     from prep.bmap import build_bmap
 
-    time_filefrag(mnt, keys, workers)  # warm the inode and extent caches for everyone
-    n = len(keys)
-    ff1 = time_filefrag(mnt, keys, 1)
-    ffw = time_filefrag(mnt, keys, workers)
-    rows = [Row("filefrag -s -e, 1 process", ff1, n, 0), Row(f"filefrag -s -e, {workers} processes", ffw, n, 0)]
-    for w in sorted({1, workers}):
+    def bmap_seconds(w: int) -> float:
         s = build_bmap(mnt, out, workers=w)
-        assert s.files == n, f"mapped {s.files} of {n} files"
-        rows.append(Row(f"build_bmap, {w} worker(s)", s.seconds, n, 0, "filefrag 1 process", ff1 / s.seconds))
-        if w == workers and workers > 1:
-            rows.append(Row(f"build_bmap, {w} workers", s.seconds, n, 0, f"filefrag {workers} procs", ffw / s.seconds))
-    return rows
+        assert s.files == len(keys), f"mapped {s.files} of {len(keys)} files"
+        return s.seconds
+
+    time_filefrag(mnt, keys, workers)  # warm the inode and extent caches for everyone
+    times: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        for name, fn in (
+            ("ff1", lambda: time_filefrag(mnt, keys, 1)),
+            ("ffw", lambda: time_filefrag(mnt, keys, workers)),
+            ("b1", lambda: bmap_seconds(1)),
+            ("bw", lambda: bmap_seconds(workers)),
+        ):
+            times.setdefault(name, []).append(fn())
+    ff1, ffw, b1, bw = (min(times[k]) for k in ("ff1", "ffw", "b1", "bw"))
+    n = len(keys)
+    return [
+        Row("filefrag -s -e, 1 process", ff1, n, 0),
+        Row(f"filefrag -s -e, {workers} processes", ffw, n, 0),
+        Row("build_bmap, 1 worker(s)", b1, n, 0, "filefrag 1 process", ff1 / b1),
+        Row(f"build_bmap, {workers} workers", bw, n, 0, "filefrag 1 process", ff1 / bw),
+        Row(f"build_bmap, {workers} workers", bw, n, 0, f"filefrag {workers} procs", ffw / bw),
+    ]
 
 
 def _direct_reads(image: Path, offsets: Sequence[int], sizes: Sequence[int], threads: int) -> float:
@@ -155,8 +168,9 @@ def _direct_reads(image: Path, offsets: Sequence[int], sizes: Sequence[int], thr
         os.close(fd)
 
 
-def bench_reads(image: Path, bmap_path: Path, threads: int, batch: int = 1024) -> list[Row]:
-    """Cold raw reads of every mapped file through BlockdevBackend vs one contiguous O_DIRECT region."""
+def bench_reads(image: Path, bmap_path: Path, threads: int, batch: int = 1024, repeat: int = 3) -> list[Row]:
+    """Cold raw reads of every mapped file through BlockdevBackend vs one contiguous O_DIRECT region; each the
+    best of `repeat` cold runs."""
     from loaders.backends import ReadRequest
     from loaders.backends.blockdev import BlockdevBackend
     from loaders.bmap import BlockMap
@@ -167,26 +181,36 @@ def bench_reads(image: Path, bmap_path: Path, threads: int, batch: int = 1024) -
     total = sum(r.nbytes for r in reqs)
     sizes = [r.nbytes for r in reqs]
     rows = []
-    t_bmap = {}
-    for check in (True, False):
+
+    def backend_seconds(check: bool) -> float:
         with BlockdevBackend(bm, device_path=image, threads=threads, check_stale=check) as b:
             drop_caches(image)
             t0 = time.perf_counter()
             for i in range(0, len(reqs), batch):
                 b.read(reqs[i : i + batch])
-            t_bmap[check] = time.perf_counter() - t0
-    # peers read the same bytes from the start of the image: one contiguous region
-    drop_caches(image)
+            return time.perf_counter() - t0
+
+    def direct_seconds(offsets: Sequence[int], lengths: Sequence[int]) -> float:
+        drop_caches(image)
+        return _direct_reads(image, offsets, lengths, threads)
+
     big = 1 << 20
-    big_offsets = list(range(0, align_up(total, big), big))
-    t_big = _direct_reads(image, big_offsets, [big] * len(big_offsets), threads)
-    drop_caches(image)
-    same_offsets = list(np.cumsum([0] + [align_up(s) for s in sizes[:-1]]))
-    t_same = _direct_reads(image, [int(o) for o in same_offsets], sizes, threads)
-    # the same reads at the files' own device offsets, without the map: what the device gives for this layout
-    drop_caches(image)
+    big_offsets = list(range(0, align_up(total, big), big))  # peers: the same bytes as one contiguous region
+    same_offsets = [int(o) for o in np.cumsum([0] + [align_up(s) for s in sizes[:-1]])]
+    # the same reads at the files' own device offsets (their first extent: these small files have one), no map
     mapped = [bm.source(image).base + bm.files[r.path]["extents"][0][1] for r in reqs]
-    t_at = _direct_reads(image, mapped, sizes, threads)
+    times: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        for name, fn in (
+            ("check", lambda: backend_seconds(True)),
+            ("nocheck", lambda: backend_seconds(False)),
+            ("big", lambda: direct_seconds(big_offsets, [big] * len(big_offsets))),
+            ("same", lambda: direct_seconds(same_offsets, sizes)),
+            ("at", lambda: direct_seconds(mapped, sizes)),
+        ):
+            times.setdefault(name, []).append(fn())
+    t_bmap = {True: min(times["check"]), False: min(times["nocheck"])}
+    t_big, t_same, t_at = min(times["big"]), min(times["same"]), min(times["at"])
     n = len(reqs)
     rows.append(Row(f"O_DIRECT 1 MiB requests, {threads} in flight", t_big, len(big_offsets), total))
     rows.append(Row(f"O_DIRECT file-sized requests, {threads} in flight", t_same, n, total))
@@ -209,7 +233,13 @@ def print_table(rows: Sequence[Row]) -> None:
 
 
 def run(
-    files: int, workers: int, threads: int = 16, mean_size: int = 16384, tmp: Path | None = None, batch: int = 1024
+    files: int,
+    workers: int,
+    threads: int = 16,
+    mean_size: int = 16384,
+    tmp: Path | None = None,
+    batch: int = 1024,
+    repeat: int = 3,
 ) -> list[Row]:
     """Make the image, run both benchmarks, clean up; returns the table rows."""
     base = Path(tempfile.mkdtemp(prefix="bench_bmap-", dir=tmp))
@@ -217,8 +247,8 @@ def run(
         size_mb = 64 + files * (mean_size + 4096 + 512) * 3 // 2 // (1 << 20)
         with loop_ext4(base, size_mb, files + 1024) as (image, mnt, _device):
             keys = make_files(mnt, files, mean_size)
-            rows = bench_mapping(mnt, keys, workers, base / "bmap.json")
-            rows += bench_reads(image, base / "bmap.json", threads, batch)
+            rows = bench_mapping(mnt, keys, workers, base / "bmap.json", repeat)
+            rows += bench_reads(image, base / "bmap.json", threads, batch, repeat)
         return rows
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -233,11 +263,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--mean-size", type=int, default=16384, help="mean file size in bytes (default 16 KiB)")
     parser.add_argument("--tmp", type=Path, default=None, help="where the image goes (default: the system temp)")
     parser.add_argument("--batch", type=int, default=1024, help="files per BlockdevBackend.read call (default 1024)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the best is kept")
     args = parser.parse_args(argv)
-    rows = run(args.files, args.workers, args.threads, args.mean_size, args.tmp, args.batch)
+    rows = run(args.files, args.workers, args.threads, args.mean_size, args.tmp, args.batch, args.repeat)
     print(
         f"\nbench_bmap: {args.files} files (mean {args.mean_size} B) on a loop-mounted ext4 image; "
-        f"raw reads in batches of {args.batch} files, from the image file"
+        f"raw reads in batches of {args.batch} files, from the image file; best of {args.repeat} runs"
     )
     print_table(rows)
 

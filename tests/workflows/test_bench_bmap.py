@@ -15,7 +15,7 @@ from workflows import bench_bmap
 def test_bench_bmap_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if os.geteuid() != 0 or not shutil.which("mkfs.ext4") or not Path("/dev/loop-control").exists():
         pytest.skip("bench_bmap needs root, mkfs.ext4 and loop devices")
-    rows = bench_bmap.run(files=60, workers=2, threads=4, mean_size=3000, tmp=tmp_path)
+    rows = bench_bmap.run(files=60, workers=2, threads=4, mean_size=3000, tmp=tmp_path, repeat=1)
     names = {r.what for r in rows}
     assert {"filefrag -s -e, 1 process", "build_bmap, 1 worker(s)", "build_bmap, 2 workers"} <= names
     assert {"O_DIRECT 1 MiB requests, 4 in flight", "O_DIRECT at the files' offsets, 4 in flight"} <= names
