@@ -12,6 +12,7 @@ in flight together, landing at aligned offsets of one buffer; tensors are zero-c
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import threading
 from collections import deque
@@ -163,6 +164,7 @@ class _DatasetCore:
         self._backend: Backend | None = backend if isinstance(backend, Backend) else None
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     # --- process-local state (rebuilt after pickling into DataLoader workers) ---
     def __getstate__(self) -> dict[str, Any]:
@@ -177,10 +179,24 @@ class _DatasetCore:
         self.cache = PreparedCache(self.root)
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _after_fork(self) -> None:
+        # A forked DataLoader worker inherits the dataset without pickling: the backend's thread pool has
+        # no threads in the child (a submit would wait forever) and locks may be held. Rebuild them here.
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.__dict__["_buffers"] = None
+        if self._backend is not None:
+            self._backend = pickle.loads(pickle.dumps(self._backend))  # Backend.__getstate__ drops the pool
 
     @property
     def backend(self) -> Backend:
         """The backend this process reads through (built on first use)."""
+        self._after_fork()
         if self._backend is None:
             with self._lock:
                 if self._backend is None:
@@ -273,6 +289,7 @@ class _DatasetCore:
                 check(e, np.asarray(data))
 
     def _pool(self) -> _BufferPool:
+        self._after_fork()
         pool = self.__dict__.get("_buffers")
         if pool is None:
             backend = self.backend  # built outside the lock (it takes the same lock)
@@ -284,6 +301,7 @@ class _DatasetCore:
 
     def _stager(self) -> Any:
         """This thread's pinned stager for item reads (threads of a ThreadDataLoader each get their own)."""
+        self._after_fork()
         stager = getattr(self._local, "stager", None)
         if stager is None:
             from loaders.gpu import PinnedStager

@@ -167,7 +167,9 @@ def test_shard_covers_everything_evenly(cache: tuple[Path, list[dict]]) -> None:
 def test_torch_dataloader(cache: tuple[Path, list[dict]], workers: int) -> None:
     root, items = cache
     ds = PreparedDataset(root, backend="posix", keys=["image", "label"], meta=False)
-    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=workers)
+    ds[0]  # the parent's backend has a running thread pool: forked workers must not inherit it
+    next(ds.iter_batches(2))
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=workers, timeout=60 if workers else 0)
     got = torch.cat([b["label"] for b in loader]).numpy()
     np.testing.assert_array_equal(got, np.stack([it["label"] for it in items]))
 
@@ -175,9 +177,10 @@ def test_torch_dataloader(cache: tuple[Path, list[dict]], workers: int) -> None:
 def test_batches_split_across_workers(cache: tuple[Path, list[dict]]) -> None:
     root, _ = cache
     ds = PreparedDataset(root, backend="posix", keys=["image"], meta=False)
+    ds[1]
     batches = PreparedBatches(ds, 2)
     assert len(batches) == 4
-    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2, timeout=60)
     seen = sorted(i for b in loader for i in b["_items"].tolist())
     assert seen == list(range(N))  # each item exactly once across the two workers
 
