@@ -68,3 +68,32 @@ def test_jobqueue_dry_run_prints_the_worker_job(tmp_path: Path) -> None:
     for directive in ("#SBATCH -p cpu", "#SBATCH -A proj", "#SBATCH --cpus-per-task=4", "#SBATCH --constraint=nvme"):
         assert directive in proc.stdout
     assert "dask_worker" in proc.stdout and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow  # stages a cache, maps it, trains one step: ~10 s
+def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
+    """train.sbatch run as a plain script (no srun here): copy, re-map on scratch, one CPU training step."""
+    from prep.cache import prepare_cache
+    from prep.synth import nifti_dataset
+
+    datalist = nifti_dataset(tmp_path / "nifti", count=2, size=48, seed=2)
+    shared = tmp_path / "shared" / "cache"
+    shared.parent.mkdir()
+    prepare_cache(datalist, SLURM.parent / "pipelines" / "spheres.py", shared, workers=1, processes=False)
+    (shared / "bmap.json").write_text("{}")  # stands for the shared copy's map: must not travel
+    scratch = tmp_path / "scratch"
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "SHARED_CACHE": str(shared),
+        "SCRATCH_DIR": str(scratch), "DEVICE": "cpu", "ITERS": "1", "BATCHSIZE": "1", "PYTHON": sys.executable,
+        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "both",
+    }  # fmt: skip
+    proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], capture_output=True, text=True, env=env,
+                          cwd=SLURM.parents[1], timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    local = scratch / "cache"
+    assert (local / "manifest.json").is_file() and (scratch / "persistent").is_dir()
+    assert "blockprep: 1 steps" in proc.stdout and "persistent: 1 steps" in proc.stdout
+    if "no block map on this scratch" not in proc.stdout:  # tmpfs scratch cannot be mapped
+        from loaders.bmap import BlockMap
+
+        assert len(BlockMap.load(local / "bmap.json")) == len(list((local / "shards").iterdir()))
