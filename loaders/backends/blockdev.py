@@ -91,6 +91,7 @@ class RawDevice:
         self._fd = None
 
 
+_PLAN_SLICE = 256  # requests planned before their reads are submitted (planning overlaps reading)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
@@ -225,46 +226,67 @@ class BlockdevBackend(Backend):
         return keys, [self.pool.submit(lambda ks: [self._filesystem_reason(k) for k in ks], c) for c in chunks]
 
     def _run_coalesced(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
-        """Sort every data segment of the batch by device offset and read neighbours (at most `max_gap` apart)
+        """Sort the data segments of the batch by device offset and read neighbours (at most `max_gap` apart)
         as one O_DIRECT read of up to `coalesce` bytes: many small files laid out together read at the
-        bandwidth of large requests. Filesystem-only entries and holes are handled per request. Files whose
-        freshness check is still running are read raw speculatively and re-read through the filesystem if
-        the check finds them changed, so metadata and data reads overlap."""
+        bandwidth of large requests. The batch is planned in slices of `_PLAN_SLICE` requests, each slice's
+        reads submitted before the next is planned, so planning overlaps the reads. Filesystem-only entries
+        go through the filesystem. Files whose freshness check is still running are read raw speculatively
+        and re-read through the filesystem if the check finds them changed."""
         keys, checks = self._keys(requests)
         futures: list[Future[Any]] = []
-        pieces: list[tuple[int, int, memoryview]] = []  # (device offset, nbytes, destination)
         confirm: list[tuple[ReadRequest, Any, int, str]] = []
-        for key, req, buf, room in zip(keys, requests, buffers, rooms):
-            why = self._why.get(key, "?")  # "?": its check is still running
-            e = self.bmap.entry(key)
-            if not e.raw_readable or why not in ("?", None):
-                futures.append(self.pool.submit(self._one, req, buf, room))
-                continue
-            if why == "?":
-                confirm.append((req, buf, room, key))
-            view = memoryview(buf).cast("B")
-            if (
-                len(e.extents) == 1
-                and e.extents[0][0] <= req.offset
-                and req.offset + req.nbytes <= min(e.size, e.extents[0][0] + e.extents[0][2])
-            ):  # the common case, one extent covering the range: skip the general segment walk
-                dev = self.source.base + e.extents[0][1] + req.offset - e.extents[0][0]
-                pieces.append((dev, req.nbytes, view[: req.nbytes + room]))
-                continue
-            try:
-                segments = self.bmap.segments(key, req.offset, req.nbytes)
-            except ValueError:
-                if why == "?":  # beyond the mapped size: maybe the file grew; settled once its check is in
-                    continue
-                raise short_read(req, max(0, e.size - req.offset)) from None
-            for seg in segments:
-                at = seg.file_offset - req.offset
-                if seg.device_offset is None:
-                    view[at : at + seg.nbytes] = bytes(seg.nbytes)
-                else:
-                    # only a request's last segment may spill, into padding this backend allocated
-                    end = req.nbytes + room if at + seg.nbytes == req.nbytes else at + seg.nbytes
-                    pieces.append((self.source.base + seg.device_offset, seg.nbytes, view[at:end]))
+        for lo in range(0, len(requests), _PLAN_SLICE):
+            pieces: list[tuple[int, int, memoryview]] = []  # (device offset, nbytes, destination)
+            for i in range(lo, min(lo + _PLAN_SLICE, len(requests))):
+                self._plan(keys[i], requests[i], buffers[i], rooms[i], pieces, futures, confirm)
+            self._submit_runs(pieces, futures)
+        for fut in [*checks, *futures]:
+            fut.result()
+        for req, buf, room, key in confirm:
+            if self._why[key] is not None:  # changed since mapping: the raw bytes may be wrong, read it again
+                self._one(req, buf, room)
+            elif req.offset + req.nbytes > self.bmap.entry(key).size:
+                raise short_read(req, max(0, self.bmap.entry(key).size - req.offset))
+
+    def _plan(
+        self,
+        key: str,
+        req: ReadRequest,
+        buf: Any,
+        room: int,
+        pieces: list[tuple[int, int, memoryview]],
+        futures: list[Future[Any]],
+        confirm: list[tuple[ReadRequest, Any, int, str]],
+    ) -> None:
+        why = self._why.get(key, "?")  # "?": its freshness check is still running
+        e = self.bmap.entry(key)
+        if not e.raw_readable or why not in ("?", None):
+            futures.append(self.pool.submit(self._one, req, buf, room))
+            return
+        if why == "?":
+            confirm.append((req, buf, room, key))
+        view = memoryview(buf).cast("B")
+        ext = e.extents[0] if len(e.extents) == 1 else None
+        if ext and ext[0] <= req.offset and req.offset + req.nbytes <= min(e.size, ext[0] + ext[2]):
+            # the common case, one extent covering the range: no segment walk
+            pieces.append((self.source.base + ext[1] + req.offset - ext[0], req.nbytes, view[: req.nbytes + room]))
+            return
+        try:
+            segments = self.bmap.segments(key, req.offset, req.nbytes)
+        except ValueError:
+            if why == "?":  # beyond the mapped size: maybe the file grew; settled once its check is in
+                return
+            raise short_read(req, max(0, e.size - req.offset)) from None
+        for seg in segments:
+            at = seg.file_offset - req.offset
+            if seg.device_offset is None:
+                view[at : at + seg.nbytes] = bytes(seg.nbytes)  # a hole reads as zeros
+            else:
+                # only a request's last segment may spill, into padding this backend allocated
+                end = req.nbytes + room if at + seg.nbytes == req.nbytes else at + seg.nbytes
+                pieces.append((self.source.base + seg.device_offset, seg.nbytes, view[at:end]))
+
+    def _submit_runs(self, pieces: list[tuple[int, int, memoryview]], futures: list[Future[Any]]) -> None:
         pieces.sort(key=lambda p: p[0])
         run: list[tuple[int, int, memoryview]] = []
         run_end = 0
@@ -276,13 +298,6 @@ class BlockdevBackend(Backend):
             run.append(piece)
         if run:
             futures.append(self.pool.submit(self._read_run, run))
-        for fut in [*checks, *futures]:
-            fut.result()
-        for req, buf, room, key in confirm:
-            if self._why[key] is not None:  # changed since mapping: the raw bytes may be wrong, read it again
-                self._one(req, buf, room)
-            elif req.offset + req.nbytes > self.bmap.entry(key).size:
-                raise short_read(req, max(0, self.bmap.entry(key).size - req.offset))
 
     def _read_run(self, run: list[tuple[int, int, memoryview]]) -> None:
         if len(run) == 1:
