@@ -50,8 +50,8 @@ def test_sweep_requires_the_shared_cache() -> None:
     assert proc.returncode != 0 and "SHARED_CACHE" in proc.stderr
 
 
-def test_jobqueue_recipe_compiles_and_helps() -> None:
-    py_compile.compile(str(SLURM / "prep_cache_jobqueue.py"), doraise=True)
+def test_jobqueue_recipe_compiles_and_helps(tmp_path: Path) -> None:
+    py_compile.compile(str(SLURM / "prep_cache_jobqueue.py"), cfile=str(tmp_path / "recipe.pyc"), doraise=True)
     proc = subprocess.run([sys.executable, str(SLURM / "prep_cache_jobqueue.py"), "--help"],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
