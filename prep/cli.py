@@ -115,7 +115,7 @@ def bmap_map(
     fmt: Annotated[
         str, typer.Option("--format", help="full: bmap.json with all extents; seed: flat {key: startblock/endblock}.")
     ] = "full",
-    workers: Annotated[int, typer.Option(help="Threads mapping files in parallel.")] = 4,
+    workers: Annotated[int, typer.Option(help="Parallel workers (threads; processes for 20,000+ files).")] = 4,
     include: Annotated[list[str] | None, typer.Option(help="Glob of files to map (repeatable; default all).")] = None,
     exclude: Annotated[list[str] | None, typer.Option(help="Glob of files or folders to skip (repeatable).")] = None,
     allow_subdir: Annotated[
