@@ -28,7 +28,7 @@ from loaders._deps import has, require
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check, unflatten
-from loaders.region import read_region_entry
+from loaders.region import RegionRead, plan_read, read_regions
 
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
 Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, ...]]], Any]
@@ -372,33 +372,37 @@ class _DatasetCore:
         return self._region(int(self.items[index]), key, start, shape)
 
     def _region(self, item: int, key: str, start: Sequence[int], shape: Sequence[int]) -> Any:
-        import torch
-
         entry = next((e for e in self.cache.entries(item) if e.key == key), None)
         if entry is None:
             raise KeyError(f"{self.root}: item {item} has no key '{key}'")
+        return self._regions([plan_read(entry, start, shape)])[0]
+
+    def _regions(self, reads: list[RegionRead]) -> list[Any]:
+        """Planned regions of one item, read in one backend batch, as tensors on the dataset's device."""
+        import torch
+
         try:
-            array = read_region_entry(self.backend, entry, start, shape, allocate=self._pool().get)
+            arrays = read_regions(self.backend, reads, allocate=self._pool().get)
         except BackendError as exc:
-            raise _name_short_read([[entry]], exc) from exc
-        tensor = torch.from_numpy(array)
-        return tensor.to(self.device, non_blocking=True) if self.on_gpu else tensor
+            raise _name_short_read([[r.entry for r in reads]], exc) from exc
+        tensors = [torch.from_numpy(a) for a in arrays]
+        return [t.to(self.device, non_blocking=True) for t in tensors] if self.on_gpu else tensors
 
     def _read_roi(self, item: int) -> dict[str, Any]:
         entries = [e for e in self.cache.entries(item) if e.key in self.keys]
         roi = self.roi
         if callable(roi):
             roi = roi(item, {e.key: e.shape for e in entries})
-        out = {}
+        reads = []
         for e in entries:
-            if roi is None or len(roi[0]) > len(e.shape):
+            if roi is None or len(roi[0]) > len(e.shape):  # keys with fewer dims than the roi: whole
                 start, shape = [0] * len(e.shape), list(e.shape)
             else:
                 lead = len(e.shape) - len(roi[0])
                 start = [0] * lead + list(roi[0])
                 shape = list(e.shape[:lead]) + list(roi[1])
-            out[e.key] = self._region(item, e.key, start, shape)
-        return out
+            reads.append(plan_read(e, start, shape))
+        return {r.entry.key: t for r, t in zip(reads, self._regions(reads))}
 
     # --- batches ---
     def iter_batches(

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from loaders.backends.base import Backend, ReadRequest
-from loaders.format import TensorEntry
+from loaders.format import TensorEntry, align_up
 
 # Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
 # queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
@@ -91,6 +91,77 @@ def plan_region(
     return RegionPlan(axis, slab_shape, spans, tuple(shape[:axis]))
 
 
+@dataclass(frozen=True)
+class RegionRead:
+    """The planned read of one tensor's region: its requests, and how the slabs become the region."""
+
+    entry: TensorEntry
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    plan: RegionPlan
+
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of one request's slab in the scratch buffer."""
+        return int(np.prod(self.plan.slab_shape, dtype=np.int64)) * self.entry.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Scratch bytes this read needs (whole slabs; only the planned spans are read into them)."""
+        return self.slab_bytes * len(self.plan.spans)
+
+    def requests(self) -> list[ReadRequest]:
+        """One request per span."""
+        return [ReadRequest(self.entry.shard, self.entry.offset + off, n) for off, n, _ in self.plan.spans]
+
+    def targets(self, buf: Any, at: int = 0) -> list[Any]:
+        """Where each span lands in `buf` (whose slabs start at byte `at`)."""
+        slab = self.slab_bytes
+        return [buf[at + i * slab + pre : at + i * slab + pre + n] for i, (_, n, pre) in enumerate(self.plan.spans)]
+
+    def assemble(self, host: np.ndarray, at: int = 0) -> np.ndarray:
+        """The region from the slabs in host bytes `host[at:]`: one strided copy."""
+        slabs = np.asarray(host[at : at + self.nbytes]).view(self.entry.dtype)
+        slabs = slabs.reshape(*self.plan.lead_shape, *self.plan.slab_shape)
+        axis = self.plan.axis
+        trailing = tuple(slice(s, s + n) for s, n in zip(self.start[axis + 1 :], self.shape[axis + 1 :]))
+        index: tuple[Any, ...] = (Ellipsis, *trailing)
+        return np.ascontiguousarray(slabs[index] if trailing else slabs)
+
+
+def plan_read(entry: TensorEntry, start: Sequence[int], shape: Sequence[int], axis: int | None = None) -> RegionRead:
+    """Plan the read of region `[start, start+shape)` of one cached tensor (ValueError when outside it)."""
+    _check(entry.shape, start, shape, f"{entry.shard}: item {entry.item} key '{entry.key}'")
+    plan = plan_region(entry.shape, entry.dtype.itemsize, start, shape, axis)
+    return RegionRead(entry, tuple(start), tuple(shape), plan)
+
+
+def read_regions(
+    backend: Backend, reads: Sequence[RegionRead], allocate: Callable[[int], Any] | None = None
+) -> list[np.ndarray]:
+    """Read several planned regions (e.g. the same patch of image and label) in one backend batch.
+
+    `allocate(nbytes)` supplies the scratch buffer for the slabs (default: the backend's; PreparedDataset
+    passes its pool of reused buffers, which saves the page faults of fresh memory)."""
+    offsets = [0]
+    for r in reads:
+        offsets.append(offsets[-1] + align_up(r.nbytes))
+    buf = (allocate if allocate is not None and not backend.gpu else backend.allocate)(max(offsets[-1], 1))
+    requests = [q for r in reads for q in r.requests()]
+    targets = [t for r, at in zip(reads, offsets) for t in r.targets(buf, at)]
+    if backend.name == "posix" and sum(q.nbytes for q in requests) < SEQUENTIAL_BELOW * len(requests):
+        # Buffered small runs are memcpy from the page cache: handing each to a pool thread costs more
+        # than the copy (measured 2x slower on a warm 96^3 patch), so read them in this thread.
+        for request, target in zip(requests, targets):
+            backend.read_into([request], [target])
+    else:
+        backend.read_into(requests, targets)
+    host: Any = buf
+    if backend.gpu:  # device buffer: bring the slabs home once (region reads are for host pipelines)
+        host = buf.get() if hasattr(buf, "get") else buf.cpu().numpy()  # cupy array or torch CUDA tensor
+    return [r.assemble(host, at) for r, at in zip(reads, offsets)]
+
+
 def read_region_entry(
     backend: Backend,
     entry: TensorEntry,
@@ -99,30 +170,5 @@ def read_region_entry(
     axis: int | None = None,
     allocate: Callable[[int], Any] | None = None,
 ) -> np.ndarray:
-    """Read region `[start, start+shape)` of one cached tensor; equals `full[tuple(slices)]` exactly.
-
-    `allocate(nbytes)` supplies the scratch buffer for the slabs (default: the backend's; PreparedDataset
-    passes its pool of reused buffers, which saves the page faults of fresh memory)."""
-    _check(entry.shape, start, shape, f"{entry.shard}: item {entry.item} key '{entry.key}'")
-    itemsize = entry.dtype.itemsize
-    plan = plan_region(entry.shape, itemsize, start, shape, axis)
-    slab_bytes = int(np.prod(plan.slab_shape, dtype=np.int64)) * itemsize
-    buf = (allocate if allocate is not None and not backend.gpu else backend.allocate)(slab_bytes * len(plan.spans))
-    host: Any = buf
-    requests = [ReadRequest(entry.shard, entry.offset + off, n) for off, n, _ in plan.spans]
-    targets = [host[i * slab_bytes + pre : i * slab_bytes + pre + n] for i, (_, n, pre) in enumerate(plan.spans)]
-    if backend.name == "posix" and plan.nbytes < SEQUENTIAL_BELOW * len(requests):
-        # Buffered small runs are memcpy from the page cache: handing each to a pool thread costs more
-        # than the copy (measured 2x slower on a warm 96^3 patch), so read them in this thread.
-        for request, target in zip(requests, targets):
-            backend.read_into([request], [target])
-    else:
-        backend.read_into(requests, targets)
-    if backend.gpu:  # device buffer: bring the slabs home once (region reads are for host pipelines)
-        host = buf.get() if hasattr(buf, "get") else buf.cpu().numpy()  # cupy array or torch CUDA tensor
-    slabs = np.asarray(host[: slab_bytes * len(plan.spans)]).view(entry.dtype)
-    slabs = slabs.reshape(*plan.lead_shape, *plan.slab_shape)
-    trailing = tuple(slice(s, s + n) for s, n in zip(start[plan.axis + 1 :], shape[plan.axis + 1 :]))
-    index: tuple[Any, ...] = (Ellipsis, *trailing)
-    picked = slabs[index] if trailing else slabs
-    return np.ascontiguousarray(picked)
+    """Read region `[start, start+shape)` of one cached tensor; equals `full[tuple(slices)]` exactly."""
+    return read_regions(backend, [plan_read(entry, start, shape, axis)], allocate)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,3 +53,30 @@ def test_region_outside_the_tensor(tmp_path: Path) -> None:
     cache = write_items(tmp_path / "c", [{"x": np.zeros((4, 4), np.float32)}])
     with get_backend("posix") as backend, pytest.raises(ValueError, match="outside"):
         read_region_entry(backend, PreparedCache(cache.root).entries(0)[0], (2, 2), (3, 1))
+
+
+def test_regions_of_several_tensors_in_one_backend_batch(tmp_path: Path) -> None:
+    from loaders.backends.posix import PosixBackend
+    from loaders.region import plan_read, read_regions
+
+    class CountingBackend(PosixBackend):
+        name = "counting"  # not "posix": no inline shortcut, so every region goes in one read_into
+        calls = 0
+
+        def read_into(self, requests: Any, buffers: Any) -> None:
+            CountingBackend.calls += 1
+            super().read_into(requests, buffers)
+
+    rng = np.random.default_rng(0)
+    image = rng.random((1, 20, 18, 16), dtype=np.float32)
+    label = rng.integers(0, 5, (1, 20, 18, 16), dtype=np.uint8)
+    cache = write_items(tmp_path / "c", [{"image": image, "label": label}])
+    entries = {e.key: e for e in cache.entries(0)}
+    start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
+    reads = [plan_read(entries[k], start, shape) for k in ("image", "label")]
+    with CountingBackend() as backend:
+        got = read_regions(backend, reads)
+    assert CountingBackend.calls == 1
+    slices = (slice(0, 1), slice(3, 12), slice(5, 12), slice(2, 13))
+    np.testing.assert_array_equal(got[0], image[slices])
+    np.testing.assert_array_equal(got[1], label[slices])
