@@ -102,6 +102,15 @@ class _EpochSource:
     def _batch(self, positions: list[int]) -> Any:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release the descriptors and threads this source opened (it may be iterated again after)."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _read_files(backend: Backend, paths: Sequence[str], sizes: Sequence[int]) -> list[np.ndarray]:
     """All files of a batch in one backend call (many requests in flight)."""
@@ -130,7 +139,12 @@ class FileSource(_EpochSource):
         self.root = Path(root)
         self.files = list_labeled_files(root, file_filters, case_sensitive_filter)
         super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
+        self._own = not isinstance(backend, Backend)
         self.backend = backend if isinstance(backend, Backend) else get_backend(backend)
+
+    def close(self) -> None:
+        if self._own:
+            self.backend.close()
 
     def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         paths = [str(self.root / self.files[i][0]) for i in positions]
@@ -180,6 +194,9 @@ class BmapSource(_EpochSource):
             options["device_path"] = device_path
         self.backend = get_backend(backend, **options)
 
+    def close(self) -> None:
+        self.backend.close()
+
     def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         keys = [self.prefix + self.files[i][0] for i in positions]
         sizes = [self.bmap.entry(k).size for k in keys]
@@ -227,6 +244,9 @@ class CacheSource(_EpochSource):
         batch = next(self._batches)  # StopIteration ends the epoch
         outs = [self._out(batch[k]) for k in self.keys]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def close(self) -> None:
+        self.dataset.close()
 
     def _out(self, value: Any) -> Any:
         if self.dataset.on_gpu:

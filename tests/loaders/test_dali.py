@@ -151,6 +151,7 @@ def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path:
             assert raw.tobytes() == (root / path).read_bytes() and int(label[0]) == want
             seen += 1
     assert seen == len(src.files) == 12
+    src.close()  # releases the device/image descriptors, so the filesystem can be unmounted
 
 
 @pytest.mark.gpu
