@@ -147,3 +147,15 @@ def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path)
     (tmp_path / "c" / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(StaleError, match="fingerprint 000000000000"):
         PreparedPersistentDataset(data, transform, tmp_path / "c")
+
+
+def test_torch_dataloader_workers(prepared: dict[str, Any]) -> None:
+    from monai.data import DataLoader
+
+    from loaders.monai import PreparedPersistentDataset
+
+    ds = PreparedPersistentDataset(prepared["data"], _transform(prepared["pipeline"]), prepared["cache"], "posix")
+    ds[0]  # the parent reads first: workers must rebuild the backend, not inherit its thread pool
+    batches = list(DataLoader(ds, batch_size=2, num_workers=2, timeout=60))
+    assert sum(b["label"].shape[0] for b in batches) == 2 * len(ds)
+    assert batches[0]["image"].meta["filename_or_obj"][0] == prepared["data"][0]["image"]
