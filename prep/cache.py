@@ -79,7 +79,7 @@ class CacheSummary:
             f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
             f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
         ]
-        out += [f"  quarantined: {q['path'] or q['entry']}: {q['reason']}" for q in self.quarantined]
+        out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
         out += [f"  verify: {b}" for b in self.bad]
         return out
 
@@ -333,7 +333,7 @@ def _commit(
     write_index(root, make_rows(rows))
     write_meta(root, [r["meta"] for r in records])
     quarantined = [
-        {"item": i, "entry": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
+        {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
         for i, q in sorted(state.quarantined.items())
     ]
     manifest = {

@@ -279,6 +279,8 @@ def test_quarantine_each_bad_input_kind(tmp_path: Path) -> None:
     assert "structured" in reasons["rgb.nii.gz"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["quarantined"]) == 7 and manifest["n_items"] == 2
+    missing = next(q for q in manifest["quarantined"] if q["path"].endswith("missing.nii.gz"))
+    assert missing["source"]["image"] == missing["path"] and missing["reason"] == "missing file"
     assert [PreparedCache(out).meta(i)["source"]["image"] for i in range(2)] == [
         str(tmp_path / "data" / "imagesTr" / f"case_{i:05d}.nii.gz") for i in range(2)
     ]
