@@ -28,13 +28,11 @@ from loaders._deps import has, require
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check, unflatten
+from loaders.monai import restore_meta
 from loaders.region import RegionRead, plan_read, read_regions
 
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
 Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, ...]]], Any]
-
-# MetaTensor meta keys that are not arrays although JSON stored them as lists
-_LIST_META = ("applied_operations", "crop_center")
 
 
 class _BufferPool:
@@ -93,35 +91,6 @@ def torch_dtype(dtype: np.dtype) -> Any:
         "int16": torch.int16, "uint32": torch.uint32, "int32": torch.int32, "uint64": torch.uint64,
         "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
     }[np.dtype(dtype).name]  # fmt: skip
-
-
-def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
-    """Wrap a tensor as a MONAI MetaTensor with its stored meta, types as LoadImage made them: affine a
-    float64 tensor, original_affine and other numeric lists numpy arrays, space a SpaceKeys."""
-    import torch
-    from monai.data import MetaTensor
-    from monai.utils import SpaceKeys
-
-    meta = dict(meta or {})
-    ops = meta.pop("applied_operations", None)
-    affine = meta.pop("affine", None)
-    if affine is not None:
-        affine = torch.as_tensor(np.asarray(affine, dtype=np.float64))
-    for k, v in meta.items():
-        if isinstance(v, list) and k not in _LIST_META and _numeric(v):
-            meta[k] = np.asarray(v, dtype=np.float64 if "affine" in k else None)
-    if meta.get("space") in {s.value for s in SpaceKeys}:
-        meta["space"] = SpaceKeys(meta["space"])
-    out = MetaTensor(tensor, affine=affine, meta=meta)
-    if ops:
-        out.applied_operations = list(ops)
-    return out
-
-
-def _numeric(value: Any) -> bool:
-    if isinstance(value, list):
-        return all(_numeric(v) for v in value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class _DatasetCore:

@@ -17,6 +17,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from loaders import chain
 from loaders._deps import require
 from loaders.backends import Backend
@@ -25,6 +27,37 @@ from loaders.format import MANIFEST, to_jsonable
 
 # Compose options that change how transforms are applied; the tail keeps the user's settings.
 _COMPOSE_OPTIONS = ("map_items", "unpack_items", "lazy", "overrides", "log_stats")
+# MetaTensor meta keys that are not arrays although JSON stored them as lists
+_LIST_META = ("applied_operations", "crop_center")
+
+
+def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
+    """Wrap a tensor as a MONAI MetaTensor with its stored meta, types as LoadImage made them: affine a
+    float64 tensor, original_affine and other numeric lists numpy arrays, space a SpaceKeys."""
+    import torch
+    from monai.data import MetaTensor
+    from monai.utils import SpaceKeys
+
+    meta = dict(meta or {})
+    ops = meta.pop("applied_operations", None)
+    affine = meta.pop("affine", None)
+    if affine is not None:
+        affine = torch.as_tensor(np.asarray(affine, dtype=np.float64))
+    for k, v in meta.items():
+        if isinstance(v, list) and k not in _LIST_META and _numeric(v):
+            meta[k] = np.asarray(v, dtype=np.float64 if "affine" in k else None)
+    if meta.get("space") in {s.value for s in SpaceKeys}:
+        meta["space"] = SpaceKeys(meta["space"])
+    out = MetaTensor(tensor, affine=affine, meta=meta)
+    if ops:
+        out.applied_operations = list(ops)
+    return out
+
+
+def _numeric(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_numeric(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _key(entry: Any) -> str:
