@@ -10,13 +10,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,14 +36,14 @@ from loaders.format import (
     write_manifest,
     write_meta,
 )
+from prep.cluster import ClusterStarter, Progress, batch_size_for, run_tasks
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, load_pipeline
 from prep.verify import BadItem, verify_cache
-from prep.worker import TaskSpec, run_batch
+from prep.worker import TaskSpec
 
 DEFAULT_SHARD_SIZE = 1 << 30
-Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
 
 
 @dataclass
@@ -135,12 +134,22 @@ def prepare_cache(
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
         raise UsageError(f"--workers must be >= 1 and --shard-size >= 4096 (got {workers}, {shard_size})")
-    pipe = load_pipeline(pipeline, bundle_key)
-    items = load_datalist(datalist, sections)
+    for path, what in ((Path(datalist), "datalist"), (Path(pipeline), "pipeline file")):
+        if not path.is_file():
+            raise UsageError(f"{path}: {what} not found")
     root = Path(output)
     check_output(root)
-    plan = _plan(pipe, Path(datalist), items, sections)
-    with CacheLock(root), _no_space(root):
+    # a committed cache is usually up to date (or stale): no cluster for it unless work turns out to be needed
+    early = force or not (root / MANIFEST).exists()
+    with ExitStack() as stack:  # closes in reverse: the cluster is gone before the lock is released
+        stack.enter_context(CacheLock(root))
+        starter = None
+        if early:
+            starter = stack.enter_context(ClusterStarter(workers, scheduler, processes, pipeline, bundle_key))
+        pipe = load_pipeline(pipeline, bundle_key)
+        items = load_datalist(datalist, sections)
+        plan = _plan(pipe, Path(datalist), items, sections)
+        stack.enter_context(_no_space(root))
         manifest = _reconcile(root, plan, force)
         if manifest is not None:
             summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
@@ -148,9 +157,16 @@ def prepare_cache(
             write_plan(root, plan)
             before = read_journals(root)
             todo = [i for i in range(len(items)) if i not in before.finished]
-            spec = TaskSpec(str(root.resolve()), str(pipe.path), pipe.bundle_key, pipe.fingerprint, shard_size,
-                            uuid.uuid4().hex[:8])  # fmt: skip
-            _run_tasks(spec, items, todo, workers, scheduler, processes, batch_size, progress)
+            if progress:
+                progress(0, len(todo))
+            if todo:
+                starter = starter or stack.enter_context(ClusterStarter(workers, scheduler, processes))
+                spec = TaskSpec(str(root.resolve()), str(pipe.path), pipe.bundle_key, pipe.fingerprint, shard_size,
+                                uuid.uuid4().hex[:8])  # fmt: skip
+                size = batch_size_for(len(todo), workers, batch_size)
+                run_tasks(starter.client(), spec, items, todo, size, progress)
+            if starter is not None:
+                starter.close()  # before the commit: no worker may still write
             state = read_journals(root)
             missing = [i for i in range(len(items)) if i not in state.finished]
             if missing:
@@ -243,75 +259,6 @@ def _no_space(root: Path) -> Iterator[None]:
             f"{root}: no space left on the device; finished items are kept: free space and re-run the same "
             "command to resume"
         ) from None
-
-
-@contextmanager
-def _client(workers: int, scheduler: str | None, processes: bool) -> Iterator[Any]:
-    from distributed import Client, LocalCluster
-
-    if scheduler:
-        try:
-            client = Client(scheduler, set_as_default=False, timeout="10s")
-        except OSError as exc:
-            raise UsageError(f"cannot reach the dask scheduler at {scheduler} ({exc}); check --scheduler") from exc
-        with client:
-            yield client
-        return
-    with (
-        LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=processes, dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster, set_as_default=False) as client,
-    ):  # fmt: skip
-        yield client
-
-
-def _batches(todo: list[int], workers: int, batch_size: int | None) -> list[list[int]]:
-    """Split the items to do into tasks: several per worker, so progress is smooth and resume is fine-grained."""
-    if not todo:
-        return []
-    size = batch_size or max(1, min(32, -(-len(todo) // (workers * 4))))
-    return [todo[i : i + size] for i in range(0, len(todo), size)]
-
-
-def _run_tasks(
-    spec: TaskSpec,
-    items: list[tuple[str, dict[str, Any]]],
-    todo: list[int],
-    workers: int,
-    scheduler: str | None,
-    processes: bool,
-    batch_size: int | None,
-    progress: Progress | None,
-) -> None:
-    """Submit one task per batch and wait; ENOSPC and lost workers become one-line PrepErrors."""
-    if progress:
-        progress(0, len(todo))
-    batches = _batches(todo, workers, batch_size)
-    if not batches:
-        return
-    from distributed import as_completed
-
-    with _client(workers, scheduler, processes) as client:
-        futures = [
-            client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], pure=False,
-                          key=f"blockprep-{spec.run_id}-{b}")
-            for b, batch in enumerate(batches)
-        ]  # fmt: skip
-        try:
-            for future in as_completed(futures, loop=client.loop):
-                statuses = future.result()
-                if progress:
-                    progress(len(statuses), len(todo))
-        except (OSError, PrepError):
-            client.cancel(futures)
-            raise
-        except Exception as exc:
-            client.cancel(futures)
-            if type(exc).__name__ == "KilledWorker":
-                raise PrepError(f"{spec.output}: a dask worker died repeatedly ({exc}); re-run to resume") from None
-            raise
 
 
 def _commit(

@@ -57,6 +57,14 @@ def _head(spec: TaskSpec) -> Any:
     return head
 
 
+def warm(pipeline: str, bundle_key: str | None) -> str:
+    """Load a pipeline into this worker's cache ahead of its tasks; returns its fingerprint."""
+    pipe = load_pipeline(pipeline, bundle_key)
+    with _lock:
+        _pipelines.setdefault((str(pipe.path), pipe.bundle_key, pipe.fingerprint), (pipe, pipe.head_compose()))
+    return pipe.fingerprint
+
+
 def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Head output -> ({flat key: array}, meta line parts: per-key meta, applied operations, plain values)."""
     arrays: dict[str, np.ndarray] = {}

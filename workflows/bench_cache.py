@@ -35,8 +35,13 @@ def warm_inputs(datalist: Path) -> None:
             Path(path).read_bytes()
 
 
-def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path) -> dict[str, float]:
-    """MONAI PersistentDataset, first pass: runs the head and pickles each item to cache_dir (one process)."""
+def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path, threads: int = 0) -> dict[str, float]:
+    """MONAI PersistentDataset, first pass: runs the head and pickles each item to cache_dir (one process).
+
+    threads=0 keeps torch's default intra-op threads (iterating the dataset in the main process); 1 is what
+    a DataLoader worker process gets (the way PersistentDataset is usually filled during the first epoch).
+    """
+    import torch
     from monai.data import PersistentDataset
 
     from prep.cache import load_datalist
@@ -44,12 +49,22 @@ def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path) -> dict[st
 
     pipe = load_pipeline(pipeline)
     entries = [entry for _, entry in load_datalist(datalist)]
-    t0 = time.perf_counter()
-    dataset = PersistentDataset(data=entries, transform=pipe.head_compose(), cache_dir=cache_dir)
-    for i in range(len(dataset)):
-        dataset[i]
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "items_per_s": len(entries) / seconds, "disk_bytes": _tree_bytes(cache_dir)}
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
+    try:
+        t0 = time.perf_counter()
+        dataset = PersistentDataset(data=entries, transform=pipe.head_compose(), cache_dir=cache_dir)
+        for i in range(len(dataset)):
+            dataset[i]
+        seconds = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(default_threads)
+    return {
+        "seconds": seconds,
+        "items_per_s": len(entries) / seconds,
+        "disk_bytes": _tree_bytes(cache_dir),
+        "torch_threads": threads or default_threads,
+    }
 
 
 def bench_prep(datalist: Path, pipeline: Path, out: Path, workers: int, processes: bool) -> dict[str, float]:
@@ -110,6 +125,7 @@ def run(
     datalist = nifti_dataset(out / "data", count=count, size=size, seed=0)
     warm_inputs(datalist)
     persistent = bench_persistent(datalist, pipeline, out / "persistent")
+    persistent_1t = bench_persistent(datalist, pipeline, out / "persistent_1t", threads=1)
     prep = bench_prep(datalist, pipeline, out / "cache", workers, processes)
     synthetic_index(out / "index", index_items)
     opened = bench_open(out / "index")
@@ -118,17 +134,23 @@ def run(
         "size": size,
         "workers": workers,
         "persistent": persistent,
+        "persistent_1_thread": persistent_1t,
         "prep": prep,
         "speedup_vs_persistent": prep["items_per_s"] / persistent["items_per_s"],
+        "speedup_vs_persistent_1_thread": prep["items_per_s"] / persistent_1t["items_per_s"],
         "disk_over_tensor_bytes": prep["disk_bytes"] / prep["tensor_bytes"],
         "persistent_disk_over_tensor_bytes": persistent["disk_bytes"] / prep["tensor_bytes"],
         "open": opened,
     }
     print(
         f"prepare {count} x {size}^3 pairs\n"
-        f"  MONAI PersistentDataset first pass: {persistent['items_per_s']:.2f} items/s\n"
-        f"  prep cache, {workers} workers:       {prep['items_per_s']:.2f} items/s "
-        f"({prep['items_per_s_per_worker']:.2f} per worker), {result['speedup_vs_persistent']:.2f}x\n"
+        f"  MONAI PersistentDataset first pass, {persistent['torch_threads']} torch threads: "
+        f"{persistent['items_per_s']:.2f} items/s\n"
+        f"  MONAI PersistentDataset first pass, 1 torch thread (as in a DataLoader worker): "
+        f"{persistent_1t['items_per_s']:.2f} items/s\n"
+        f"  prep cache, {workers} workers of 1 thread (cluster start-up included): {prep['items_per_s']:.2f} items/s "
+        f"({prep['items_per_s_per_worker']:.2f} per worker): {result['speedup_vs_persistent']:.2f}x, "
+        f"{result['speedup_vs_persistent_1_thread']:.2f}x against 1 thread\n"
         f"  size on disk / raw tensor bytes:  prep {result['disk_over_tensor_bytes']:.4f}, "
         f"PersistentDataset {result['persistent_disk_over_tensor_bytes']:.4f}\n"
         f"open a {opened['n_items']}-item cache: {opened['open_s'] * 1e3:.1f} ms "

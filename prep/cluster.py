@@ -1,0 +1,122 @@
+"""The dask side of `prep cache`: start or reach a cluster, warm its workers, run the batches, report progress.
+
+Starting a local cluster and importing MONAI in every worker takes seconds; `ClusterStarter` does it on a
+thread while the main thread loads the pipeline and datalist and checks the output, so the two overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
+from pathlib import Path
+from typing import Any
+
+from prep.errors import PrepError, UsageError
+from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
+from prep.worker import TaskSpec, run_batch, warm
+
+Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
+
+
+class ClusterStarter:
+    """Connects to `scheduler`, or starts a LocalCluster of `workers` one-thread processes, on a thread;
+    then loads `pipeline` on every worker. `client()` waits for it; use as a context manager."""
+
+    def __init__(
+        self, workers: int, scheduler: str | None, processes: bool = True, pipeline: str | Path | None = None,
+        bundle_key: str | None = None,
+    ) -> None:  # fmt: skip
+        self._stack = ExitStack()
+        self._client: Any = None
+        self._error: BaseException | None = None
+        target = None
+        if pipeline is not None:
+            path = Path(pipeline).resolve()
+            key = bundle_key or (DEFAULT_BUNDLE_KEY if path.suffix in BUNDLE_SUFFIXES else None)
+            target = (str(path), key)
+        self._thread = threading.Thread(
+            target=self._start, args=(workers, scheduler, processes, target), name="blockprep-cluster", daemon=True
+        )
+        self._thread.start()
+
+    def _start(self, workers: int, scheduler: str | None, processes: bool, target: tuple | None) -> None:
+        from distributed import Client, LocalCluster
+
+        try:
+            if scheduler:
+                try:
+                    client = Client(scheduler, set_as_default=False, timeout="10s")
+                except OSError as exc:
+                    raise UsageError(
+                        f"cannot reach the dask scheduler at {scheduler} ({exc}); check --scheduler"
+                    ) from exc
+            else:
+                cluster = self._stack.enter_context(
+                    LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
+                                 dashboard_address=":0", silence_logs=logging.ERROR)
+                )  # fmt: skip
+                client = Client(cluster, set_as_default=False)
+            self._client = self._stack.enter_context(client)
+        except BaseException as exc:  # handed to the main thread by client()
+            self._error = exc
+            return
+        if target is not None:
+            # the tasks themselves report a pipeline that does not load, with its reason
+            with suppress(Exception):
+                self._client.run(warm, *target)
+
+    def client(self) -> Any:
+        """The connected distributed.Client (waits for the start; re-raises its error)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._client
+
+    def close(self) -> None:
+        """Close the client and the local cluster (after the start thread is done)."""
+        self._thread.join()
+        self._stack.close()
+
+    def __enter__(self) -> ClusterStarter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def batch_size_for(n_todo: int, workers: int, batch_size: int | None = None) -> int:
+    """Items per task: several tasks per worker, so progress is smooth and the load balanced."""
+    return batch_size or max(1, min(32, -(-n_todo // (workers * 4))))
+
+
+def run_tasks(
+    client: Any,
+    spec: TaskSpec,
+    items: list[tuple[str, dict[str, Any]]],
+    todo: list[int],
+    size: int,
+    progress: Progress | None = None,
+) -> None:
+    """Submit one task per batch of `size` items and wait; a worker that keeps dying becomes a PrepError."""
+    from distributed import as_completed
+
+    futures = [
+        client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], pure=False,
+                      key=f"blockprep-{spec.run_id}-{b}")
+        for b, batch in enumerate(todo[i : i + size] for i in range(0, len(todo), size))
+    ]  # fmt: skip
+    try:
+        for future in as_completed(futures, loop=client.loop):
+            statuses = future.result()
+            if progress:
+                progress(len(statuses), len(todo))
+    except (OSError, PrepError):
+        client.cancel(futures)
+        raise
+    except Exception as exc:
+        client.cancel(futures)
+        if type(exc).__name__ == "KilledWorker":
+            raise PrepError(f"{spec.output}: a dask worker died repeatedly ({exc}); re-run to resume") from None
+        raise
