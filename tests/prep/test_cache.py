@@ -329,3 +329,37 @@ def test_disk_full_is_clear_and_resumable(tmp_path: Path, nifti_dataset: Path, m
     summary = prepare_cache(nifti_dataset, SPHERES, out, workers=1, processes=False, shard_size=1 << 16)
     assert summary.n_items == 6 and summary.n_resumed == len(partial) > 0
     assert verify_cache(out) == []
+
+
+DYING_PIPELINE = """
+import os
+from pathlib import Path
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+
+MARK = Path(__file__).with_name("died-once")
+
+def die_once(d):
+    if "case_00003" in d["image"].meta["filename_or_obj"] and not MARK.exists():
+        MARK.write_text("the worker preparing case 3 died here")
+        os._exit(1)
+    return d
+
+transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]), die_once,
+                     RandFlipd(keys=["image"], prob=0.5)])
+"""
+
+
+@pytest.mark.slow
+def test_a_dying_worker_is_replaced_and_the_cache_completes(tmp_path: Path, nifti_dataset: Path) -> None:
+    pipe_path = _pipeline_file(tmp_path, DYING_PIPELINE)
+    out = tmp_path / "cache"
+    summary = prepare_cache(nifti_dataset, pipe_path, out, workers=2, batch_size=2)
+    assert (tmp_path / "died-once").exists(), "a worker process should have died mid-run"
+    assert summary.n_items == 6 and not summary.quarantined
+    cache = PreparedCache(out)
+    head = load_pipeline(pipe_path).head_compose()
+    for item, (_, entry) in enumerate(load_datalist(nifti_dataset)):
+        expected = head(dict(entry))
+        for e in cache.entries(item):
+            assert np.array_equal(_read(e), _to_numpy(expected[e.key]))
+    assert verify_cache(out) == []
