@@ -154,29 +154,52 @@ def prepare_cache(
         if manifest is not None:
             summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
         else:
-            write_plan(root, plan)
-            before = read_journals(root)
-            todo = [i for i in range(len(items)) if i not in before.finished]
-            if progress:
-                progress(0, len(todo))
-            if todo:
-                starter = starter or stack.enter_context(ClusterStarter(workers, scheduler, processes))
-                spec = TaskSpec(str(root.resolve()), str(pipe.path), pipe.bundle_key, pipe.fingerprint, shard_size,
-                                uuid.uuid4().hex[:8])  # fmt: skip
-                size = batch_size_for(len(todo), workers, batch_size)
-                run_tasks(starter.client(), spec, items, todo, size, progress)
-            if starter is not None:
-                starter.close()  # before the commit: no worker may still write
-            state = read_journals(root)
-            missing = [i for i in range(len(items)) if i not in state.finished]
-            if missing:
-                raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
-            manifest = _commit(root, plan, pipe, items, state)
-            seconds = time.perf_counter() - t0
-            summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), seconds)
-            summary.bmap, summary.bmap_note = _write_bmap(root)
+            run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress)
+            summary = _prepare(run, stack, starter, t0)
         if verify:
             summary.bad = verify_cache(root)
+    return summary
+
+
+@dataclass
+class _Run:
+    """What one `prepare_cache` call works on, passed between its steps."""
+
+    root: Path
+    plan: dict[str, Any]
+    pipe: Pipeline
+    items: list[tuple[str, dict[str, Any]]]
+    workers: int
+    scheduler: str | None
+    processes: bool
+    shard_size: int
+    batch_size: int | None
+    progress: Progress | None
+
+
+def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float) -> CacheSummary:
+    """Prepare the items no journal marks finished, then commit and map the shards."""
+    root, items = run.root, run.items
+    write_plan(root, run.plan)
+    before = read_journals(root)
+    todo = [i for i in range(len(items)) if i not in before.finished]
+    if run.progress:
+        run.progress(0, len(todo))
+    if todo:
+        starter = starter or stack.enter_context(ClusterStarter(run.workers, run.scheduler, run.processes))
+        spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
+                        run.shard_size, uuid.uuid4().hex[:8])  # fmt: skip
+        size = batch_size_for(len(todo), run.workers, run.batch_size)
+        run_tasks(starter.client(), spec, items, todo, size, run.progress)
+    if starter is not None:
+        starter.close()  # before the commit: no worker may still write
+    state = read_journals(root)
+    missing = [i for i in range(len(items)) if i not in state.finished]
+    if missing:
+        raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
+    manifest = _commit(root, run.plan, run.pipe, items, state)
+    summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
+    summary.bmap, summary.bmap_note = _write_bmap(root)
     return summary
 
 
