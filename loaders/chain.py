@@ -45,9 +45,37 @@ def split(transform: Any) -> tuple[list[Any], list[Any]]:
     return transforms, []
 
 
+# Code from these packages is named by module path; anything else (a class or function in the user's
+# PIPELINE.py) by its name and source hash, because prep runs that file under a generated module name while
+# training code imports it under its own.
+_LIBRARIES = frozenset({"monai", "torch", "numpy", "scipy", "nibabel", "builtins", "loaders", "prep"})
+
+
 def _qualname(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    module = str(getattr(cls, "__module__", ""))
+    if module.split(".")[0] in _LIBRARIES:
+        return f"{module}.{cls.__qualname__}"
+    return f"{cls.__qualname__}@{_source_sha256(cls)}"
+
+
+def _source_sha256(obj: Any) -> str:
+    """Hash of the source of a function, or of a class's methods (a class from a file run by runpy has no
+    module in sys.modules, so inspect cannot find the class itself, but finds its functions)."""
+    if isinstance(obj, type):
+        parts = [_source_text(v) for _, v in sorted(vars(obj).items()) if inspect.isfunction(v)]
+        parts += [b.__qualname__ for b in obj.__mro__[1:]]
+        text = "\n".join(parts)
+    else:
+        text = _source_text(obj)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _source_text(fn: Any) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return f"<no source: {getattr(fn, '__qualname__', type(fn).__name__)}>"
 
 
 def _config(value: Any, depth: int = 0) -> Any:
@@ -87,12 +115,11 @@ def _config(value: Any, depth: int = 0) -> Any:
 
 def _callable_config(fn: Callable[..., Any]) -> dict[str, Any]:
     """A function by name and, where available, a hash of its source (so an edited lambda changes the hash)."""
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(type(fn)))}"
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return {"function": name}
-    return {"function": name, "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
+    module = str(getattr(fn, "__module__", ""))
+    name = str(getattr(fn, "__qualname__", repr(type(fn))))
+    if module.split(".")[0] in _LIBRARIES:
+        return {"function": f"{module}.{name}"}
+    return {"function": name, "source_sha256": _source_sha256(fn)}
 
 
 def versions() -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from monai.transforms import (
@@ -83,3 +84,27 @@ def test_import_is_light() -> None:
     code = "import sys, loaders.chain; print(sorted(m for m in ('monai', 'torch', 'dask') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_user_code_fingerprint_ignores_module_name(tmp_path: Path) -> None:
+    """prep runs PIPELINE.py under a generated module name; training imports it by its own: same fingerprint."""
+    import runpy
+
+    code = (
+        "from monai.transforms import Compose, MapTransform, LoadImaged\n"
+        "class Double(MapTransform):\n"
+        "    def __call__(self, d):\n"
+        "        return {k: v * 2 for k, v in d.items()}\n"
+        "def ident(d):\n"
+        "    return d\n"
+        "transform = Compose([LoadImaged(keys=['image']), Double(keys=['image']), ident])\n"
+    )
+    path = tmp_path / "my_pipeline.py"
+    path.write_text(code)
+    a = runpy.run_path(str(path), run_name="blockprep_pipeline_x")["transform"]
+    b = runpy.run_path(str(path), run_name="my_pipeline")["transform"]
+    assert chain.fingerprint(chain.split(a)[0]) == chain.fingerprint(chain.split(b)[0])
+    edited = tmp_path / "my_pipeline_edited.py"  # a new file: linecache would serve the old text of `path`
+    edited.write_text(code.replace("v * 2", "v * 3"))
+    c = runpy.run_path(str(edited), run_name="my_pipeline")["transform"]
+    assert chain.fingerprint(chain.split(c)[0]) != chain.fingerprint(chain.split(b)[0])
