@@ -288,6 +288,8 @@ def _commit(
     root: Path, plan: dict[str, Any], pipe: Pipeline, items: list[tuple[str, dict[str, Any]]], state: JournalState
 ) -> dict[str, Any]:
     """Consolidate journals into index.npy + meta.jsonl; write manifest.json last; drop the journals."""
+    for stale_tmp in root.glob(".*.tmp*"):  # temp files of a commit that ran out of space or was killed
+        stale_tmp.unlink()
     order = [i for i in range(len(items)) if i in state.done]
     records = [state.done[i] for i in order]
     keys = sorted({t["key"] for r in records for t in r["tensors"]})
