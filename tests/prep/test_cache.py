@@ -260,6 +260,7 @@ def _bad_inputs(root: Path) -> Path:
     doc = json.loads(datalist.read_text())
     for name in ("flip", "trunc", "empty", "missing", "bigend", "complex", "rgb"):
         doc["training"].append({"image": f"{name}.nii.gz", "label": good_label})
+    doc["training"].append({"image": "imagesTr/case_00001.nii.gz"})  # sound file, but the head needs a label
     datalist.write_text(json.dumps(doc))
     with gzip.open(root / "flip.nii.gz") as f, pytest.raises((OSError, EOFError)):
         f.read()  # the flipped byte really is inside the stream
@@ -272,13 +273,15 @@ def test_quarantine_each_bad_input_kind(tmp_path: Path) -> None:
     summary = prepare_cache(datalist, SPHERES, out, workers=1, processes=False)
     assert summary.n_items == 2
     reasons = {Path(q["path"]).name: q["reason"] for q in summary.quarantined}
-    assert set(reasons) == {f"{n}.nii.gz" for n in ("flip", "trunc", "empty", "missing", "bigend", "complex", "rgb")}
+    names = ("flip", "trunc", "empty", "missing", "bigend", "complex", "rgb")
+    assert set(reasons) == {f"{n}.nii.gz" for n in names} | {"case_00001.nii.gz"}
+    assert "label" in reasons["case_00001.nii.gz"]  # the head's own error on this item, its root cause
     assert "CRC" in reasons["flip.nii.gz"] and "gzip" in reasons["trunc.nii.gz"]
     assert reasons["empty.nii.gz"] == "empty file" and reasons["missing.nii.gz"] == "missing file"
     assert "big-endian" in reasons["bigend.nii.gz"] and "complex64" in reasons["complex.nii.gz"]
     assert "structured" in reasons["rgb.nii.gz"]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert len(manifest["quarantined"]) == 7 and manifest["n_items"] == 2
+    assert len(manifest["quarantined"]) == 8 and manifest["n_items"] == 2
     missing = next(q for q in manifest["quarantined"] if q["path"].endswith("missing.nii.gz"))
     assert missing["source"]["image"] == missing["path"] and missing["reason"] == "missing file"
     assert [PreparedCache(out).meta(i)["source"]["image"] for i in range(2)] == [
@@ -293,7 +296,7 @@ def test_cli_quarantine_exit_code_and_count(tmp_path: Path) -> None:
     args = ["cache", str(datalist), "--pipeline", str(SPHERES), "--output", str(out), "--workers", "1", "--verify"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.output
-    assert "7 items quarantined" in result.output and "flip.nii.gz" in result.output
+    assert "8 items quarantined" in result.output and "flip.nii.gz" in result.output
     assert PreparedCache(out).n_items == 2
 
 
