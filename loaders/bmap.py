@@ -48,6 +48,17 @@ def encode_document(doc: dict[str, Any]) -> bytes:
     return b'{"checksum":"xxh3:' + _xxh3_hex(raw).encode() + b'",' + raw[1:] + b"\n"
 
 
+def encode_document_with_files(doc: dict[str, Any], files_json: str) -> bytes:
+    """`encode_document(doc | {"files": files})` where `files_json` is that object already serialised
+    canonically (`json.dumps(files, sort_keys=True, separators=(",", ":"))`): the mapper formats records as
+    it maps, so a million-file map is not built as objects and encoded again."""
+    marker = "\x00files\x00"  # no path or header value holds NUL: the quoted marker occurs once
+    body = json.dumps({**doc, "files": marker}, sort_keys=True, separators=(",", ":"))
+    head, tail = body.split(json.dumps(marker))
+    raw = (head + files_json + tail).encode()
+    return b'{"checksum":"xxh3:' + _xxh3_hex(raw).encode() + b'",' + raw[1:] + b"\n"
+
+
 def decode_document(data: bytes, path: str = "?") -> dict[str, Any]:
     """Parse and check a bmap document: FormatError (truncated/not a bmap), SchemaVersionError, ChecksumError."""
     data = data.rstrip()

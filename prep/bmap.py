@@ -8,8 +8,10 @@ and its checksum are defined once, in `loaders.bmap`.
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import itertools
+import json
 import multiprocessing
 import os
 import re
@@ -21,14 +23,15 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps's own (C) key quoting
 from pathlib import Path
 from typing import Any
 
-from loaders.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, BlockMap, encode_document
+from loaders.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, BlockMap, encode_document_with_files
 from loaders.format import atomic_write_bytes, checksum
 from prep.devices import DeviceInfo, check_mappable, device_info
 from prep.errors import PrepError, UsageError
-from prep.fiemap import EXTENT_FLAGS, SAFE_FLAGS, Extent, FiemapReader, merge_adjacent, unsafe_reasons
+from prep.fiemap import EXTENT_FLAGS, FS_IOC_FIEMAP, SAFE_FLAGS, Extent, FiemapReader, merge_adjacent, unsafe_reasons
 
 FORMATS = ("full", "seed")
 _BATCH = 256  # files per pool task: amortises task overhead, small enough for a smooth progress bar
@@ -72,35 +75,55 @@ def _matcher(globs: Sequence[str]) -> Callable[[str], bool] | None:
     return lambda rel: rx.match(rel) is not None or rx.match(os.path.basename(rel)) is not None
 
 
-def walk(
+def _listing(
     root: Path, include: Sequence[str] = (), exclude: Sequence[str] = (), skip: Collection[str] = ()
-) -> Iterator[str]:
-    """Relative paths of the regular files under `root` (symlinks not followed, other filesystems mounted
-    inside not entered), filtered by globs that match the relative path or the file name; a directory that
-    cannot be listed raises UsageError."""
+) -> Iterator[tuple[str, list[str]]]:
+    """(relative folder, sorted names of up to _BATCH regular files in it) for every selected file under
+    `root`, depth-first. Types come from the directory entries (no stat per file): only folders are stat()ed,
+    to stay on `root`'s filesystem. A folder that cannot be listed raises UsageError."""
     inc, exc = _matcher(include), _matcher(exclude)
     root_dev = os.stat(root).st_dev
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         full = os.path.join(root, rel_dir) if rel_dir else os.fspath(root)
+        names: list[str] = []
+        subdirs: list[str] = []
         try:
             with os.scandir(full) as it:
-                entries = sorted(it, key=lambda e: e.name)
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.name)
+                    elif entry.is_file(follow_symlinks=False):  # d_type: symlinks, fifos, devices left out
+                        names.append(entry.name)
         except OSError as err:
             if os.path.basename(full) == "lost+found":  # fsck's root-only folder on ext4: never data
                 continue
             raise UsageError(f"{full}: cannot list ({err.strerror}); fix its permissions or --exclude it") from None
-        subdirs = []
-        for entry in entries:
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            if entry.is_dir(follow_symlinks=False):
-                # another filesystem mounted here has its own device: its addresses would be wrong in this map
-                if not (exc and exc(rel)) and entry.stat(follow_symlinks=False).st_dev == root_dev:
-                    subdirs.append(rel)
-            elif entry.is_file(follow_symlinks=False) and rel not in skip and _selected(rel, inc, exc):
-                yield rel
-        stack.extend(reversed(subdirs))  # popped in name order: keys come out sorted depth-first
+        prefix = rel_dir + "/" if rel_dir else ""
+        if inc or exc or skip:
+            names = [n for n in names if prefix + n not in skip and _selected(prefix + n, inc, exc)]
+        names.sort()
+        for i in range(0, len(names), _BATCH):
+            yield rel_dir, names[i : i + _BATCH]
+        keep = []
+        for name in sorted(subdirs, reverse=True):  # popped in name order
+            rel = prefix + name
+            # another filesystem mounted here has its own device: its addresses would be wrong in this map
+            if not (exc and exc(rel)) and os.stat(os.path.join(full, name), follow_symlinks=False).st_dev == root_dev:
+                keep.append(rel)
+        stack.extend(keep)
+
+
+def walk(
+    root: Path, include: Sequence[str] = (), exclude: Sequence[str] = (), skip: Collection[str] = ()
+) -> Iterator[str]:
+    """Relative paths of the regular files under `root` (symlinks not followed, other filesystems mounted
+    inside not entered), filtered by globs that match the relative path or the file name; a directory that
+    cannot be listed raises UsageError."""
+    for rel_dir, names in _listing(root, include, exclude, skip):
+        prefix = rel_dir + "/" if rel_dir else ""
+        yield from (prefix + n for n in names)
 
 
 def _selected(rel: str, inc: Callable[[str], bool] | None, exc: Callable[[str], bool] | None) -> bool:
@@ -120,50 +143,161 @@ def classify(extents: Sequence[Sequence[int]], size: int) -> str | None:
     return ",".join(reasons) or None
 
 
-def _map_batch(
-    root: str, rels: list[str], checksums: bool, root_dev: int
-) -> list[tuple[str, dict[str, Any] | None, str | None]]:
-    out: list[tuple[str, dict[str, Any] | None, str | None]] = []
-    extents_of = FiemapReader()
-    for rel in rels:
-        path = root + "/" + rel
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except OSError as err:
-            out.append((rel, None, err.strerror))
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_dev != root_dev:  # replaced since listed, or a bind mount
+def record_json(size: int, inode: int, mtime_ns: int, extents: Sequence[Sequence[int]], xxh3: int | None = None) -> str:
+    """One file's record as canonical JSON (sorted keys, no spaces: exactly `json.dumps(record, sort_keys=True,
+    separators=(",", ":"))`), formatted directly: a million-file map is a million of these."""
+    return _record(size, inode, mtime_ns, extents, classify(extents, size), xxh3)
+
+
+def _record(
+    size: int, inode: int, mtime_ns: int, extents: Sequence[Sequence[int]], reason: str | None, xxh3: int | None
+) -> str:
+    if len(extents) == 1:
+        lo, ph, n, fl = extents[0]
+        ext = f"[[{lo},{ph},{n},{fl}]]"
+    else:
+        ext = "[" + ",".join(f"[{e[0]},{e[1]},{e[2]},{e[3]}]" for e in extents) + "]"
+    tail = "" if xxh3 is None else f',"xxh3":{xxh3}'
+    head = f'{{"extents":{ext},"inode":{inode},"mtime_ns":{mtime_ns},'
+    if reason is None:
+        return f'{head}"raw_readable":true,"reason":null,"size":{size}{tail}}}'
+    return f'{head}"raw_readable":false,"reason":{_json_str(reason)},"size":{size}{tail}}}'
+
+
+@dataclass
+class _Mapped:
+    """What mapping some files gave: keys with their records' JSON, totals, and files that could not be opened."""
+
+    keys: list[str] = field(default_factory=list)
+    records: list[str] = field(default_factory=list)
+    bytes: int = 0
+    extents: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    denied: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, other: _Mapped) -> None:
+        self.keys += other.keys
+        self.records += other.records
+        self.bytes += other.bytes
+        self.extents += other.extents
+        self.skipped.update(other.skipped)
+        self.denied += other.denied
+
+
+_readers = threading.local()  # one FiemapReader (one ioctl buffer) per thread, in each worker process
+
+
+def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_dev: int) -> _Mapped:
+    """Map files `names` of folder `rel_dir`: opened relative to the folder's descriptor (no path walk per
+    file), one fstat, FIEMAP (one ioctl for a file of one extent), the record formatted as JSON here, so a
+    worker process sends back strings, not objects."""
+    out = _Mapped()
+    prefix = rel_dir + "/" if rel_dir else ""
+    extents_of = getattr(_readers, "fiemap", None) or FiemapReader()
+    _readers.fiemap = extents_of
+    try:
+        dfd = os.open(os.path.join(root, rel_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        out.denied = [(prefix + n, err.strerror or "?") for n in names]
+        return out
+    open_, fstat, close, isreg, classify_ = os.open, os.fstat, os.close, stat.S_ISREG, classify
+    buf, head, ioctl, first = extents_of.buffer, extents_of.header, fcntl.ioctl, extents_of.unpack_first
+    keys, records = out.keys, out.records
+    try:
+        for name in names:
+            try:
+                fd = open_(name, _OPEN_FLAGS, dir_fd=dfd)
+            except OSError as err:
+                out.denied.append((prefix + name, err.strerror or "?"))
                 continue
-            extents = extents_of(fd, path)
-            reason = classify(extents, st.st_size)
-            rec: dict[str, Any] = {
-                "size": st.st_size,
-                "inode": st.st_ino,
-                "mtime_ns": st.st_mtime_ns,
-                "extents": extents,  # JSON arrays [logical, physical, length, flags]
-                "reason": reason,
-                "raw_readable": reason is None,
-            }
-            if checksums:
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    rec["xxh3"] = checksum(f.read())
-            out.append((rel, rec, None))
-        finally:
-            os.close(fd)
+            try:
+                st = fstat(fd)
+                if not isreg(st.st_mode) or st.st_dev != root_dev:  # replaced since listed, or a bind mount
+                    continue
+                # FiemapReader's fast path inlined (one ioctl, one unpack): this loop is the mapping rate
+                buf[:32] = head
+                try:
+                    ioctl(fd, FS_IOC_FIEMAP, buf, True)
+                except OSError:
+                    ext = extents_of(fd, name)  # raises the explanatory error (or pages on a retry)
+                else:
+                    mapped, lo, ph, ln, fl = first(buf)
+                    ext = [(lo, ph, ln, fl)] if mapped == 1 and fl & 1 else extents_of(fd, name) if mapped else []
+                xxh3 = None
+                if checksums:
+                    with os.fdopen(os.dup(fd), "rb") as f:
+                        xxh3 = checksum(f.read())
+                reason = classify_(ext, st.st_size)
+                records.append(_record(st.st_size, st.st_ino, st.st_mtime_ns, ext, reason, xxh3))
+            finally:
+                close(fd)
+            keys.append(prefix + name)
+            out.bytes += st.st_size
+            out.extents += len(ext)
+            if reason is not None:
+                out.skipped[reason] += 1
+    finally:
+        close(dfd)
     return out
 
 
-def _batches(it: Iterator[str], n: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for rel in it:
-        batch.append(rel)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def _tasks(
+    listing: Iterator[tuple[str, list[str]]],
+) -> tuple[list[tuple[str, list[str]]], Iterator[tuple[str, list[str]]], bool]:
+    """The first tasks of a listing (up to PROCESS_MIN_FILES files), the rest, and whether the tree is large."""
+    head: list[tuple[str, list[str]]] = []
+    n = 0
+    for task in listing:
+        head.append(task)
+        n += len(task[1])
+        if n >= PROCESS_MIN_FILES:
+            return head, listing, True
+    return head, iter(()), False
+
+
+def _map_all(
+    root: Path,
+    *,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    workers: int = 4,
+    checksums: bool = False,
+    skip: Collection[str] = (),
+    progress: Callable[[int], None] | None = None,
+) -> _Mapped:
+    """Map every selected file under `root` (records as JSON, keys sorted); unreadable files raise UsageError."""
+    root_s = os.fspath(root)
+    root_dev = os.stat(root).st_dev
+    head, rest, large = _tasks(_listing(root, include, exclude, skip))
+    total = _Mapped()
+
+    def collect(part: _Mapped) -> None:
+        total.add(part)
+        if progress is not None:
+            progress(len(part.keys) + len(part.denied))
+
+    if workers <= 1:
+        for rel_dir, names in itertools.chain(head, rest):
+            collect(_map_names(root_s, rel_dir, names, checksums, root_dev))
+    else:
+        with _executor(workers, large) as pool:
+            pending: deque[Future[_Mapped]] = deque()
+            for rel_dir, names in itertools.chain(head, rest):
+                pending.append(pool.submit(_map_names, root_s, rel_dir, names, checksums, root_dev))
+                if len(pending) >= 4 * workers:  # bounded: the listing does not run far ahead of the mapping
+                    collect(pending.popleft().result())
+            for fut in pending:
+                collect(fut.result())
+    if total.denied:
+        rel, why = total.denied[0]
+        raise UsageError(
+            f"{root_s}/{rel}: cannot open ({why}); {len(total.denied)} file(s) unreadable, no map written; "
+            "run as a user who can read them or --exclude them"
+        )
+    order = sorted(range(len(total.keys)), key=total.keys.__getitem__)  # json.dumps(sort_keys=True)'s order
+    total.keys = [total.keys[i] for i in order]
+    total.records = [total.records[i] for i in order]
+    return total
 
 
 def map_tree(
@@ -177,56 +311,24 @@ def map_tree(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Map every selected file under `root`: key -> record. Unreadable files raise UsageError (nothing partial)."""
-    files: dict[str, dict[str, Any]] = {}
-    denied: list[tuple[str, str]] = []
-    root_s = os.fspath(root)
-    root_dev = os.stat(root).st_dev
-    listed = walk(root, include, exclude, skip)
-    head = list(itertools.islice(listed, PROCESS_MIN_FILES))
-    batches = _batches(itertools.chain(head, listed), _BATCH)
-    if workers <= 1:
-        for batch in batches:
-            _collect(_map_batch(root_s, batch, checksums, root_dev), files, denied, progress)
-    else:
-        with _executor(workers, large=len(head) == PROCESS_MIN_FILES) as pool:
-            pending: deque[Future[list[tuple[str, dict[str, Any] | None, str | None]]]] = deque()
-            for batch in batches:
-                pending.append(pool.submit(_map_batch, root_s, batch, checksums, root_dev))
-                if len(pending) >= 4 * workers:  # bounded: the walk does not run far ahead of the mapping
-                    _collect(pending.popleft().result(), files, denied, progress)
-            for fut in pending:
-                _collect(fut.result(), files, denied, progress)
-    if denied:
-        rel, why = denied[0]
-        raise UsageError(
-            f"{root_s}/{rel}: cannot open ({why}); {len(denied)} file(s) unreadable, no map written; "
-            "run as a user who can read them or --exclude them"
-        )
-    return files
+    m = _map_all(
+        root, include=include, exclude=exclude, workers=workers, checksums=checksums, skip=skip, progress=progress
+    )
+    return json.loads(files_json(m))  # type: ignore[no-any-return]
+
+
+def files_json(m: _Mapped) -> str:
+    """The "files" object of the document, canonical JSON, from mapped keys (sorted) and records."""
+    return "{" + ",".join([f"{_json_str(k)}:{r}" for k, r in zip(m.keys, m.records)]) + "}"
 
 
 def _executor(workers: int, large: bool) -> Executor:
-    # Per file the work is ~10 us of Python around three short syscalls: threads mostly wait for the GIL.
+    # Per file the work is a few us of Python around four short syscalls: threads mostly wait for the GIL.
     # Large trees go to forked processes, but only from a single-threaded caller (forking a process that
     # runs threads can deadlock the child); spawn/forkserver would re-run an unguarded user __main__.
     if large and threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
         return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
     return ThreadPoolExecutor(workers, thread_name_prefix="bmap")
-
-
-def _collect(
-    results: list[tuple[str, dict[str, Any] | None, str | None]],
-    files: dict[str, dict[str, Any]],
-    denied: list[tuple[str, str]],
-    progress: Callable[[int], None] | None,
-) -> None:
-    for rel, rec, err in results:
-        if rec is not None:
-            files[rel] = rec
-        elif err is not None:
-            denied.append((rel, err))
-    if progress is not None:
-        progress(len(results))
 
 
 def resolve_device(root: Path, require_mountpoint: bool) -> DeviceInfo:
@@ -346,7 +448,7 @@ def build_bmap(
     t0 = time.perf_counter()
     # the map (and the seed's side file) may live inside the tree: never map them
     own = {os.path.relpath(p, root) for p in (output, skipped_path(output))}
-    files = map_tree(
+    mapped = _map_all(
         root,
         include=include,
         exclude=exclude,
@@ -355,21 +457,16 @@ def build_bmap(
         skip={p for p in own if not p.startswith("..")},
         progress=progress,
     )
-    doc = header(root, info) | {"files": files}
-    summary = BmapSummary(
-        output,
-        fmt,
-        files=len(files),
-        bytes=sum(r["size"] for r in files.values()),
-        extents=sum(len(r["extents"]) for r in files.values()),
-    )
+    n = len(mapped.keys)
+    summary = BmapSummary(output, fmt, files=n, bytes=mapped.bytes, extents=mapped.extents)
+    data = encode_document_with_files(header(root, info), files_json(mapped))
     try:
         if fmt == "full":
-            atomic_write_bytes(output, encode_document(doc))
-            summary.skipped = dict(Counter(r["reason"] for r in files.values() if r["reason"]))
-            summary.raw_readable = sum(r["raw_readable"] for r in files.values())
+            atomic_write_bytes(output, data)
+            summary.skipped = dict(mapped.skipped)
+            summary.raw_readable = n - sum(mapped.skipped.values())
         else:
-            summary.raw_readable, skipped = write_seed(doc, output)
+            summary.raw_readable, skipped = write_seed(json.loads(data), output)
             summary.skipped = dict(Counter(skipped.values()))
             summary.skipped_path = skipped_path(output)
     except OSError as err:

@@ -138,13 +138,16 @@ class FiemapReader:
 
     def __init__(self, sync: bool = True, batch: int = DEFAULT_BATCH) -> None:
         self.sync, self.batch = sync, batch
-        self._buf = bytearray(_HEADER.size + batch * _EXTENT.size)
-        self._head = _HEADER.pack(0, FIEMAP_MAX_OFFSET, FIEMAP_FLAG_SYNC if sync else 0, 0, batch, 0)
+        self.buffer = bytearray(_HEADER.size + batch * _EXTENT.size)
+        # the request header, copied into the buffer before each call (the kernel writes into it)
+        self.header = _HEADER.pack(0, FIEMAP_MAX_OFFSET, FIEMAP_FLAG_SYNC if sync else 0, 0, batch, 0)
+        # buffer -> (fm_mapped_extents, first extent's logical, physical, length, flags)
+        self.unpack_first = _FIRST.unpack_from
 
     def __call__(self, fd: int, name: str = "?") -> list[tuple[int, int, int, int]]:
         """All extents of `fd` (paging through `fiemap_fd` when there are more than fit in one call)."""
-        buf = self._buf
-        buf[: _HEADER.size] = self._head
+        buf = self.buffer
+        buf[: _HEADER.size] = self.header
         _ioctl(fd, buf, name)
         mapped, logical, physical, length, flags = _FIRST.unpack_from(buf)
         if mapped == 1 and flags & FIEMAP_EXTENT_LAST:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from loaders.bmap import BlockMap
@@ -317,3 +319,53 @@ def test_parallel_maps_equal_serial(make_loopfs: Callable[..., Any], monkeypatch
             assert isinstance(pool, ProcessPoolExecutor)
     assert bmap.map_tree(fs.mountpoint, workers=3) == serial
     assert len(serial) == 609
+
+
+_extent = st.tuples(
+    st.integers(0, 1 << 40),
+    st.integers(0, 1 << 50),
+    st.integers(1, 1 << 30),
+    st.sampled_from([0, 1, 0x200 | 0x100, 0x800, 0x1001, 0x4000]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(0, 1 << 40),
+    inode=st.integers(1, 1 << 40),
+    mtime=st.integers(0, 1 << 62),
+    extents=st.lists(_extent, max_size=4),
+    xxh3=st.none() | st.integers(0, (1 << 64) - 1),
+)
+def test_record_json_is_canonical_json(
+    size: int, inode: int, mtime: int, extents: list[tuple[int, int, int, int]], xxh3: int | None
+) -> None:
+    from prep.bmap import classify, record_json
+
+    reason = classify(extents, size)
+    rec: dict[str, Any] = {
+        "size": size,
+        "inode": inode,
+        "mtime_ns": mtime,
+        "extents": [list(e) for e in extents],
+        "reason": reason,
+        "raw_readable": reason is None,
+    }
+    if xxh3 is not None:
+        rec["xxh3"] = xxh3
+    assert record_json(size, inode, mtime, extents, xxh3) == json.dumps(rec, sort_keys=True, separators=(",", ":"))
+
+
+def test_preformatted_files_encode_as_the_whole_document() -> None:
+    from loaders.bmap import decode_document, encode_document, encode_document_with_files
+    from prep.bmap import _Mapped, files_json, record_json
+
+    # keys whose escaped forms sort differently from the keys themselves, and every kind of escape
+    keys = ["a.txt", "a/b", "~", "é/x", 'q"uote', "back\\slash", "tab\there", "del\x7f", "z\udcff", "日本"]
+    records = {k: record_json(10 + i, i + 1, 5, [(0, 4096 * i, 4096, 1)]) for i, k in enumerate(keys)}
+    m = _Mapped(keys=sorted(keys), records=[records[k] for k in sorted(keys)])
+    header = {"format": "blockprep-bmap", "version": "1.0", "root": "/r\u00e9", "device": "/dev/x", "zz": None}
+    whole = header | {"files": {k: json.loads(records[k]) for k in keys}}
+    data = encode_document_with_files(header, files_json(m))
+    assert data == encode_document(whole)
+    assert decode_document(data) == whole
