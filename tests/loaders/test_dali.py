@@ -164,3 +164,70 @@ def test_cache_source_on_gpu(tmp_path: Path) -> None:
     batch = next(iter(CacheSource(tmp_path / "c", batch_size=3, device="cuda:0")))
     assert batch.is_cuda
     np.testing.assert_array_equal(batch.cpu().numpy(), np.stack([it["image"] for it in items]))
+
+
+def _xnvme_tree(mnt: Path) -> dict[str, bytes]:
+    """Class folders with a fragmented, a sparse and an odd-sized .jpg (bytes need not be JPEGs to be read)."""
+    import os
+
+    content: dict[str, bytes] = {}
+    for c in ("a", "b"):
+        (mnt / "train" / c).mkdir(parents=True)
+    fds = {k: os.open(mnt / k, os.O_WRONLY | os.O_CREAT, 0o644) for k in ("train/a/f0.jpg", "train/b/f1.jpg")}
+    content.update({k: b"" for k in fds})
+    for _ in range(6):  # interleaved appends with fsync: several extents per file
+        for k, fd in fds.items():
+            piece = os.urandom(5000)
+            os.write(fd, piece)
+            os.fsync(fd)
+            content[k] += piece
+    for fd in fds.values():
+        os.close(fd)
+    with open(mnt / "train/a/sparse.jpg", "wb") as f:
+        f.seek(8192 + 10)
+        f.write(b"\x77" * 3000)
+    content["train/a/sparse.jpg"] = bytes(8202) + b"\x77" * 3000
+    content["train/b/odd.jpg"] = os.urandom(4097)
+    (mnt / "train/b/odd.jpg").write_bytes(content["train/b/odd.jpg"])
+    return content
+
+
+@pytest.mark.xnvme
+@pytest.mark.loopdev
+@pytest.mark.parametrize("via", ["device", "image"])
+def test_bmap_source_over_xnvme(make_loopfs: Callable[..., Any], tmp_path: Path, via: str) -> None:
+    import os
+
+    from loaders.backends.xnvme import load_capi
+    from loaders.errors import PrepError
+    from prep.bmap import build_bmap
+
+    try:
+        load_capi()
+    except PrepError as exc:
+        pytest.skip(f"xnvme unavailable here: {exc}")
+    fs = make_loopfs("ext4", offset=1 << 20)
+    content = _xnvme_tree(fs.mountpoint)
+    build_bmap(fs.mountpoint, tmp_path / "bmap.json")
+    # rewritten in place after mapping (same size, new mtime): must come through the filesystem, with a warning
+    changed = os.urandom(4097)
+    (fs.mountpoint / "train/b/odd.jpg").write_bytes(changed)
+    content["train/b/odd.jpg"] = changed
+    device = str(fs.image) if via == "image" else None  # the image: the filesystem starts 1 MiB into it
+    with BmapSource(tmp_path / "bmap.json", backend="xnvme", batch_size=3, folder="train", device_path=device) as src:
+        assert src.backend.xnvme.device_uri == (str(fs.image) if via == "image" else fs.device)
+        want = [content["train/" + path] for path, _ in src.files]
+        with pytest.warns(RuntimeWarning, match="odd.jpg: changed since mapped") as record:
+            for _ in range(2):  # a second epoch: the same bytes, no second warning for the same file
+                got = [d.tobytes() for data, _labels in src for d in data]
+                assert got == want
+        assert len(record) == 1
+
+
+def test_bmap_source_refuses_backends_without_block_ranges(tmp_path: Path) -> None:
+    from loaders.bmap import BlockMap
+    from loaders.errors import BackendError
+
+    doc = {"files": {}, "root": str(tmp_path), "device": "/dev/null"}
+    with pytest.raises(BackendError, match="backend 'posix' cannot read block ranges"):
+        BmapSource(BlockMap(doc), backend="posix")
