@@ -36,12 +36,12 @@ from loaders.format import (
     write_manifest,
     write_meta,
 )
-from prep.cluster import ClusterStarter, Progress, batch_size_for, run_tasks
+from prep.cluster import ClusterStarter, Progress, batch_size_for, run_tasks, torch_threads_for
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, load_pipeline
 from prep.verify import BadItem, verify_cache
-from prep.worker import TaskSpec
+from prep.worker import TaskSpec, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
 
@@ -122,7 +122,7 @@ def prepare_cache(
     verify: bool = False,
     sections: Sequence[str] = ("training",),
     bundle_key: str | None = None,
-    processes: bool = True,
+    processes: bool = False,
     batch_size: int | None = None,
     progress: Progress | None = None,
 ) -> CacheSummary:
@@ -130,6 +130,8 @@ def prepare_cache(
 
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
+    The local cluster runs `workers` threads in this process (`processes=True`: one process per worker);
+    either way each task gets cores / workers torch threads.
     """
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
@@ -187,10 +189,12 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         run.progress(0, len(todo))
     if todo:
         starter = starter or stack.enter_context(ClusterStarter(run.workers, run.scheduler, run.processes))
+        threads = torch_threads_for(run.workers, run.scheduler)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                        run.shard_size, uuid.uuid4().hex[:8])  # fmt: skip
+                        run.shard_size, uuid.uuid4().hex[:8], threads)  # fmt: skip
         size = batch_size_for(len(todo), run.workers, run.batch_size)
-        run_tasks(starter.client(), spec, items, todo, size, run.progress)
+        with _torch_threads_kept(in_process=not (run.processes or run.scheduler)):
+            run_tasks(starter.client(), spec, items, todo, size, run.progress)
     if starter is not None:
         starter.close()  # before the commit: no worker may still write
     state = read_journals(root)
@@ -201,6 +205,21 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
     summary.bmap, summary.bmap_note = _write_bmap(root)
     return summary
+
+
+@contextmanager
+def _torch_threads_kept(in_process: bool) -> Iterator[None]:
+    """Tasks on in-process worker threads set this process's torch threads: give the caller its setting back."""
+    if not in_process:
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        set_torch_threads(threads)
 
 
 def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]], sections: Sequence[str]) -> dict:

@@ -187,7 +187,8 @@ def cache_cmd(
     datalist: Annotated[Path, typer.Argument(help="Decathlon-style datalist JSON (relative paths: its folder).")],
     pipeline: Annotated[Path, typer.Option(help="PIPELINE.py with a `transform` Compose, or a bundle config.")],
     output: Annotated[Path, typer.Option(help="Cache folder to create or resume.")],
-    workers: Annotated[int, typer.Option(help="Local dask worker processes (one thread each).")] = 2,
+    workers: Annotated[int, typer.Option(help="Local dask workers (threads; cores shared among them).")] = 2,
+    processes: Annotated[bool, typer.Option(help="Local workers as processes (isolates crashing transforms).")] = False,
     scheduler: Annotated[str | None, typer.Option(help="Use an existing dask cluster: tcp://host:port.")] = None,
     shard_size: Annotated[int, typer.Option(help="Start a new shard file after this many bytes.")] = 1 << 30,
     force: Annotated[bool, typer.Option(help="Rebuild a cache made with another pipeline/datalist.")] = False,
@@ -213,7 +214,7 @@ def cache_cmd(
         summary = guarded(
             prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
             force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
-            progress=progress,
+            processes=processes, progress=progress,
         )  # fmt: skip
     typer.echo("\n".join(summary.lines()))
     if summary.quarantined:

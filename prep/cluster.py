@@ -1,12 +1,16 @@
 """The dask side of `prep cache`: start or reach a cluster, warm its workers, run the batches, report progress.
 
-Starting a local cluster and importing MONAI in every worker takes seconds; `ClusterStarter` does it on a
-thread while the main thread loads the pipeline and datalist and checks the output, so the two overlap.
+The default local cluster runs in this process: one dask worker with `workers` threads. The head's heavy
+work (zlib inflate, torch resampling) releases the GIL, so threads use the cores like processes do, without
+the seconds each spawned process spends importing torch and MONAI. `processes=True` starts `workers`
+one-thread processes instead (isolation from crashing transforms, Python-heavy custom transforms); that
+start and the warming of each worker with the pipeline run on a thread while the main thread plans.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
@@ -20,9 +24,20 @@ from prep.worker import TaskSpec, run_batch, warm
 Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
 
 
+def local_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def torch_threads_for(workers: int, scheduler: str | None) -> int:
+    """Intra-op threads per task on a local cluster: its cores shared by the workers (0 on a remote cluster:
+    its workers keep their own setting)."""
+    return 0 if scheduler else max(1, local_cores() // workers)
+
+
 class ClusterStarter:
-    """Connects to `scheduler`, or starts a LocalCluster of `workers` one-thread processes, on a thread;
-    then loads `pipeline` on every worker. `client()` waits for it; use as a context manager."""
+    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes), on a
+    thread; then loads `pipeline` on every worker process. `client()` waits for it; use as a context manager."""
 
     def __init__(
         self, workers: int, scheduler: str | None, processes: bool = True, pipeline: str | Path | None = None,
@@ -53,16 +68,21 @@ class ClusterStarter:
                         f"cannot reach the dask scheduler at {scheduler} ({exc}); check --scheduler"
                     ) from exc
             else:
+                shape = (
+                    {"n_workers": workers, "threads_per_worker": 1}
+                    if processes
+                    else {"n_workers": 1, "threads_per_worker": workers}
+                )
                 cluster = self._stack.enter_context(
-                    LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
-                                 dashboard_address=":0", silence_logs=logging.ERROR)
+                    LocalCluster(**shape, processes=processes, dashboard_address=":0", silence_logs=logging.ERROR)
                 )  # fmt: skip
                 client = Client(cluster, set_as_default=False)
             self._client = self._stack.enter_context(client)
         except BaseException as exc:  # handed to the main thread by client()
             self._error = exc
             return
-        if target is not None:
+        # an in-process worker shares the main thread's imports: nothing to warm
+        if target is not None and (processes or scheduler):
             # the tasks themselves report a pipeline that does not load, with its reason
             with suppress(Exception):
                 self._client.run(warm, *target)

@@ -1,7 +1,8 @@
 """Crash safety of `prep cache`: the output lock, the run's plan, and the append-only per-writer journals.
 
-A journal line is written only after the item's tensors are fsynced in their shard, and is itself fsynced,
-so every parseable line describes bytes that are on stable storage. A torn last line (kill -9 mid-write)
+A journal line is written only after the item's tensors are fsynced in their shard, and is itself fsynced
+(items are committed in groups: one shard fsync, then the group's lines, then one journal fsync), so every
+parseable line describes bytes that are on stable storage. A torn last line (kill -9 mid-write)
 is ignored, and a line whose shard bytes are missing is not trusted: that item is simply prepared again.
 """
 
@@ -83,7 +84,7 @@ def write_plan(cache_dir: Path, plan: dict[str, Any]) -> None:
 
 
 class JournalWriter:
-    """Append-only JSON-lines journal of one writer (one task run); each line fsynced."""
+    """Append-only JSON-lines journal of one writer (one task run); lines fsynced in groups by the caller."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -91,11 +92,15 @@ class JournalWriter:
         fsync_dir(self.path.parent)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line and fsync it (O_APPEND: one write call per line)."""
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        """Write one record as one line and fsync it."""
+        self.append_many([record])
+
+    def append_many(self, records: list[dict[str, Any]]) -> None:
+        """Write records as lines (O_APPEND) and fsync once; a kill mid-write leaves at most a torn last line."""
+        data = b"".join((json.dumps(r, separators=(",", ":")) + "\n").encode() for r in records)
         done = 0
-        while done < len(line):
-            done += os.write(self._fd, line[done:])
+        while done < len(data):
+            done += os.write(self._fd, data[done:])
         os.fsync(self._fd)
 
     def close(self) -> None:

@@ -356,7 +356,7 @@ transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(ke
 def test_a_dying_worker_is_replaced_and_the_cache_completes(tmp_path: Path, nifti_dataset: Path) -> None:
     pipe_path = _pipeline_file(tmp_path, DYING_PIPELINE)
     out = tmp_path / "cache"
-    summary = prepare_cache(nifti_dataset, pipe_path, out, workers=2, batch_size=2)
+    summary = prepare_cache(nifti_dataset, pipe_path, out, workers=2, batch_size=2, processes=True)
     assert (tmp_path / "died-once").exists(), "a worker process should have died mid-run"
     assert summary.n_items == 6 and not summary.quarantined
     cache = PreparedCache(out)

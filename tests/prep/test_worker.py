@@ -1,0 +1,93 @@
+"""prep.worker: group commit order (shard fsync before journal lines), per-thread heads, torch threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from loaders.format import JOURNAL_DIR, PreparedCache
+from prep import worker
+from prep.cache import load_datalist, prepare_cache
+from prep.pipeline import load_pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
+
+
+def _spec(out: Path) -> worker.TaskSpec:
+    pipe = load_pipeline(SPHERES)
+    return worker.TaskSpec(str(out), str(pipe.path), None, pipe.fingerprint, 1 << 30, "test", torch_threads=1)
+
+
+def _fsync_log(monkeypatch: pytest.MonkeyPatch, journal: Path) -> list[tuple[str, int]]:
+    """Record every fsync of a shard or of `journal`: (kind, journal lines on disk at that moment)."""
+    log: list[tuple[str, int]] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        lines = journal.read_bytes().count(b"\n") if journal.exists() else 0
+        if target.endswith(".bin"):
+            log.append(("shard", lines))
+        elif target == str(journal):
+            log.append(("journal", lines))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return log
+
+
+@pytest.mark.parametrize("interval, groups", [(3600.0, 1), (0.0, 3)])
+def test_group_commit_fsyncs_shard_before_journal_lines(
+    tmp_path: Path, nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch, interval: float, groups: int
+) -> None:
+    out = tmp_path / "cache"
+    (out / JOURNAL_DIR).mkdir(parents=True)
+    items = [(i, entry, section) for i, (section, entry) in enumerate(load_datalist(nifti_dataset)[:3])]
+    monkeypatch.setattr(worker, "COMMIT_INTERVAL_S", interval)
+    monkeypatch.setattr(worker.uuid, "uuid4", lambda: type("U", (), {"hex": "0" * 32})())
+    journal = out / JOURNAL_DIR / "000007-test-00000000.jsonl"
+    log = _fsync_log(monkeypatch, journal)
+    statuses = worker.run_batch(_spec(out), 7, items)
+    assert [s["item"] for s in statuses] == [0, 1, 2] and not any(s["quarantined"] for s in statuses)
+    commits = [n for n, (kind, lines) in enumerate(log) if kind == "journal" and lines > 0]
+    assert len(commits) == groups  # one journal fsync per group of items, not per item
+    done = 0
+    for n in commits:  # before each group's lines reach the journal, the shard holding them was fsynced
+        lines = log[n][1]
+        assert ("shard", done) in log[:n], log
+        done = lines
+    assert done == 3
+
+
+def test_heads_are_per_thread(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    heads: list[Any] = []
+    threads = [threading.Thread(target=lambda: heads.extend([worker._head(spec), worker._head(spec)])) for _ in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert heads[0] is heads[1] and heads[2] is heads[3]  # cached within a thread
+    assert heads[0] is not heads[2]  # never shared between threads (MONAI transforms may keep state)
+
+
+def test_worker_threads_bit_exact_and_torch_threads_restored(tmp_path: Path, nifti_dataset: Path) -> None:
+    before = torch.get_num_threads()
+    summary = prepare_cache(nifti_dataset, SPHERES, tmp_path / "cache", workers=2, batch_size=1)
+    assert summary.n_items == 6 and torch.get_num_threads() == before
+    cache = PreparedCache(tmp_path / "cache")
+    head = load_pipeline(SPHERES).head_compose()  # this thread, torch's default threads
+    for item, (_, entry) in enumerate(load_datalist(nifti_dataset)):
+        expected = head(dict(entry))
+        for e in cache.entries(item):
+            with open(e.shard, "rb") as f:
+                f.seek(e.offset)
+                got = np.frombuffer(f.read(e.nbytes), dtype=e.dtype).reshape(e.shape)
+            assert np.array_equal(got, expected[e.key].as_tensor().numpy())
