@@ -1,7 +1,10 @@
 """Benchmark `prep cache` against MONAI PersistentDataset's first pass, and opening a 1M-item cache.
 
 Both preparations run the same deterministic head (the pipeline's transforms before its first random one)
-over the same synthetic datalist in the same run; only ratios between them are meaningful.
+over the same synthetic datalist, inputs already in the page cache, outputs on the same filesystem, in the
+same run; only ratios between them are meaningful. The peer is PersistentDataset iterated in one process
+with torch's default threads; also shown: the peer at 1 torch thread and through a DataLoader with
+--workers worker processes. prep cache's time includes starting its cluster and committing the cache.
 
 python -m workflows.bench_cache --count 128 --size 96 --workers 2
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -35,14 +39,18 @@ def warm_inputs(datalist: Path) -> None:
             Path(path).read_bytes()
 
 
-def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path, threads: int = 0) -> dict[str, float]:
-    """MONAI PersistentDataset, first pass: runs the head and pickles each item to cache_dir (one process).
+def bench_persistent(
+    datalist: Path, pipeline: Path, cache_dir: Path, threads: int = 0, loader_workers: int = 0
+) -> dict[str, Any]:
+    """MONAI PersistentDataset, first pass: runs the head and pickles each item to cache_dir.
 
-    threads=0 keeps torch's default intra-op threads (iterating the dataset in the main process); 1 is what
-    a DataLoader worker process gets (the way PersistentDataset is usually filled during the first epoch).
+    loader_workers=0: plain iteration in this process (what `DataLoader(num_workers=0)` does, without the
+    collation) with `threads` torch intra-op threads (0: torch's default). loader_workers=N: a MONAI
+    DataLoader with N worker processes (one torch thread each, as torch sets them), the way the first
+    training epoch fills the cache when the user asks for loader workers.
     """
     import torch
-    from monai.data import PersistentDataset
+    from monai.data import DataLoader, PersistentDataset
 
     from prep.cache import load_datalist
     from prep.pipeline import load_pipeline
@@ -54,8 +62,12 @@ def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path, threads: i
     try:
         t0 = time.perf_counter()
         dataset = PersistentDataset(data=entries, transform=pipe.head_compose(), cache_dir=cache_dir)
-        for i in range(len(dataset)):
-            dataset[i]
+        if loader_workers:
+            for _ in DataLoader(dataset, batch_size=1, num_workers=loader_workers, collate_fn=_first):
+                pass
+        else:
+            for i in range(len(dataset)):
+                dataset[i]
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(default_threads)
@@ -63,13 +75,20 @@ def bench_persistent(datalist: Path, pipeline: Path, cache_dir: Path, threads: i
         "seconds": seconds,
         "items_per_s": len(entries) / seconds,
         "disk_bytes": _tree_bytes(cache_dir),
-        "torch_threads": threads or default_threads,
+        "torch_threads": 1 if loader_workers else threads or default_threads,
+        "loader_workers": loader_workers,
     }
 
 
-def bench_prep(datalist: Path, pipeline: Path, out: Path, workers: int, processes: bool) -> dict[str, float]:
-    """`prep cache` on a local dask cluster (its start-up included in the time)."""
+def _first(batch: list[Any]) -> Any:
+    """DataLoader collate that keeps the item as it is (collating is not part of preparing)."""
+    return batch[0]
+
+
+def bench_prep(datalist: Path, pipeline: Path, out: Path, workers: int, processes: bool) -> dict[str, Any]:
+    """`prep cache` on a local dask cluster (its start-up and the commit included in the time)."""
     from prep.cache import prepare_cache
+    from prep.cluster import torch_threads_for
 
     t0 = time.perf_counter()
     summary = prepare_cache(datalist, pipeline, out, workers=workers, processes=processes)
@@ -80,6 +99,8 @@ def bench_prep(datalist: Path, pipeline: Path, out: Path, workers: int, processe
         "items_per_s_per_worker": summary.n_items / seconds / workers,
         "disk_bytes": summary.bytes_on_disk,
         "tensor_bytes": summary.tensor_bytes,
+        "mode": "processes" if processes else "threads",
+        "torch_threads_per_worker": torch_threads_for(workers, None),
     }
 
 
@@ -117,15 +138,18 @@ def bench_open(root: Path, repeats: int = 5) -> dict[str, float]:
 
 
 def run(
-    count: int, size: int, workers: int, index_items: int, pipeline: Path, out: Path, processes: bool = True
+    count: int, size: int, workers: int, index_items: int, pipeline: Path, out: Path, processes: bool = False
 ) -> dict[str, Any]:
     """Run every measurement under `out`; return the numbers and print a report."""
+    from prep.cluster import local_cores
     from prep.synth import nifti_dataset
 
+    load_before = os.getloadavg()
     datalist = nifti_dataset(out / "data", count=count, size=size, seed=0)
     warm_inputs(datalist)
     persistent = bench_persistent(datalist, pipeline, out / "persistent")
     persistent_1t = bench_persistent(datalist, pipeline, out / "persistent_1t", threads=1)
+    persistent_dl = bench_persistent(datalist, pipeline, out / "persistent_dl", loader_workers=workers)
     prep = bench_prep(datalist, pipeline, out / "cache", workers, processes)
     synthetic_index(out / "index", index_items)
     opened = bench_open(out / "index")
@@ -133,30 +157,50 @@ def run(
         "count": count,
         "size": size,
         "workers": workers,
+        "cores": local_cores(),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
         "persistent": persistent,
         "persistent_1_thread": persistent_1t,
+        "persistent_dataloader": persistent_dl,
         "prep": prep,
         "speedup_vs_persistent": prep["items_per_s"] / persistent["items_per_s"],
         "speedup_vs_persistent_1_thread": prep["items_per_s"] / persistent_1t["items_per_s"],
+        "speedup_vs_persistent_dataloader": prep["items_per_s"] / persistent_dl["items_per_s"],
         "disk_over_tensor_bytes": prep["disk_bytes"] / prep["tensor_bytes"],
         "persistent_disk_over_tensor_bytes": persistent["disk_bytes"] / prep["tensor_bytes"],
         "open": opened,
     }
+    _report(result)
+    return result
+
+
+def _report(r: dict[str, Any]) -> None:
+    p, p1, pdl, prep, opened = (
+        r["persistent"],
+        r["persistent_1_thread"],
+        r["persistent_dataloader"],
+        r["prep"],
+        r["open"],
+    )
+    load = "/".join(f"{x:.2f}" for x in r["load_before"]) + " -> " + "/".join(f"{x:.2f}" for x in r["load_after"])
     print(
-        f"prepare {count} x {size}^3 pairs\n"
-        f"  MONAI PersistentDataset first pass, {persistent['torch_threads']} torch threads: "
-        f"{persistent['items_per_s']:.2f} items/s\n"
-        f"  MONAI PersistentDataset first pass, 1 torch thread (as in a DataLoader worker): "
-        f"{persistent_1t['items_per_s']:.2f} items/s\n"
-        f"  prep cache, {workers} workers of 1 thread (cluster start-up included): {prep['items_per_s']:.2f} items/s "
-        f"({prep['items_per_s_per_worker']:.2f} per worker): {result['speedup_vs_persistent']:.2f}x, "
-        f"{result['speedup_vs_persistent_1_thread']:.2f}x against 1 thread\n"
-        f"  size on disk / raw tensor bytes:  prep {result['disk_over_tensor_bytes']:.4f}, "
-        f"PersistentDataset {result['persistent_disk_over_tensor_bytes']:.4f}\n"
+        f"prepare {r['count']} x {r['size']}^3 pairs on {r['cores']} cores (load average {load})\n"
+        f"  peer: MONAI PersistentDataset first pass, plain iteration, {p['torch_threads']} torch threads (default): "
+        f"{p['items_per_s']:.2f} items/s\n"
+        f"  PersistentDataset first pass, plain iteration, 1 torch thread: {p1['items_per_s']:.2f} items/s\n"
+        f"  PersistentDataset first pass, DataLoader with {pdl['loader_workers']} workers: "
+        f"{pdl['items_per_s']:.2f} items/s\n"
+        f"  prep cache, {r['workers']} {prep['mode']} x {prep['torch_threads_per_worker']} torch threads "
+        f"(start-up and commit included): {prep['items_per_s']:.2f} items/s "
+        f"({prep['items_per_s_per_worker']:.2f} per worker)\n"
+        f"  speed-up: {r['speedup_vs_persistent']:.2f}x the peer, {r['speedup_vs_persistent_1_thread']:.2f}x at 1 "
+        f"thread, {r['speedup_vs_persistent_dataloader']:.2f}x the DataLoader\n"
+        f"  size on disk / raw tensor bytes:  prep {r['disk_over_tensor_bytes']:.4f}, "
+        f"PersistentDataset {r['persistent_disk_over_tensor_bytes']:.4f}\n"
         f"open a {opened['n_items']}-item cache: {opened['open_s'] * 1e3:.1f} ms "
         f"(+ {opened['first_item_s'] * 1e3:.2f} ms for one item's entries and meta)"
     )
-    return result
 
 
 def main() -> None:
@@ -164,7 +208,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=128, help="image/label pairs to prepare")
     parser.add_argument("--size", type=int, default=96, help="volume edge in voxels")
-    parser.add_argument("--workers", type=int, default=2, help="dask worker processes for prep cache")
+    parser.add_argument("--workers", type=int, default=2, help="dask workers for prep cache (and DataLoader workers)")
+    parser.add_argument("--processes", action="store_true", help="prep cache workers as processes, not threads")
     parser.add_argument("--index-items", type=int, default=1_000_000, help="items in the synthetic index to open")
     parser.add_argument("--pipeline", type=Path, default=DEFAULT_PIPELINE, help="PIPELINE.py (its head is timed)")
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one, removed)")
@@ -172,7 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_cache_"))
     try:
-        result = run(args.count, args.size, args.workers, args.index_items, args.pipeline, out)
+        result = run(args.count, args.size, args.workers, args.index_items, args.pipeline, out, args.processes)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     finally:

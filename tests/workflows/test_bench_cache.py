@@ -19,6 +19,8 @@ def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert result["persistent"]["items_per_s"] > 0 and result["prep"]["items_per_s"] > 0
     assert result["speedup_vs_persistent"] > 0 and result["speedup_vs_persistent_1_thread"] > 0
     assert result["persistent_1_thread"]["torch_threads"] == 1
+    assert result["persistent_dataloader"]["loader_workers"] == 1 and result["speedup_vs_persistent_dataloader"] > 0
+    assert result["prep"]["mode"] == "threads" and len(result["load_before"]) == 3
     assert 1.0 <= result["disk_over_tensor_bytes"] < 1.5  # only alignment padding over the tensor bytes
     assert result["open"]["n_items"] == 2000
     index = PreparedCache(tmp_path / "index")
