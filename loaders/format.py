@@ -344,7 +344,8 @@ class PreparedCache:
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
-        self.root = Path(cache_dir)
+        # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
+        self.root = Path(cache_dir).absolute()
         self.manifest = read_manifest(self.root)
         index_path = self.root / INDEX
         try:

@@ -12,7 +12,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -35,8 +34,7 @@ def cache_items(cache_dir: str | os.PathLike[str]) -> list[list[Span]]:
     from loaders.format import PreparedCache
 
     cache = PreparedCache(cache_dir)
-    root = Path(cache_dir)
-    return [[Span(str(root / e.shard), e.offset, e.nbytes) for e in cache.entries(i)] for i in range(len(cache))]
+    return [[Span(e.shard, e.offset, e.nbytes) for e in cache.entries(i)] for i in range(len(cache))]
 
 
 def file_items(paths: list[str]) -> list[list[Span]]:

@@ -153,7 +153,7 @@ def export_npy(cache_dir: str | os.PathLike[str], out: Path) -> dict[str, list[s
                 if path.exists():
                     continue
                 path.parent.mkdir(parents=True, exist_ok=True)
-                (buf,) = backend.read([ReadRequest(str(Path(cache_dir) / e.shard), e.offset, e.nbytes)])
+                (buf,) = backend.read([ReadRequest(e.shard, e.offset, e.nbytes)])
                 np.save(path, np.frombuffer(buf, dtype=e.dtype).reshape(e.shape))
     return files
 
