@@ -205,10 +205,10 @@ class BlockMap:
         p = os.fspath(path)
         if p in self.files:
             return p
-        if os.path.isabs(p):
-            rel = os.path.relpath(p, self.root)
-            if rel in self.files:
-                return rel
+        # not a key: a path (relative ones to the working directory) under the root
+        rel = os.path.relpath(os.path.abspath(p), self.root)
+        if rel in self.files:
+            return rel
         raise FormatError(f"{p}: not in block map {self.path} (root {self.root}); re-run `prep bmap` to add it")
 
     def entry(self, key: str | os.PathLike[str]) -> FileEntry:
