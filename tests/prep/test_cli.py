@@ -16,7 +16,10 @@ def invoke(*args: str):  # type: ignore[no-untyped-def]
     return result
 
 
-@pytest.mark.parametrize("cmd", [[], ["synth"], ["synth", "nifti"], ["synth", "images"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [[], ["synth"], ["synth", "nifti"], ["synth", "images"], ["bmap"], ["bmap", "verify"], ["cache"], ["verify"]],
+)
 def test_help_has_examples(cmd: list[str]) -> None:
     result = invoke(*cmd, "--help")
     assert result.exit_code == 0, result.output
