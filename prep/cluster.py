@@ -107,8 +107,9 @@ class ClusterStarter:
 
 
 def batch_size_for(n_todo: int, workers: int, batch_size: int | None = None) -> int:
-    """Items per task: several tasks per worker, so progress is smooth and the load balanced."""
-    return batch_size or max(1, min(32, -(-n_todo // (workers * 4))))
+    """Items per task: about 8 tasks per worker, so the last tasks leave workers idle for little time (a task
+    also costs a shard and a journal file, hence at most 32 items)."""
+    return batch_size or max(1, min(32, -(-n_todo // (workers * 8))))
 
 
 def run_tasks(
