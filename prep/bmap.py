@@ -203,6 +203,8 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
     open_, fstat, close, isreg, classify_ = os.open, os.fstat, os.close, stat.S_ISREG, classify
     buf, head, ioctl, first = extents_of.buffer, extents_of.header, fcntl.ioctl, extents_of.unpack_first
     keys, records = out.keys, out.records
+    nbytes = nextents = 0
+    unsafe = ~SAFE_FLAGS
     try:
         for name in names:
             try:
@@ -227,17 +229,20 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
                 if checksums:
                     with os.fdopen(os.dup(fd), "rb") as f:
                         xxh3 = checksum(f.read())
-                reason = classify_(ext, st.st_size)
-                records.append(_record(st.st_size, st.st_ino, st.st_mtime_ns, ext, reason, xxh3))
+                size = st.st_size
+                # one plain extent: nothing to classify (classify's own first test, without the call)
+                reason = None if len(ext) == 1 and not ext[0][3] & unsafe else classify_(ext, size)
+                records.append(_record(size, st.st_ino, st.st_mtime_ns, ext, reason, xxh3))
             finally:
                 close(fd)
             keys.append(prefix + name)
-            out.bytes += st.st_size
-            out.extents += len(ext)
+            nbytes += size
+            nextents += len(ext)
             if reason is not None:
                 out.skipped[reason] += 1
     finally:
         close(dfd)
+    out.bytes, out.extents = nbytes, nextents
     return out
 
 

@@ -20,9 +20,10 @@ def test_bench_bmap_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert {"filefrag -s -e, 1 process", "build_bmap, 1 worker(s)", "build_bmap, 2 workers"} <= names
     assert {"O_DIRECT 1 MiB requests, 4 in flight", "O_DIRECT at the files' offsets, 4 in flight"} <= names
     compared = [r for r in rows if r.ratio is not None]
-    assert len(compared) == 9 and all((r.ratio or 0) > 0 and r.peer for r in compared)
+    assert len(compared) == 12 and all((r.ratio or 0) > 0 and r.peer for r in compared)
     assert all(r.count == 60 for r in rows if r.what.startswith(("build_bmap", "BlockdevBackend")))
     assert list(tmp_path.iterdir()) == []  # image and mountpoint removed
     bench_bmap.print_table(rows)
     out = capsys.readouterr().out
-    assert out.count("x filefrag") == 3 and out.count("x O_DIRECT at offsets") == 2
+    assert out.count("x filefrag") == 3 and out.count("x O_DIRECT at offsets") == 3
+    assert "later epoch (checked once)" in out
