@@ -273,11 +273,14 @@ def make_rows(entries: list[dict[str, Any]]) -> np.ndarray:
 
 def write_index(cache_dir: str | os.PathLike[str], rows: np.ndarray) -> None:
     """Write index.npy atomically; rows are sorted by (item, key) so an item's rows are contiguous."""
-    rows = np.sort(rows, order=["item", "key"])
-    path = Path(cache_dir) / INDEX
-    tmp = path.with_name(f".{INDEX}.tmp.{os.getpid()}")
+    _atomic_save(Path(cache_dir) / INDEX, np.sort(rows, order=["item", "key"]))
+
+
+def _atomic_save(path: Path, array: np.ndarray) -> None:
+    """np.save through a temp file, fsync and rename (no torn .npy even on a crash)."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "wb") as f:
-        np.save(f, rows, allow_pickle=False)
+        np.save(f, array, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -294,13 +297,7 @@ def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]]) -
         pos += len(line)
         chunks.append(line)
     atomic_write_bytes(Path(cache_dir) / META, b"".join(chunks))
-    path = Path(cache_dir) / META_OFFSETS
-    tmp = path.with_name(f".{META_OFFSETS}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, offsets, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic_save(Path(cache_dir) / META_OFFSETS, offsets)
 
 
 def write_manifest(cache_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
