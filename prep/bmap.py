@@ -174,10 +174,14 @@ class _Mapped:
     extents: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     denied: list[tuple[str, str]] = field(default_factory=list)
+    # (first key, last key, '"key":record,...') per task, joined where the files were mapped: the parent of
+    # worker processes only orders the pieces (see _ordered)
+    pieces: list[tuple[str, str, str]] = field(default_factory=list)
 
     def add(self, other: _Mapped) -> None:
         self.keys += other.keys
         self.records += other.records
+        self.pieces += other.pieces
         self.bytes += other.bytes
         self.extents += other.extents
         self.skipped.update(other.skipped)
@@ -243,6 +247,8 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
     finally:
         close(dfd)
     out.bytes, out.extents = nbytes, nextents
+    if keys:  # names come sorted from the listing, so the piece's keys are in order
+        out.pieces = [(keys[0], keys[-1], ",".join([f"{_json_str(k)}:{r}" for k, r in zip(keys, records)]))]
     return out
 
 
@@ -299,10 +305,19 @@ def _map_all(
             f"{root_s}/{rel}: cannot open ({why}); {len(total.denied)} file(s) unreadable, no map written; "
             "run as a user who can read them or --exclude them"
         )
-    order = sorted(range(len(total.keys)), key=total.keys.__getitem__)  # json.dumps(sort_keys=True)'s order
-    total.keys = [total.keys[i] for i in order]
-    total.records = [total.records[i] for i in order]
-    return total
+    return _ordered(total)
+
+
+def _ordered(m: _Mapped) -> _Mapped:
+    """Pieces in json.dumps(sort_keys=True)'s order. Pieces (one folder's files each) are ordered as wholes
+    when their key ranges do not interleave (a folder's files and its subfolders' can); else file by file."""
+    m.pieces.sort()
+    if any(a[1] >= b[0] for a, b in zip(m.pieces, m.pieces[1:])):
+        order = sorted(range(len(m.keys)), key=m.keys.__getitem__)
+        m.keys = [m.keys[i] for i in order]
+        m.records = [m.records[i] for i in order]
+        m.pieces = [("", "", ",".join([f"{_json_str(k)}:{r}" for k, r in zip(m.keys, m.records)]))]
+    return m
 
 
 def map_tree(
@@ -323,8 +338,8 @@ def map_tree(
 
 
 def files_json(m: _Mapped) -> str:
-    """The "files" object of the document, canonical JSON, from mapped keys (sorted) and records."""
-    return "{" + ",".join([f"{_json_str(k)}:{r}" for k, r in zip(m.keys, m.records)]) + "}"
+    """The "files" object of the document, canonical JSON, from the ordered pieces (see `_ordered`)."""
+    return "{" + ",".join([p[2] for p in m.pieces]) + "}"
 
 
 def _executor(workers: int, large: bool) -> Executor:

@@ -358,14 +358,22 @@ def test_record_json_is_canonical_json(
 
 def test_preformatted_files_encode_as_the_whole_document() -> None:
     from loaders.bmap import decode_document, encode_document, encode_document_with_files
-    from prep.bmap import _Mapped, files_json, record_json
+    from prep.bmap import _Mapped, _ordered, files_json, record_json
 
     # keys whose escaped forms sort differently from the keys themselves, and every kind of escape
     keys = ["a.txt", "a/b", "~", "é/x", 'q"uote', "back\\slash", "tab\there", "del\x7f", "z\udcff", "日本"]
     records = {k: record_json(10 + i, i + 1, 5, [(0, 4096 * i, 4096, 1)]) for i, k in enumerate(keys)}
-    m = _Mapped(keys=sorted(keys), records=[records[k] for k in sorted(keys)])
     header = {"format": "blockprep-bmap", "version": "1.0", "root": "/r\u00e9", "device": "/dev/x", "zz": None}
     whole = header | {"files": {k: json.loads(records[k]) for k in keys}}
-    data = encode_document_with_files(header, files_json(m))
-    assert data == encode_document(whole)
-    assert decode_document(data) == whole
+
+    def piece(ks: list[str]) -> tuple[str, str, str]:
+        return (ks[0], ks[-1], ",".join(f"{json.dumps(k)}:{records[k]}" for k in ks))
+
+    split = sorted(keys)
+    apart = [piece(split[i : i + 3]) for i in range(0, len(split), 3)][::-1]  # ranges apart, arriving reversed
+    interleaved = [piece(sorted(keys[0::2])), piece(sorted(keys[1::2]))]  # key ranges overlap: file by file
+    for pieces in (apart, interleaved):
+        m = _ordered(_Mapped(keys=list(keys), records=[records[k] for k in keys], pieces=pieces))
+        data = encode_document_with_files(header, files_json(m))
+        assert data == encode_document(whole)
+        assert decode_document(data) == whole
