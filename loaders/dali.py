@@ -225,6 +225,10 @@ class _XnvmeBmapBackend(Backend):
         for dest, data in zip(dests, self.xnvme.read_device_ranges(ranges) if ranges else []):
             dest[:] = data
 
+    def changed(self, key: str) -> bool:
+        """Whether the file was found changed since mapping (False until checked)."""
+        return (self._why.get(key) or "").startswith("changed")
+
     def close(self) -> None:
         super().close()
         self.xnvme.close()
@@ -280,6 +284,10 @@ class BmapSource(_EpochSource):
         keys = [self.prefix + self.files[i][0] for i in positions]
         sizes = [self.bmap.entry(k).size for k in keys]
         data = _read_files(self.backend, keys, sizes)
+        changed = getattr(self.backend, "changed", None)
+        for i, k in enumerate(keys):
+            if changed is not None and changed(k):  # its size may have changed too: the whole file as it is now
+                data[i] = np.fromfile(self.bmap.file_path(k), dtype=np.uint8)
         return data, [np.array([self.files[i][1]], dtype=np.int32) for i in positions]
 
 

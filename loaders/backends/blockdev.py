@@ -156,6 +156,10 @@ class BlockdevBackend(Backend):
             self._why[key] = why
         return why
 
+    def changed(self, key: str) -> bool:
+        """Whether the file was found changed since mapping (False until checked)."""
+        return (self._why.get(key) or "").startswith("changed")
+
     def _fs_read(self, key: str, why: str, req: ReadRequest, buf: memoryview) -> None:
         path = self.bmap.file_path(key)
         if not self.fallback:
