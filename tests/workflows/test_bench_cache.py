@@ -21,6 +21,7 @@ def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert result["persistent_1_thread"]["torch_threads"] == 1
     assert result["persistent_dataloader"]["loader_workers"] == 1 and result["speedup_vs_persistent_dataloader"] > 0
     assert result["prep"]["mode"] == "threads" and len(result["load_before"]) == 3
+    assert result["prep"]["cpu_ms_per_item"] > 0 and result["persistent_dataloader"]["cpu_ms_per_item"] > 0
     assert 1.0 <= result["disk_over_tensor_bytes"] < 1.5  # only alignment padding over the tensor bytes
     assert result["open"]["n_items"] == 2000
     index = PreparedCache(tmp_path / "index")
