@@ -1,9 +1,12 @@
-"""GPU delivery for host backends: pinned staging buffers and asynchronous copies on a CUDA stream.
+"""GPU delivery for host backends: pinned, 4 KiB-aligned staging buffers and asynchronous copies on a stream.
 
-Where kvikio is missing (or the GPU is AMD under ROCm PyTorch, whose `torch.cuda` is HIP), bytes are read
-into page-locked host memory and copied to the device with `non_blocking=True` on a side stream. Slots are
-reused round-robin: a slot is read into again only after the copy out of it has finished (its event), so
-reading batch k+1 overlaps copying batch k (double buffering with two slots).
+Where kvikio is missing (or the GPU is AMD under ROCm PyTorch, whose `torch.cuda` is HIP), host backends
+(`auto`: `direct`, O_DIRECT for cold data, a buffered copy for cached data) read straight into page-locked
+host memory, then one `non_blocking` host-to-device copy per batch goes on a side stream. Slots are reused
+round-robin: a slot is read into again only after the copy out of it has finished (its event), so reading
+batch k+1 overlaps copying batch k (double buffering).
+
+Slots start at a 4 KiB boundary so that O_DIRECT reads land in them without a bounce buffer.
 
 Runs only where torch sees a GPU: tests are marked `gpu`.
 """
@@ -15,6 +18,20 @@ from typing import Any
 import numpy as np
 
 from loaders._deps import require
+from loaders.format import ALIGN
+
+
+def pinned_empty(nbytes: int, align: int = ALIGN) -> tuple[Any, np.ndarray]:
+    """(owner, view): a page-locked uint8 host buffer of `nbytes` starting at an `align` boundary.
+
+    `owner` is the pinned torch tensor that host-to-device copies read from; `view` is the numpy view of
+    the same memory that backends read into. Pinned allocations are usually page-aligned already;
+    the slack guarantees it whatever allocator sits underneath."""
+    torch = require("torch", "GPU delivery")
+    raw = torch.empty(max(nbytes, 1) + align, dtype=torch.uint8, pin_memory=True)
+    start = (-raw.data_ptr()) % align
+    owner = raw[start : start + max(nbytes, 1)]
+    return owner, owner.numpy()
 
 
 class PinnedStager:
@@ -23,7 +40,8 @@ class PinnedStager:
     def __init__(self, device: str, slots: int = 2) -> None:
         torch = require("torch", "GPU delivery")
         self.device = torch.device(device)
-        self._slots: list[Any] = [None] * max(1, slots)
+        self._slots: list[Any] = [None] * max(1, slots)  # pinned torch tensors, 4 KiB-aligned
+        self._views: list[np.ndarray | None] = [None] * max(1, slots)
         self._events: list[Any] = [None] * max(1, slots)
         self.stream = torch.cuda.Stream(device=self.device)
 
@@ -33,16 +51,16 @@ class PinnedStager:
         return len(self._slots)
 
     def host(self, slot: int, nbytes: int) -> np.ndarray:
-        """A pinned uint8 host buffer of at least `nbytes` for `slot`, free to overwrite (waits for its copy)."""
-        import torch
-
+        """A pinned, 4 KiB-aligned uint8 host buffer of `nbytes` for `slot`, free to overwrite (waits for
+        its last copy)."""
         self.acquire(slot)
-        buf = self._slots[slot]
-        if buf is None or buf.numel() < nbytes:
-            # Pinned allocations are page-aligned (cudaHostAlloc), so O_DIRECT reads need no bounce.
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-            self._slots[slot] = buf
-        return buf.numpy()[:nbytes]  # type: ignore[no-any-return]
+        view = self._views[slot]
+        if view is None or view.nbytes < nbytes:
+            # grow with headroom: batches of a dataset differ a little in size (the last one, padding)
+            self._slots[slot], self._views[slot] = pinned_empty(nbytes + nbytes // 8)
+            view = self._views[slot]
+            assert view is not None
+        return view[:nbytes]
 
     def acquire(self, slot: int) -> None:
         """Block until the last copy out of `slot` has finished."""

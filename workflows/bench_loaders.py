@@ -9,8 +9,12 @@ It writes `--count` synthetic volumes (float32 image + uint8 label, `--size`^3) 
 ceilings (warm: `np.fromfile` of the same bytes; cold: the same bytes read with O_DIRECT, many requests in
 flight), PreparedDataset per item and through the prefetching batch reader for every CPU backend, MONAI
 PersistentDataset, and the region read (a `--patch`^3 region of a `--region-size`^3 volume against the
-whole volume). `--device cuda:N` adds the GPU rows. Each row prints volumes/s, GB/s and its ratios to
-the ceiling and to PersistentDataset measured in the same run. Cold runs evict the page cache before
+whole volume). `--device cuda:N` adds the GPU rows: the GPU ceiling (each shard file read whole by kvikio
+into GPU memory, many threads, every read in flight), PreparedDataset batches into GPU memory per way
+(auto, kvikio buffered and O_DIRECT, direct/posix staged through pinned memory), PersistentDataset +
+`.cuda()` and MONAI GDSDataset; GPU rows also show their ratio to the host ceiling of the run (cold: the
+O_DIRECT many-in-flight read). Each row prints volumes/s, GB/s and its ratios to the ceiling and to
+PersistentDataset measured in the same run. Cold runs evict the page cache before
 each timed pass (posix_fadvise DONTNEED, plus drop_caches as root).
 """
 
@@ -43,6 +47,14 @@ from loaders.format import (
 from workflows.bench.core import evict
 
 HOST_BACKENDS = ("posix", "direct")
+# (backend, row label, backend options) of the GPU rows; "auto" is what PreparedDataset(device=...) uses.
+GPU_WAYS: list[tuple[str, str, dict[str, Any]]] = [
+    ("auto", "auto", {}),
+    ("kvikio", "kvikio only", {"direct_io": False, "stage_cold": False}),
+    ("kvikio", "kvikio only, O_DIRECT", {"direct_io": True, "stage_cold": False}),
+    ("direct", "direct, pinned", {}),
+    ("posix", "posix, pinned", {}),
+]
 
 
 class Unavailable(Exception):  # noqa: N818  (a row that cannot run here: printed with its reason)
@@ -129,10 +141,13 @@ def _timed(
     name: str, group: str, kind: str, items: int, nbytes: int, run: Callable[[], Any], files: Iterable[str], cold: bool
 ) -> Row:
     files = list(files)
+    # Warm-up pass under the timed pass's conditions (cold: evicted first, as paths that stage only cold
+    # reads allocate their buffers there): one-time costs (pinned/device allocations, threads) are not timed.
     if cold:
         evict(files)
-    else:
-        run()  # warm-up pass pulls everything into the page cache
+    run()
+    if cold:
+        evict(files)
     start = time.perf_counter()
     run()
     return Row(name, group, items, time.perf_counter() - start, nbytes, kind)
@@ -205,7 +220,7 @@ def volume_rows(cache: PreparedCache, args: argparse.Namespace) -> list[Row | st
         add("ceiling O_DIRECT many-in-flight", "ceiling", lambda: direct_ceiling(entries, args.threads))
     else:
         add("ceiling np.fromfile", "ceiling", lambda: lambda: fromfile_ceiling(entries))
-    for name in [b for b in backend_names() if b in HOST_BACKENDS]:
+    for name in [b for b in backend_names() if b in HOST_BACKENDS and not args.gpu_only]:
 
         def items(b: str = name) -> Callable[[], None]:
             return _items_of(PreparedDataset(cache.root, backend=b))
@@ -254,13 +269,21 @@ def gpu_rows(cache: PreparedCache, args: argparse.Namespace, persistent: Any) ->
         except (Unavailable, PrepError, ImportError, RuntimeError) as exc:
             out.append(f"{name}: not run ({str(exc).splitlines()[0]})")
 
-    add("ceiling kvikio bulk", "ceiling", lambda: kvikio_ceiling(entries, device))
-    for backend, label in (("kvikio", "kvikio"), ("posix", "posix, pinned")):
+    add("ceiling kvikio bulk", "ceiling", lambda: kvikio_ceiling(shards, device, args.threads))
+    for backend, label, options in GPU_WAYS:
 
-        def make(b: str = backend) -> Callable[[], None]:
-            return _batches_of(PreparedDataset(cache.root, backend=b, device=device), args.batch, sync)
+        def make(b: str = backend, o: dict[str, Any] = options) -> Callable[[], None]:
+            ds = PreparedDataset(cache.root, backend=b, device=device, backend_options=o)
+            return _batches_of(ds, args.batch, sync)
 
         add(f"PreparedDataset[{label}] cuda batches", "ours", make)
+    _kvikio_direct_io_off()  # the O_DIRECT row set it process-wide; GDSDataset below reads through kvikio
+    if args.gpu_items:
+
+        def items() -> Callable[[], None]:
+            return _items_of(PreparedDataset(cache.root, backend="auto", device=device), sync=sync)
+
+        add("PreparedDataset[auto] cuda items", "ours", items)
     if persistent is not None:
         to_gpu = lambda item: [v.to(device) for v in item.values()]  # noqa: E731
         add(
@@ -273,24 +296,39 @@ def gpu_rows(cache: PreparedCache, args: argparse.Namespace, persistent: Any) ->
     return out
 
 
-def kvikio_ceiling(entries: Sequence[TensorEntry], device: str) -> Callable[[], None]:
-    """Every tensor's bytes read by kvikio straight into GPU buffers, all in flight (GPU ceiling)."""
+def _kvikio_direct_io_off() -> None:
+    try:
+        import kvikio.defaults
+
+        kvikio.defaults.set("auto_direct_io_read", False)
+    except (ImportError, KeyError, ValueError, RuntimeError, TypeError):
+        pass  # no kvikio, or a version without the setting: nothing was changed
+
+
+def kvikio_ceiling(shards: Sequence[str], device: str, threads: int = 16) -> Callable[[], None]:
+    """Every shard file read whole by kvikio into one GPU buffer each, `threads` kvikio threads, 16 MiB
+    tasks, every read in flight before the first wait: the bulk many-threaded kvikio read (GPU ceiling)."""
     from loaders._deps import require
+    from loaders.backends.kvikio import _configure
 
     kvikio, cupy = require("kvikio", "the GPU ceiling"), require("cupy", "the GPU ceiling")
+    task = 16 << 20
+    _configure(kvikio, threads, task, None, direct_io=None)
+    sizes = {s: Path(s).stat().st_size for s in shards}
     with cupy.cuda.Device(int(device.partition(":")[2] or 0)):
-        buffers = [cupy.empty(e.nbytes, dtype=cupy.uint8) for e in entries]
+        buffers = {s: cupy.empty(max(n, 1), dtype=cupy.uint8) for s, n in sizes.items()}
 
     def run() -> None:
-        handles = {s: kvikio.CuFile(s, "r") for s in {e.shard for e in entries}}
+        handles = {s: kvikio.CuFile(s, "r") for s in shards}
         try:
-            futures = [handles[e.shard].pread(b, e.nbytes, e.offset) for e, b in zip(entries, buffers)]
-            for f in futures:
-                f.get()
+            futures = [handles[s].pread(buffers[s], sizes[s], 0, task) for s in shards]
+            got = [f.get() for f in futures]
             cupy.cuda.runtime.deviceSynchronize()
         finally:
             for h in handles.values():
                 h.close()
+        if got != [sizes[s] for s in shards]:
+            raise Unavailable(f"kvikio read {sum(got)} of {sum(sizes.values())} bytes")
 
     return run
 
@@ -344,8 +382,10 @@ def region_rows(root: Path, args: argparse.Namespace) -> list[Row | str]:
 # --- report ---
 def table(rows: Sequence[Row | str]) -> str:
     """The printed table: rate, GB/s and ratios to the ceiling and the peer of the same group."""
-    lines = [f"{'way':48} {'vol/s':>9} {'GB/s':>7} {'x ceiling':>9} {'x peer':>7}"]
     done = [r for r in rows if isinstance(r, Row)]
+    gpu = any(r.group == "gpu" for r in done)
+    lines = [f"{'way':48} {'vol/s':>9} {'GB/s':>7} {'x ceiling':>9} {'x peer':>7}" + (" x cpu-ceil" if gpu else "")]
+    host = next((c for c in done if c.group == "volumes" and c.kind == "ceiling"), None)
     for r in rows:
         if isinstance(r, str):
             lines.append(f"  {r}")
@@ -354,7 +394,11 @@ def table(rows: Sequence[Row | str]) -> str:
         peer = next((p for p in done if p.group == r.group and p.kind == "peer"), None)
         vs_c = f"{r.per_s / ceiling.per_s:9.2f}" if ceiling and r is not ceiling else f"{'':9}"
         vs_p = f"{r.per_s / peer.per_s:7.2f}" if peer and r is not peer else f"{'':7}"
-        lines.append(f"{r.name:48} {r.per_s:9.1f} {r.gb_s:7.2f} {vs_c} {vs_p}")
+        # GPU rows also against the host ceiling of the same run (cold: O_DIRECT, the issue's cold target)
+        vs_h = f" {r.per_s / host.per_s:10.2f}" if r.group == "gpu" and host else ""
+        lines.append(f"{r.name:48} {r.per_s:9.1f} {r.gb_s:7.2f} {vs_c} {vs_p}{vs_h}")
+    if gpu and host:
+        lines.append(f"(x cpu-ceil: GPU rows against '{host.name}' of this run)")
     return "\n".join(lines)
 
 
@@ -375,6 +419,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=8, help="region reads (and whole-volume reads) timed")
     p.add_argument("--region-backend", default=None, help="backend for the region reads (posix warm, direct cold)")
     p.add_argument("--no-region", dest="region", action="store_false", help="skip the region comparison")
+    p.add_argument("--gpu-only", action="store_true", help="skip the CPU PreparedDataset rows (ceiling, peer kept)")
+    p.add_argument("--gpu-items", action="store_true", help="also time GPU item-by-item reads (auto backend)")
     p.add_argument("--work", type=Path, default=Path("bench_out/loaders"), help="scratch (caches are kept)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     return p.parse_args(argv)

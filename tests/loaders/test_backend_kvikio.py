@@ -3,6 +3,7 @@ equal the file's bytes, in cupy and torch buffers, with kvikio's settings applie
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loaders import backends
 from loaders.backends import ReadRequest, get_backend
+from loaders.backends.direct import DirectBackend
 from loaders.backends.posix import PosixBackend
 from loaders.errors import BackendError, MissingDependencyError, PrepError
 
@@ -21,10 +24,43 @@ def test_missing_kvikio_says_what_to_install(monkeypatch: pytest.MonkeyPatch) ->
         get_backend("kvikio", device="cuda:0")
 
 
-def test_auto_on_cuda_falls_back_to_posix_without_kvikio(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_cuda_stages_direct_without_kvikio(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "kvikio", None)
     with get_backend("auto", device="cuda:0") as b:
+        assert isinstance(b, DirectBackend)
+    monkeypatch.setitem(backends._AUTO_ORDER, "cuda", ["kvikio", "posix"])
+    with get_backend("auto", device="cuda:0") as b:
         assert isinstance(b, PosixBackend)
+
+
+class _ModeProbe(PosixBackend):
+    """A host backend standing in for kvikio in the auto rule (kvikio itself needs a GPU): it reports a
+    `mode` as KvikioBackend does and records whether auto closed it."""
+
+    gpu = True
+    mode = "compat"
+    closed: list[str] = []
+
+    def __init__(self, device: str = "cuda:0", **options: Any) -> None:
+        super().__init__(**options)
+
+    def close(self) -> None:
+        super().close()
+        self.closed.append(self.mode)
+
+
+@pytest.mark.parametrize(("mode", "stage_cold"), [("compat", False), ("compat", True), ("gds", False)])
+def test_auto_takes_kvikio_with_gds_or_staged_cold_reads(
+    monkeypatch: pytest.MonkeyPatch, mode: str, stage_cold: bool
+) -> None:
+    monkeypatch.setattr(_ModeProbe, "mode", mode)
+    monkeypatch.setattr(_ModeProbe, "stage_cold", stage_cold, raising=False)
+    monkeypatch.setattr(_ModeProbe, "closed", [])
+    monkeypatch.setitem(backends._REGISTRY, "kvikio", f"{__name__}:_ModeProbe")
+    with get_backend("auto", device="cuda:0") as b:
+        assert isinstance(b, _ModeProbe if mode == "gds" or stage_cold else DirectBackend)
+    # the compat-mode one was closed by auto (its threads released), the GDS one by the `with`
+    assert _ModeProbe.closed == [mode]
 
 
 def test_host_device_string_is_refused() -> None:
@@ -103,6 +139,21 @@ def test_settings_and_mode_reported(gpu_backend: Any) -> None:
         assert b.mode == ("compat" if kvikio.defaults.is_compat_mode_preferred() else "gds")
     with gpu_backend(compat=True) as b:
         assert b.mode == "compat"
+    with gpu_backend(direct_io=True):
+        assert kvikio.defaults.get("auto_direct_io_read") is True
+    with gpu_backend(direct_io=False):
+        assert kvikio.defaults.get("auto_direct_io_read") is False
+
+
+@pytest.mark.gpu
+def test_direct_io_reads_are_exact(gpu_backend: Any, payload_file: tuple[Path, bytes]) -> None:
+    path, payload = payload_file
+    reqs = [ReadRequest(str(path), 0, len(payload)), ReadRequest(str(path), 4096 * 3 + 7, (2 << 20) + 5)]
+    with gpu_backend(direct_io=True, compat=True, array="torch") as b:
+        for r, buf in zip(reqs, b.read(reqs)):
+            assert buf.cpu().numpy().tobytes() == payload[r.offset : r.offset + r.nbytes]
+    with gpu_backend(direct_io=False):
+        pass  # leave kvikio's process-wide default as it was for the tests after this one
 
 
 @pytest.mark.gpu
@@ -110,3 +161,31 @@ def test_missing_device_index(gpu_backend: Any) -> None:
     gpu_backend().close()  # skips where kvikio or a GPU is missing
     with pytest.raises(BackendError, match="not present"):
         get_backend("kvikio", device="cuda:99")
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.gpu
+def test_cold_requests_are_staged_through_o_direct(gpu_backend: Any, payload_file: tuple[Path, bytes]) -> None:
+    path, payload = payload_file
+    reqs = [ReadRequest(str(path), 0, 3 << 20), ReadRequest(str(path), (3 << 20) + 11, (5 << 20) + 7)]
+    with gpu_backend(compat=True, array="torch") as b:
+        assert b.stage_cold and b._direct is not None
+        _evict(path)
+        if b._cold(reqs) != {0, 1}:
+            pytest.skip("the page cache cannot be probed or evicted here")
+        for r, buf in zip(reqs, b.read(reqs)):  # cold: O_DIRECT into pinned memory, then copied
+            assert buf.cpu().numpy().tobytes() == payload[r.offset : r.offset + r.nbytes]
+        path.read_bytes()  # now cached: kvikio reads it
+        assert b._cold(reqs) == set()
+        for r, buf in zip(reqs, b.read(reqs)):
+            assert buf.cpu().numpy().tobytes() == payload[r.offset : r.offset + r.nbytes]
+    with gpu_backend(compat=True, stage_cold=False) as b:
+        assert b._cold(reqs) == set() and b._direct is None

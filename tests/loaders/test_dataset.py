@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaders._deps import has
 from loaders.backends import backend_names, get_backend
 from loaders.errors import BackendError, ChecksumError, IncompleteCacheError, PrepError, SchemaVersionError
 from loaders.format import MANIFEST, write_items
@@ -302,12 +304,21 @@ def test_import_loaders_imports_no_torch() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["posix", "auto"])
+@pytest.mark.parametrize("backend", ["posix", "direct", "auto", "auto-cold"])
 def test_gpu_delivery(cache: tuple[Path, list[dict]], backend: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     root, items = cache
-    ds = PreparedDataset(root, backend=backend, device="cuda:0", verify=True)
+    ds = PreparedDataset(root, backend=backend.removesuffix("-cold"), device="cuda:0", verify=True)
+    if backend.startswith("auto"):  # kvikio (GDS, or compat with cold reads staged), else direct + pinned
+        b = ds.backend
+        assert b.name == "kvikio" if has("kvikio") else b.name == "direct"
+        assert b.name != "kvikio" or b.mode == "gds" or b.stage_cold
+    if backend.endswith("-cold"):  # out of the page cache: the staged O_DIRECT path of kvikio
+        for shard in root.glob("shards/*"):
+            fd = os.open(shard, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
     item = ds[2]
     assert item["image"].device.type == "cuda"
     _same({"image": item["image"].cpu()}, {"image": items[2]["image"]})
