@@ -7,12 +7,12 @@ Every ratio compares two things measured in the same run on the same files:
 
 - mapping: `prep.bmap.build_bmap` (1 worker and W workers) vs `filefrag -s -e` (the same FIEMAP_FLAG_SYNC
   and extent listing) over the same files, many paths per invocation, as one process and as W processes;
-- raw reads (cold: page cache dropped before each run): every mapped file read whole through
-  `BlockdevBackend` from the image file, in a first epoch (a fresh backend: one stat per file checks the map
-  is not stale), a later epoch of the same backend (verdicts cached; data cold again) and with
-  check_stale=False, vs the same number of bytes read from one contiguous region of
-  the image with O_DIRECT, T requests in flight: once in 1 MiB requests (the device's ceiling) and once in
-  requests of the same sizes as the files (the same request count; isolates the cost of the map).
+- raw reads (cold: before each run the image's pages are dropped with fadvise DONTNEED, and all clean
+  pages with drop_caches as root): every mapped file read whole through `BlockdevBackend` from the image
+  file, in a first epoch (a fresh backend: one stat per file checks the map is not stale), a later epoch of
+  the same backend (verdicts cached; data cold again) and with check_stale=False; vs as many bytes read with
+  O_DIRECT from one contiguous region of the image where the files' data lies, T requests in flight: in
+  1 MiB requests (the device's ceiling), and in requests of the files' sizes (the same request count).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def bench_reads(image: Path, bmap_path: Path, threads: int, batch: int = 1024, r
     from loaders.backends import ReadRequest
     from loaders.backends.blockdev import BlockdevBackend
     from loaders.bmap import BlockMap
-    from loaders.format import align_up
+    from loaders.format import ALIGN, align_up
 
     bm = BlockMap.load(bmap_path)
     reqs = [ReadRequest(k, 0, bm.files[k]["size"]) for k in bm.files if bm.files[k]["size"]]
@@ -201,11 +201,15 @@ def bench_reads(image: Path, bmap_path: Path, threads: int, batch: int = 1024, r
         drop_caches(image)
         return _direct_reads(image, offsets, lengths, threads)
 
-    big = 1 << 20
-    big_offsets = list(range(0, align_up(total, big), big))  # peers: the same bytes as one contiguous region
-    same_offsets = [int(o) for o in np.cumsum([0] + [align_up(s) for s in sizes[:-1]])]
     # the same reads at the files' own device offsets (their first extent: these small files have one), no map
     mapped = [bm.source(image).base + bm.files[r.path]["extents"][0][1] for r in reqs]
+    # peers: as many bytes as the files hold, as one contiguous region where the files' data lies (not the
+    # image's start: inode tables there may be holes of the sparse image, which read as free zeros)
+    big = 1 << 20
+    lo = min(mapped) - min(mapped) % ALIGN
+    lo = max(0, min(lo, image.stat().st_size - align_up(total, big)))
+    big_offsets = list(range(lo, lo + align_up(total, big), big))
+    same_offsets = [lo + int(o) for o in np.cumsum([0] + [align_up(s) for s in sizes[:-1]])]
     times: dict[str, list[float]] = {}
     for _ in range(repeat):
         for name, fn in (

@@ -222,11 +222,12 @@ class BlockdevBackend(Backend):
         hit = self._fast.get(key, False)
         if hit is not False:
             return hit  # type: ignore[return-value]
-        e = self.bmap.entry(key)
+        r = self.bmap.files[key]  # the raw record: parsing a FileEntry would cost more than this whole plan
+        ext = r["extents"]
         got = None
-        if e.raw_readable and len(e.extents) == 1:
-            lo, ph, ln, _ = e.extents[0]
-            got = (self.source.base + ph - lo, lo, min(e.size, lo + ln))
+        if r["raw_readable"] and len(ext) == 1:
+            lo, ph, ln = int(ext[0][0]), int(ext[0][1]), int(ext[0][2])
+            got = (self.source.base + ph - lo, lo, min(int(r["size"]), lo + ln))
         self._fast[key] = got
         return got
 

@@ -142,20 +142,20 @@ def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path:
     (root / "class_empty_files_only").mkdir()
     (root / "class_empty_files_only" / "readme.txt").write_text("not an image")
     build_bmap(fs.mountpoint, tmp_path / "bmap.json")
-    src = BmapSource(tmp_path / "bmap.json", batch_size=5, folder="train")
-    assert src.files == list_labeled_files(root)  # the folder with no image still takes label 0
-    grown = root / src.files[7][0]
-    with open(grown, "ab") as f:  # appended after mapping: read whole through the filesystem, not cut short
-        f.write(b"appended" * 100)
-    seen = 0
-    with pytest.warns(RuntimeWarning, match="changed since it was mapped"):
-        for data, labels in src:
-            for raw, label in zip(data, labels):
-                path, want = src.files[seen]
-                assert raw.tobytes() == (root / path).read_bytes() and int(label[0]) == want
-                seen += 1
-    assert seen == len(src.files) == 12
-    src.close()  # releases the device/image descriptors, so the filesystem can be unmounted
+    # closing releases the device/image descriptors, so the filesystem can be unmounted (even on a failure)
+    with BmapSource(tmp_path / "bmap.json", batch_size=5, folder="train") as src:
+        assert src.files == list_labeled_files(root)  # the folder with no image still takes label 0
+        grown = root / src.files[7][0]
+        with open(grown, "ab") as f:  # appended after mapping: read whole through the filesystem, not cut short
+            f.write(b"appended" * 100)
+        seen = 0
+        with pytest.warns(RuntimeWarning, match="changed since it was mapped"):
+            for data, labels in src:
+                for raw, label in zip(data, labels):
+                    path, want = src.files[seen]
+                    assert raw.tobytes() == (root / path).read_bytes() and int(label[0]) == want
+                    seen += 1
+        assert seen == len(src.files) == 12
 
 
 @pytest.mark.gpu
