@@ -81,6 +81,7 @@ def bench_persistent(
     return {
         "seconds": seconds,
         "items_per_s": len(entries) / seconds,
+        "items": len(entries),
         "cpu_ms_per_item": cpu / len(entries) * 1e3,
         "disk_bytes": _tree_bytes(cache_dir),
         "torch_threads": 1 if loader_workers else threads or default_threads,
@@ -103,6 +104,8 @@ def bench_prep(datalist: Path, pipeline: Path, out: Path, workers: int, processe
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     return {
         "seconds": seconds,
+        "items": summary.n_items,
+        "workers": workers,
         "cpu_ms_per_item": cpu / summary.n_items * 1e3,
         "items_per_s": summary.n_items / seconds,
         "items_per_s_per_worker": summary.n_items / seconds / workers,
@@ -147,41 +150,76 @@ def bench_open(root: Path, repeats: int = 5) -> dict[str, float]:
 
 
 def run(
-    count: int, size: int, workers: int, index_items: int, pipeline: Path, out: Path, processes: bool = False
-) -> dict[str, Any]:
-    """Run every measurement under `out`; return the numbers and print a report."""
+    count: int, size: int, workers: int, index_items: int, pipeline: Path, out: Path, processes: bool = False,
+    rounds: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """Run every measurement under `out`; return the numbers and print a report.
+
+    rounds > 1 splits the datalist into that many parts and runs every contender on each part in turn, in a
+    rotating order, so load from elsewhere on a shared machine falls on all of them alike (prep cache then
+    pays its cluster start once per part: a handicap, not a help).
+    """
     from prep.cluster import local_cores
     from prep.synth import nifti_dataset
 
     load_before = os.getloadavg()
     datalist = nifti_dataset(out / "data", count=count, size=size, seed=0)
     warm_inputs(datalist)
-    persistent = bench_persistent(datalist, pipeline, out / "persistent")
-    persistent_1t = bench_persistent(datalist, pipeline, out / "persistent_1t", threads=1)
-    persistent_dl = bench_persistent(datalist, pipeline, out / "persistent_dl", loader_workers=workers)
-    prep = bench_prep(datalist, pipeline, out / "cache", workers, processes)
+    contenders: dict[str, Any] = {
+        "persistent": lambda d, o: bench_persistent(d, pipeline, o),
+        "persistent_1_thread": lambda d, o: bench_persistent(d, pipeline, o, threads=1),
+        "persistent_dataloader": lambda d, o: bench_persistent(d, pipeline, o, loader_workers=workers),
+        "prep": lambda d, o: bench_prep(d, pipeline, o, workers, processes),
+    }
+    parts: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    for r, part in enumerate(_split_datalist(datalist, rounds)):
+        names = list(contenders)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            parts[name].append(contenders[name](part, out / f"{name}-{r}"))
+    totals = {name: _combine(runs) for name, runs in parts.items()}
     synthetic_index(out / "index", index_items)
     opened = bench_open(out / "index")
+    prep = totals["prep"]
     result = {
-        "count": count,
-        "size": size,
-        "workers": workers,
-        "cores": local_cores(),
-        "load_before": load_before,
-        "load_after": os.getloadavg(),
-        "persistent": persistent,
-        "persistent_1_thread": persistent_1t,
-        "persistent_dataloader": persistent_dl,
-        "prep": prep,
-        "speedup_vs_persistent": prep["items_per_s"] / persistent["items_per_s"],
-        "speedup_vs_persistent_1_thread": prep["items_per_s"] / persistent_1t["items_per_s"],
-        "speedup_vs_persistent_dataloader": prep["items_per_s"] / persistent_dl["items_per_s"],
+        "count": count, "size": size, "workers": workers, "rounds": rounds, "cores": local_cores(),
+        "load_before": load_before, "load_after": os.getloadavg(), **totals,
+        "speedup_vs_persistent": prep["items_per_s"] / totals["persistent"]["items_per_s"],
+        "speedup_vs_persistent_1_thread": prep["items_per_s"] / totals["persistent_1_thread"]["items_per_s"],
+        "speedup_vs_persistent_dataloader": prep["items_per_s"] / totals["persistent_dataloader"]["items_per_s"],
         "disk_over_tensor_bytes": prep["disk_bytes"] / prep["tensor_bytes"],
-        "persistent_disk_over_tensor_bytes": persistent["disk_bytes"] / prep["tensor_bytes"],
+        "persistent_disk_over_tensor_bytes": totals["persistent"]["disk_bytes"] / prep["tensor_bytes"],
         "open": opened,
-    }
+    }  # fmt: skip
     _report(result)
     return result
+
+
+def _split_datalist(datalist: Path, rounds: int) -> list[Path]:
+    """The datalist as `rounds` datalists of consecutive entries, next to it (relative paths stay valid)."""
+    if rounds <= 1:
+        return [datalist]
+    doc = json.loads(datalist.read_text())
+    entries = doc["training"]
+    size = -(-len(entries) // rounds)
+    paths = []
+    for r in range(0, len(entries), size):
+        path = datalist.with_name(f"part-{r // size}.json")
+        path.write_text(json.dumps({**doc, "training": entries[r : r + size]}))
+        paths.append(path)
+    return paths
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's runs over the parts as one: times, CPU and bytes added up, rates recomputed."""
+    total = dict(runs[0])
+    for key in ("seconds", "disk_bytes", "tensor_bytes", "items"):
+        if key in total:
+            total[key] = sum(run[key] for run in runs)
+    total["cpu_ms_per_item"] = sum(run["cpu_ms_per_item"] * run["items"] for run in runs) / total["items"]
+    total["items_per_s"] = total["items"] / total["seconds"]
+    if "items_per_s_per_worker" in total:
+        total["items_per_s_per_worker"] = total["items_per_s"] / total["workers"]
+    return total
 
 
 def _report(r: dict[str, Any]) -> None:
@@ -194,7 +232,8 @@ def _report(r: dict[str, Any]) -> None:
     )
     load = "/".join(f"{x:.2f}" for x in r["load_before"]) + " -> " + "/".join(f"{x:.2f}" for x in r["load_after"])
     print(
-        f"prepare {r['count']} x {r['size']}^3 pairs on {r['cores']} cores (load average {load})\n"
+        f"prepare {r['count']} x {r['size']}^3 pairs on {r['cores']} cores, {r['rounds']} round(s) "
+        f"(load average {load})\n"
         f"  peer: MONAI PersistentDataset first pass, plain iteration, {p['torch_threads']} torch threads (default): "
         f"{p['items_per_s']:.2f} items/s, {p['cpu_ms_per_item']:.0f} CPU ms/item\n"
         f"  PersistentDataset first pass, plain iteration, 1 torch thread: {p1['items_per_s']:.2f} items/s, "
@@ -220,6 +259,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=96, help="volume edge in voxels")
     parser.add_argument("--workers", type=int, default=2, help="dask workers for prep cache (and DataLoader workers)")
     parser.add_argument("--processes", action="store_true", help="prep cache workers as processes, not threads")
+    parser.add_argument("--rounds", type=int, default=1, help="interleave the contenders over this many parts")
     parser.add_argument("--index-items", type=int, default=1_000_000, help="items in the synthetic index to open")
     parser.add_argument("--pipeline", type=Path, default=DEFAULT_PIPELINE, help="PIPELINE.py (its head is timed)")
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one, removed)")
@@ -227,7 +267,9 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_cache_"))
     try:
-        result = run(args.count, args.size, args.workers, args.index_items, args.pipeline, out, args.processes)
+        result = run(
+            args.count, args.size, args.workers, args.index_items, args.pipeline, out, args.processes, args.rounds
+        )
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     finally:

@@ -14,8 +14,9 @@ from workflows import bench_cache
 def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = bench_cache.run(
         count=3, size=16, workers=1, index_items=2000, pipeline=bench_cache.DEFAULT_PIPELINE, out=tmp_path,
-        processes=False,
+        processes=False, rounds=2,
     )  # fmt: skip
+    assert result["prep"]["items"] == result["persistent"]["items"] == 3  # the rounds' parts add up
     assert result["persistent"]["items_per_s"] > 0 and result["prep"]["items_per_s"] > 0
     assert result["speedup_vs_persistent"] > 0 and result["speedup_vs_persistent_1_thread"] > 0
     assert result["persistent_1_thread"]["torch_threads"] == 1
