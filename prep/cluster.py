@@ -68,10 +68,12 @@ class ClusterStarter:
                         f"cannot reach the dask scheduler at {scheduler} ({exc}); check --scheduler"
                     ) from exc
             else:
-                shape = (
+                # in-process: no memory limit, since a worker inside the caller's process would pause (and the
+                # run hang) at a share of memory the caller's own data may already hold; task results are tiny
+                shape: dict[str, Any] = (
                     {"n_workers": workers, "threads_per_worker": 1}
                     if processes
-                    else {"n_workers": 1, "threads_per_worker": workers}
+                    else {"n_workers": 1, "threads_per_worker": workers, "memory_limit": 0}
                 )
                 cluster = self._stack.enter_context(
                     LocalCluster(**shape, processes=processes, dashboard_address=":0", silence_logs=logging.ERROR)

@@ -91,3 +91,12 @@ def test_worker_threads_bit_exact_and_torch_threads_restored(tmp_path: Path, nif
                 f.seek(e.offset)
                 got = np.frombuffer(f.read(e.nbytes), dtype=e.dtype).reshape(e.shape)
             assert np.array_equal(got, expected[e.key].as_tensor().numpy())
+
+
+def test_local_cluster_is_one_in_process_worker_of_n_threads_without_memory_pause() -> None:
+    from prep.cluster import ClusterStarter, local_cores, torch_threads_for
+
+    with ClusterStarter(3, None, processes=False) as starter:
+        workers = starter.client().scheduler_info()["workers"].values()
+        assert [(w["nthreads"], w["memory_limit"]) for w in workers] == [(3, 0)]
+    assert torch_threads_for(3, None) == max(1, local_cores() // 3) and torch_threads_for(3, "tcp://x:1") == 0
