@@ -43,9 +43,9 @@ def _fsync_log(monkeypatch: pytest.MonkeyPatch, journal: Path) -> list[tuple[str
     return log
 
 
-@pytest.mark.parametrize("interval, groups", [(3600.0, 1), (0.0, 3)])
+@pytest.mark.parametrize("interval, groups", [(3600.0, {1}), (0.0, {2, 3})])
 def test_group_commit_fsyncs_shard_before_journal_lines(
-    tmp_path: Path, nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch, interval: float, groups: int
+    tmp_path: Path, nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch, interval: float, groups: set[int]
 ) -> None:
     out = tmp_path / "cache"
     (out / JOURNAL_DIR).mkdir(parents=True)
@@ -57,7 +57,9 @@ def test_group_commit_fsyncs_shard_before_journal_lines(
     statuses = worker.run_batch(_spec(out), 7, items)
     assert [s["item"] for s in statuses] == [0, 1, 2] and not any(s["quarantined"] for s in statuses)
     commits = [n for n, (kind, lines) in enumerate(log) if kind == "journal" and lines > 0]
-    assert len(commits) == groups  # one journal fsync per group of items, not per item
+    # one journal fsync per group of items, not per item (interval 0: a group per item, unless items finish
+    # while the commit thread is still busy with the previous group; they then join the next group)
+    assert len(commits) in groups
     done = 0
     for n in commits:  # before each group's lines reach the journal, the shard holding them was fsynced
         lines = log[n][1]
