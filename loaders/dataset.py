@@ -11,6 +11,7 @@ in flight together, landing at aligned offsets of one buffer; tensors are zero-c
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -28,8 +29,14 @@ from loaders._deps import has, require
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check, unflatten
-from loaders.monai import restore_meta
+from loaders.monai import from_template, meta_template
 from loaders.region import RegionRead, plan_read, read_regions
+
+# Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
+# tensors than the backend has threads: a warm read is a memory copy, and one core copies ~10 GB/s.
+SPLIT_BYTES = 2 << 20
+# Items whose read plan and meta are kept (immutable for a committed cache); beyond it the cache restarts.
+PLAN_CACHE = 1 << 16
 
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
 Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, ...]]], Any]
@@ -80,6 +87,35 @@ class _Batch:
     nbytes: int
     stager: Any = None  # PinnedStager when staged to the GPU through pinned memory
     slot: int = -1  # its slot
+
+
+@dataclass
+class _ItemPlan:
+    """Everything about reading one item alone that does not change: requests (split into pieces) and
+    where each lands, where each tensor sits, and its meta made ready for MetaTensors."""
+
+    entries: list[TensorEntry]
+    offsets: list[int]  # byte offset of each entry in the buffer
+    requests: list[ReadRequest]
+    places: list[tuple[int, int]]  # [start, end) of each request in the buffer
+    nbytes: int
+    views: list[tuple[str, int, int, Any, tuple[int, ...]]]  # key, offset, nbytes, torch dtype, shape
+    templates: dict[str, Any] | None = None  # key -> MetaTensor template (built on first use)
+    values: str | None = None  # JSON of the head's non-tensor outputs (parsed per item: each gets its own)
+
+
+def _split(requests: list[ReadRequest], places: list[tuple[int, int]], pieces: int) -> tuple[list, list]:
+    """Cut requests into about `pieces` aligned pieces of at least SPLIT_BYTES (more copies in flight)."""
+    total = sum(r.nbytes for r in requests)
+    step = max(SPLIT_BYTES, align_up(-(-total // max(pieces, 1))))
+    out_r: list[ReadRequest] = []
+    out_p: list[tuple[int, int]] = []
+    for r, (at, _) in zip(requests, places):
+        for off in range(0, r.nbytes, step):
+            n = min(step, r.nbytes - off)
+            out_r.append(ReadRequest(r.path, r.offset + off, n))
+            out_p.append((at + off, at + off + n))
+    return out_r, out_p
 
 
 def torch_dtype(dtype: np.dtype) -> Any:
@@ -134,11 +170,12 @@ class _DatasetCore:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._plans: dict[int, _ItemPlan] = {}  # item -> its read plan (the cache is immutable)
 
     # --- process-local state (rebuilt after pickling into DataLoader workers) ---
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(cache=None, _local=None, _lock=None, _buffers=None)
+        state.update(cache=None, _local=None, _lock=None, _buffers=None, _plans={})
         if not isinstance(self._backend_spec, Backend):
             state["_backend"] = None
         return state
@@ -302,33 +339,81 @@ class _DatasetCore:
         "values": {key: non-tensor output}, "source": datalist entry}."""
         return dict(self.cache.meta(item) or {})
 
-    def _wrap(self, key: str, tensor: Any, line: Mapping[str, Any]) -> Any:
-        if not self.meta:
-            return tensor
-        top = key.split("/")[0]
-        metas = line.get("meta") or {}
-        ops = (line.get("applied_operations") or {}).get(key)
-        meta = dict(metas.get(key, metas.get(top)) or {})
-        if ops is not None:
-            meta["applied_operations"] = ops
-        return restore_meta(tensor, meta)
+    def _plan(self, item: int) -> _ItemPlan:
+        """The item's read plan, built once (entries, requests, views; its meta when first wrapped)."""
+        plan = self._plans.get(item)
+        if plan is not None:
+            return plan
+        entries = [e for e in self.cache.entries(item) if e.key in self.keys]
+        entries.sort(key=lambda e: self.keys.index(e.key))  # key-major, as batches lay them out
+        offsets, requests, places, pos = [], [], [], 0
+        for e in entries:
+            offsets.append(pos)
+            requests.append(ReadRequest(e.shard, e.offset, e.nbytes))
+            places.append((pos, pos + e.nbytes))
+            pos += align_up(e.nbytes)
+        threads = getattr(self.backend, "threads", 1)
+        if len(requests) < threads and not self.backend.gpu:
+            requests, places = _split(requests, places, threads)
+        views = [(e.key, o, e.nbytes, torch_dtype(e.dtype), tuple(e.shape)) for e, o in zip(entries, offsets)]
+        plan = _ItemPlan(entries, offsets, requests, places, pos, views)
+        if len(self._plans) >= PLAN_CACHE:
+            self._plans.clear()
+        self._plans[item] = plan
+        return plan
+
+    def _load_meta(self, item: int, plan: _ItemPlan) -> None:
+        """Read the item's meta line once: MetaTensor templates (when meta) and its non-tensor values."""
+        line = self._item_meta(item)
+        if self.meta and plan.templates is None:
+            metas = line.get("meta") or {}
+            all_ops = line.get("applied_operations") or {}
+            templates = {}
+            for key, _, _, _, shape in plan.views:
+                meta = dict(metas.get(key, metas.get(key.split("/")[0])) or {})
+                if all_ops.get(key) is not None:
+                    meta["applied_operations"] = all_ops[key]
+                templates[key] = meta_template(meta, len(shape))
+            plan.templates = templates
+        plan.values = json.dumps(line.get("values") or {})
 
     def _assemble(self, item: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """Tensors (+ stored non-tensor outputs) -> the item's nested dict, MetaTensors restored."""
-        line = self._item_meta(item)
-        flat = {k: self._wrap(k, t, line) for k, t in tensors.items()}
-        if self._all_keys:  # non-tensor outputs of the head (strings, numbers) come back as they were
-            flat.update(line.get("values") or {})
+        plan = self._plan(item)
+        if plan.values is None or (self.meta and plan.templates is None):
+            self._load_meta(item, plan)
+        flat = tensors
+        if self.meta and plan.templates:
+            flat = {k: from_template(t, plan.templates[k]) if k in plan.templates else t for k, t in tensors.items()}
+        if self._all_keys and plan.values != "{}":  # non-tensor outputs of the head come back as they were
+            flat.update(json.loads(plan.values or "{}"))
         return unflatten(flat)
+
+    def _read_item(self, item: int) -> dict[str, Any]:
+        """One item into a reused host buffer with one backend call: {key: tensor view of the buffer}."""
+        import torch
+
+        plan = self._plan(item)
+        buf = self._pool().get(plan.nbytes)
+        try:
+            self.backend.read_into(plan.requests, [buf[a:b] for a, b in plan.places])
+        except BackendError as exc:
+            raise _name_short_read([plan.entries], exc) from exc
+        if self.verify:
+            self._verify(_Batch([item], [plan.entries], [plan.offsets], buf, plan.nbytes))
+        flat = torch.from_numpy(buf[: plan.nbytes])
+        return {k: flat[o : o + n].view(dt).reshape(shape) for k, o, n, dt, shape in plan.views}
 
     def __getitem__(self, index: int) -> Any:
         item = int(self.items[index])
         if self.roi is not None:
             flat = self._read_roi(item)
-        else:
+        elif self._staged() or self.backend.gpu:
             batch = self._read([item], self._stager(), 0) if self._staged() else self._read([item])
             buf = self._flat_tensor(batch)
             flat = {e.key: self._tensor(buf, e, o) for e, o in zip(batch.entries[0], batch.offsets[0])}
+        else:
+            flat = self._read_item(item)
         out = self._assemble(item, flat)
         return self.transform(out) if self.transform is not None else out
 

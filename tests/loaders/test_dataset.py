@@ -115,6 +115,41 @@ def test_plain_tensors_without_monai(cache: tuple[Path, list[dict]], monkeypatch
     _same(item, items[1])
 
 
+def test_cached_meta_is_fresh_per_item(cache: tuple[Path, list[dict]]) -> None:
+    from loaders.monai import restore_meta
+
+    root, _ = cache
+    ds = PreparedDataset(root, backend="posix")
+    first = ds[3]["image"]
+    want = restore_meta(first.as_tensor().clone(), ds._item_meta(3)["meta"]["image"])
+    assert set(first.__dict__) == set(want.__dict__)  # the template path builds what MetaTensor() builds
+    assert first.meta.keys() == want.meta.keys() and first.spatial_ndim == want.spatial_ndim
+    torch.testing.assert_close(first.affine, want.affine)
+    np.testing.assert_array_equal(first.pixdim, want.pixdim)
+    # MONAI transforms mutate meta, affine and applied_operations in place: nothing may leak to the next item
+    first.meta["filename_or_obj"] = "changed"
+    first.affine.add_(1)
+    first.applied_operations.append({"class": "X"})
+    again = ds[3]["image"]
+    assert again.meta["filename_or_obj"] == "img3.nii.gz" and again.applied_operations == []
+    np.testing.assert_array_equal(again.affine.numpy()[:3, 3], [3, 3, 3])
+    assert again.meta is not first.meta and again.affine.data_ptr() != first.affine.data_ptr()
+
+
+def test_item_reads_split_into_pieces(cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch) -> None:
+    from loaders import dataset
+
+    root, items = cache
+    monkeypatch.setattr(dataset, "SPLIT_BYTES", 4096)  # 16 KiB image: four pieces
+    ds = PreparedDataset(root, keys=["image", "label"], backend=get_backend("posix", threads=8), meta=False)
+    plan = ds._plan(2)
+    assert len(plan.requests) == 4 + 1
+    assert sum(r.nbytes for r in plan.requests) == sum(e.nbytes for e in plan.entries)
+    for i in range(N):
+        _same(ds[i], {k: items[i][k] for k in ("image", "label")})
+    ds.close()
+
+
 def test_keys_subset_and_unknown_key(cache: tuple[Path, list[dict]]) -> None:
     root, items = cache
     item = PreparedDataset(root, keys=["label"], backend="posix")[2]

@@ -55,28 +55,100 @@ def test_region_outside_the_tensor(tmp_path: Path) -> None:
         read_region_entry(backend, PreparedCache(cache.root).entries(0)[0], (2, 2), (3, 1))
 
 
-def test_regions_of_several_tensors_in_one_backend_batch(tmp_path: Path) -> None:
-    from loaders.backends.posix import PosixBackend
-    from loaders.region import plan_read, read_regions
+class _Recording:
+    """Records the requests a backend sees and the threads they run on."""
 
-    class CountingBackend(PosixBackend):
-        name = "counting"  # not "posix": no inline shortcut, so every region goes in one read_into
-        calls = 0
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.requests: list[Any] = []
+        self.threads: set[int] = set()
+
+
+def _recording_backend(record: _Recording) -> Any:
+    import threading
+
+    from loaders.backends.posix import PosixBackend
+
+    class RecordingBackend(PosixBackend):
+        name = "recording"
 
         def read_into(self, requests: Any, buffers: Any) -> None:
-            CountingBackend.calls += 1
+            with record.lock:
+                record.requests += list(requests)
+                record.threads.add(threading.get_ident())
             super().read_into(requests, buffers)
 
+    return RecordingBackend()
+
+
+def _image_label(tmp_path: Path) -> tuple[dict, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     image = rng.random((1, 20, 18, 16), dtype=np.float32)
     label = rng.integers(0, 5, (1, 20, 18, 16), dtype=np.uint8)
     cache = write_items(tmp_path / "c", [{"image": image, "label": label}])
-    entries = {e.key: e for e in cache.entries(0)}
+    return {e.key: e for e in cache.entries(0)}, image, label
+
+
+@pytest.mark.parametrize("groups", [1, 2, 5])
+def test_warm_runs_go_in_a_few_sequential_groups(tmp_path: Path, groups: int) -> None:
+    from loaders.region import plan_read, read_regions
+
+    entries, image, label = _image_label(tmp_path)
     start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
-    reads = [plan_read(entries[k], start, shape) for k in ("image", "label")]
-    with CountingBackend() as backend:
-        got = read_regions(backend, reads)
-    assert CountingBackend.calls == 1
+    reads = [plan_read(entries[k], start, shape, axis=3) for k in ("image", "label")]  # 2 x 63 runs
+    record = _Recording()
+    with _recording_backend(record) as backend:
+        got = read_regions(backend, reads, warm=True, groups=groups)
+    assert len(record.requests) == 2 * 9 * 7  # every run once, none merged
+    assert len(record.threads) <= groups  # one thread per group: the handoff is paid per group
     slices = (slice(0, 1), slice(3, 12), slice(5, 12), slice(2, 13))
     np.testing.assert_array_equal(got[0], image[slices])
     np.testing.assert_array_equal(got[1], label[slices])
+
+
+def test_cold_runs_merge_across_cheap_gaps(tmp_path: Path) -> None:
+    from loaders.region import CostModel, plan_read, read_regions
+
+    entries, image, label = _image_label(tmp_path)
+    start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
+    reads = [plan_read(entries[k], start, shape, axis=3) for k in ("image", "label")]  # 2 x 63 rows
+    slices = (slice(0, 1), slice(3, 12), slice(5, 12), slice(2, 13))
+    for cost, most in [(CostModel(1.0, 1e6), 1), (CostModel(0.0, 1e9), 2 * 9 * 7)]:
+        record = _Recording()
+        with _recording_backend(record) as backend:
+            got = read_regions(backend, reads, warm=False, cost=cost, inflight=4)
+        # a huge request cost merges all rows (both tensors share a shard) into one read; a free one none
+        assert len(record.requests) == most
+        np.testing.assert_array_equal(got[0], image[slices])
+        np.testing.assert_array_equal(got[1], label[slices])
+
+
+def test_coalesce_keeps_files_apart_and_orders_runs() -> None:
+    from loaders.backends import ReadRequest
+    from loaders.region import coalesce
+
+    reqs = [ReadRequest("b", 0, 10), ReadRequest("a", 100, 10), ReadRequest("a", 0, 10), ReadRequest("a", 15, 5)]
+    merged, places = coalesce(reqs, gap=5)
+    assert merged == [ReadRequest("a", 0, 20), ReadRequest("a", 100, 10), ReadRequest("b", 0, 10)]
+    assert places == [[2, 3], [1], [0]]
+    assert coalesce(reqs, gap=4)[0][0] == ReadRequest("a", 0, 10)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=regions(), warm=st.booleans(), gap=st.sampled_from([0, 7, 64, 1 << 20]), groups=st.integers(1, 6))
+def test_every_schedule_equals_full_slices(tmp_path: Path, case: tuple, warm: bool, gap: int, groups: int) -> None:
+    from loaders.region import CostModel, plan_read, read_regions
+
+    full, start, shape, axis = case
+    array = (np.arange(int(np.prod(full))) % 241).astype(np.int16).reshape(full)
+    root = tmp_path / f"s{abs(hash(case))}"
+    if not root.exists():
+        write_items(root, [{"x": array}])
+    (entry,) = PreparedCache(root).entries(0)
+    with get_backend("posix") as backend:
+        (got,) = read_regions(
+            backend, [plan_read(entry, start, shape, axis)], warm=warm, cost=CostModel(gap, 1.0), groups=groups
+        )
+    np.testing.assert_array_equal(got, array[tuple(slice(s, s + n) for s, n in zip(start, shape))])
