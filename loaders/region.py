@@ -18,6 +18,7 @@ separated by gaps cheaper to read than to skip (a request's cost against the dev
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -56,6 +57,9 @@ class CostModel:
 # queue depth 1 took 0.08 ms, 1 MiB reads at depth 16-64 ran at 0.85 GB/s. Boxes whose virtual disk costs
 # ~1 ms a request whatever its size want CostModel(1e-3, <their GB/s>) (then gaps up to ~1 MB are read).
 COLD_COST = CostModel(80e-6, 0.85e9)
+# Backends whose files are plain files read through the page cache when warm: their warm regions may be
+# copied from a mapping of the shard (direct only with page_cache=True, as it then reads warm data buffered).
+MAPPED_BACKENDS = ("posix", "direct")
 # Requests in flight for cold region reads (each on its own thread; a device queue wants many).
 COLD_INFLIGHT = 64
 
@@ -84,8 +88,8 @@ def _check(full: Sequence[int], start: Sequence[int], shape: Sequence[int], what
 
 
 def _cost(full: Sequence[int], shape: Sequence[int], axis: int, itemsize: int) -> float:
-    requests = int(np.prod(shape[:axis], dtype=np.int64))
-    per = (shape[axis] - 1) * int(np.prod(full[axis + 1 :], dtype=np.int64)) + _tail_span(full, shape, axis)
+    requests = math.prod(shape[:axis])
+    per = (shape[axis] - 1) * math.prod(full[axis + 1 :]) + _tail_span(full, shape, axis)
     return requests * REQUEST_COST_S + requests * per * itemsize / BANDWIDTH_BPS
 
 
@@ -110,7 +114,7 @@ def plan_region(
     if axis is None:
         # Axes before the first partial one are free to cut at: cutting earlier reads the same bytes.
         axis = min(range(len(full)), key=lambda a: _cost(full, shape, a, itemsize))
-    strides = [int(np.prod(full[d + 1 :], dtype=np.int64)) for d in range(len(full))]
+    strides = [math.prod(full[d + 1 :]) for d in range(len(full))]
     slab_stride = strides[axis]  # elements per index along `axis`
     slab_shape = (shape[axis], *full[axis + 1 :])
     inner = sum(start[d] * strides[d] for d in range(axis + 1, len(full)))  # first needed element in a slab row
@@ -134,7 +138,7 @@ class RegionRead:
     @property
     def slab_bytes(self) -> int:
         """Bytes of one request's slab in the scratch buffer."""
-        return int(np.prod(self.plan.slab_shape, dtype=np.int64)) * self.entry.dtype.itemsize
+        return math.prod(self.plan.slab_shape) * self.entry.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +179,7 @@ def read_regions(
     groups: int | None = None,
     inflight: int | None = None,
     warm: bool | None = None,
+    mapped: bool = True,
 ) -> list[np.ndarray]:
     """Read several planned regions (e.g. the same patch of image and label) together.
 
@@ -182,8 +187,14 @@ def read_regions(
     passes its pool of reused buffers, which saves the page faults of fresh memory). Warm runs go in
     `groups` sequential groups (default min(backend threads, cores)); cold runs are merged across gaps
     cheaper than a request under `cost` (default COLD_COST) and read `inflight` (default COLD_INFLIGHT) at a
-    time. `warm` None asks the page cache (cachestat); True/False forces the schedule. GPU backends get
-    one batch."""
+    time. `warm` None asks the page cache (cachestat); True/False forces the schedule. With `mapped`, warm
+    regions of file backends are copied straight out of a read-only mapping of the shard (no syscall per
+    run, no scratch slabs). GPU backends get one batch."""
+    warm = None if backend.gpu else (warm if warm is not None else _resident(reads))
+    if warm and mapped and backend.name in MAPPED_BACKENDS and getattr(backend, "page_cache", True):
+        mapped_out = [_from_mapping(r) for r in reads]
+        if all(a is not None for a in mapped_out):
+            return mapped_out  # type: ignore[return-value]
     offsets = [0]
     for r in reads:
         offsets.append(offsets[-1] + align_up(r.nbytes))
@@ -194,12 +205,12 @@ def read_regions(
         backend.read_into(requests, targets)
         host: Any = buf.get() if hasattr(buf, "get") else buf.cpu().numpy()  # cupy array or torch CUDA tensor
     else:
-        if warm if warm is not None else _resident(reads):
+        if warm:
             if groups is None:
                 groups = min(backend.threads, os.cpu_count() or 1)
             if sum(q.nbytes for q in requests) < SEQUENTIAL_BELOW:
                 groups = 1
-            _grouped(backend, requests, targets, groups)
+            _grouped(_warm_reader(backend), requests, targets, groups)
         else:
             merged, places = coalesce(requests, (cost or COLD_COST).gap)
             scratch = [backend.allocate(m.nbytes) if len(p) > 1 else targets[p[0]] for m, p in zip(merged, places)]
@@ -264,25 +275,90 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL[1]
 
 
-def _resident(reads: Sequence[RegionRead]) -> bool:
-    """True when every byte range the reads cover sits in the page cache (cachestat(2), no I/O). Where the
-    kernel cannot say, reads are treated as warm (grouped), the right guess for buffered backends."""
+def _resident(reads: Sequence[RegionRead], samples: int = 3) -> bool:
+    """True when the page cache holds the reads' bytes, judged by `samples` spans of each (first, middle,
+    last; cachestat(2), no I/O): probing a whole 25 MB range costs as much as a tenth of the warm read.
+    Where the kernel cannot say, reads are treated as warm (grouped), the right guess for buffered reads."""
     probe = _probe()
     if not probe.available:
         return True
     for r in reads:
-        first, last = r.plan.spans[0], r.plan.spans[-1]
-        lo, hi = r.entry.offset + first[0], r.entry.offset + last[0] + last[1]
+        spans = r.plan.spans
+        picks = {spans[k * (len(spans) - 1) // max(samples - 1, 1)] for k in range(samples)}
         try:
             fd = os.open(r.entry.shard, os.O_RDONLY)
         except OSError:
             return True  # the backend names the missing file
         try:
-            if not probe.resident(fd, lo - lo % 4096, hi - (lo - lo % 4096)):
-                return False
+            for off, n, _ in picks:
+                lo = r.entry.offset + off
+                if not probe.resident(fd, lo - lo % 4096, n + lo % 4096):
+                    return False
         finally:
             os.close(fd)
     return True
+
+
+_MAPS: dict[str, tuple[int, tuple[int, int, int], np.ndarray]] = {}  # path -> (pid, identity, bytes)
+_MAPS_KEEP = 64
+
+
+def _mapping(path: str) -> np.ndarray | None:
+    """The whole file as a read-only uint8 array over a shared mapping (kept per process; remapped when the
+    file's inode, size or mtime changed); None when it cannot be mapped."""
+    import mmap
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _MAPS.get(path)
+    if hit is not None and hit[0] == os.getpid() and hit[1] == ident:
+        return hit[2]
+    if st.st_size == 0:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+    if len(_MAPS) >= _MAPS_KEEP:
+        _MAPS.clear()  # dropped mappings are unmapped when no copy is in progress over them
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    _MAPS[path] = (os.getpid(), ident, arr)
+    return arr
+
+
+def _from_mapping(r: RegionRead) -> np.ndarray | None:
+    """The region copied out of the shard's mapping (one strided copy from the page cache), or None when
+    the file is not mappable or is shorter than the index says (the backend path then names the error;
+    touching a mapped page past the end of a file would be SIGBUS, not an exception)."""
+    arr = _mapping(r.entry.shard)
+    if arr is None or len(arr) < r.entry.offset + r.entry.nbytes:
+        return None
+    full = arr[r.entry.offset : r.entry.offset + r.entry.nbytes].view(r.entry.dtype).reshape(r.entry.shape)
+    return np.ascontiguousarray(full[tuple(slice(s, s + n) for s, n in zip(r.start, r.shape))])
+
+
+_BUFFERED: Any = None  # (pid, PosixBackend) for warm runs of a direct backend
+
+
+def _warm_reader(backend: Backend) -> Backend:
+    """What reads warm runs: the backend itself, except a direct backend that copies warm data out of the
+    page cache anyway (page_cache=True); its per-request planning (probe, alignment, job) costs more than
+    a small run's copy, so those runs go through one plain buffered reader of this process."""
+    global _BUFFERED
+    if backend.name != "direct" or not getattr(backend, "page_cache", False):
+        return backend
+    if _BUFFERED is None or _BUFFERED[0] != os.getpid():
+        from loaders.backends.posix import PosixBackend
+
+        _BUFFERED = (os.getpid(), PosixBackend(threads=1))  # single requests only: no pool of its own
+    return _BUFFERED[1]  # type: ignore[no-any-return]
 
 
 _PROBE: Any = None  # one PageCacheProbe (its libc handle) for the process

@@ -137,8 +137,16 @@ def test_coalesce_keeps_files_apart_and_orders_runs() -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=regions(), warm=st.booleans(), gap=st.sampled_from([0, 7, 64, 1 << 20]), groups=st.integers(1, 6))
-def test_every_schedule_equals_full_slices(tmp_path: Path, case: tuple, warm: bool, gap: int, groups: int) -> None:
+@given(
+    case=regions(),
+    warm=st.booleans(),
+    mapped=st.booleans(),
+    gap=st.sampled_from([0, 7, 64, 1 << 20]),
+    groups=st.integers(1, 6),
+)
+def test_every_schedule_equals_full_slices(
+    tmp_path: Path, case: tuple, warm: bool, mapped: bool, gap: int, groups: int
+) -> None:
     from loaders.region import CostModel, plan_read, read_regions
 
     full, start, shape, axis = case
@@ -149,6 +157,42 @@ def test_every_schedule_equals_full_slices(tmp_path: Path, case: tuple, warm: bo
     (entry,) = PreparedCache(root).entries(0)
     with get_backend("posix") as backend:
         (got,) = read_regions(
-            backend, [plan_read(entry, start, shape, axis)], warm=warm, cost=CostModel(gap, 1.0), groups=groups
+            backend,
+            [plan_read(entry, start, shape, axis)],
+            warm=warm,
+            mapped=mapped,
+            cost=CostModel(gap, 1.0),
+            groups=groups,
         )
     np.testing.assert_array_equal(got, array[tuple(slice(s, s + n) for s, n in zip(start, shape))])
+
+
+def test_warm_regions_come_from_a_mapping_that_follows_the_file(tmp_path: Path) -> None:
+    import os
+
+    from loaders.errors import BackendError
+    from loaders.region import plan_read, read_regions
+
+    entries, image, _ = _image_label(tmp_path)
+    start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
+    slices = (slice(0, 1), slice(3, 12), slice(5, 12), slice(2, 13))
+    record = _Recording()
+    with get_backend("posix") as backend:
+        (got,) = read_regions(backend, [plan_read(entries["image"], start, shape)], warm=True)
+        np.testing.assert_array_equal(got, image[slices])
+        # rewritten in place (new mtime): the new bytes are seen, not the old mapping's
+        e = entries["image"]
+        with open(e.shard, "r+b") as f:
+            f.seek(e.offset)
+            f.write((image + 1).tobytes())
+        os.utime(e.shard, ns=(1, 1))
+        (got,) = read_regions(backend, [plan_read(e, start, shape)], warm=True)
+        np.testing.assert_array_equal(got, image[slices] + 1)
+        # shorter than the index: no mapped access past the end (SIGBUS); the backend names the short read
+        os.truncate(e.shard, e.offset + 100)
+        with pytest.raises(BackendError, match="short read"):
+            read_regions(backend, [plan_read(e, start, shape)], warm=True)
+    # a backend not known to read plain files is not bypassed
+    with _recording_backend(record) as other, pytest.raises(BackendError):
+        read_regions(other, [plan_read(e, start, shape)], warm=True)
+    assert record.requests
