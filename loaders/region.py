@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from loaders.backends.base import Backend, ReadRequest
-from loaders.format import TensorEntry, align_up
+from loaders.format import ALIGN, TensorEntry, align_up
 
 # Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
 # queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
@@ -53,10 +53,15 @@ class CostModel:
         return int(self.request_s * self.bandwidth_bps)
 
 
-# Cold defaults measured on the 2-core development VM's virtio disk (O_DIRECT, /tmp/disk probe): 4 KiB at
-# queue depth 1 took 0.08 ms, 1 MiB reads at depth 16-64 ran at 0.85 GB/s. Boxes whose virtual disk costs
-# ~1 ms a request whatever its size want CostModel(1e-3, <their GB/s>) (then gaps up to ~1 MB are read).
-COLD_COST = CostModel(80e-6, 0.85e9)
+# Cold defaults measured on the 2-core development VM's virtio disk (O_DIRECT into faulted-in aligned
+# buffers, after eviction): 4 KiB at queue depth 1 took 0.035 ms, 104 KiB 0.066 ms (~0.04 ms beyond its
+# bytes, and no faster at depth 16), 1 MiB reads at depth 16 ran at 4-4.9 GB/s: gaps up to ~180 KB are
+# read through. A virtual disk that costs ~1 ms a request whatever its size wants CostModel(1e-3, <its
+# bytes/s>): gaps up to megabytes are then read through.
+COLD_COST = CostModel(40e-6, 4.5e9)
+# Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
+# machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
+COLD_INFLIGHT = 128
 # Backends whose files are plain files read through the page cache when warm: their warm regions may be
 # copied from a mapping of the shard (direct only with page_cache=True, as it then reads warm data buffered).
 MAPPED_BACKENDS = ("posix", "direct")
@@ -186,10 +191,10 @@ def read_regions(
     `allocate(nbytes)` supplies the scratch buffer for the slabs (default: the backend's; PreparedDataset
     passes its pool of reused buffers, which saves the page faults of fresh memory). Warm runs go in
     `groups` sequential groups (default min(backend threads, cores)); cold runs are merged across gaps
-    cheaper than a request under `cost` (default COLD_COST) and read `inflight` (default COLD_INFLIGHT) at a
-    time. `warm` None asks the page cache (cachestat); True/False forces the schedule. With `mapped`, warm
-    regions of file backends are copied straight out of a read-only mapping of the shard (no syscall per
-    run, no scratch slabs). GPU backends get one batch."""
+    cheaper than a request under `cost` (default COLD_COST) and read `inflight` (default COLD_INFLIGHT, at
+    most 8 per core) at a time. `warm` None asks the page cache (cachestat); True/False forces the
+    schedule. With `mapped`, warm regions of file backends are copied straight out of a read-only mapping
+    of the shard (no syscall per run, no scratch slabs). GPU backends get one batch."""
     warm = None if backend.gpu else (warm if warm is not None else _resident(reads))
     if warm and mapped and backend.name in MAPPED_BACKENDS and getattr(backend, "page_cache", True):
         mapped_out = [_from_mapping(r) for r in reads]
@@ -212,16 +217,38 @@ def read_regions(
                 groups = 1
             _grouped(_warm_reader(backend), requests, targets, groups)
         else:
-            merged, places = coalesce(requests, (cost or COLD_COST).gap)
-            scratch = [backend.allocate(m.nbytes) if len(p) > 1 else targets[p[0]] for m, p in zip(merged, places)]
-            _grouped(backend, merged, scratch, inflight or COLD_INFLIGHT)
-            for m, p, got in zip(merged, places, scratch):
-                if len(p) > 1:  # a merged read: each run's bytes to its place, the gaps dropped
-                    for i in p:
-                        at = requests[i].offset - m.offset
-                        targets[i][: requests[i].nbytes] = got[at : at + requests[i].nbytes]
+            inflight = inflight or min(COLD_INFLIGHT, 8 * (os.cpu_count() or 1))
+            _cold(backend, requests, targets, cost or COLD_COST, inflight, allocate)
         host = buf
     return [r.assemble(host, at) for r, at in zip(reads, offsets)]
+
+
+def _cold(
+    backend: Backend,
+    requests: Sequence[ReadRequest],
+    targets: Sequence[Any],
+    cost: CostModel,
+    inflight: int,
+    allocate: Callable[[int], Any] | None,
+) -> None:
+    """Cold runs: widened to whole pages (O_DIRECT reads them anyway; aligned, they need no bounce buffer),
+    merged across gaps cheaper than a request, read `inflight` at a time into one scratch buffer, then each
+    run's bytes copied to its target."""
+    pages = [
+        ReadRequest(q.path, q.offset - q.offset % ALIGN, align_up(q.offset + q.nbytes) - (q.offset - q.offset % ALIGN))
+        for q in requests
+    ]
+    merged, places = coalesce(pages, cost.gap)
+    at = [0]
+    for m in merged:
+        at.append(at[-1] + m.nbytes)
+    scratch = (allocate or backend.allocate)(max(at[-1], 1))
+    _grouped(backend, merged, [scratch[a : a + m.nbytes] for a, m in zip(at, merged)], inflight)
+    for m, a, p in zip(merged, at, places):
+        for i in p:
+            q = requests[i]
+            off = a + q.offset - m.offset
+            targets[i][: q.nbytes] = scratch[off : off + q.nbytes]
 
 
 def coalesce(requests: Sequence[ReadRequest], gap: int) -> tuple[list[ReadRequest], list[list[int]]]:
