@@ -348,8 +348,17 @@ def _gds(cache: PreparedCache, args: argparse.Namespace, sync: Callable[[], None
 def region_rows(root: Path, args: argparse.Namespace) -> list[Row | str]:
     """A --patch^3 region of a --region-size^3 volume (random places) against the whole volume; cold runs
     evict before every read, so neither side profits from the one before."""
+    import loaders.region
     from loaders.dataset import PreparedDataset
 
+    if args.region_request_us is not None or args.region_gbps is not None:  # the cold cost model, as measured
+        base = loaders.region.COLD_COST
+        loaders.region.COLD_COST = loaders.region.CostModel(
+            base.request_s if args.region_request_us is None else args.region_request_us * 1e-6,
+            base.bandwidth_bps if args.region_gbps is None else args.region_gbps * 1e9,
+        )
+    if args.region_inflight is not None:
+        loaders.region.COLD_INFLIGHT = args.region_inflight
     cache = make_cache(root, 1, (args.region_size,) * 3, seed=1)
     shard = [str(cache.shards[0])]
     backend = args.region_backend or ("direct" if args.cold else "posix")
@@ -418,6 +427,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--patch", type=int, default=96, help="edge of the region read from it")
     p.add_argument("--reps", type=int, default=8, help="region reads (and whole-volume reads) timed")
     p.add_argument("--region-backend", default=None, help="backend for the region reads (posix warm, direct cold)")
+    p.add_argument("--region-request-us", type=float, default=None, help="cold cost model: us per request")
+    p.add_argument("--region-gbps", type=float, default=None, help="cold cost model: device GB/s")
+    p.add_argument("--region-inflight", type=int, default=None, help="cold region requests in flight (cap)")
     p.add_argument("--no-region", dest="region", action="store_false", help="skip the region comparison")
     p.add_argument("--gpu-only", action="store_true", help="skip the CPU PreparedDataset rows (ceiling, peer kept)")
     p.add_argument("--gpu-items", action="store_true", help="also time GPU item-by-item reads (auto backend)")
