@@ -218,22 +218,25 @@ def read_regions(
             _grouped(_warm_reader(backend), requests, targets, groups)
         else:
             inflight = inflight or min(COLD_INFLIGHT, 8 * (os.cpu_count() or 1))
-            _cold(backend, requests, targets, cost or COLD_COST, inflight, allocate)
+            done = _cold(backend, reads, requests, targets, cost or COLD_COST, inflight, allocate)
+            return [d if d is not None else r.assemble(buf, at) for d, r, at in zip(done, reads, offsets)]
         host = buf
     return [r.assemble(host, at) for r, at in zip(reads, offsets)]
 
 
 def _cold(
     backend: Backend,
+    reads: Sequence[RegionRead],
     requests: Sequence[ReadRequest],
     targets: Sequence[Any],
     cost: CostModel,
     inflight: int,
     allocate: Callable[[int], Any] | None,
-) -> None:
+) -> list[np.ndarray | None]:
     """Cold runs: widened to whole pages (O_DIRECT reads them anyway; aligned, they need no bounce buffer),
-    merged across gaps cheaper than a request, read `inflight` at a time into one scratch buffer, then each
-    run's bytes copied to its target."""
+    merged across gaps cheaper than a request, read `inflight` at a time into one scratch buffer. A region
+    whose runs all landed in one merged read is copied straight out of it (one strided copy, returned);
+    the others' runs are copied to their targets (None returned: assemble them from the slabs)."""
     pages = [
         ReadRequest(q.path, q.offset - q.offset % ALIGN, align_up(q.offset + q.nbytes) - (q.offset - q.offset % ALIGN))
         for q in requests
@@ -244,11 +247,33 @@ def _cold(
         at.append(at[-1] + m.nbytes)
     scratch = (allocate or backend.allocate)(max(at[-1], 1))
     _grouped(backend, merged, [scratch[a : a + m.nbytes] for a, m in zip(at, merged)], inflight)
-    for m, a, p in zip(merged, at, places):
-        for i in p:
-            q = requests[i]
-            off = a + q.offset - m.offset
+    where = {i: k for k, p in enumerate(places) for i in p}  # request -> its merged read
+    out: list[np.ndarray | None] = []
+    first = 0
+    for r in reads:
+        mine = range(first, first + len(r.plan.spans))
+        first += len(r.plan.spans)
+        ks = {where[i] for i in mine}
+        if len(ks) == 1:
+            k = ks.pop()
+            out.append(_strided(r, scratch, at[k] - (merged[k].offset - r.entry.offset)))
+            continue
+        out.append(None)
+        for i in mine:
+            q, k = requests[i], where[i]
+            off = at[k] + q.offset - merged[k].offset
             targets[i][: q.nbytes] = scratch[off : off + q.nbytes]
+    return out
+
+
+def _strided(r: RegionRead, scratch: np.ndarray, tensor_at: int) -> np.ndarray:
+    """The region copied out of `scratch`, which holds the tensor's bytes as the file does from byte
+    `tensor_at` on (a position that may lie before the scratch: only the region's bytes must be in it)."""
+    item = r.entry.dtype.itemsize
+    strides = [math.prod(r.entry.shape[d + 1 :]) * item for d in range(len(r.entry.shape))]
+    first = tensor_at + sum(s * st for s, st in zip(r.start, strides))
+    view = np.ndarray(r.shape, dtype=r.entry.dtype, buffer=scratch, offset=first, strides=strides)
+    return np.ascontiguousarray(view)
 
 
 def coalesce(requests: Sequence[ReadRequest], gap: int) -> tuple[list[ReadRequest], list[list[int]]]:

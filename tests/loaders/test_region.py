@@ -125,6 +125,21 @@ def test_cold_runs_merge_across_cheap_gaps(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got, array[:, 1:3, 1:4, 100:300])
 
 
+@pytest.mark.parametrize("gap_s", [0.0, 1.0])
+def test_cold_regions_of_two_tensors(tmp_path: Path, gap_s: float) -> None:
+    from loaders.region import CostModel, plan_read, read_regions
+
+    entries, image, label = _image_label(tmp_path)  # both in one shard: one merged read when gaps are cheap
+    start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
+    reads = [plan_read(entries[k], start, shape) for k in ("image", "label")]
+    with get_backend("posix") as backend:
+        got = read_regions(backend, reads, warm=False, cost=CostModel(gap_s, 1e6))
+    slices = (slice(0, 1), slice(3, 12), slice(5, 12), slice(2, 13))
+    np.testing.assert_array_equal(got[0], image[slices])
+    np.testing.assert_array_equal(got[1], label[slices])
+    assert all(g.flags.c_contiguous for g in got)
+
+
 def test_coalesce_keeps_files_apart_and_orders_runs() -> None:
     from loaders.backends import ReadRequest
     from loaders.region import coalesce
