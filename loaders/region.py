@@ -197,7 +197,8 @@ def read_regions(
     of the shard (no syscall per run, no scratch slabs). GPU backends get one batch."""
     warm = None if backend.gpu else (warm if warm is not None else _resident(reads))
     if warm and mapped and backend.name in MAPPED_BACKENDS and getattr(backend, "page_cache", True):
-        mapped_out = [_from_mapping(r) for r in reads]
+        cores = min(backend.threads, os.cpu_count() or 1) if groups is None else groups
+        mapped_out = [_from_mapping(r, allocate, cores) for r in reads]
         if all(a is not None for a in mapped_out):
             return mapped_out  # type: ignore[return-value]
     offsets = [0]
@@ -385,15 +386,40 @@ def _mapping(path: str) -> np.ndarray | None:
     return arr
 
 
-def _from_mapping(r: RegionRead) -> np.ndarray | None:
-    """The region copied out of the shard's mapping (one strided copy from the page cache), or None when
-    the file is not mappable or is shorter than the index says (the backend path then names the error;
-    touching a mapped page past the end of a file would be SIGBUS, not an exception)."""
+def _from_mapping(r: RegionRead, allocate: Callable[[int], Any] | None, groups: int) -> np.ndarray | None:
+    """The region copied out of the shard's mapping (strided copies from the page cache, split along the
+    region's first axis over `groups` threads: numpy copies run without the GIL), or None when the file is
+    not mappable or is shorter than the index says (the backend path then names the error; touching a
+    mapped page past the end of a file would be SIGBUS, not an exception). The result lands in
+    `allocate(nbytes)` memory when given (reused, already faulted-in pages)."""
     arr = _mapping(r.entry.shard)
     if arr is None or len(arr) < r.entry.offset + r.entry.nbytes:
         return None
     full = arr[r.entry.offset : r.entry.offset + r.entry.nbytes].view(r.entry.dtype).reshape(r.entry.shape)
-    return np.ascontiguousarray(full[tuple(slice(s, s + n) for s, n in zip(r.start, r.shape))])
+    src = full[tuple(slice(s, s + n) for s, n in zip(r.start, r.shape))]
+    nbytes = src.size * src.itemsize
+    if allocate is None:
+        out = np.empty(r.shape, dtype=r.entry.dtype)
+    else:
+        out = np.asarray(allocate(max(nbytes, 1)))[:nbytes].view(r.entry.dtype).reshape(r.shape)
+    axis = next((d for d, n in enumerate(r.shape) if n > 1), 0)
+    groups = max(1, min(groups, r.shape[axis] if r.shape else 1, nbytes // SEQUENTIAL_BELOW))
+    cuts = [r.shape[axis] * g // groups for g in range(groups + 1)] if r.shape else [0, 0]
+
+    def part(g: int) -> None:
+        index = (slice(None),) * axis + (slice(cuts[g], cuts[g + 1]),)
+        np.copyto(out[index], src[index])
+
+    if groups == 1:
+        np.copyto(out, src)
+    else:
+        futures = [_pool(groups - 1).submit(part, g) for g in range(1, groups)]
+        try:
+            part(0)
+        finally:
+            for f in futures:
+                f.result()
+    return out
 
 
 _BUFFERED: Any = None  # (pid, PosixBackend) for warm runs of a direct backend

@@ -211,3 +211,22 @@ def test_warm_regions_come_from_a_mapping_that_follows_the_file(tmp_path: Path) 
     with _recording_backend(record) as other, pytest.raises(BackendError):
         read_regions(other, [plan_read(e, start, shape)], warm=True)
     assert record.requests
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_mapped_copy_split_over_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: int) -> None:
+    import loaders.region as region
+
+    monkeypatch.setattr(region, "SEQUENTIAL_BELOW", 64)  # small regions take the threaded copy too
+    entries, image, _ = _image_label(tmp_path)
+    used: list[int] = []
+    with get_backend("posix") as backend:
+        (got,) = region.read_regions(
+            backend,
+            [region.plan_read(entries["image"], (0, 3, 5, 2), (1, 9, 7, 11))],
+            allocate=lambda n: used.append(n) or np.zeros(n + 64, np.uint8),
+            warm=True,
+            groups=groups,
+        )
+    np.testing.assert_array_equal(got, image[:, 3:12, 5:12, 2:13])
+    assert used == [9 * 7 * 11 * 4]  # the result lives in the caller's (pooled) memory
