@@ -102,3 +102,19 @@ def test_local_cluster_is_one_in_process_worker_of_n_threads_without_memory_paus
         workers = starter.client().scheduler_info()["workers"].values()
         assert [(w["nthreads"], w["memory_limit"]) for w in workers] == [(3, 0)]
     assert torch_threads_for(3, None) == max(1, local_cores() // 3) and torch_threads_for(3, "tcp://x:1") == 0
+
+
+def _malloc_env() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+
+
+def test_worker_processes_spawn_without_dask_malloc_trim_and_with_passive_omp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dask's default MALLOC_TRIM_THRESHOLD_ makes every tensor a fresh mmap (page faults, system time)."""
+    from prep.cluster import ClusterStarter, local_cores
+
+    for key in ("MALLOC_TRIM_THRESHOLD_", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)  # set by a worker restarted earlier in this session
+    with ClusterStarter(1, None, processes=True) as starter:
+        env = next(iter(starter.client().run(_malloc_env).values()))
+        assert _malloc_env() == dict.fromkeys(env)  # the nanny's writes into this process's environment undone
+    assert env == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(local_cores())}
