@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fsutil import interleaved_appends
 
 from loaders.backends import ReadRequest, get_backend
 from loaders.backends.blockdev import BlockdevBackend, RawDevice
@@ -27,17 +28,7 @@ def make_tree(mnt: Path) -> dict[str, bytes]:
     """Fragmented, sparse, odd-sized, empty and nested files; returns key -> content."""
     content: dict[str, bytes] = {}
     (mnt / "d").mkdir()
-    fds = {k: os.open(mnt / k, os.O_WRONLY | os.O_CREAT, 0o644) for k in ("d/frag0", "d/frag1")}
-    for k in fds:
-        content[k] = b""
-    for _ in range(8):  # interleaved appends with fsync: many extents per file
-        for k, fd in fds.items():
-            piece = os.urandom(5000)
-            os.write(fd, piece)
-            os.fsync(fd)
-            content[k] += piece
-    for fd in fds.values():
-        os.close(fd)
+    content.update(interleaved_appends(mnt, ["d/frag0", "d/frag1"], rounds=8))  # many extents per file
     for i, n in enumerate([1, 511, 4096, 4097, 70001]):
         content[f"odd{i}"] = os.urandom(n)
         (mnt / f"odd{i}").write_bytes(content[f"odd{i}"])

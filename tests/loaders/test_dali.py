@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fsutil import interleaved_appends
 
 from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
 from loaders.format import write_items
@@ -177,16 +178,7 @@ def _xnvme_tree(mnt: Path) -> dict[str, bytes]:
     content: dict[str, bytes] = {}
     for c in ("a", "b"):
         (mnt / "train" / c).mkdir(parents=True)
-    fds = {k: os.open(mnt / k, os.O_WRONLY | os.O_CREAT, 0o644) for k in ("train/a/f0.jpg", "train/b/f1.jpg")}
-    content.update({k: b"" for k in fds})
-    for _ in range(6):  # interleaved appends with fsync: several extents per file
-        for k, fd in fds.items():
-            piece = os.urandom(5000)
-            os.write(fd, piece)
-            os.fsync(fd)
-            content[k] += piece
-    for fd in fds.values():
-        os.close(fd)
+    content.update(interleaved_appends(mnt, ["train/a/f0.jpg", "train/b/f1.jpg"], rounds=6))  # several extents
     with open(mnt / "train/a/sparse.jpg", "wb") as f:
         f.seek(8192 + 10)
         f.write(b"\x77" * 3000)
