@@ -200,15 +200,14 @@ def cache_cmd(
 
     Example: prep cache demo/nifti/dataset.json --pipeline workflows/pipelines/spheres.py --output demo/cache
     """
-    from tqdm import tqdm
-
     from prep.cache import prepare_cache
+    from prep.progress import Progress
 
-    with tqdm(desc="prep cache", unit="item", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None) as bar:
+    with Progress(None, "prep cache", unit="items") as bar:
 
         def progress(advance: int, total: int) -> None:
             if bar.total != total:
-                bar.reset(total=total)
+                bar.reset(total)
             bar.update(advance)
 
         summary = guarded(
