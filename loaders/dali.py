@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from loaders.backends import Backend, ReadRequest, get_backend
-from loaders.backends.base import pread_full, short_read
-from loaders.errors import BackendError, FormatError
+from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
+from loaders.errors import BackendError
 
 # fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
 DEFAULT_FILE_FILTERS = (
@@ -155,85 +154,6 @@ class FileSource(_EpochSource):
         return data, [np.array([self.files[i][1]], dtype=np.int32) for i in positions]
 
 
-class _XnvmeBmapBackend(Backend):
-    """BmapSource's reader for backend="xnvme": each file's device ranges from the block map, read with
-    `XnvmeBackend.read_device_ranges` (xnvme_nvm_read on the map's device, or the loop image standing in for
-    it), holes as zeros. As with BlockdevBackend, files that are not raw-readable or changed since mapping
-    (stat once per file for the backend's life) are read through the filesystem with one warning each, or
-    raise BackendError when `fallback=False`. Needs libxnvme (MissingDependencyError without it)."""
-
-    name = "xnvme-bmap"
-
-    def __init__(self, bmap: Any, device_path: str | None = None, threads: int = 16, fallback: bool = True) -> None:
-        from loaders.backends.xnvme import XnvmeBackend
-
-        super().__init__(threads)
-        self.bmap, self.fallback = bmap, fallback
-        src = bmap.source(device_path)
-        self.base = src.base
-        self.xnvme = XnvmeBackend(device_uri=src.path, threads=threads)
-        self._why: dict[str, str | None] = {}  # key -> why it goes through the filesystem (checked once)
-        self._warned: set[str] = set()
-
-    def _reason(self, key: str) -> str | None:
-        if key not in self._why:
-            e = self.bmap.entry(key)
-            stale = None if not e.raw_readable else self.bmap.stale_reason(key)
-            self._why[key] = (
-                f"not raw-readable ({e.reason})" if not e.raw_readable else stale and f"changed since mapped ({stale})"
-            )
-        return self._why[key]
-
-    def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
-        import warnings
-
-        ranges: list[tuple[int, int]] = []
-        dests: list[np.ndarray] = []
-        for req, buf in zip(requests, buffers):
-            out = np.frombuffer(memoryview(buf).cast("B"), np.uint8)[: req.nbytes]
-            try:
-                key = self.bmap.key_for(req.path)
-            except FormatError as exc:
-                raise BackendError(str(exc)) from None
-            why = self._reason(key)
-            if why:
-                path = self.bmap.file_path(key)
-                if not self.fallback:
-                    raise BackendError(f"{path}: {why}; re-run `prep bmap` or allow fallback=True")
-                if key not in self._warned:
-                    self._warned.add(key)
-                    warnings.warn(f"{path}: {why}; reading it through the filesystem", RuntimeWarning, stacklevel=2)
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    got = pread_full(fd, out.data, req.offset, path)
-                finally:
-                    os.close(fd)
-                if got < req.nbytes:
-                    raise short_read(req, got)
-                continue
-            try:
-                segments = self.bmap.segments(key, req.offset, req.nbytes)
-            except ValueError:
-                raise short_read(req, max(0, self.bmap.entry(key).size - req.offset)) from None
-            for seg in segments:
-                at = seg.file_offset - req.offset
-                if seg.device_offset is None:
-                    out[at : at + seg.nbytes] = 0  # a hole reads as zeros
-                else:
-                    ranges.append((self.base + seg.device_offset, seg.nbytes))
-                    dests.append(out[at : at + seg.nbytes])
-        for dest, data in zip(dests, self.xnvme.read_device_ranges(ranges) if ranges else []):
-            dest[:] = data
-
-    def changed(self, key: str) -> bool:
-        """Whether the file was found changed since mapping (False until checked)."""
-        return (self._why.get(key) or "").startswith("changed")
-
-    def close(self) -> None:
-        super().close()
-        self.xnvme.close()
-
-
 class BmapSource(_EpochSource):
     """(bytes, label) batches of the files of a block map, read as raw device ranges.
 
@@ -270,12 +190,10 @@ class BmapSource(_EpochSource):
         self.files = sorted(((k, label[k.split("/")[0]]) for k in rel), key=lambda kv: os.fsencode(kv[0]))
         self.prefix = prefix
         super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
-        if backend == "xnvme":  # XnvmeBackend reads files or device ranges, not a map: map them here
-            self.backend: Backend = _XnvmeBmapBackend(self.bmap, device_path)
-        elif backend == "blockdev":
-            self.backend = get_backend(backend, bmap=self.bmap, device_path=device_path)
-        else:
+        name = "xnvme-bmap" if backend == "xnvme" else backend  # "xnvme" here means its block-range reader
+        if name not in BLOCK_RANGE_BACKENDS:
             raise BackendError(f"BmapSource: backend {backend!r} cannot read block ranges; use 'blockdev' or 'xnvme'")
+        self.backend: Backend = get_backend(name, bmap=self.bmap, device_path=device_path)
 
     def close(self) -> None:
         self.backend.close()

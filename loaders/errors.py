@@ -38,3 +38,7 @@ class StaleError(PrepError):
 
 class BackendError(PrepError):
     """A backend cannot be built or cannot read (unknown name, unusable device, short read)."""
+
+
+class UnsupportedFilesystemError(PrepError):
+    """The filesystem or device cannot be mapped (no FIEMAP, btrfs, md/dm)."""

@@ -98,7 +98,7 @@ def synth_images(
     typer.echo(f"wrote {classes * per_class} JPEG files in {classes} classes under {train}")
 
 
-# --- bmap commands (work in prep/bmap.py) ---
+# --- bmap commands (work in prep/mapping/) ---
 
 bmap_app = typer.Typer(
     help="Block maps: where every file's bytes lie on the block device (FIEMAP), for raw-device readers.\n\n"
@@ -133,7 +133,7 @@ def bmap_map(
         raise fail("--mountpoint is required (the folder the filesystem is mounted on); see `prep bmap --help`")
     import tqdm
 
-    from prep import bmap
+    from prep import mapping as bmap
 
     tqdm.tqdm.monitor_interval = 0  # no monitor thread: large trees are mapped by forked worker processes
 
@@ -168,7 +168,7 @@ def bmap_verify(
 
     Example: prep bmap verify bmap.json --device /scratch/images/train.img
     """
-    from prep import bmap
+    from prep import mapping as bmap
 
     with progress_bar(None, "verify", "file") as update:
         mismatches = guarded(bmap.verify_bmap, bmap_path, device, workers=workers, progress=update)

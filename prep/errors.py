@@ -9,15 +9,12 @@ from loaders.errors import (
     MissingDependencyError,
     PrepError,
     StaleError,
+    UnsupportedFilesystemError,
 )
 
 
 class UsageError(PrepError):
     """Bad arguments: a missing parent directory, a count of 0, an unwritable path."""
-
-
-class UnsupportedFilesystemError(PrepError):
-    """The filesystem or device cannot be mapped (no FIEMAP, btrfs, md/dm)."""
 
 
 class LockedError(PrepError):

@@ -25,7 +25,10 @@ _REGISTRY: dict[str, str] = {
     "direct": "loaders.backends.direct:DirectBackend",
     "kvikio": "loaders.backends.kvikio:KvikioBackend",
     "xnvme": "loaders.backends.xnvme:XnvmeBackend",
+    "xnvme-bmap": "loaders.backends.xnvme:XnvmeBmapBackend",
 }
+# Backends that read the files of a block map as device ranges (they take `bmap=`, `device_path=`).
+BLOCK_RANGE_BACKENDS = ("blockdev", "xnvme-bmap")
 
 # Order in which "auto" tries backends for each kind of destination (fastest first).
 # GPU rule (measured on an H200 without GDS, README loaders section): kvikio where GPUDirect Storage is
@@ -87,6 +90,7 @@ def get_backend(name: str = "auto", device: str = "cpu", **options: Any) -> Back
 
 
 __all__ = [
+    "BLOCK_RANGE_BACKENDS",
     "Backend",
     "ReadRequest",
     "aligned_empty",

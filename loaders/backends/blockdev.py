@@ -13,14 +13,14 @@ import errno
 import itertools
 import os
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from loaders.backends.base import Backend, FdCache, ReadRequest, aligned_empty, pread_full, short_read
+from loaders.backends.base import Backend, ReadRequest, aligned_empty, pread_full, short_read
+from loaders.backends.mapped import MappedFiles
 from loaders.bmap import BlockMap, RawSource
 from loaders.errors import BackendError, FormatError
 from loaders.format import ALIGN
@@ -134,44 +134,14 @@ class BlockdevBackend(Backend):
         self.max_gap = max_gap
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
         self.source: RawSource = self.bmap.source(device_path)
-        self.fallback = fallback
-        self.check_stale = check_stale
+        self.guard = MappedFiles(self.bmap, fallback, check_stale)
+        self._why = self.guard.why  # key -> why it must go through the filesystem (checked once)
         self._raw = RawDevice(self.source.path)
-        self._fs = FdCache(os.O_RDONLY)
-        self._why: dict[str, str | None] = {}  # key -> why it must go through the filesystem (checked once)
         self._fast: dict[str, tuple[int, int, int] | None] = {}  # key -> its one extent (see _fast_entry)
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
-
-    def _filesystem_reason(self, key: str) -> str | None:
-        why = self._why.get(key, "?")
-        if why == "?":
-            e = self.bmap.entry(key)
-            why = None
-            if not e.raw_readable:
-                why = f"not raw-readable ({e.reason})"
-            elif self.check_stale:
-                stale = self.bmap.stale_reason(key)
-                why = f"changed since it was mapped ({stale})" if stale else None
-            self._why[key] = why
-        return why
 
     def changed(self, key: str) -> bool:
         """Whether the file was found changed since mapping (False until checked)."""
-        return (self._why.get(key) or "").startswith("changed")
-
-    def _fs_read(self, key: str, why: str, req: ReadRequest, buf: memoryview) -> None:
-        path = self.bmap.file_path(key)
-        if not self.fallback:
-            raise BackendError(f"{path}: {why}; re-run `prep bmap` or allow fallback=True")
-        with self._lock:
-            first = key not in self._warned
-            self._warned.add(key)
-        if first:
-            warnings.warn(f"{path}: {why}; reading it through the filesystem", RuntimeWarning, stacklevel=4)
-        got = pread_full(self._fs.get(path), buf, req.offset, path)
-        if got < req.nbytes:
-            raise short_read(req, got)
+        return self.guard.changed(key)
 
     def _one(self, req: ReadRequest, buf: Any, room: int = 0) -> None:
         # room: bytes of buf past nbytes that this backend allocated itself and may overwrite
@@ -180,9 +150,9 @@ class BlockdevBackend(Backend):
         except FormatError as exc:
             raise BackendError(str(exc)) from None
         view = memoryview(buf).cast("B")[: req.nbytes + room]
-        why = self._filesystem_reason(key)
+        why = self.guard.reason(key)
         if why:
-            self._fs_read(key, why, req, view[: req.nbytes])
+            self.guard.fs_read(key, why, req, view[: req.nbytes])
             return
         try:
             segments = self.bmap.segments(key, req.offset, req.nbytes)
@@ -313,9 +283,9 @@ class BlockdevBackend(Backend):
         except FormatError as exc:
             raise BackendError(str(exc)) from None
         unchecked = list({k: None for k in keys if k not in self._why})
-        if not self.check_stale:
+        if not self.guard.check_stale:
             for k in unchecked:
-                self._filesystem_reason(k)
+                self.guard.reason(k)
             return keys, []
         # The checks run on their own small pool, alongside the data reads: a stat of a cold inode costs
         # ~10 us of kernel CPU (inode readahead makes its I/O cheap), so more threads only contend for cores.
@@ -323,26 +293,7 @@ class BlockdevBackend(Backend):
             self._stat_pool = ThreadPoolExecutor(self.stat_threads, thread_name_prefix="blockprep-stat")
         step = max(64, len(unchecked) // self.stat_threads + 1)
         chunks = [unchecked[i : i + step] for i in range(0, len(unchecked), step)]
-        return keys, [self._stat_pool.submit(self._check_many, c) for c in chunks]
-
-    def _check_many(self, keys: list[str]) -> None:
-        """Freshness verdicts of `keys` (one stat each, the lean form of `_filesystem_reason`)."""
-        files, root, stat_ = self.bmap.files, self.bmap.root + "/", os.stat
-        for k in keys:
-            r = files[k]
-            if not r["raw_readable"]:
-                self._filesystem_reason(k)
-                continue
-            try:
-                st = stat_(root + k)
-                same = st.st_size == r["size"] and st.st_ino == r["inode"] and st.st_mtime_ns == r["mtime_ns"]
-            except OSError:
-                same = False
-            if same:
-                self._why[k] = None
-            else:
-                stale = self.bmap.stale_reason(k)
-                self._why[k] = f"changed since it was mapped ({stale})" if stale else None
+        return keys, [self._stat_pool.submit(self.guard.check_many, c) for c in chunks]
 
     def _run_coalesced(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
         """Sort the data segments of the batch by device offset and read neighbours (at most `max_gap` apart)
@@ -464,16 +415,13 @@ class BlockdevBackend(Backend):
             self._stat_pool.shutdown(wait=True)
             self._stat_pool = None
         self._raw.close()
-        self._fs.close()
+        self.guard.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for name in ("_lock", "_fs"):
-            state.pop(name, None)
         state["_stat_pool"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._fs = FdCache(os.O_RDONLY)
+        self._why = self.guard.why  # one dict after unpickling too

@@ -195,3 +195,73 @@ class XnvmeBackend(Backend):
         self._capi = load_capi()
         self._lock = threading.Lock()
         self._keep = _strings(self.be, self.sync)
+
+
+class XnvmeBmapBackend(Backend):
+    """Files of a block map read as device block ranges with xNVMe (`xnvme_nvm_read` on the map's device, or
+    the loop image standing in for it); holes read as zeros. The stale-file rule is blockdev's
+    (`loaders.backends.mapped.MappedFiles`): files not raw-readable or changed since mapping are read through
+    the filesystem with one warning each, or raise BackendError with `fallback=False`.
+
+        get_backend("xnvme-bmap", bmap="bmap.json", device_path="/dev/nvme0n1")
+    """
+
+    name = "xnvme-bmap"
+
+    def __init__(
+        self,
+        bmap: Any,
+        device_path: str | os.PathLike[str] | None = None,
+        threads: int = 16,
+        fallback: bool = True,
+        check_stale: bool = True,
+        be: str | None = None,
+        sync: str | None = None,
+    ) -> None:
+        from loaders.backends.mapped import MappedFiles
+        from loaders.bmap import BlockMap
+
+        super().__init__(threads)
+        self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
+        src = self.bmap.source(device_path)
+        self.base = src.base
+        self.xnvme = XnvmeBackend(device_uri=src.path, threads=threads, be=be, sync=sync)
+        self.guard = MappedFiles(self.bmap, fallback, check_stale)
+
+    def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        from loaders.errors import FormatError
+
+        ranges: list[tuple[int, int]] = []
+        dests: list[np.ndarray] = []
+        for req, buf in zip(requests, buffers):
+            out = _host_view(buf, req.nbytes)[: req.nbytes]
+            try:
+                key = self.bmap.key_for(req.path)
+            except FormatError as exc:
+                raise BackendError(str(exc)) from None
+            why = self.guard.reason(key)
+            if why:
+                self.guard.fs_read(key, why, req, out.data)
+                continue
+            try:
+                segments = self.bmap.segments(key, req.offset, req.nbytes)
+            except ValueError:
+                raise short_read(req, max(0, self.bmap.entry(key).size - req.offset)) from None
+            for seg in segments:
+                at = seg.file_offset - req.offset
+                if seg.device_offset is None:
+                    out[at : at + seg.nbytes] = 0  # a hole reads as zeros
+                else:
+                    ranges.append((self.base + seg.device_offset, seg.nbytes))
+                    dests.append(out[at : at + seg.nbytes])
+        for dest, data in zip(dests, self.xnvme.read_device_ranges(ranges) if ranges else []):
+            dest[:] = data
+
+    def changed(self, key: str) -> bool:
+        """Whether the file was found changed since mapping (False until checked)."""
+        return self.guard.changed(key)
+
+    def close(self) -> None:
+        super().close()
+        self.xnvme.close()
+        self.guard.close()

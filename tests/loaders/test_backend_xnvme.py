@@ -27,6 +27,19 @@ def test_missing_bindings_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -
         get_backend("xnvme")
 
 
+def test_block_range_reader_is_registered_and_needs_libxnvme(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from loaders.backends import BLOCK_RANGE_BACKENDS, backend_class, backend_names
+    from loaders.bmap import BlockMap, encode_document
+
+    assert "xnvme-bmap" in backend_names() and "xnvme-bmap" in BLOCK_RANGE_BACKENDS
+    assert backend_class("xnvme-bmap").name == "xnvme-bmap"
+    doc = {"format": "blockprep-bmap", "version": "1.0", "root": str(tmp_path), "device": "/dev/null", "files": {}}
+    (tmp_path / "bmap.json").write_bytes(encode_document(doc))
+    monkeypatch.setitem(sys.modules, "xnvme", None)
+    with pytest.raises(MissingDependencyError, match=r"blockprep\[xnvme\]"):
+        get_backend("xnvme-bmap", bmap=BlockMap.load(tmp_path / "bmap.json"), device_path="/dev/null")
+
+
 def test_missing_library_is_a_clear_error() -> None:
     pytest.importorskip("xnvme", reason="the xnvme bindings are not installed")
     code = (

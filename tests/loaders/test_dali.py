@@ -135,7 +135,7 @@ def test_cache_source_in_a_dali_pipeline(tmp_path: Path) -> None:
 
 @pytest.mark.loopdev
 def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
-    from prep.bmap import build_bmap
+    from prep.mapping import build_bmap
     from prep.synth import image_tree
 
     fs = make_loopfs("ext4")
@@ -196,7 +196,7 @@ def test_bmap_source_over_xnvme(make_loopfs: Callable[..., Any], tmp_path: Path,
 
     from loaders.backends.xnvme import load_capi
     from loaders.errors import PrepError
-    from prep.bmap import build_bmap
+    from prep.mapping import build_bmap
 
     try:
         load_capi()

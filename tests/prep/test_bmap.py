@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from loaders.bmap import BlockMap
-from prep.bmap import build_bmap, seed_from_bmap, skipped_path, verify_bmap
+from loaders.fiemap import fiemap
 from prep.cli import app
 from prep.errors import UnsupportedFilesystemError, UsageError
-from prep.fiemap import fiemap
+from prep.mapping import build_bmap, seed_from_bmap, skipped_path, verify_bmap
 
 runner = CliRunner()
 MiB = 1 << 20
@@ -305,7 +305,7 @@ def test_parallel_maps_equal_serial(make_loopfs: Callable[..., Any], monkeypatch
     import threading
     from concurrent.futures import ProcessPoolExecutor
 
-    from prep import bmap
+    from prep.mapping import walk as bmap
 
     fs = make_loopfs("ext4")
     populate(fs.mountpoint)
@@ -340,7 +340,7 @@ _extent = st.tuples(
 def test_record_json_is_canonical_json(
     size: int, inode: int, mtime: int, extents: list[tuple[int, int, int, int]], xxh3: int | None
 ) -> None:
-    from prep.bmap import classify, record_json
+    from prep.mapping import classify, record_json
 
     reason = classify(extents, size)
     rec: dict[str, Any] = {
@@ -358,7 +358,7 @@ def test_record_json_is_canonical_json(
 
 def test_preformatted_files_encode_as_the_whole_document() -> None:
     from loaders.bmap import decode_document, encode_document, encode_document_with_files
-    from prep.bmap import _Mapped, _ordered, files_json, record_json
+    from prep.mapping.walk import _Mapped, _ordered, files_json, record_json
 
     # keys whose escaped forms sort differently from the keys themselves, and every kind of escape
     keys = ["a.txt", "a/b", "~", "é/x", 'q"uote', "back\\slash", "tab\there", "del\x7f", "z\udcff", "日本"]

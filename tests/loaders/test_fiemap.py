@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from loaders.fiemap import EXTENT_FLAGS, Extent, FiemapReader, fiemap, flag_names, merge_adjacent, unsafe_reasons
 from prep.errors import UnsupportedFilesystemError
-from prep.fiemap import EXTENT_FLAGS, Extent, FiemapReader, fiemap, flag_names, merge_adjacent, unsafe_reasons
 
 
 def fragment(paths: list[Path], chunks: int, chunk: int = 4096) -> dict[Path, bytes]:

@@ -18,7 +18,7 @@ from loaders.backends import ReadRequest, get_backend
 from loaders.backends.blockdev import BlockdevBackend, RawDevice
 from loaders.bmap import BlockMap
 from loaders.errors import BackendError
-from prep.bmap import build_bmap
+from prep.mapping import build_bmap
 
 MiB = 1 << 20
 pytestmark = pytest.mark.loopdev
