@@ -5,9 +5,11 @@ python -m workflows.demo --out demo
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 
 def step(title: str) -> None:
@@ -55,18 +57,15 @@ def bench_step(out: Path, batchsize: int = 4, batches: int = 2) -> None:
     """A small load benchmark over the demo data: every way that runs here, one table (bench_out-style files
     under OUT/bench). `make bench` runs a larger one."""
     from workflows.bench.core import Options
-    from workflows.bench.report import ratios, table, write
-    from workflows.benchmark import run_all
+    from workflows.bench.report import finish
+    from workflows.bench.ways import run_all
 
     step(f"load benchmark: {batches} batches of {batchsize}, cold, every way that runs here")
     if not (out / "cache" / "manifest.json").is_file():
         print(f"  skipped: no prepared cache under {out / 'cache'}")
         return
     opts = Options(batchsize=batchsize, batches=batches, cold=True, out=out / "bench", work=out / "bench" / "work")
-    results, skipped = run_all(out, opts)
-    rows = ratios(results, opts.cold)
-    print("\n" + table(rows, skipped))
-    print("  wrote " + ", ".join(str(p) for p in write(out / "bench", rows, skipped, opts)))
+    finish(run_all(out, opts), opts)
 
 
 def run(out: Path, count: int = 16, size: int = 64) -> None:
@@ -89,15 +88,14 @@ def run(out: Path, count: int = 16, size: int = 64) -> None:
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f}s; outputs under {out}/")
 
 
-def main() -> None:
-    """Command-line entry."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("demo"), help="output folder (default: demo)")
-    parser.add_argument("--count", type=int, default=16, help="number of volumes")
-    parser.add_argument("--size", type=int, default=64, help="volume edge in voxels")
-    args = parser.parse_args()
-    run(args.out, args.count, args.size)
+def main(
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("demo"),
+    count: Annotated[int, typer.Option(min=1, help="number of volumes")] = 16,
+    size: Annotated[int, typer.Option(min=8, help="volume edge in voxels")] = 64,
+) -> None:
+    """Synthetic data -> block map -> prepared cache -> load benchmark, e.g. `python -m workflows.demo --out demo`."""
+    run(out, count, size)
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -43,7 +43,7 @@ def test_all_runs_every_way_that_applies(demo: Path, tmp_path: Path, capsys: pyt
     text = capsys.readouterr().out
     assert status == 0, text
     rows = _rows(out)
-    from loaders._deps import has
+    from workflows.bench.core import has
 
     expected = ["blockprep prepared (posix)", "blockprep prepared (direct)", report.PERSISTENT,
                 "monai Dataset (NIfTI + head)", "monai CacheDataset", "ceiling np.fromfile (warm)"]  # fmt: skip
@@ -56,7 +56,7 @@ def test_all_runs_every_way_that_applies(demo: Path, tmp_path: Path, capsys: pyt
     volumes = {n: r for n, r in rows.items() if r["data"] == "volumes" and r["kind"] != "ceiling"}
     assert len({r["nbytes"] for r in volumes.values()}) == 1, volumes
     assert {r["items"] for r in rows.values()} == {"4"}
-    assert float(rows[report.PERSISTENT]["x_persistent"]) == pytest.approx(1.0)
+    assert float(rows[report.PERSISTENT]["x_peer"]) == pytest.approx(1.0)
     assert float(rows["ceiling np.fromfile (warm)"]["x_ceiling"]) == pytest.approx(1.0)
     # ways that cannot run on a CPU-only machine say so in one line each, and the run went on
     assert text.count("unavailable: gds-dataset:") == 1
@@ -64,7 +64,8 @@ def test_all_runs_every_way_that_applies(demo: Path, tmp_path: Path, capsys: pyt
     assert doc["environment"]["mode"] == "warm" and "gds-dataset" in doc["unavailable"]
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     header = next(line for line in text.splitlines() if line.startswith("name"))
-    assert "items/s" in header and "GB/s" in header and "x ceiling" in header and "x PersistentDataset" in header
+    assert "items/s" in header and "GB/s" in header and "x ceiling" in header and "x peer" in header
+    assert f"x peer: against {report.PERSISTENT} (volumes)" in text
 
 
 def test_single_way_cold_reports_its_ceiling(demo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,6 +77,7 @@ def test_single_way_cold_reports_its_ceiling(demo: Path, tmp_path: Path, capsys:
     shards = len(list((demo / "cache" / "shards").iterdir()))
     assert rows["blockprep prepared (posix)"]["note"].startswith(f"fadvise({shards} files)")
     assert rows["ceiling O_DIRECT x16"]["x_ceiling"] == "1.0"
+    assert "ceiling np.fromfile (warm)" in rows  # every ceiling of the data, the reference one first
     assert int(rows["blockprep prepared (posix)"]["items"]) == 6
 
 
@@ -129,10 +131,12 @@ def test_ratios_pick_the_ceiling_of_the_mode_and_data() -> None:
         Result("dali readers.file", "images", 10, 1.0, 5, "research"),
     ]
     cold = {r["name"]: r for r in report.ratios(results, cold=True)}
+    other = {r["name"]: r for r in report.ratios(results, cold=True, peers={"volumes": "ours"})}
+    assert other[report.PERSISTENT]["x_peer"] == pytest.approx(0.5) and other["ours"]["peer"] == "ours"
     warm = {r["name"]: r for r in report.ratios(results, cold=False)}
     assert cold["ours"]["x_ceiling"] == pytest.approx(0.5) and warm["ours"]["x_ceiling"] == pytest.approx(0.05)
-    assert cold["ours"]["x_persistent"] == pytest.approx(2.0)
-    assert cold["dali readers.file"]["x_ceiling"] is None and cold["dali readers.file"]["x_persistent"] is None
+    assert cold["ours"]["x_peer"] == pytest.approx(2.0)
+    assert cold["dali readers.file"]["x_ceiling"] is None and cold["dali readers.file"]["x_peer"] is None
     text = report.table(report.ratios(results, cold=True), [("xnvme-bam", "no GPU")])
     assert text.splitlines()[-1] == "unavailable here: xnvme-bam"
 
@@ -199,3 +203,47 @@ def test_all_on_partial_data_measures_what_is_there(
     assert "unavailable: persistent: " in text and "datalist not found" in text
     assert "unavailable: dali-numpy: " in text and "unavailable: prepared --backend posix: " in text
     assert {r["data"] for r in _rows(tmp_path / "out").values()} == {"images"}
+
+
+SEED_LINES = [  # the research code's README (seed 004), verbatim after `python benchmark.py`
+    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem cpu --bmap imagenet_train_bmap.json",
+    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem gpu --bmap imagenet_train_bmap.json",
+    "--batchsize 64 --batches 1000 xnvme-bam --uri /dev/libnvm0 --bmap imagenet_train_bmap.json",
+    "--batchsize 64 --batches 1000 dali --datadir /data",
+    "--batchsize 64 --batches 1000 python-file --datadir /data",
+    "--batchsize 64 --batches 1000 xnvme-file --datadir /data",
+]
+
+
+@pytest.mark.parametrize("line", SEED_LINES)
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_research_command_lines_parse(
+    line: str, order: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Global options before the subcommand (the seed's order) or after it (blockprep's) parse alike."""
+    argv = line.split()
+    if order == "after":
+        argv = argv[4:5] + argv[:4] + argv[5:]
+    monkeypatch.chdir(tmp_path)  # no /data, no bmap here: each way says why in one line (exit 1, not 2)
+    status = benchmark.main(argv)
+    text = capsys.readouterr().out
+    way = line.split()[4]
+    assert status == 1, text
+    assert f"benchmark {way}: cold, 1000 batches of 64, device cpu" in text
+    assert len([x for x in text.splitlines() if x.startswith(f"  unavailable: {way}:")]) == 1, text
+
+
+def test_global_options_are_hoisted_in_front_of_the_subcommand() -> None:
+    hoist = benchmark.hoist_global_options
+    cmds = {"dali", "all"}
+    assert hoist(["dali", "--datadir", "d", "--batchsize=8", "--warm", "--out", "o"], cmds) == [
+        "--batchsize=8", "--warm", "--out", "o", "dali", "--datadir", "d"]  # fmt: skip
+    assert hoist(["--batches", "2", "all", "--data", "x"], cmds) == ["--batches", "2", "all", "--data", "x"]
+    assert hoist(["--help"], cmds) == ["--help"]
+
+
+def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert benchmark.main(["dali"]) == 2  # --datadir missing
+    assert benchmark.main(["--batchsize", "0", "dali", "--datadir", "x"]) == 2
+    assert benchmark.main(["no-such-way"]) == 2
+    assert "--datadir" in capsys.readouterr().err

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from workflows.bench.core import Options, Result, Unavailable, cycle, evict, require_gpu
+from workflows.bench.core import Options, Result, Rows, Unavailable, cycle, evict, optional, require_gpu
 
 ALIGN = 4096
 
@@ -50,9 +52,9 @@ def _files(spans: list[Span]) -> list[str]:
     return sorted({s.path for s in spans})
 
 
-def direct(items: list[list[Span]], opts: Options, data: str, depth: int = 16) -> Result:
-    """O_DIRECT reads of every range, `depth` requests in flight, into aligned reused buffers."""
-    spans = _pick(items, opts)
+def read_direct(spans: list[Span], depth: int = 16, cold: bool = True) -> tuple[float, int, str]:
+    """O_DIRECT reads of every span, `depth` requests in flight into aligned per-thread buffers; returns
+    (seconds, bytes, how the page cache was evicted). Raises Unavailable where O_DIRECT does not work."""
     if not hasattr(os, "O_DIRECT"):
         raise Unavailable("O_DIRECT ceiling: this OS has no O_DIRECT")
     biggest = max(-(-s.nbytes // ALIGN) * ALIGN for s in spans)
@@ -67,28 +69,35 @@ def direct(items: list[list[Span]], opts: Options, data: str, depth: int = 16) -
         raise Unavailable(f"O_DIRECT ceiling: cannot open with O_DIRECT here ({exc.strerror})") from exc
 
     def one(span: Span) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            raw = np.empty(biggest + ALIGN, np.uint8)
-            start = (-raw.ctypes.data) % ALIGN
-            buf = local.buf = memoryview(raw[start : start + biggest])  # type: ignore[arg-type]
         want = -(-span.nbytes // ALIGN) * ALIGN
-        got = os.preadv(fds[span.path], [buf[:want]], span.offset)
+        got = os.preadv(fds[span.path], [local.buf[:want]], span.offset)
         return min(got, span.nbytes)
 
-    how = evict(fds) if opts.cold else "warm"
+    def setup(_: int) -> None:  # a touched buffer per thread, every thread started, before the clock
+        raw = np.zeros(biggest + ALIGN, np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        local.buf = memoryview(raw[start : start + biggest])  # type: ignore[arg-type]
+        barrier.wait()
+
+    how = evict(fds) if cold else "warm"
+    barrier = threading.Barrier(depth)
     try:
         with ThreadPoolExecutor(depth) as pool:
-            barrier = threading.Barrier(depth)  # start every thread before the clock: spawning is not reading
-            list(pool.map(lambda _: barrier.wait(), range(depth)))
+            list(pool.map(setup, range(depth)))
             start = time.perf_counter()
-            nbytes = sum(pool.map(one, spans))
+            nbytes = sum(pool.map(one, spans, chunksize=max(1, len(spans) // (depth * 8))))
             seconds = time.perf_counter() - start
     except OSError as exc:
         raise Unavailable(f"O_DIRECT ceiling: reads fail here ({exc.strerror})") from exc
     finally:
         for fd in fds.values():
             os.close(fd)
+    return seconds, nbytes, how
+
+
+def direct(items: list[list[Span]], opts: Options, data: str, depth: int = 16) -> Result:
+    """Cold ceiling: the ranges of `opts.items` items read with O_DIRECT, `depth` requests in flight."""
+    seconds, nbytes, how = read_direct(_pick(items, opts), depth, opts.cold)
     return Result(f"ceiling O_DIRECT x{depth}", data, opts.items, seconds, nbytes, "ceiling", how)
 
 
@@ -106,10 +115,8 @@ def fromfile(items: list[list[Span]], opts: Options, data: str) -> Result:
 def kvikio_bulk(items: list[list[Span]], opts: Options, data: str) -> Result:
     """GPU ceiling: kvikio reads of every range straight into one device buffer each (GDS or compat mode)."""
     require_gpu(opts, "kvikio ceiling")
-    from loaders._deps import require
-
-    kvikio = require("kvikio", "the GPU ceiling")
-    cupy = require("cupy", "the GPU ceiling")
+    kvikio = optional("kvikio", "the GPU ceiling")
+    cupy = optional("cupy", "the GPU ceiling")
     spans = _pick(items, opts)
     with cupy.cuda.Device(int(opts.device.partition(":")[2] or 0)):
         bufs = [cupy.empty(s.nbytes, dtype=cupy.uint8) for s in spans]
@@ -125,3 +132,26 @@ def kvikio_bulk(items: list[list[Span]], opts: Options, data: str) -> Result:
             for h in handles.values():
                 h.close()
     return Result("ceiling kvikio bulk", data, opts.items, seconds, nbytes, "ceiling", how)
+
+
+def _cache_items_or_skip(cache: Path) -> list[list[Span]]:
+    if not (cache / "manifest.json").is_file():
+        raise Unavailable(f"{cache}: no committed prepared cache, so no volume ceiling")
+    return cache_items(cache)
+
+
+def add_ceilings(rows: Rows, items: Callable[[], list[list[Span]]], opts: Options, data: str) -> None:
+    """The three ceilings (O_DIRECT, np.fromfile, kvikio) of one data set, as rows (or reasons)."""
+    rows.add(f"ceiling O_DIRECT ({data})", lambda: direct(items(), opts, data))
+    rows.add(f"ceiling np.fromfile ({data})", lambda: fromfile(items(), opts, data))
+    rows.add(f"ceiling kvikio ({data})", lambda: kvikio_bulk(items(), opts, data))
+
+
+def volume_ceilings(rows: Rows, cache: Path, opts: Options) -> None:
+    """Ceilings of a prepared cache's tensors."""
+    add_ceilings(rows, lambda: _cache_items_or_skip(cache), opts, "volumes")
+
+
+def image_ceilings(rows: Rows, files: Callable[[], list[str]], opts: Options) -> None:
+    """Ceilings of whole image files."""
+    add_ceilings(rows, lambda: file_items(files()), opts, "images")

@@ -1,9 +1,8 @@
-"""The benchmark harness: options, results, timing, page-cache eviction.
+"""The benchmark harness: options, result rows, timing, page-cache eviction, optional packages.
 
-Every way of loading is a function `(Options, args) -> Result` that raises `Unavailable` with a one-line
-reason when it cannot run on this machine (no GPU, no libxnvme, missing package). The harness times a
-fixed number of batches; bytes are the tensor (or file) bytes each way delivers, so GB/s compare
-like with like.
+Every way of loading is a function that returns a `Result` or raises `Unavailable` with a one-line
+reason when it cannot run on this machine (no GPU, no libxnvme, missing package); `Rows.add` runs it and
+keeps either. Bytes are the tensor (or file) bytes each way delivers, so GB/s compare like with like.
 """
 
 from __future__ import annotations
@@ -14,9 +13,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from loaders.errors import MissingDependencyError, PrepError
 
 
 class Unavailable(Exception):  # noqa: N818  (a state, not an error: the run goes on)
@@ -31,7 +33,7 @@ class Options:
     batches: int = 4
     cold: bool = True
     device: str = "cpu"
-    workers: int = 0
+    workers: int = 0  # parallel workers of the scenario (0: its default; MONAI peers: DataLoader in-process)
     out: Path | None = None
     work: Path = Path("bench_out/work")  # scratch for exports and peer caches
 
@@ -75,6 +77,38 @@ class Result:
         d["items_per_s"] = self.items_per_s
         d["gb_per_s"] = self.gb_per_s
         return d
+
+
+@dataclass
+class Rows:
+    """What a scenario measured: results, the ways that could not run here (with why), and the reference
+    peer per data set that the `x peer` column compares against."""
+
+    results: list[Result] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    peers: dict[str, str] = field(default_factory=dict)  # data set -> name of its reference row
+    title: str = ""  # what the data was, for the table heading and the plot title
+
+    def add(self, label: str, job: Callable[[], Result | list[Result]]) -> list[Result]:
+        """Run one way; keep its row(s), or print and keep the one-line reason it cannot run here."""
+        try:
+            got = job()
+        except (Unavailable, PrepError) as exc:  # PrepError: this data lacks what the way needs (one line)
+            why = (str(exc).splitlines() or [type(exc).__name__])[0].removeprefix(f"{label}: ")
+            self.skipped.append((label, why))
+            print(f"  unavailable: {label}: {why}", flush=True)  # the one line a way that cannot run prints
+            return []
+        made = got if isinstance(got, list) else [got]
+        for result in made:
+            self.results.append(result)
+            print(f"  {result.name}: {result.items_per_s:.1f} items/s, {result.gb_per_s:.3f} GB/s", flush=True)
+        return made
+
+    def extend(self, other: Rows) -> None:
+        """Append another scenario's rows (for `all`)."""
+        self.results += other.results
+        self.skipped += other.skipped
+        self.peers = {**other.peers, **self.peers}
 
 
 def nbytes_of(obj: Any) -> int:
@@ -168,10 +202,34 @@ def cuda_sync(device: str) -> Callable[[], None] | None:
     return lambda: torch.cuda.synchronize(torch.device(device))
 
 
+# The one place workflows reach loaders' optional-package checks (a private module until loaders names it
+# publicly): every scenario asks here.
+def optional(name: str, purpose: str = "") -> ModuleType:
+    """Import an optional package or raise Unavailable with the install command in one line."""
+    from loaders._deps import require
+
+    try:
+        return require(name, purpose)
+    except MissingDependencyError as exc:
+        raise Unavailable(str(exc).splitlines()[0]) from exc
+
+
+def has(name: str) -> bool:
+    """True when the optional package `name` imports here."""
+    from loaders._deps import has as _has
+
+    return _has(name)
+
+
+def cuda_available() -> bool:
+    """True when torch is installed and sees a CUDA (or ROCm) device."""
+    from loaders._deps import cuda_available as _cuda_available
+
+    return _cuda_available()
+
+
 def require_gpu(opts: Options, what: str) -> None:
     """Raise Unavailable unless the run targets a CUDA device that torch can see."""
-    from loaders._deps import cuda_available
-
     if not opts.gpu:
         raise Unavailable(f"{what} needs --device cuda:N (this run is on {opts.device})")
     if not cuda_available():

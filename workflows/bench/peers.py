@@ -10,22 +10,28 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import typer
 
+from workflows.bench import ceilings, scenario
 from workflows.bench.core import (
     Options,
     Result,
+    Rows,
     Unavailable,
     cuda_sync,
     cycle,
     evict,
     files_under,
+    optional,
     require_gpu,
     time_batches,
 )
 from workflows.bench.report import PERSISTENT
+
+DEFAULT_PIPELINE = Path(__file__).parents[1] / "pipelines" / "spheres.py"
 
 
 def datalist_items(datalist: str | os.PathLike[str], section: str = "training") -> list[dict[str, Any]]:
@@ -160,9 +166,9 @@ def export_npy(cache_dir: str | os.PathLike[str], out: Path) -> dict[str, list[s
 
 def dali_numpy(npy: dict[str, list[str]], opts: Options) -> Result:
     """DALI `fn.readers.numpy` (one reader per key, same file order) on `.npy` exports; GDS on a GPU."""
-    from workflows.bench.research import _dali, _pipeline, run_pipeline
+    from workflows.bench.research import _pipeline, run_pipeline
 
-    fn = _dali().fn
+    fn = optional("nvidia.dali", "the DALI ways").fn
     if not npy:
         raise Unavailable("no .npy exports to read")
 
@@ -179,3 +185,61 @@ def dali_numpy(npy: dict[str, list[str]], opts: Options) -> Result:
 
     all_files = [p for paths in npy.values() for p in paths]
     return run_pipeline(build, all_files, opts, "dali readers.numpy (.npy)", "volumes", "peer", outputs=len(npy))
+
+
+def npy_files(cache: Path | None, npy: Path | None, opts: Options) -> dict[str, list[str]]:
+    """The .npy files per key: a folder of <key>/*.npy exports, or exports of a prepared cache made now."""
+    if npy is not None:
+        return {p.name: sorted(str(f) for f in p.glob("*.npy")) for p in sorted(npy.iterdir()) if p.is_dir()}
+    if cache is None:
+        raise Unavailable("dali-numpy needs --cache (to export) or --npy (exports)")
+    if not (cache / "manifest.json").is_file():
+        raise Unavailable(f"{cache}: no committed prepared cache to export")
+    return export_npy(cache, opts.work / "npy")
+
+
+def volume_peers(datalist: Path, pipeline: Path, cache: Path | None, opts: Options) -> Rows:
+    """Every MONAI peer over the datalist, and DALI readers.numpy over the cache's exports."""
+    rows = Rows()
+    rows.add("persistent", lambda: persistent(datalist, pipeline, opts))
+    rows.add("monai-dataset", lambda: monai_dataset(datalist, pipeline, opts))
+    rows.add("cache-dataset", lambda: cache_dataset(datalist, pipeline, opts))
+    rows.add("gds-dataset", lambda: gds_dataset(datalist, pipeline, opts))
+    rows.add("dali-numpy", lambda: dali_numpy(npy_files(cache, None, opts), opts))
+    return rows
+
+
+_DATALIST = typer.Option(help="decathlon datalist (e.g. demo/nifti/dataset.json)")
+_PIPELINE = typer.Option(help="PIPELINE.py (or bundle config) whose deterministic head is run")
+
+
+def _register(name: str, help_text: str, way: Any) -> None:
+    def run(
+        opts: Options,
+        datalist: Annotated[Path, _DATALIST],
+        pipeline: Annotated[Path, _PIPELINE] = DEFAULT_PIPELINE,
+    ) -> Rows:
+        rows = Rows()
+        rows.add(name, lambda: way(datalist, pipeline, opts))
+        return rows
+
+    scenario(name, help_text)(run)
+
+
+_register("monai-dataset", "MONAI Dataset: NIfTI + head per access.", monai_dataset)
+_register("persistent", "MONAI PersistentDataset (.pt files).", persistent)
+_register("cache-dataset", "MONAI CacheDataset (in RAM).", cache_dataset)
+_register("gds-dataset", "MONAI GDSDataset (GPU).", gds_dataset)
+
+
+@scenario("dali-numpy", "DALI fn.readers.numpy on .npy exports of a prepared cache.")
+def dali_numpy_way(
+    opts: Options,
+    cache: Annotated[Path | None, typer.Option(help="prepared cache to export")] = None,
+    npy: Annotated[Path | None, typer.Option(help="folder of <key>/*.npy (instead of --cache)")] = None,
+) -> Rows:
+    rows = Rows()
+    if cache is not None:
+        ceilings.volume_ceilings(rows, cache, opts)
+    rows.add("dali-numpy", lambda: dali_numpy(npy_files(cache, npy, opts), opts))
+    return rows

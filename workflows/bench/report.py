@@ -5,16 +5,20 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workflows.bench.core import Options, Result
+from workflows.bench.core import Options, Result, Rows
 
 PERSISTENT = "monai PersistentDataset"
-COLUMNS = ("name", "data", "items/s", "GB/s", "x ceiling", "x PersistentDataset", "note")
+COLUMNS = ("name", "data", "items/s", "GB/s", "x ceiling", "x peer", "note")
+FIELDS = ["name", "data", "kind", "items", "seconds", "nbytes", "items_per_s", "gb_per_s", "x_ceiling", "x_peer",
+          "peer", "note"]  # fmt: skip
+KIND_COLOURS = {"ours": "tab:green", "peer": "tab:blue", "research": "tab:orange", "ceiling": "tab:gray"}
 
 
 def ceiling_for(results: list[Result], data: str, cold: bool) -> Result | None:
@@ -27,15 +31,18 @@ def ceiling_for(results: list[Result], data: str, cold: bool) -> Result | None:
     return ceilings[0] if ceilings else None
 
 
-def ratios(results: list[Result], cold: bool) -> list[dict[str, Any]]:
-    """Rows with items/s, GB/s and the two ratios (None where the reference was not measured)."""
+def ratios(results: list[Result], cold: bool, peers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Rows with items/s, GB/s, the ratio to the data set's ceiling and to its reference peer (`peers`:
+    data set -> row name; MONAI PersistentDataset by default). None where the reference was not measured."""
     rows = []
     for r in results:
         ceiling = ceiling_for(results, r.data, cold)
-        persistent = next((p for p in results if p.name == PERSISTENT and p.data == r.data), None)
+        peer_name = (peers or {}).get(r.data, PERSISTENT)
+        peer = next((p for p in results if p.name == peer_name and p.data == r.data), None)
         row = r.as_dict()
         row["x_ceiling"] = r.items_per_s / ceiling.items_per_s if ceiling else None
-        row["x_persistent"] = r.items_per_s / persistent.items_per_s if persistent else None
+        row["x_peer"] = r.items_per_s / peer.items_per_s if peer else None
+        row["peer"] = peer_name if peer else ""
         rows.append(row)
     return rows
 
@@ -50,28 +57,34 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _note(row: dict[str, Any]) -> str:
+    extra = ", ".join(f"{k} {_fmt(v, 1)}" for k, v in row.get("extra", {}).items())
+    return "; ".join(x for x in (row["note"], extra) if x)
+
+
 def table(rows: list[dict[str, Any]], skipped: Sequence[tuple[str, str]] = ()) -> str:
-    """A fixed-width text table; ways that could not run are listed under it, one line each."""
+    """A fixed-width text table; the peers compared against and the ways that could not run follow it."""
     cells = [
         [r["name"], r["data"], _fmt(r["items_per_s"], 1), _fmt(r["gb_per_s"], 3), _fmt(r["x_ceiling"]),
-         _fmt(r["x_persistent"]), r["note"]]
+         _fmt(r["x_peer"]), _note(r)]
         for r in rows
     ]  # fmt: skip
     widths = [max(len(c) for c in col) for col in zip(COLUMNS, *cells)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [line.format(*COLUMNS), line.format(*("-" * w for w in widths))]
     out += [line.format(*c) for c in cells]
+    peers = sorted({(r["data"], r["peer"]) for r in rows if r["peer"]})
+    if peers:
+        out.append("x peer: against " + "; ".join(f"{name} ({data})" for data, name in peers))
     if skipped:  # each printed its reason when it was tried; the table only names them
         out.append("unavailable here: " + ", ".join(name for name, _ in skipped))
     return "\n".join(s.rstrip() for s in out)
 
 
 def environment(opts: Options) -> dict[str, Any]:
-    """Where and how the run happened (goes into the JSON next to the rows)."""
-    import os
-
+    """Where and how the run happened (goes into the JSON next to the rows, and into the plot's title)."""
     return {
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -83,50 +96,86 @@ def environment(opts: Options) -> dict[str, Any]:
     }
 
 
-def write(out: Path, rows: list[dict[str, Any]], skipped: list[tuple[str, str]], opts: Options) -> list[Path]:
+def write(out: Path, rows: list[dict[str, Any]], skipped: Sequence[tuple[str, str]], opts: Options,
+          title: str = "") -> list[Path]:  # fmt: skip
     """Write bench.csv, bench.json and bench.png under `out`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    fields = ["name", "data", "kind", "items", "seconds", "nbytes", "items_per_s", "gb_per_s", "x_ceiling",
-              "x_persistent", "note"]  # fmt: skip
     with open(out / "bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "note": _note(r)} for r in rows)
     env = environment(opts)
-    doc = {"environment": env, "results": rows, "unavailable": dict(skipped)}
+    doc = {"environment": env, "title": title, "results": rows, "unavailable": dict(skipped)}
     (out / "bench.json").write_text(json.dumps(doc, indent=1, default=str))
     paths = [out / "bench.csv", out / "bench.json"]
     if rows:
-        plot(rows, out / "bench.png", title=f"{env['mode']} read, {opts.device}")
+        plot(rows, out / "bench.png", title=plot_title(env, title))
         paths.append(out / "bench.png")
     return paths
 
 
+def plot_title(env: dict[str, Any], what: str = "") -> str:
+    """Machine, date and settings, for the figure."""
+    first = f"{what} - " if what else ""
+    return (f"{first}{env['mode']} read, {env['batches']} batches of {env['batchsize']}, device {env['device']}\n"
+            f"{env['host']} ({env['cpus']} CPUs), {env['date_utc']}")  # fmt: skip
+
+
+def in_memory(row: dict[str, Any]) -> str:
+    """'warm' or 'in RAM' for a row that did not read from the device ('' otherwise)."""
+    note = str(row.get("note", ""))
+    if "RAM" in note:
+        return "in RAM"
+    return "warm" if note.startswith("warm") or "(warm)" in row["name"] else ""
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """Horizontal bars of items/s, one panel per data set, ours highlighted, ceilings hatched."""
+    """Horizontal bars of items/s from zero, one panel per data set, coloured by kind (legend), each bar
+    labelled with its value; rows served from memory are hatched and say so."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on nodes; must precede pyplot
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     groups = sorted({r["data"] for r in rows}, key=lambda g: (g != "volumes", g))
     heights = [max(1, sum(r["data"] == g for r in rows)) for g in groups]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(8, 1 + 0.45 * sum(heights) + len(groups)),
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 1.6 + 0.42 * sum(heights) + 0.6 * len(groups)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)  # fmt: skip
-    colours = {"ours": "tab:green", "peer": "tab:blue", "research": "tab:orange", "ceiling": "tab:gray"}
     for ax, group in zip(axes[:, 0], groups):
         mine = [r for r in rows if r["data"] == group]
-        ax.barh(
-            [r["name"] for r in mine],
-            [r["items_per_s"] for r in mine],
-            color=[colours.get(r["kind"], "tab:purple") for r in mine],
-        )
+        values = [r["items_per_s"] if math.isfinite(r["items_per_s"]) else 0.0 for r in mine]
+        labels = [r["name"] + (f"  [{in_memory(r)}]" if in_memory(r) else "") for r in mine]
+        bars = ax.barh(labels, values, color=[KIND_COLOURS.get(r["kind"], "tab:purple") for r in mine],
+                       hatch=None, edgecolor="black", linewidth=0.4)  # fmt: skip
+        for bar, r in zip(bars, mine):
+            if in_memory(r):
+                bar.set_hatch("//")
+                bar.set_alpha(0.55)
+        ax.bar_label(bars, labels=[f"{v:,.1f}" for v in values], padding=3, fontsize=7)
+        ax.set_xlim(0, max(values + [1e-9]) * 1.18)  # linear from zero; room for the value labels
         ax.invert_yaxis()
-        ax.set_title(f"{group}", fontsize=9, loc="left")
-        ax.set_xscale("log")  # in-RAM peers and warm ceilings are orders of magnitude above cold reads
-        ax.set_xlabel("items/s (log scale)")
-        ax.tick_params(labelsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        ax.set_title(group, fontsize=9, loc="left")
+        ax.set_xlabel("items/s", fontsize=8)
+        ax.tick_params(labelsize=7)
+    kinds = [k for k in KIND_COLOURS if any(r["kind"] == k for r in rows)]
+    handles = [Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=k) for k in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="from memory (warm / in RAM)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def finish(rows: Rows, opts: Options) -> int:
+    """Print the table, write the files under `opts.out`; exit status 1 when only ceilings (or nothing) ran."""
+    table_rows = ratios(rows.results, opts.cold, rows.peers)
+    print()
+    if rows.title:
+        print(rows.title)
+    print(table(table_rows, rows.skipped))
+    if opts.out is not None:
+        written = write(opts.out, table_rows, rows.skipped, opts, rows.title)
+        print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0 if any(r.kind != "ceiling" for r in rows.results) else 1

@@ -10,24 +10,20 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import typer
 
-from workflows.bench.core import Options, Result, Unavailable, cycle, evict, files_under, time_batches
+from workflows.bench import ceilings, scenario
+from workflows.bench.core import Options, Result, Rows, Unavailable, cycle, evict, files_under, optional, time_batches
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 Reader = Callable[[list[str]], list[np.ndarray]]
 
 
 def _dali() -> Any:
-    from loaders._deps import require
-    from loaders.errors import MissingDependencyError
-
-    try:
-        return require("nvidia.dali", "the DALI ways")
-    except MissingDependencyError as exc:
-        raise Unavailable(str(exc).splitlines()[0]) from exc
+    return optional("nvidia.dali", "the DALI ways")
 
 
 def tree_files(datadir: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
@@ -259,3 +255,62 @@ def _run_sources(
         return pipe
 
     return run_pipeline(build, files, opts, name, kind="ours")
+
+
+# --- the subcommands (the research code's command lines; global options before or after the subcommand) ---
+_DATADIR = typer.Option(help="class-folder file tree (e.g. demo/images/train)")
+_URI = typer.Option(help="xNVMe device URI (e.g. /dev/nvme0n1; default: the bmap's disk)")
+_BMAP = typer.Option(help="bmap.json of the files (prep bmap)")
+
+
+def _tree_way(name: str, help_text: str, way: Callable[[Path, Options], Result]) -> None:
+    def run(opts: Options, datadir: Annotated[Path, _DATADIR]) -> Rows:
+        rows = Rows()
+        ceilings.image_ceilings(rows, lambda: tree_files(datadir)[0], opts)
+        rows.add(name, lambda: way(datadir, opts))
+        return rows
+
+    scenario(name, help_text)(run)
+
+
+_tree_way("dali", "DALI fn.readers.file + decode.", dali_file)
+_tree_way("python-file", "Python reads into a DALI external_source + decode.", python_file)
+_tree_way("xnvme-file", "xNVMe file API into a DALI external_source + decode.", xnvme_file)
+
+
+@scenario("xnvme-gds", "xNVMe block ranges from a bmap into CPU or GPU buffers.")
+def xnvme_gds_way(
+    opts: Options,
+    bmap: Annotated[Path, _BMAP],
+    uri: Annotated[str | None, _URI] = None,
+    mem: Annotated[str, typer.Option(help="destination: cpu or gpu")] = "cpu",
+    datadir: Annotated[Path | None, typer.Option(help="only bmap files under this folder")] = None,
+) -> Rows:
+    from workflows.bench import ours
+
+    rows = Rows()
+    rows.add("xnvme-gds", lambda: ours.xnvme_gds(uri, bmap, mem, opts, datadir=datadir))
+    return rows
+
+
+@scenario("xnvme-bam", "xNVMe BaM (GPU-initiated) block reads.")
+def xnvme_bam_way(opts: Options, bmap: Annotated[Path, _BMAP], uri: Annotated[str | None, _URI] = None) -> Rows:
+    from workflows.bench import ours
+
+    rows = Rows()
+    rows.add("xnvme-bam", lambda: ours.xnvme_bam(uri, bmap, opts))
+    return rows
+
+
+@scenario("blockprep-dali", "blockprep's DALI sources (FileSource, or BmapSource with --bmap) + decode.")
+def blockprep_dali_way(
+    opts: Options,
+    datadir: Annotated[Path | None, typer.Option(help="class-folder file tree")] = None,
+    bmap: Annotated[Path | None, typer.Option(help="read the tree's files raw via this bmap")] = None,
+    backend: Annotated[str, typer.Option(help="backend (with --bmap: blockdev or xnvme)")] = "auto",
+) -> Rows:
+    rows = Rows()
+    if datadir is not None:
+        ceilings.image_ceilings(rows, lambda: tree_files(datadir)[0], opts)
+    rows.add("blockprep-dali", lambda: blockprep_dali(opts, datadir, bmap, backend))
+    return rows
