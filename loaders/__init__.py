@@ -29,7 +29,7 @@ _LAZY = {
     "BmapSource": "loaders.dali",
     "CacheSource": "loaders.dali",
     "FileSource": "loaders.dali",
-    "PreparedBatches": "loaders.dataset",
+    "PreparedBatches": "loaders.batches",
     "PreparedDataset": "loaders.dataset",
     "PreparedPersistentDataset": "loaders.monai",
 }

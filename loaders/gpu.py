@@ -17,21 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from loaders._deps import require
-from loaders.format import ALIGN
+from loaders.buffers import pinned_empty
+from loaders.deps import require
 
-
-def pinned_empty(nbytes: int, align: int = ALIGN) -> tuple[Any, np.ndarray]:
-    """(owner, view): a page-locked uint8 host buffer of `nbytes` starting at an `align` boundary.
-
-    `owner` is the pinned torch tensor that host-to-device copies read from; `view` is the numpy view of
-    the same memory that backends read into. Pinned allocations are usually page-aligned already;
-    the slack guarantees it whatever allocator sits underneath."""
-    torch = require("torch", "GPU delivery")
-    raw = torch.empty(max(nbytes, 1) + align, dtype=torch.uint8, pin_memory=True)
-    start = (-raw.data_ptr()) % align
-    owner = raw[start : start + max(nbytes, 1)]
-    return owner, owner.numpy()
+__all__ = ["PinnedStager", "pinned_empty"]
 
 
 class PinnedStager:

@@ -17,88 +17,25 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from loaders import chain
-from loaders._deps import require
 from loaders.backends import Backend
+from loaders.deps import require
 from loaders.errors import StaleError
 from loaders.format import MANIFEST, to_jsonable
+from loaders.meta import from_template, line_source, meta_template, restore_meta
+
+# restore_meta, meta_template, from_template: defined in loaders.meta, re-exported for old imports
+__all__ = [
+    "PreparedPersistentDataset",
+    "check_fingerprint",
+    "from_template",
+    "meta_template",
+    "restore_meta",
+    "tail_compose",
+]
 
 # Compose options that change how transforms are applied; the tail keeps the user's settings.
 _COMPOSE_OPTIONS = ("map_items", "unpack_items", "lazy", "overrides", "log_stats")
-# MetaTensor meta keys that are not arrays although JSON stored them as lists
-_LIST_META = ("applied_operations", "crop_center")
-
-
-def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
-    """Wrap a tensor as a MONAI MetaTensor with its stored meta, types as LoadImage made them: affine a
-    float64 tensor, original_affine and other numeric lists numpy arrays, space a SpaceKeys."""
-    import torch
-    from monai.data import MetaTensor
-    from monai.utils import SpaceKeys
-
-    meta = dict(meta or {})
-    ops = meta.pop("applied_operations", None)
-    affine = meta.pop("affine", None)
-    if affine is not None:
-        affine = torch.as_tensor(np.asarray(affine, dtype=np.float64))
-    for k, v in meta.items():
-        if isinstance(v, list) and k not in _LIST_META and _numeric(v):
-            meta[k] = np.asarray(v, dtype=np.float64 if "affine" in k else None)
-    if meta.get("space") in {s.value for s in SpaceKeys}:
-        meta["space"] = SpaceKeys(meta["space"])
-    out = MetaTensor(tensor, affine=affine, meta=meta)
-    if ops:
-        out.applied_operations = list(ops)
-    return out
-
-
-def meta_template(meta: Mapping[str, Any] | None, ndim: int) -> Any:
-    """A MetaTensor carrying `meta` (as `restore_meta` makes it) for tensors of `ndim` dims: build it once
-    per cached tensor, then `from_template` stamps items out of it without MetaTensor's constructor."""
-    import torch
-
-    return restore_meta(torch.empty((1,) * ndim), meta)
-
-
-def from_template(tensor: Any, template: Any) -> Any:
-    """`tensor` as a MetaTensor with a fresh copy of the template's state (its meta dict, affine, arrays and
-    applied operations are its own: MONAI transforms mutate them in place). Equals
-    `restore_meta(tensor, meta)` for the meta the template was made from, at a fraction of its cost."""
-    from monai.data import MetaTensor
-
-    out = tensor.as_subclass(MetaTensor)
-    out.__dict__.update({k: _fresh(v) for k, v in template.__dict__.items()})
-    return out
-
-
-def _fresh(value: Any) -> Any:
-    """A copy of a MetaTensor attribute deep enough that no mutable part is shared with the original."""
-    import copy
-    import enum
-
-    import torch
-
-    if value is None or isinstance(value, (str, int, float, bool, enum.Enum)):
-        return value
-    if isinstance(value, dict):
-        return {k: _fresh(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fresh(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_fresh(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    return copy.deepcopy(value)
-
-
-def _numeric(value: Any) -> bool:
-    if isinstance(value, list):
-        return all(_numeric(v) for v in value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _key(entry: Any) -> str:
@@ -166,9 +103,9 @@ class _PersistentCore:
         """The cache item holding data[index]: same position when the sources agree, else by source entry."""
         cache = self.dataset.cache
         if self._items is None:
-            if index < len(cache) and _key(cache.meta(index).get("source")) == _key(self.data[index]):
+            if index < len(cache) and _key(line_source(cache.meta(index))) == _key(self.data[index]):
                 return index
-            self._items = {_key(cache.meta(i).get("source")): i for i in range(len(cache))}
+            self._items = {_key(line_source(cache.meta(i))): i for i in range(len(cache))}
         item = self._items.get(_key(self.data[index]))
         if item is None:
             raise StaleError(

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.backends.base import Backend, ReadRequest
+from loaders.backends.base import Backend, PageCacheProbe, ReadRequest
 from loaders.format import ALIGN, TensorEntry, align_up
 
 # Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
@@ -62,9 +62,6 @@ COLD_COST = CostModel(40e-6, 4.5e9)
 # Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
 # machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
 COLD_INFLIGHT = 128
-# Backends whose files are plain files read through the page cache when warm: their warm regions may be
-# copied from a mapping of the shard (direct only with page_cache=True, as it then reads warm data buffered).
-MAPPED_BACKENDS = ("posix", "direct")
 # Requests in flight for cold region reads (each on its own thread; a device queue wants many).
 COLD_INFLIGHT = 64
 
@@ -196,7 +193,8 @@ def read_regions(
     schedule. With `mapped`, warm regions of file backends are copied straight out of a read-only mapping
     of the shard (no syscall per run, no scratch slabs). GPU backends get one batch."""
     warm = None if backend.gpu else (warm if warm is not None else _resident(reads))
-    if warm and mapped and backend.name in MAPPED_BACKENDS and getattr(backend, "page_cache", True):
+    # backends that read warm data through the page cache: their warm regions may come from a mapping
+    if warm and mapped and backend.page_cache_reads:
         cores = min(backend.threads, os.cpu_count() or 1) if groups is None else groups
         mapped_out = [_from_mapping(r, allocate, cores) for r in reads]
         if all(a is not None for a in mapped_out):
@@ -216,7 +214,7 @@ def read_regions(
                 groups = min(backend.threads, os.cpu_count() or 1)
             if sum(q.nbytes for q in requests) < SEQUENTIAL_BELOW:
                 groups = 1
-            _grouped(_warm_reader(backend), requests, targets, groups)
+            _grouped(backend.warm_reader(), requests, targets, groups)
         else:
             inflight = inflight or min(COLD_INFLIGHT, 8 * (os.cpu_count() or 1))
             done = _cold(backend, reads, requests, targets, cost or COLD_COST, inflight, allocate)
@@ -422,23 +420,6 @@ def _from_mapping(r: RegionRead, allocate: Callable[[int], Any] | None, groups: 
     return out
 
 
-_BUFFERED: Any = None  # (pid, PosixBackend) for warm runs of a direct backend
-
-
-def _warm_reader(backend: Backend) -> Backend:
-    """What reads warm runs: the backend itself, except a direct backend that copies warm data out of the
-    page cache anyway (page_cache=True); its per-request planning (probe, alignment, job) costs more than
-    a small run's copy, so those runs go through one plain buffered reader of this process."""
-    global _BUFFERED
-    if backend.name != "direct" or not getattr(backend, "page_cache", False):
-        return backend
-    if _BUFFERED is None or _BUFFERED[0] != os.getpid():
-        from loaders.backends.posix import PosixBackend
-
-        _BUFFERED = (os.getpid(), PosixBackend(threads=1))  # single requests only: no pool of its own
-    return _BUFFERED[1]  # type: ignore[no-any-return]
-
-
 _PROBE: Any = None  # one PageCacheProbe (its libc handle) for the process
 
 
@@ -446,8 +427,6 @@ def _probe() -> Any:
     """The process's page-cache probe (built on first use)."""
     global _PROBE
     if _PROBE is None:
-        from loaders.backends.direct import PageCacheProbe
-
         _PROBE = PageCacheProbe()
     return _PROBE
 

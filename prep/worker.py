@@ -11,21 +11,18 @@ run prepares again.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from loaders.format import JOURNAL_DIR, SHARD_DIR, ShardWriter, dtype_code, flatten, to_jsonable
-from prep.errors import FormatError, StaleError
+from loaders.format import JOURNAL_DIR, SHARD_DIR, ShardWriter
+from loaders.meta import meta_line, split_output
+from prep.errors import StaleError
 from prep.journal import JournalWriter
 from prep.pipeline import Pipeline, load_pipeline
 from prep.quarantine import check_entry, input_paths
@@ -89,62 +86,6 @@ def warm(pipeline: str, bundle_key: str | None) -> str:
     with _lock:
         _pipelines.setdefault((str(pipe.path), pipe.bundle_key, pipe.fingerprint), (pipe, pipe.head_compose()))
     return pipe.fingerprint
-
-
-def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Head output -> ({flat key: array}, meta line parts: per-key meta, applied operations, plain values)."""
-    arrays: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {}
-    ops: dict[str, Any] = {}
-    values: dict[str, Any] = {}
-    for key, leaf in flatten(out).items():
-        if hasattr(leaf, "detach"):  # torch.Tensor or MonAI MetaTensor
-            if hasattr(leaf, "meta"):
-                meta[key] = to_jsonable(dict(leaf.meta))
-                jsonable_ops = _strict_jsonable(getattr(leaf, "applied_operations", []))
-                if jsonable_ops is not None:
-                    ops[key] = jsonable_ops
-                leaf = leaf.as_tensor()
-            arrays[key] = np.ascontiguousarray(leaf.detach().cpu().numpy())
-        elif isinstance(leaf, (np.ndarray, np.generic)):
-            arrays[key] = np.ascontiguousarray(leaf)
-        else:
-            values[key] = to_jsonable(leaf)
-    for key, array in arrays.items():
-        try:
-            dtype_code(array.dtype)
-        except FormatError as exc:
-            raise FormatError(f"output '{key}': {exc}") from None
-    parts: dict[str, Any] = {"meta": meta}
-    if ops:
-        parts["applied_operations"] = ops
-    if values:
-        parts["values"] = values
-    return arrays, parts
-
-
-def _strict_jsonable(value: Any) -> Any:
-    """`value` as plain JSON, or None when it holds objects JSON cannot carry faithfully."""
-    try:
-        doc = to_jsonable(value)
-        _reject_strings_of_objects(value)
-        json.dumps(doc)
-    except (TypeError, ValueError):
-        return None
-    return doc
-
-
-def _reject_strings_of_objects(value: Any) -> None:
-    if isinstance(value, Mapping):
-        for v in value.values():
-            _reject_strings_of_objects(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _reject_strings_of_objects(v)
-    elif not (
-        value is None or isinstance(value, (str, int, float, bool, np.ndarray, np.generic)) or hasattr(value, "detach")
-    ):
-        raise TypeError(type(value).__name__)
 
 
 class _Shards:
@@ -241,7 +182,7 @@ def _prepare_one(head: Any, shards: _Shards, item: int, entry: dict[str, Any], s
             {"key": key, "offset": offset, "nbytes": nbytes, "dtype": array.dtype.name,
              "shape": list(array.shape), "xxh3": xxh3}
         )  # fmt: skip
-    line = {"source": entry, "section": section, **parts}
+    line = meta_line(entry, section, parts)
     return {"item": item, "shard": shards.rel, "tensors": tensors, "meta": line}
 
 

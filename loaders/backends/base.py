@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
+import platform
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -90,6 +95,39 @@ def pread_full(fd: int, buf: memoryview, offset: int, path: str = "?") -> int:
     return done
 
 
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(k, ctypes.c_uint64) for k in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+class PageCacheProbe:
+    """How much of a file range sits in the page cache, through Linux's cachestat(2) (6.5+).
+
+    One syscall, no I/O and no readahead (unlike a buffered read with RWF_NOWAIT, which starts
+    readahead on a miss). `available` is False where the kernel or platform lacks it.
+    """
+
+    NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
+
+    def __init__(self) -> None:
+        self.available = self.NR is not None and sys.platform == "linux"
+        self._libc = ctypes.CDLL(None, use_errno=True) if self.available else None
+
+    def resident(self, fd: int, offset: int, nbytes: int) -> bool:
+        """True when every page of [offset, offset + nbytes) is cached (False when unknown)."""
+        if not self.available or self._libc is None:
+            return False
+        rng, st = _Range(offset, nbytes), _Stat()
+        if self._libc.syscall(self.NR, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+            if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+                self.available = False  # old kernel or seccomp: always read with O_DIRECT
+            return False
+        return st.cache * mmap.PAGESIZE >= nbytes
+
+
 class Backend(ABC):
     """Moves bytes from storage into buffers. Subclasses set `name` and implement `read_into`.
 
@@ -114,6 +152,16 @@ class Backend(ABC):
     @abstractmethod
     def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
         """Fill buffers[i] with requests[i] (buffers at least nbytes long). Raise BackendError on short reads."""
+
+    @property
+    def page_cache_reads(self) -> bool:
+        """True when this backend reads plain files through the page cache when their bytes are warm there:
+        a region reader may then copy warm bytes straight out of a mapping of the file (same bytes)."""
+        return False
+
+    def warm_reader(self) -> Backend:
+        """The backend that reads small warm runs one request at a time (default: this one)."""
+        return self
 
     def allocate(self, nbytes: int) -> Any:
         """A buffer this backend reads into best (aligned host memory by default)."""

@@ -7,13 +7,9 @@ read keeps `threads` requests in flight.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
-import mmap
 import os
-import platform
-import sys
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -21,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from loaders.backends.base import Backend, FdCache, ReadRequest, aligned_empty, pread_full, short_read
+from loaders.backends.base import (
+    Backend,
+    FdCache,
+    PageCacheProbe,
+    ReadRequest,
+    aligned_empty,
+    pread_full,
+    short_read,
+)
 from loaders.errors import BackendError
 from loaders.format import ALIGN
 
@@ -37,39 +41,6 @@ def _as_bytes(buf: Any) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise BackendError("direct: buffers must be C-contiguous; pass a contiguous array")
     return arr.reshape(-1).view(np.uint8)
-
-
-class _Range(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Stat(ctypes.Structure):
-    _fields_ = [(k, ctypes.c_uint64) for k in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
-
-
-class PageCacheProbe:
-    """How much of a file range sits in the page cache, through Linux's cachestat(2) (6.5+).
-
-    One syscall, no I/O and no readahead (unlike a buffered read with RWF_NOWAIT, which starts
-    readahead on a miss). `available` is False where the kernel or platform lacks it.
-    """
-
-    NR = {"x86_64": 451, "aarch64": 451}.get(platform.machine())
-
-    def __init__(self) -> None:
-        self.available = self.NR is not None and sys.platform == "linux"
-        self._libc = ctypes.CDLL(None, use_errno=True) if self.available else None
-
-    def resident(self, fd: int, offset: int, nbytes: int) -> bool:
-        """True when every page of [offset, offset + nbytes) is cached (False when unknown)."""
-        if not self.available or self._libc is None:
-            return False
-        rng, st = _Range(offset, nbytes), _Stat()
-        if self._libc.syscall(self.NR, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-            if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
-                self.available = False  # old kernel or seccomp: always read with O_DIRECT
-            return False
-        return st.cache * mmap.PAGESIZE >= nbytes
 
 
 @dataclass
@@ -117,6 +88,7 @@ class DirectBackend(Backend):
         self._buffered = FdCache(os.O_RDONLY)
         self._fallback: set[str] = set()
         self._probe = PageCacheProbe()
+        self._buffered_reader: tuple[int, Backend] | None = None  # (pid, buffered reader for warm runs)
 
     def _fall_back(self, path: str, why: str) -> None:
         if path not in self._fallback:
@@ -223,12 +195,32 @@ class DirectBackend(Backend):
 
     def close(self) -> None:
         super().close()
+        if self._buffered_reader is not None and self._buffered_reader[0] == os.getpid():
+            self._buffered_reader[1].close()
+        self._buffered_reader = None
         self._direct.close()
         self._buffered.close()
 
+    @property
+    def page_cache_reads(self) -> bool:
+        """Warm data is read buffered (page_cache=True): copying it out of a mapping gives the same bytes."""
+        return bool(self.page_cache)
+
+    def warm_reader(self) -> Backend:
+        """With page_cache=True, warm runs go through one plain buffered reader of this process: this
+        backend's per-request planning (probe, alignment, job) costs more than a small run's copy."""
+        if not self.page_cache:
+            return self
+        if self._buffered_reader is None or self._buffered_reader[0] != os.getpid():
+            from loaders.backends.posix import PosixBackend
+
+            self._buffered_reader = (os.getpid(), PosixBackend(threads=1))  # single requests only: no pool of its own
+        return self._buffered_reader[1]
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_direct", "_buffered", "_fallback", "_probe"):  # descriptors do not travel; reopened there
+        # descriptors do not travel; reopened there
+        for key in ("_direct", "_buffered", "_fallback", "_probe", "_buffered_reader"):
             state.pop(key, None)
         return state
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from loaders._deps import has, require
 from loaders.backends.base import Backend, ReadRequest, short_read
 from loaders.backends.direct import DirectBackend
+from loaders.deps import has, require
 from loaders.errors import BackendError, MissingDependencyError
 from loaders.format import ALIGN, align_up
 
@@ -76,7 +76,7 @@ def _failure(req: ReadRequest, exc: Exception) -> BackendError:
 def _pinned(nbytes: int) -> tuple[Any, np.ndarray]:
     """(owner, aligned uint8 view) of page-locked host memory: torch's pinned allocator, else cupy's."""
     if has("torch"):
-        from loaders.gpu import pinned_empty
+        from loaders.buffers import pinned_empty
 
         return pinned_empty(nbytes)
     import cupy

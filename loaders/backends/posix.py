@@ -14,6 +14,11 @@ class PosixBackend(Backend):
 
     name = "posix"
 
+    @property
+    def page_cache_reads(self) -> bool:
+        """Buffered reads: warm bytes are the page cache's bytes."""
+        return True
+
     def __init__(self, threads: int = 8) -> None:
         super().__init__(threads)
         self._fds = FdCache(os.O_RDONLY)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from loaders._deps import require
 from loaders.backends.base import Backend, ReadRequest, aligned_empty, short_read
+from loaders.deps import require
 from loaders.errors import BackendError, MissingDependencyError
 
 _INSTALL = "install libxnvme (distro package, conda-forge or source) or set XNVME_LIBRARY_PATH to libxnvme.so"

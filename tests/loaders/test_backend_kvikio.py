@@ -70,7 +70,7 @@ def test_host_device_string_is_refused() -> None:
 
 def test_no_gpu_is_a_backend_error() -> None:
     pytest.importorskip("kvikio", reason="kvikio is not installed")
-    from loaders._deps import cuda_available, has
+    from loaders.deps import cuda_available, has
 
     if cuda_available() or has("cupy"):
         pytest.skip("a GPU (or cupy) is present here: the no-GPU path cannot be taken")

@@ -131,3 +131,30 @@ def test_import_loaders_is_light() -> None:
     code = f"import loaders, loaders.backends, loaders.format, sys; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_loader_modules_import_no_face_or_concrete_backend() -> None:
+    """The dataset needs no MONAI face (no import circle); region reads know backends by capability only."""
+    import subprocess
+
+    code = (
+        "import sys, loaders.dataset, loaders.batches, loaders.meta, loaders.region; "
+        "print(sorted(m for m in ('torch', 'monai', 'loaders.monai', 'loaders.backends.posix', "
+        "'loaders.backends.direct') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_page_cache_capability(data_file: tuple[Path, bytes]) -> None:
+    """Buffered backends may have warm bytes copied out of a mapping; a pure O_DIRECT one may not."""
+    path, payload = data_file
+    with get_backend("posix") as posix, get_backend("direct") as direct:
+        assert posix.page_cache_reads and direct.page_cache_reads
+        assert posix.warm_reader() is posix
+        warm = direct.warm_reader()
+        assert warm is not direct and warm.page_cache_reads and warm is direct.warm_reader()
+        (buf,) = warm.read([ReadRequest(str(path), 10, 100)])
+        assert to_host(buf) == payload[10:110]
+    with get_backend("direct", page_cache=False) as cold:
+        assert not cold.page_cache_reads and cold.warm_reader() is cold

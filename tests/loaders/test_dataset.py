@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loaders._deps import has
+from loaders.deps import has
 from loaders.backends import backend_names, get_backend
 from loaders.errors import BackendError, ChecksumError, IncompleteCacheError, PrepError, SchemaVersionError
 from loaders.format import MANIFEST, write_items
 
 torch = pytest.importorskip("torch")
-from loaders.dataset import PreparedBatches, PreparedDataset  # noqa: E402
+from loaders.batches import PreparedBatches  # noqa: E402
+from loaders.dataset import PreparedDataset  # noqa: E402
 
 CPU_BACKENDS = [n for n in backend_names() if n not in ("kvikio", "blockdev", "xnvme")]
 N = 7
@@ -100,7 +101,7 @@ def test_items_round_trip_with_meta(cache: tuple[Path, list[dict]], backend_name
 
 
 def test_plain_tensors_without_monai(cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch) -> None:
-    from loaders import _deps
+    from loaders import deps as _deps
 
     root, items = cache
     off = PreparedDataset(root, backend="posix", meta=False)[0]["image"]
@@ -116,7 +117,7 @@ def test_plain_tensors_without_monai(cache: tuple[Path, list[dict]], monkeypatch
 
 
 def test_cached_meta_is_fresh_per_item(cache: tuple[Path, list[dict]]) -> None:
-    from loaders.monai import restore_meta
+    from loaders.meta import restore_meta
 
     root, _ = cache
     ds = PreparedDataset(root, backend="posix")

@@ -74,6 +74,10 @@ def _recording_backend(record: _Recording) -> Any:
     class RecordingBackend(PosixBackend):
         name = "recording"
 
+        @property
+        def page_cache_reads(self) -> bool:  # no copies out of a mapping: every read is to be recorded
+            return False
+
         def read_into(self, requests: Any, buffers: Any) -> None:
             with record.lock:
                 record.requests += list(requests)
