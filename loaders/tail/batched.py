@@ -1,0 +1,276 @@
+"""The driver: walk the tail's transforms, run each one batched where a batched version exists, else per item.
+
+A batched version (a "handler") is a function `handler(transform, batch) -> bool`. It first checks that it
+can batch this input (returning False without drawing anything if not), then draws every item's parameters
+through the MONAI transform's own `randomize()`, item by item in batch order, and finally applies the
+operation to the whole batch with torch ops. Because each MONAI transform owns its random state, drawing
+transform by transform gives exactly the draws of MONAI's item-by-item chain.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loaders.errors import PrepError
+
+_log = logging.getLogger("loaders.tail")
+
+# MONAI class name -> (module, function) of its batched version. Matched on the exact MONAI class (a user's
+# subclass may change the behaviour, so it runs per item through MONAI).
+_HANDLERS: dict[str, tuple[str, str]] = {
+    "RandCropByPosNegLabeld": ("loaders.tail.crops", "rand_crop_by_pos_neg_label"),
+    "RandFlipd": ("loaders.tail.flips", "rand_flip"),
+    "RandGaussianNoised": ("loaders.tail.intensity", "rand_gaussian_noise"),
+    "RandRotate90d": ("loaders.tail.flips", "rand_rotate90"),
+    "RandScaleIntensityd": ("loaders.tail.intensity", "rand_scale_intensity"),
+    "RandShiftIntensityd": ("loaders.tail.intensity", "rand_shift_intensity"),
+    "RandSpatialCropSamplesd": ("loaders.tail.crops", "rand_spatial_crop_samples"),
+    "RandSpatialCropd": ("loaders.tail.crops", "rand_spatial_crop"),
+}
+
+Handler = Callable[[Any, "TailBatch"], bool]
+
+
+def batched_names() -> list[str]:
+    """Names of the MONAI transforms that run batched (every other transform runs per item through MONAI)."""
+    return sorted(_HANDLERS)
+
+
+def _handler(transform: Any) -> Handler | None:
+    cls = type(transform)
+    if not cls.__module__.startswith("monai.transforms.") or cls.__name__ not in _HANDLERS:
+        return None
+    module, name = _HANDLERS[cls.__name__]
+    handler: Handler = getattr(importlib.import_module(module), name)
+    return handler
+
+
+def _plain(value: Any) -> Any:
+    """A MetaTensor as a plain tensor (its meta is dropped: the batched ops never read it)."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
+        return value.as_subclass(torch.Tensor)
+    return value
+
+
+@dataclass
+class TailBatch:
+    """The batch between transforms: `data` holds tensors of leading dim `n` (and passed-through values).
+
+    When items stop having equal shapes (a random-size crop), `items` holds one dict per item instead and
+    the following transforms run per item until the shapes agree again.
+    """
+
+    data: dict[Hashable, Any]
+    n: int
+    items: list[dict[Hashable, Any]] | None = None
+    per_item: set[Hashable] = field(default_factory=set)  # passed-through lists with one entry per item
+
+    @classmethod
+    def from_batch(cls, batch: Mapping[Hashable, Any], device: Any = None) -> TailBatch:
+        import torch
+
+        data = {k: _plain(v) for k, v in batch.items()}
+        tensors = [v for v in data.values() if isinstance(v, torch.Tensor) and v.ndim > 1]
+        if not tensors:
+            raise PrepError("BatchedTail: the batch holds no (B, C, *spatial) tensor; pass a collated batch")
+        n = int(tensors[0].shape[0])
+        if device is not None:
+            data = {k: v.to(device, non_blocking=True) if cls._batched(v, n) else v for k, v in data.items()}
+        per_item = {k for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
+        return cls(data=data, n=n, per_item=per_item)
+
+    @staticmethod
+    def _batched(value: Any, n: int) -> bool:
+        import torch
+
+        return isinstance(value, torch.Tensor) and value.ndim > 1 and int(value.shape[0]) == n
+
+    def is_batched(self, key: Hashable) -> bool:
+        """Whether `key` holds a tensor with one entry per item."""
+        return self.items is None and self._batched(self.data.get(key), self.n)
+
+    def item(self, i: int) -> dict[Hashable, Any]:
+        """Item `i` as MONAI's per-item chain sees it (views, no copies)."""
+        if self.items is not None:
+            return dict(self.items[i])
+        out = {}
+        for k, v in self.data.items():
+            out[k] = v[i] if self._batched(v, self.n) or k in self.per_item else v
+        return out
+
+    def replace(self, new: Mapping[Hashable, Sequence[Any]], sources: Sequence[int]) -> None:
+        """New per-item tensors for the keys in `new` (one per output item); output item j came from input
+        item `sources[j]`, so every other per-item value is gathered from there (multi-sample crops)."""
+        import torch
+
+        n_out = len(sources)
+        identity = list(sources) == list(range(self.n))
+        index = None if identity else torch.as_tensor(list(sources), dtype=torch.long)
+        rest: dict[Hashable, Any] = {}
+        for k, v in self.data.items():
+            if k in new:
+                continue
+            if self._batched(v, self.n):
+                rest[k] = v if index is None else v.index_select(0, index.to(v.device))
+            elif k in self.per_item:
+                rest[k] = v if identity else [v[s] for s in sources]
+            else:
+                rest[k] = v
+        stacked = {k: _stack(list(vals)) for k, vals in new.items()}
+        self.n = n_out
+        if all(s is not None for s in stacked.values()):
+            self.data = {k: stacked[k] if k in new else rest[k] for k in self._order(new, rest)}
+            return
+        # ragged: keep one dict per item
+        keys = self._order(new, rest)
+        self.items = [
+            {k: new[k][j] if k in new else (rest[k][j] if self._per(rest[k], k) else rest[k]) for k in keys}
+            for j in range(n_out)
+        ]
+        self.data = {}
+
+    def _order(self, new: Mapping[Hashable, Any], rest: Mapping[Hashable, Any]) -> list[Hashable]:
+        keys = [k for k in self.data if k in new or k in rest]
+        return keys + [k for k in new if k not in keys]
+
+    def _per(self, value: Any, key: Hashable) -> bool:
+        return self._batched(value, self.n) or key in self.per_item
+
+    def set_items(self, items: list[dict[Hashable, Any]]) -> None:
+        """The per-item outputs of a MONAI transform: stacked again where shapes agree."""
+        self.items, self.n = [{k: _plain(v) for k, v in it.items()} for it in items], len(items)
+        self.data = {}
+        self.try_stack()
+
+    def try_stack(self) -> None:
+        """Leave ragged mode if every per-item tensor now has one shape."""
+        import torch
+
+        if self.items is None:
+            return
+        items = self.items
+        keys = list(items[0]) if items else []
+        data: dict[Hashable, Any] = {}
+        per_item: set[Hashable] = set()
+        for k in keys:
+            vals = [it.get(k) for it in items]
+            if all(isinstance(v, torch.Tensor) for v in vals):
+                stacked = _stack(vals)
+                if stacked is None:
+                    return
+                data[k] = stacked
+            elif all(v is vals[0] for v in vals):
+                data[k] = vals[0]
+            else:
+                data[k] = vals
+                per_item.add(k)
+        self.data, self.items, self.per_item = data, None, per_item
+
+    def result(self) -> dict[Hashable, Any]:
+        """The batch as a dict of stacked tensors; ragged items raise, as MONAI's collate would."""
+        self.try_stack()
+        if self.items is not None:
+            shapes = sorted({tuple(v.shape) for it in self.items for v in it.values() if hasattr(v, "shape")})
+            raise PrepError(
+                f"BatchedTail: the items' shapes differ after the tail ({shapes[:4]}), so they cannot be "
+                "stacked (MONAI's list_data_collate fails too): use a fixed-size crop (random_size=False) "
+                "or end the tail with a resize"
+            )
+        return dict(self.data)
+
+
+def _stack(values: list[Any]) -> Any:
+    """torch.stack of equal-shaped tensors (dtype promoted as MONAI's collate would see it), else None."""
+    import torch
+
+    if not values or any(tuple(v.shape) != tuple(values[0].shape) for v in values):
+        return None
+    dtype = values[0].dtype
+    for v in values[1:]:
+        dtype = torch.promote_types(dtype, v.dtype)
+    return torch.stack([_plain(v).to(dtype) for v in values])
+
+
+def _per_item(transform: Any, batch: TailBatch) -> None:
+    """Run a MONAI transform item by item (a list output, e.g. num_samples crops, becomes consecutive items)."""
+    outs: list[dict[Hashable, Any]] = []
+    for i in range(batch.n):
+        out = transform(batch.item(i))
+        outs.extend(out if isinstance(out, list) else [out])
+    batch.set_items(outs)
+
+
+def _flatten(transform: Any) -> tuple[Any, list[Any]]:
+    """(a Compose whose set_random_state seeds the objects as the user's Compose would, its transforms)."""
+    from monai.transforms import Compose
+
+    if isinstance(transform, Compose):
+        compose = transform
+    elif isinstance(transform, (list, tuple)):
+        compose = Compose(list(transform))
+    else:
+        compose = Compose([transform])
+    if type(compose) is not Compose:  # OneOf / SomeOf / RandomOrder: one random choice per item
+        return compose, [compose]
+    return compose, list(compose.flatten().transforms)
+
+
+class BatchedTail:
+    """The random tail of a MONAI chain run over whole batches, on the batch's device.
+
+    `transform` is a MONAI Compose, a list of transforms or one dictionary transform. `device`, if given,
+    is where batch tensors are moved first; otherwise the tail runs where the batch already is.
+    """
+
+    def __init__(self, transform: Any, device: Any = None) -> None:
+        self.transform, self.transforms = _flatten(transform)
+        self.device = device
+        self._handlers = [_handler(t) for t in self.transforms]
+        self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
+        if self._fallbacks:
+            _log.warning("BatchedTail: per item through MONAI (no batched version): %s", ", ".join(self._fallbacks))
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Names of the transforms that ran (or will run) per item through MONAI."""
+        return list(self._fallbacks)
+
+    def set_random_state(self, seed: int | None = None, state: Any = None) -> BatchedTail:
+        """Seed the underlying MONAI transforms exactly as `Compose.set_random_state` does."""
+        self.transform.set_random_state(seed=seed, state=state)
+        return self
+
+    def __call__(self, batch: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        tb = TailBatch.from_batch(batch, self.device)
+        for t, handler in zip(self.transforms, self._handlers):
+            tb.try_stack()
+            if handler is not None and tb.items is None and handler(t, tb):
+                continue
+            if handler is not None:
+                self._note_fallback(t)
+            _per_item(t, tb)
+        return tb.result()
+
+    def _note_fallback(self, transform: Any) -> None:
+        name = type(transform).__name__
+        if name not in self._fallbacks:
+            self._fallbacks.append(name)
+            _log.warning("BatchedTail: %s runs per item through MONAI for this input", name)
+
+
+def keys_of(transform: Any, batch: TailBatch) -> list[Hashable]:
+    """The keys a MONAI MapTransform acts on in this batch (missing keys skipped where it allows them)."""
+    return list(transform.key_iterator(batch.data))
+
+
+def spatial_batch_axes(item_ndim: int, axes: int | Sequence[int] | None) -> list[int]:
+    """MONAI's spatial axes of an item (C, *spatial) as axes of the batch (N, C, *spatial)."""
+    from monai.transforms.utils import map_spatial_axes
+
+    return [a + 1 if a >= 0 else a for a in map_spatial_axes(item_ndim, axes)]

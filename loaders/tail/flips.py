@@ -1,0 +1,70 @@
+"""Batched random flips and 90-degree rotations: one torch op over the items whose draw said yes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loaders.tail.batched import TailBatch, keys_of, spatial_batch_axes
+
+
+def _where(x: Any, chosen: list[int], op: Any) -> Any:
+    """`op` applied to the chosen items of `x`, the others unchanged (the input is never written)."""
+    import torch
+
+    if not chosen:
+        return x
+    if len(chosen) == x.shape[0]:
+        return op(x)
+    index = torch.as_tensor(chosen, dtype=torch.long, device=x.device)
+    out = x.clone()
+    out[index] = op(x.index_select(0, index))
+    return out
+
+
+def rand_flip(t: Any, batch: TailBatch) -> bool:
+    """RandFlipd: the same spatial axes flipped for every item that draws a flip."""
+    import torch
+
+    keys = keys_of(t, batch)
+    if any(not batch.is_batched(k) for k in keys):
+        return False
+    chosen = []
+    for i in range(batch.n):
+        t.randomize(None)
+        if t._do_transform:
+            chosen.append(i)
+    for k in keys:
+        x = batch.data[k]
+        dims = spatial_batch_axes(x.ndim - 1, t.flipper.spatial_axis)
+        batch.data[k] = _where(x, chosen, lambda v, d=dims: torch.flip(v, d))
+    return True
+
+
+def rand_rotate90(t: Any, batch: TailBatch) -> bool:
+    """RandRotate90d: items grouped by their drawn k, one torch.rot90 per group."""
+    import torch
+
+    keys = keys_of(t, batch)
+    if any(not batch.is_batched(k) for k in keys):
+        return False
+    ks = []
+    for _ in range(batch.n):
+        t.randomize()
+        ks.append((4 + t._rand_k % 4) % 4 if t._do_transform else 0)
+    new: dict[Any, list[Any]] = {}
+    for k in keys:
+        x = batch.data[k]
+        a, b = spatial_batch_axes(x.ndim - 1, t.spatial_axes)
+        square = x.shape[a] == x.shape[b]
+        if square or len({q % 2 for q in ks}) == 1:
+            out = x
+            for q in sorted(set(ks) - {0}):
+                out = _where(
+                    out, [i for i, v in enumerate(ks) if v == q], lambda v, q=q, p=(a, b): torch.rot90(v, q, p)
+                )
+            batch.data[k] = out
+        else:  # odd and even turns of a non-square plane: the items' shapes differ
+            new[k] = [torch.rot90(x[i], q, (a - 1, b - 1)) for i, q in enumerate(ks)]
+    if new:
+        batch.replace(new, list(range(batch.n)))
+    return True

@@ -1,0 +1,117 @@
+"""Batched random intensity transforms: per-item factors/offsets/noise gathered into one tensor op.
+
+The arithmetic matches MONAI's per-item one (a python float applied to a float32 tensor is rounded to
+float32 first, as torch does), so the results are equal bit for bit on the same device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from loaders.tail.batched import TailBatch, keys_of
+
+
+def _ready(t: Any, batch: TailBatch) -> list[Hashable] | None:
+    keys = keys_of(t, batch)
+    return keys if all(batch.is_batched(k) for k in keys) else None
+
+
+def _per_channel(values: list[Any], x: Any, neutral: float) -> Any:
+    """Per-item scalars (or per-channel lists; None = not drawn) as an (n, C|1, 1, ...) tensor for `x`."""
+    import torch
+
+    dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+    rows = [[neutral] if v is None else (list(v) if isinstance(v, (list, tuple)) else [v]) for v in values]
+    width = max(len(r) for r in rows)
+    table = torch.tensor([r * width if len(r) == 1 else r for r in rows], dtype=dtype)
+    return table.to(x.device, non_blocking=True).view(len(rows), width, *([1] * (x.ndim - 2)))
+
+
+def _draw(t: Any, batch: TailBatch, keys: list[Hashable], inner: Any, attr: str) -> list[Any]:
+    """Each item's draw of the dict transform (prob) and then of its inner array transform, as MONAI does."""
+    first = keys[0] if keys else None
+    drawn: list[Any] = []
+    for i in range(batch.n):
+        t.randomize(None)
+        if not t._do_transform or first is None:
+            drawn.append(None)
+            continue
+        inner.randomize(batch.data[first][i])
+        drawn.append(getattr(inner, attr))
+    return drawn
+
+
+def _out_dtype(x: Any, drawn: list[Any], dtype: Any) -> Any:
+    """Items not transformed keep their dtype in MONAI, transformed ones get `dtype`: the stack promotes."""
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    if dtype is None or all(d is None for d in drawn):
+        return x.dtype
+    target = get_equivalent_dtype(dtype, torch.Tensor)
+    return target if all(d is not None for d in drawn) else torch.promote_types(target, x.dtype)
+
+
+def rand_scale_intensity(t: Any, batch: TailBatch) -> bool:
+    """RandScaleIntensityd: v * (1 + factor), one multiply for the batch."""
+    keys = _ready(t, batch)
+    if keys is None:
+        return False
+    drawn = _draw(t, batch, keys, t.scaler, "factor")
+    if all(d is None for d in drawn):
+        return True
+    for k in keys:
+        x = batch.data[k]
+        one_plus = [None if d is None else [1 + f for f in d] if isinstance(d, list) else 1 + d for d in drawn]
+        out = x * _per_channel(one_plus, x, 1.0)
+        batch.data[k] = out.to(_out_dtype(x, drawn, t.scaler.dtype))
+    return True
+
+
+def rand_shift_intensity(t: Any, batch: TailBatch) -> bool:
+    """RandShiftIntensityd: v + offset, one add for the batch (offsets scaled by a meta factor run per item)."""
+    keys = _ready(t, batch)
+    if keys is None or any(_meta_key(t, k) in batch.data for k in keys):
+        return False
+    if t.shifter._shifter.safe and any(not batch.data[k].is_floating_point() for k in keys):
+        return False
+    drawn = _draw(t, batch, keys, t.shifter, "_offset")
+    if all(d is None for d in drawn):
+        return True
+    for k in keys:
+        x = batch.data[k]
+        batch.data[k] = (x + _per_channel(drawn, x, 0.0)).to(x.dtype)
+    return True
+
+
+def _meta_key(t: Any, key: Hashable) -> Any:
+    i = list(t.keys).index(key)
+    meta_key = t.meta_keys[i] if t.meta_keys is not None else None
+    return meta_key or f"{key}_{t.meta_key_postfix[i]}"
+
+
+def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
+    """RandGaussianNoised: MONAI's own numpy noise per item (the draws must match), added in one op."""
+    import numpy as np
+    import torch
+
+    keys = _ready(t, batch)
+    if keys is None:
+        return False
+    drawn = _draw(t, batch, keys, t.rand_gaussian_noise, "noise")
+    chosen = [i for i, d in enumerate(drawn) if d is not None]
+    if not chosen:
+        return True
+    noise = torch.from_numpy(np.stack([np.asarray(drawn[i]) for i in chosen]))
+    for k in keys:
+        x = batch.data[k]
+        out = x.to(_out_dtype(x, drawn, t.rand_gaussian_noise.dtype), copy=True)
+        add = noise.to(out.device, out.dtype, non_blocking=True)
+        if len(chosen) == batch.n:
+            out += add
+        else:
+            index = torch.as_tensor(chosen, dtype=torch.long, device=out.device)
+            out.index_add_(0, index, add)
+        batch.data[k] = out
+    return True

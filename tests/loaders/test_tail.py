@@ -1,0 +1,256 @@
+"""BatchedTail against MONAI's per-item chain + list_data_collate, on deep copies of the same transforms."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mt = pytest.importorskip("monai.transforms")
+
+from loaders.errors import PrepError  # noqa: E402
+from loaders.tail import BatchedTail, batched_names  # noqa: E402
+
+
+def make_batch(n: int = 4, spatial: tuple[int, ...] = (20, 22, 20), seed: int = 0) -> dict[str, Any]:
+    """Images (float32, 1 channel) with spheres and their uint8 labels."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.rand((n, 1, *spatial), generator=g)
+    grids = torch.meshgrid(*[torch.arange(s, dtype=torch.float32) for s in spatial], indexing="ij")
+    label = torch.zeros((n, 1, *spatial), dtype=torch.uint8)
+    for i in range(n):
+        centre = [s * (0.3 + 0.1 * i) for s in spatial]
+        dist = sum((gr - c) ** 2 for gr, c in zip(grids, centre))
+        label[i, 0] = (dist < (min(spatial) / 4) ** 2).to(torch.uint8)
+        image[i, 0] += 2.0 * label[i, 0]
+    return {"image": image, "label": label}
+
+
+def reference(transforms: list[Any], batch: dict[str, Any], seed: int) -> dict[str, Any]:
+    """MONAI's way: the chain item by item, then list_data_collate."""
+    from monai.data import list_data_collate
+
+    chain = mt.Compose(copy.deepcopy(transforms))
+    chain.set_random_state(seed)
+    n = batch["image"].shape[0]
+    outs: list[Any] = []
+    for i in range(n):
+        out = chain({k: v[i].clone() for k, v in batch.items()})
+        outs.append(out)
+    collated = list_data_collate(outs)
+    return {k: v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v for k, v in collated.items()}
+
+
+def batched(transforms: list[Any], batch: dict[str, Any], seed: int) -> tuple[dict[str, Any], BatchedTail]:
+    tail = BatchedTail(copy.deepcopy(transforms))
+    tail.set_random_state(seed)
+    return tail({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}), tail
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], keys: tuple[str, ...] = ("image", "label"), atol=0.0):
+    for k in keys:
+        assert got[k].dtype == want[k].dtype, (k, got[k].dtype, want[k].dtype)
+        assert got[k].shape == want[k].shape, (k, got[k].shape, want[k].shape)
+        if atol == 0.0:
+            assert torch.equal(got[k], want[k]), (k, (got[k].float() - want[k].float()).abs().max())
+        else:
+            torch.testing.assert_close(got[k].float(), want[k].float(), atol=atol, rtol=0)
+
+
+K = ["image", "label"]
+
+EXACT = {
+    "spatial_crop": [mt.RandSpatialCropd(K, roi_size=(12, 10, 16))],
+    "spatial_crop_center": [mt.RandSpatialCropd(K, roi_size=(12, 10, -1), random_center=False)],
+    "flip_all_axes": [mt.RandFlipd(K, prob=0.5)],
+    "flip_axis1": [mt.RandFlipd(K, prob=0.5, spatial_axis=1)],
+    "flip_axes02": [mt.RandFlipd(K, prob=0.5, spatial_axis=(0, -1))],
+    "rot90": [mt.RandRotate90d(K, prob=0.7, max_k=3, spatial_axes=(0, 2))],
+    "scale": [mt.RandScaleIntensityd("image", factors=0.3, prob=0.6)],
+    "scale_label_dtype": [mt.RandScaleIntensityd(K, factors=0.3, prob=1.0)],
+    "shift": [mt.RandShiftIntensityd("image", offsets=0.5, prob=0.6)],
+    "shift_label": [mt.RandShiftIntensityd(K, offsets=2.0, prob=0.6)],
+    "noise": [mt.RandGaussianNoised("image", prob=0.6, std=0.2)],
+    "samples": [mt.RandSpatialCropSamplesd(K, roi_size=(8, 9, 10), num_samples=3)],
+    "pos_neg": [mt.RandCropByPosNegLabeld(K, "label", spatial_size=(8, 8, 8), pos=1, neg=1, num_samples=2)],
+    "pos_neg_image_key": [
+        mt.RandCropByPosNegLabeld(K, "label", (10, 8, 6), pos=2, neg=1, num_samples=3, image_key="image")
+    ],
+    "issue_tail": [
+        mt.RandSpatialCropd(K, roi_size=(16, 16, 16)),
+        mt.RandFlipd(K, prob=0.5, spatial_axis=0),
+        mt.RandScaleIntensityd("image", factors=0.1, prob=0.5),
+    ],
+    "tutorial_chain": [
+        mt.RandCropByPosNegLabeld(K, "label", spatial_size=(12, 12, 12), num_samples=2),
+        mt.RandFlipd(K, prob=0.3, spatial_axis=0),
+        mt.RandFlipd(K, prob=0.3, spatial_axis=1),
+        mt.RandRotate90d(K, prob=0.4, max_k=3),
+        mt.RandShiftIntensityd("image", offsets=0.1, prob=0.5),
+        mt.RandGaussianNoised("image", prob=0.5),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+@pytest.mark.parametrize("seed", [0, 123])
+def test_equals_monai_per_item(name: str, seed: int) -> None:
+    batch = make_batch()
+    got, tail = batched(EXACT[name], batch, seed)
+    assert_same(got, reference(EXACT[name], batch, seed))
+    assert tail.fallbacks == []
+
+
+def test_some_items_flip_and_others_not() -> None:
+    batch = make_batch(n=8)
+    t = [mt.RandFlipd(K, prob=0.5, spatial_axis=2)]
+    got, _ = batched(t, batch, seed=5)
+    flipped = [bool(torch.equal(got["image"][i], batch["image"][i].flip(-1))) for i in range(8)]
+    kept = [bool(torch.equal(got["image"][i], batch["image"][i])) for i in range(8)]
+    assert any(flipped) and any(kept) and all(f != k for f, k in zip(flipped, kept))
+    assert_same(got, reference(t, batch, seed=5))
+
+
+@pytest.mark.parametrize("prob", [0.0, 1.0])
+def test_prob_extremes(prob: float) -> None:
+    batch = make_batch()
+    chain = [
+        mt.RandFlipd(K, prob=prob),
+        mt.RandRotate90d(K, prob=prob, spatial_axes=(0, 2)),
+        mt.RandScaleIntensityd("image", factors=0.5, prob=prob),
+        mt.RandShiftIntensityd("image", offsets=0.5, prob=prob),
+        mt.RandGaussianNoised("image", prob=prob),
+    ]
+    got, _ = batched(chain, batch, seed=9)
+    assert_same(got, reference(chain, batch, seed=9))
+    assert torch.equal(got["label"], batch["label"]) == (prob == 0.0)
+
+
+def test_labels_keep_dtype() -> None:
+    for dtype in (torch.uint8, torch.int64):
+        batch = make_batch()
+        batch["label"] = batch["label"].to(dtype)
+        chain = EXACT["tutorial_chain"]
+        got, _ = batched(chain, batch, seed=1)
+        assert got["label"].dtype == dtype
+        assert_same(got, reference(chain, batch, seed=1))
+
+
+def test_2d() -> None:
+    batch = make_batch(n=5, spatial=(30, 26))
+    chain = [
+        mt.RandCropByPosNegLabeld(K, "label", spatial_size=(12, 12), num_samples=2),
+        mt.RandSpatialCropd(K, roi_size=(10, 10)),
+        mt.RandFlipd(K, prob=0.5),
+        mt.RandRotate90d(K, prob=0.5),
+        mt.RandScaleIntensityd("image", factors=0.2, prob=0.5, channel_wise=True),
+        mt.RandGaussianNoised("image", prob=0.5),
+    ]
+    got, _ = batched(chain, batch, seed=3)
+    assert got["image"].shape == (10, 1, 10, 10)
+    assert_same(got, reference(chain, batch, seed=3))
+
+
+def test_channel_wise_multichannel() -> None:
+    batch = make_batch()
+    batch["image"] = torch.cat([batch["image"], 1 - batch["image"]], dim=1)
+    chain = [
+        mt.RandScaleIntensityd("image", factors=0.4, prob=0.7, channel_wise=True),
+        mt.RandShiftIntensityd("image", offsets=0.4, prob=0.7, channel_wise=True),
+    ]
+    got, _ = batched(chain, batch, seed=4)
+    assert_same(got, reference(chain, batch, seed=4))
+
+
+def test_fallback_runs_per_item_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    batch = make_batch()
+    chain = [
+        mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
+        mt.RandGaussianSmoothd("image", prob=0.5, sigma_x=(0.5, 1.0)),
+        mt.RandFlipd(K, prob=0.5),
+        mt.RandAdjustContrastd("image", prob=0.5),
+    ]
+    with caplog.at_level(logging.WARNING, logger="loaders.tail"):
+        tail = BatchedTail(copy.deepcopy(chain))
+        tail.set_random_state(11)
+        got = tail({k: v.clone() for k, v in batch.items()})
+        tail(batch)
+    assert tail.fallbacks == ["RandGaussianSmoothd", "RandAdjustContrastd"]
+    lines = [r for r in caplog.records if r.name == "loaders.tail"]
+    assert len(lines) == 1 and "RandGaussianSmoothd, RandAdjustContrastd" in lines[0].getMessage()
+    assert_same(got, reference(chain, batch, seed=11), atol=1e-6)
+
+
+def test_random_size_crop_ragged_then_fixed() -> None:
+    """Random-size windows make ragged items; a following fixed crop makes them stackable again."""
+    batch = make_batch()
+    chain = [
+        mt.RandSpatialCropd(K, roi_size=(12, 12, 12), random_size=True),
+        mt.RandFlipd(K, prob=0.5),
+        mt.RandSpatialCropd(K, roi_size=(10, 10, 10)),
+        mt.RandScaleIntensityd("image", factors=0.2, prob=0.5),
+    ]
+    got, tail = batched(chain, batch, seed=2)
+    assert tail.fallbacks == ["RandFlipd", "RandSpatialCropd"]  # per item while ragged
+    assert_same(got, reference(chain, batch, seed=2))
+    with pytest.raises(PrepError, match="random_size=False"):
+        batched(chain[:2], batch, seed=2)
+
+
+def test_metatensor_input_gives_plain_tensors() -> None:
+    from monai.data import MetaTensor
+
+    batch = make_batch()
+    meta = {k: MetaTensor(v, affine=torch.eye(4) * 2) for k, v in batch.items()}
+    chain = EXACT["issue_tail"]
+    got, _ = batched(chain, meta, seed=8)
+    assert all(type(got[k]) is torch.Tensor for k in K)
+    assert_same(got, reference(chain, batch, seed=8))
+
+
+def test_passthrough_and_sample_expansion() -> None:
+    batch: dict[str, Any] = dict(make_batch(n=3))
+    batch["name"] = ["a", "b", "c"]
+    batch["spacing"] = torch.tensor([[1.0], [2.0], [3.0]])
+    chain = [mt.RandSpatialCropSamplesd(K, roi_size=(8, 8, 8), num_samples=2)]
+    got, _ = batched(chain, batch, seed=0)
+    assert got["name"] == ["a", "a", "b", "b", "c", "c"]
+    assert got["spacing"].flatten().tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert got["image"].shape[0] == 6
+
+
+def test_set_random_state_matches_compose_and_repeats() -> None:
+    batch = make_batch()
+    chain = mt.Compose(EXACT["issue_tail"])
+    tail = BatchedTail(chain)
+    a = tail.set_random_state(7)(batch)
+    b = tail.set_random_state(7)(batch)
+    c = tail(batch)
+    assert torch.equal(a["image"], b["image"]) and not torch.equal(b["image"], c["image"])
+
+
+def test_does_not_modify_input() -> None:
+    batch = make_batch()
+    before = {k: v.clone() for k, v in batch.items()}
+    tail = BatchedTail(EXACT["tutorial_chain"] + EXACT["noise"] + EXACT["scale_label_dtype"])
+    tail.set_random_state(0)
+    tail(batch)
+    assert all(torch.equal(before[k], batch[k]) for k in batch)
+
+
+def test_import_loaders_stays_light() -> None:
+    import subprocess
+
+    code = "import loaders, loaders.tail, sys; print('torch' in sys.modules, 'monai' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_batched_names_cover_the_issue_list() -> None:
+    want = {"RandCropByPosNegLabeld", "RandSpatialCropd", "RandSpatialCropSamplesd", "RandFlipd", "RandRotate90d"}
+    want |= {"RandScaleIntensityd", "RandShiftIntensityd", "RandGaussianNoised"}
+    assert want <= set(batched_names())
