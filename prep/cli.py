@@ -137,7 +137,9 @@ def bmap_map(
 
     tqdm.tqdm.monitor_interval = 0  # no monitor thread: large trees are mapped by forked worker processes
 
-    with progress_bar(None, "bmap", "file") as update:
+    from prep.progress import Progress
+
+    with Progress(None, "prep bmap", unit="files") as bar:
         summary = guarded(
             bmap.build_bmap,
             mountpoint,
@@ -147,9 +149,11 @@ def bmap_map(
             workers=workers,
             fmt=fmt,
             require_mountpoint=not allow_subdir,
-            progress=update,
+            progress=bar.update,
             checksums=checksums,
         )
+    if summary.warning():
+        typer.echo(f"warning: {summary.warning()}", err=True)
     typer.echo(summary.line())
     if summary.skipped_path is not None:
         typer.echo(f"files left out of the seed, with reasons: {summary.skipped_path}")
@@ -169,9 +173,10 @@ def bmap_verify(
     Example: prep bmap verify bmap.json --device /scratch/images/train.img
     """
     from prep import mapping as bmap
+    from prep.progress import Progress
 
-    with progress_bar(None, "verify", "file") as update:
-        mismatches = guarded(bmap.verify_bmap, bmap_path, device, workers=workers, progress=update)
+    with Progress(None, "prep bmap verify", unit="files") as bar:
+        mismatches = guarded(bmap.verify_bmap, bmap_path, device, workers=workers, progress=bar.update)
     for m in mismatches:
         typer.echo(f"mismatch: {m}", err=True)
     if mismatches:

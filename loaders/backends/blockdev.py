@@ -3,8 +3,9 @@
 Each request (file path or key, offset, nbytes) becomes device segments (`BlockMap.segments`); data
 segments are read with O_DIRECT into aligned buffers (the covering aligned range, then sliced when the
 file offset is unaligned), holes are zero-filled, many requests in flight on the thread pool. Entries that
-must not be read raw (inline, unwritten, ... extents) or that changed since mapping are read through the
-filesystem instead, with one warning per file, unless `fallback=False`.
+must not be read raw (inline, unwritten, ... extents), that changed since mapping or whose blocks moved
+are read through the filesystem instead, with one warning per file, unless `fallback=False`: the rule is
+`loaders.backends.mapped.MappedFiles`, shared with the `xnvme-bmap` backend.
 """
 
 from __future__ import annotations
@@ -58,10 +59,7 @@ class RawDevice:
             if exc.errno == errno.EINVAL:  # the filesystem holding an image may not do O_DIRECT
                 self.direct = False
                 return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            raise BackendError(
-                f"{self.path}: cannot open for raw reads ({exc.strerror}); run as a user who may read the "
-                "device (root or the disk group), or pass the loop image file"
-            ) from None
+            raise BackendError(f"{self.path}: cannot open for raw reads ({exc.strerror}); {_open_hint()}") from None
 
     def read_into(self, offset: int, out: memoryview, nbytes: int | None = None) -> None:
         """Fill out[:nbytes] with the bytes at `offset`. Bytes of `out` past `nbytes` (default len(out)) may be
@@ -97,6 +95,13 @@ class RawDevice:
         self._fd = None
 
 
+def _open_hint() -> str:
+    """The fix for a raw source that cannot be opened (root is never told to become root)."""
+    if os.geteuid() == 0:
+        return "check that the device (or the loop image file) exists, or pass it as device_path"
+    return "run as a user who may read the device (root or the disk group), or pass the loop image file"
+
+
 _PLAN_SLICE = 256  # requests planned before their reads are submitted (planning overlaps reading)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -110,9 +115,10 @@ class BlockdevBackend(Backend):
     """Raw block-range reads of mapped files. `bmap` is a BlockMap or a bmap.json path; `device_path` picks the
     device, its whole disk, or the loop image file (default: the device when readable, else the image).
 
-    Before its first raw read, each file is stat()ed through the filesystem to catch a stale map (one
-    metadata lookup per file per backend); `check_stale=False` skips that for data that cannot change
-    (a read-only mount). `fallback=False` raises instead of reading through the filesystem."""
+    On its first read, each file is opened through the filesystem, fstat()ed and FIEMAPped to catch a stale
+    map or moved blocks (once per file per backend, on a small pool beside the data reads);
+    `check_stale=False` skips that for data that cannot change (a read-only mount). `fallback=False`
+    raises instead of reading through the filesystem."""
 
     name = "blockdev"
 
@@ -133,8 +139,8 @@ class BlockdevBackend(Backend):
         self.coalesce = coalesce
         self.max_gap = max_gap
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
-        self.source: RawSource = self.bmap.source(device_path)
-        self.guard = MappedFiles(self.bmap, fallback, check_stale)
+        self.guard = MappedFiles(self.bmap, self.bmap.source(device_path), fallback, check_stale)
+        self.source: RawSource = self.guard.source  # the base from the system, not from the map
         self._why = self.guard.why  # key -> why it must go through the filesystem (checked once)
         self._raw = RawDevice(self.source.path)
         self._fast: dict[str, tuple[int, int, int] | None] = {}  # key -> its one extent (see _fast_entry)
@@ -282,10 +288,10 @@ class BlockdevBackend(Backend):
             keys = [self.bmap.key_for(r.path) for r in requests]
         except FormatError as exc:
             raise BackendError(str(exc)) from None
-        unchecked = list({k: None for k in keys if k not in self._why})
+        # what the record alone says (not raw-readable, outside the device) is settled before any raw read
+        unchecked = [k for k in {k: None for k in keys if k not in self._why} if self.guard.precheck(k) is None]
         if not self.guard.check_stale:
-            for k in unchecked:
-                self.guard.reason(k)
+            self.guard.check_many(unchecked)
             return keys, []
         # The checks run on their own small pool, alongside the data reads: a stat of a cold inode costs
         # ~10 us of kernel CPU (inode readahead makes its I/O cheap), so more threads only contend for cores.

@@ -2,33 +2,120 @@
 may be read raw, decided once per file per backend, and the filesystem read for the others.
 
 A file is read through the filesystem instead of raw, with one warning per file (or BackendError when
-`fallback=False`), when its entry is not raw-readable (inline, unwritten, ... extents) or when it changed
-since it was mapped (size, inode or mtime differ, or it is gone).
+`fallback=False`), when its entry is not raw-readable (inline, unwritten, ... extents), when it changed
+since it was mapped (size, inode or mtime differ, or it is gone), or when its blocks moved: its CURRENT
+extents (one FIEMAP call on the first read, beside the stat) differ from the map's, as after `e4defrag`,
+which keeps size, inode and times. The file is opened through the filesystem for that check, so a raw
+read happens only for files the reader may open, at the extents the file owns now.
+
+A block map is not trusted for where the filesystem lies on the raw source either: the offset of the
+filesystem on the device, partition or loop image (`window`) comes from sysfs for the device the mapped
+root is mounted from, and every raw extent must lie inside that filesystem's device.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from loaders.backends.base import FdCache, ReadRequest, pread_full, short_read
-from loaders.bmap import BlockMap
+from loaders.bmap import BlockMap, RawSource
 from loaders.errors import BackendError
+from loaders.fiemap import EXTENT_FLAGS, FiemapReader
 
 UNCHECKED = "?"  # verdict of a file whose check has not run (or is still running)
+MOVED = "its blocks moved on the device: defragmented or rewritten in place"
+_IGNORED_FLAGS = EXTENT_FLAGS["LAST"] | EXTENT_FLAGS["MERGED"]  # say nothing about where the bytes are
+_OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_local = threading.local()  # one FIEMAP buffer per checking thread
+
+
+class Window(NamedTuple):
+    """Where the filesystem lies on the raw source: `base` bytes in, `size` bytes long (None: unknown)."""
+
+    base: int
+    size: int | None
+
+
+def _sysfs(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def window(bmap: BlockMap, source: RawSource) -> Window:
+    """The filesystem's place on `source`, from sysfs for the device that holds `bmap.root` now (the map's
+    own partition start and loop offset count only where the system cannot tell). BackendError when
+    `source` is neither that device, its whole disk, nor its loop image file."""
+    try:
+        dev = os.stat(bmap.root).st_dev
+        src = os.stat(source.path)
+    except OSError:
+        return Window(source.base, None)
+    sys_dir = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    blocks = _sysfs(f"{sys_dir}/size")
+    if blocks is None:  # not a block device the system describes (overlay, network): the map decides
+        return Window(source.base, None)
+    size, start = int(blocks) * 512, int(_sysfs(f"{sys_dir}/start") or 0) * 512
+    partition = os.path.exists(f"{sys_dir}/partition")
+    parent = os.path.dirname(os.path.realpath(sys_dir)) if partition else None
+    if stat.S_ISBLK(src.st_mode):
+        if src.st_rdev == dev:
+            return Window(0, size)
+        if parent and _sysfs(f"{parent}/dev") == f"{os.major(src.st_rdev)}:{os.minor(src.st_rdev)}":
+            return Window(start, size)
+    elif stat.S_ISREG(src.st_mode):
+        loop = f"{parent or os.path.realpath(sys_dir)}/loop"
+        backing = _sysfs(f"{loop}/backing_file")
+        if backing and os.path.exists(backing) and os.path.samefile(backing, source.path):
+            return Window(int(_sysfs(f"{loop}/offset") or 0) + start, size)
+    raise BackendError(
+        f"{source.path}: not the device (nor its disk or loop image) that holds {bmap.root} now; "
+        "pass that device as device_path or re-run `prep bmap` on this one"
+    )
+
+
+def _runs(extents: Sequence[Sequence[int]], size: int) -> list[tuple[int, int, int, int]]:
+    """Extents holding file bytes, neighbours merged: the comparable form of a map's and FIEMAP's lists."""
+    out: list[tuple[int, int, int, int]] = []
+    for e in extents:
+        lo, ph, n, fl = int(e[0]), int(e[1]), int(e[2]), int(e[3]) & ~_IGNORED_FLAGS
+        if lo >= size:
+            continue
+        if out and out[-1][3] == fl and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == ph:
+            p = out[-1]
+            out[-1] = (p[0], p[1], p[2] + n, fl)
+        else:
+            out.append((lo, ph, n, fl))
+    return out
+
+
+def current_extents(fd: int, name: str) -> list[tuple[int, int, int, int]]:
+    """The file's extents now (FIEMAP without SYNC: dirty data shows as delalloc, so it differs from a map)."""
+    reader = getattr(_local, "fiemap", None)
+    if reader is None:
+        reader = _local.fiemap = FiemapReader(sync=False)
+    return reader(fd, name)
 
 
 class MappedFiles:
     """Per-file verdicts for one backend: `why[key]` is None (read raw), a reason (read through the
-    filesystem), or absent (not checked yet). `check_stale=False` trusts the map's freshness (read-only data)."""
+    filesystem), or absent (not checked yet). `source` is where raw reads go; `self.source` is the same
+    path with the base the system gives (see `window`). `check_stale=False` trusts the map's freshness
+    (data that cannot change); the record's own checks (raw-readable, inside the device) still apply."""
 
-    def __init__(self, bmap: BlockMap, fallback: bool = True, check_stale: bool = True) -> None:
+    def __init__(self, bmap: BlockMap, source: RawSource, fallback: bool = True, check_stale: bool = True) -> None:
         self.bmap = bmap
         self.fallback = fallback
         self.check_stale = check_stale
+        self.window = window(bmap, source)
+        self.source = RawSource(source.path, self.window.base)
         self.why: dict[str, str | None] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -38,33 +125,62 @@ class MappedFiles:
         """Why `key` must be read through the filesystem (None: raw), checked on first use."""
         why = self.why.get(key, UNCHECKED)
         if why == UNCHECKED:
-            why = self._verdict(key)
+            self.check_many([key])
+            why = self.why[key]
+        return why
+
+    def precheck(self, key: str) -> str | None:
+        """What the record alone says against a raw read (not raw-readable; an extent outside the filesystem's
+        device), without touching the file; stored as the verdict when it says something."""
+        r = self.bmap.files[key]
+        why = None
+        size = r["size"]
+        if not r["raw_readable"]:
+            why = f"not raw-readable ({r.get('reason')})"
+        elif self.window.size is not None:
+            end = self.window.size
+            if any(e[1] < 0 or e[1] + min(e[2], size - e[0]) > end for e in r["extents"] if e[0] < size):
+                why = f"its map points outside the filesystem's device ({end} bytes): edited or not this device"
+        if why is not None:
             self.why[key] = why
         return why
 
-    def _verdict(self, key: str) -> str | None:
-        e = self.bmap.entry(key)
-        if not e.raw_readable:
-            return f"not raw-readable ({e.reason})"
-        if not self.check_stale:
-            return None
+    def _stale(self, key: str) -> str | None:
         stale = self.bmap.stale_reason(key)
         return f"changed since it was mapped ({stale})" if stale else None
 
+    def _compare(self, key: str, r: dict[str, Any], fd: int) -> str | None:
+        """The verdict of an open file: its stat and its extents now against its record."""
+        try:
+            st = os.fstat(fd)
+            if st.st_size != r["size"] or st.st_ino != r["inode"] or st.st_mtime_ns != r["mtime_ns"]:
+                return self._stale(key) or "changed since it was mapped (replaced while checked)"
+            now = current_extents(fd, key)
+        except OSError as exc:
+            return f"changed since it was mapped (cannot map it now: {exc.strerror})"
+        if _runs(now, r["size"]) != _runs(r["extents"], r["size"]):
+            return f"changed since it was mapped ({MOVED})"
+        return None
+
     def check_many(self, keys: Iterable[str]) -> None:
-        """Verdicts of `keys` (one stat each when unchanged: the lean form of `reason`, for batches)."""
-        files, root, stat_ = self.bmap.files, self.bmap.root + "/", os.stat
+        """Verdicts of `keys`: open through the filesystem, fstat, one FIEMAP, close (for batches: the
+        blockdev backend runs this on a small pool beside its data reads)."""
+        files, root, open_, close = self.bmap.files, self.bmap.root + "/", os.open, os.close
         for k in keys:
-            r = files[k]
-            if not r["raw_readable"] or not self.check_stale:
-                self.reason(k)
+            if self.precheck(k) is not None:
+                continue
+            if not self.check_stale:
+                self.why[k] = None
                 continue
             try:
-                st = stat_(root + k)
-                same = st.st_size == r["size"] and st.st_ino == r["inode"] and st.st_mtime_ns == r["mtime_ns"]
-            except OSError:
-                same = False
-            self.why[k] = None if same else self._verdict(k)
+                fd = open_(root + k, _OPEN)
+            except OSError as exc:
+                self.why[k] = self._stale(k) or f"changed since it was mapped (cannot open it now: {exc.strerror})"
+                continue
+            try:
+                self.why[k] = self._compare(k, files[k], fd)
+            finally:
+                close(fd)
 
     def changed(self, key: str) -> bool:
         """Whether the file was found changed since mapping (False until checked)."""

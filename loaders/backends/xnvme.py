@@ -221,12 +221,12 @@ class XnvmeBmapBackend(Backend):
         from loaders.backends.mapped import MappedFiles
         from loaders.bmap import BlockMap
 
+        load_capi()  # a missing libxnvme is reported before anything else
         super().__init__(threads)
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
-        src = self.bmap.source(device_path)
-        self.base = src.base
-        self.xnvme = XnvmeBackend(device_uri=src.path, threads=threads, be=be, sync=sync)
-        self.guard = MappedFiles(self.bmap, fallback, check_stale)
+        self.guard = MappedFiles(self.bmap, self.bmap.source(device_path), fallback, check_stale)
+        self.base = self.guard.source.base  # from the system, not from the map
+        self.xnvme = XnvmeBackend(device_uri=self.guard.source.path, threads=threads, be=be, sync=sync)
 
     def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
         from loaders.errors import FormatError

@@ -8,6 +8,7 @@ and its checksum are defined once, in `loaders.bmap`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import itertools
@@ -53,6 +54,7 @@ class BmapSummary:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> files not raw-readable (or not in the seed)
     seconds: float = 0.0
     skipped_path: Path | None = None  # seed format: the side file listing skipped files with reasons
+    vanished: list[str] = field(default_factory=list)  # keys deleted between listing and mapping: left out
 
     @property
     def files_per_s(self) -> float:
@@ -66,6 +68,16 @@ class BmapSummary:
             f"{self.files} files, {self.bytes} bytes, {self.extents} extents; "
             f"{self.raw_readable} raw-readable; skipped: {skipped}; "
             f"{self.files_per_s:,.0f} files/s -> {self.output}"
+        )
+
+    def warning(self) -> str | None:
+        """The line to show when files vanished while the tree was mapped (else None)."""
+        if not self.vanished:
+            return None
+        n = len(self.vanished)
+        return (
+            f"{n} file(s) deleted while the tree was mapped, left out of the map (first: {self.vanished[0]}); "
+            "re-run `prep bmap` once the tree is settled if they come back"
         )
 
 
@@ -98,7 +110,8 @@ def _listing(
                     elif entry.is_file(follow_symlinks=False):  # d_type: symlinks, fifos, devices left out
                         names.append(entry.name)
         except OSError as err:
-            if os.path.basename(full) == "lost+found":  # fsck's root-only folder on ext4: never data
+            # lost+found: fsck's root-only folder on ext4, never data; ENOENT: removed after it was listed
+            if os.path.basename(full) == "lost+found" or err.errno == errno.ENOENT:
                 continue
             raise UsageError(f"{full}: cannot list ({err.strerror}); fix its permissions or --exclude it") from None
         prefix = rel_dir + "/" if rel_dir else ""
@@ -111,9 +124,16 @@ def _listing(
         for name in sorted(subdirs, reverse=True):  # popped in name order
             rel = prefix + name
             # another filesystem mounted here has its own device: its addresses would be wrong in this map
-            if not (exc and exc(rel)) and os.stat(os.path.join(full, name), follow_symlinks=False).st_dev == root_dev:
+            if not (exc and exc(rel)) and _same_device(os.path.join(full, name), root_dev):
                 keep.append(rel)
         stack.extend(keep)
+
+
+def _same_device(path: str, dev: int) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_dev == dev
+    except FileNotFoundError:  # removed after it was listed
+        return False
 
 
 def walk(
@@ -175,6 +195,7 @@ class _Mapped:
     extents: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     denied: list[tuple[str, str]] = field(default_factory=list)
+    vanished: list[str] = field(default_factory=list)  # listed, then gone before it was opened (deleted)
     # (first key, last key, '"key":record,...') per task, joined where the files were mapped: the parent of
     # worker processes only orders the pieces (see _ordered)
     pieces: list[tuple[str, str, str]] = field(default_factory=list)
@@ -187,6 +208,7 @@ class _Mapped:
         self.extents += other.extents
         self.skipped.update(other.skipped)
         self.denied += other.denied
+        self.vanished += other.vanished
 
 
 _readers = threading.local()  # one FiemapReader (one ioctl buffer) per thread, in each worker process
@@ -203,7 +225,10 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
     try:
         dfd = os.open(os.path.join(root, rel_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
-        out.denied = [(prefix + n, err.strerror or "?") for n in names]
+        if err.errno == errno.ENOENT:  # the folder was removed after it was listed
+            out.vanished = [prefix + n for n in names]
+        else:
+            out.denied = [(prefix + n, err.strerror or "?") for n in names]
         return out
     open_, fstat, close, isreg, classify_ = os.open, os.fstat, os.close, stat.S_ISREG, classify
     buf, head, ioctl, first = extents_of.buffer, extents_of.header, fcntl.ioctl, extents_of.unpack_first
@@ -215,7 +240,10 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
             try:
                 fd = open_(name, _OPEN_FLAGS, dir_fd=dfd)
             except OSError as err:
-                out.denied.append((prefix + name, err.strerror or "?"))
+                if err.errno == errno.ENOENT:  # deleted after it was listed: not part of the tree any more
+                    out.vanished.append(prefix + name)
+                else:
+                    out.denied.append((prefix + name, err.strerror or "?"))
                 continue
             try:
                 st = fstat(fd)
@@ -286,7 +314,7 @@ def _map_all(
     def collect(part: _Mapped) -> None:
         total.add(part)
         if progress is not None:
-            progress(len(part.keys) + len(part.denied))
+            progress(len(part.keys) + len(part.denied) + len(part.vanished))
 
     if workers <= 1:
         for rel_dir, names in itertools.chain(head, rest):
@@ -427,6 +455,7 @@ def build_bmap(
     )
     n = len(mapped.keys)
     summary = BmapSummary(output, fmt, files=n, bytes=mapped.bytes, extents=mapped.extents)
+    summary.vanished = sorted(mapped.vanished)
     data = encode_document_with_files(header(root, info), files_json(mapped))
     try:
         if fmt == "full":

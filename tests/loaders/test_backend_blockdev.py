@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pickle
 import random
@@ -205,3 +207,134 @@ def test_grown_file_is_read_through_the_filesystem(make_loopfs: Callable[..., An
         assert bytes(got[1]) == (fs.mountpoint / "b").read_bytes()
         with pytest.raises(BackendError, match="short read"):
             b.read([ReadRequest("b", 10, 4096), ReadRequest("a", 0, 1)])  # b did not grow: past its end
+
+
+def _fill_free_space(mnt: Path, byte: int) -> None:
+    """Write `byte` into every free block of the filesystem (then delete the filler): blocks a file left
+    behind now hold other bytes."""
+    chunk = bytes([byte]) * MiB
+    with open(mnt / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:  # ENOSPC: every free block is taken
+            pass
+        with contextlib.suppress(OSError):
+            f.flush()
+        os.fsync(f.fileno())
+    (mnt / "filler").unlink()
+
+
+def _readers(out: Path, image: Path) -> list[Callable[[str, int], bytes]]:
+    """The raw readers of a map: the blockdev backend (one and many requests) and BmapSource."""
+    from loaders.dali import BmapSource
+
+    def one(key: str, n: int) -> bytes:
+        with BlockdevBackend(out, device_path=image, threads=1) as b:
+            return bytes(b.read([ReadRequest(key, 0, n)])[0])
+
+    def batch(key: str, n: int) -> bytes:
+        with BlockdevBackend(out, device_path=image, threads=4) as b:
+            return bytes(b.read([ReadRequest(key, 0, n), ReadRequest(key, 0, n)])[1])
+
+    def source(key: str, n: int) -> bytes:
+        folder, _, name = key.rpartition("/")
+        with BmapSource(out, batch_size=8, folder=folder.rpartition("/")[0], device_path=str(image)) as src:
+            (data, _labels) = next(iter(src))
+            return bytes(data[[p for p, _ in src.files].index(key.split("/", 1)[1])].tobytes())
+
+    return [one, batch, source]
+
+
+def test_defragmented_file_reads_its_current_bytes(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    from loaders.fiemap import fiemap
+
+    if shutil.which("e4defrag") is None:
+        pytest.skip("e4defrag missing (apt-get install e2fsprogs)")
+    fs = make_loopfs("ext4", size_mb=32)
+    mnt: Path = fs.mountpoint
+    (mnt / "train" / "a").mkdir(parents=True)
+    content = interleaved_appends(mnt, ["train/a/victim.jpg", "train/a/other.jpg"], rounds=12)
+    build_bmap(mnt, tmp_path / "m.json")
+    before, st0 = fiemap(mnt / "train/a/victim.jpg"), os.stat(mnt / "train/a/victim.jpg")
+    subprocess.run(["e4defrag", str(mnt / "train/a/victim.jpg")], check=True, capture_output=True)
+    st1 = os.stat(mnt / "train/a/victim.jpg")
+    if [e[:3] for e in fiemap(mnt / "train/a/victim.jpg")] == [e[:3] for e in before]:
+        pytest.skip("e4defrag left the file where it was")
+    # what makes this case dangerous: nothing a stat shows changed
+    assert (st1.st_size, st1.st_ino, st1.st_mtime_ns, st1.st_ctime_ns) == (
+        st0.st_size,
+        st0.st_ino,
+        st0.st_mtime_ns,
+        st0.st_ctime_ns,
+    )
+    _fill_free_space(mnt, 0xEE)  # the blocks the map points at now hold other bytes
+    want = content["train/a/victim.jpg"]
+    for read in _readers(tmp_path / "m.json", fs.image):
+        with pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):
+            assert read("train/a/victim.jpg", len(want)) == want, read.__name__
+
+
+def _edited_map(out: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    from loaders.bmap import encode_document
+
+    doc = json.loads(out.read_bytes())
+    edit(doc)
+    edited = out.with_name("edited.json")
+    edited.write_bytes(encode_document(doc))  # checksum recomputed: the map loads as valid
+    return edited
+
+
+def test_edited_map_never_reads_another_files_blocks(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    fs = make_loopfs("ext4", size_mb=32, offset=MiB)
+    mnt: Path = fs.mountpoint
+    (mnt / "train" / "a").mkdir(parents=True)
+    secret, mine = os.urandom(3 * 4096), os.urandom(3 * 4096)
+    (mnt / "train/a/secret.jpg").write_bytes(secret)
+    os.chmod(mnt / "train/a/secret.jpg", 0o600)
+    (mnt / "train/a/mine.jpg").write_bytes(mine)
+    build_bmap(mnt, tmp_path / "m.json")
+    files = json.loads((tmp_path / "m.json").read_bytes())["files"]
+    s_ph, m_ph = files["train/a/secret.jpg"]["extents"][0][1], files["train/a/mine.jpg"]["extents"][0][1]
+
+    def steal(doc: dict[str, Any]) -> None:  # mine's extents point at secret's blocks
+        doc["files"]["train/a/mine.jpg"]["extents"] = doc["files"]["train/a/secret.jpg"]["extents"]
+
+    def shift(doc: dict[str, Any]) -> None:  # the image offset moved so that mine's extent lands on secret's
+        doc["loop"]["offset"] += s_ph - m_ph
+
+    def beyond(doc: dict[str, Any]) -> None:  # an extent past the end of the filesystem's device
+        doc["files"]["train/a/mine.jpg"]["extents"][0][1] = 1 << 40
+
+    for edit in (steal, shift, beyond):
+        edited = _edited_map(tmp_path / "m.json", edit)
+        for read in _readers(edited, fs.image):
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                try:
+                    got = read("train/a/mine.jpg", len(mine))
+                except BackendError as exc:  # refused is fine, wrong bytes are not
+                    assert "mine.jpg" in str(exc) or str(fs.image) in str(exc), exc
+                    continue
+            assert got == mine, (edit.__name__, read.__name__, got == secret[: len(got)])
+
+
+def test_raw_open_errors_tell_root_nothing_about_becoming_root(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (and setpriv) to try both sides")
+    with pytest.raises(BackendError) as err:
+        RawDevice(str(tmp_path / "no-such-image")).fd()
+    assert "no-such-image" in str(err.value) and "root or the disk group" not in str(err.value)
+    (tmp_path / "img").write_bytes(bytes(4096))
+    os.chmod(tmp_path / "img", 0o600)
+    os.chmod(tmp_path, 0o755)
+    code = f"from loaders.backends.blockdev import RawDevice\nRawDevice({str(tmp_path / 'img')!r}).fd()"
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code]
+    proc = subprocess.run(as_nobody, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 1 and "root or the disk group" in proc.stderr, proc.stderr

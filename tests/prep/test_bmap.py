@@ -377,3 +377,35 @@ def test_preformatted_files_encode_as_the_whole_document() -> None:
         data = encode_document_with_files(header, files_json(m))
         assert data == encode_document(whole)
         assert decode_document(data) == whole
+
+
+@pytest.mark.loopdev
+def test_file_deleted_while_mapping_is_left_out_and_counted(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    fs = make_loopfs("ext4")
+    folder = fs.mountpoint / "many"
+    folder.mkdir()
+    for i in range(300):  # more than one mapping batch: the folder is listed once, mapped in two batches
+        (folder / f"f{i:03d}").write_bytes(b"x" * 100)
+    doomed = folder / "f299"
+
+    def delete_once(n: int) -> None:  # after the first batch is mapped, before the second is opened
+        if doomed.exists():
+            doomed.unlink()
+
+    summary = build_bmap(fs.mountpoint, tmp_path / "m.json", workers=1, progress=delete_once)
+    assert summary.vanished == ["many/f299"] and summary.files == 299
+    assert "1 file(s) deleted while the tree was mapped" in (summary.warning() or "")
+    assert "many/f299" not in BlockMap.load(tmp_path / "m.json") and "many/f298" in BlockMap.load(tmp_path / "m.json")
+
+
+def test_cli_bmap_progress_lines_without_a_tty(tmp_path: Path) -> None:
+    (tmp_path / "t").mkdir()
+    for i in range(3):
+        (tmp_path / "t" / f"{i}.bin").write_bytes(b"y" * 10)
+    result = runner.invoke(
+        app, ["bmap", "--mountpoint", str(tmp_path / "t"), "--allow-subdir", "--output", str(tmp_path / "m.json")]
+    )
+    if result.exit_code == 1 and "mappable" in result.output + str(result.stderr if result.stderr_bytes else ""):
+        pytest.skip("tmp_path is not on a mappable filesystem")
+    assert result.exit_code == 0, result.output
+    assert "prep bmap: 3 files" in result.stderr and "3 files, 30 bytes" in result.stdout
