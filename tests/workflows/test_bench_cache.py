@@ -1,31 +1,39 @@
-"""Smoke test of workflows.bench_cache at tiny sizes, so the benchmark cannot rot (no timing asserted)."""
+"""Smoke tests of the `cache` and `cache-scale` scenarios at tiny sizes (no timing asserted)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from loaders.format import PreparedCache
-from workflows import bench_cache
+from workflows import benchmark
+
+
+def _rows(out: Path) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {r["name"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
 
 
 @pytest.mark.slow
 def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result = bench_cache.run(
-        count=3, size=16, workers=1, index_items=2000, pipeline=bench_cache.DEFAULT_PIPELINE, out=tmp_path,
-        processes=False, rounds=2,
-    )  # fmt: skip
-    assert result["prep"]["items"] == result["persistent"]["items"] == 3  # the rounds' parts add up
-    assert result["persistent"]["items_per_s"] > 0 and result["prep"]["items_per_s"] > 0
-    assert result["speedup_vs_persistent"] > 0 and result["speedup_vs_persistent_1_thread"] > 0
-    assert result["persistent_1_thread"]["torch_threads"] == 1
-    assert result["persistent_dataloader"]["loader_workers"] == 1 and result["speedup_vs_persistent_dataloader"] > 0
-    assert result["prep"]["mode"] == "threads" and len(result["load_before"]) == 3
-    assert result["prep"]["cpu_ms_per_item"] > 0 and result["persistent_dataloader"]["cpu_ms_per_item"] > 0
-    assert 1.0 <= result["disk_over_tensor_bytes"] < 1.5  # only alignment padding over the tensor bytes
-    assert result["open"]["n_items"] == 2000
-    index = PreparedCache(tmp_path / "index")
+    argv = ["cache", "--count", "3", "--size", "16", "--scaling", "1,2", "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 0, capsys.readouterr().out
+    rows = _rows(tmp_path)
+    for name in ("PersistentDataset first pass", "PersistentDataset first pass, DataLoader 2 workers",
+                 "prep cache, 1 threads", "prep cache, 2 threads"):  # fmt: skip
+        assert rows[name]["items"] == 3 and rows[name]["extra"]["CPU ms/item"] > 0, rows
+    prep = rows["prep cache, 2 threads"]
+    assert prep["x_peer"] > 0 and 1.0 <= prep["extra"]["disk/tensor bytes"] < 1.5  # only alignment padding
+    assert "x peer: against PersistentDataset first pass (prepare)" in capsys.readouterr().out
+
+
+def test_bench_cache_scale_smoke(tmp_path: Path) -> None:
+    argv = ["cache-scale", "--items", "2000", "--sample", "500", "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert rows["open PreparedCache"]["extra"]["ms"] > 0
+    assert rows["index lookup (entries)"]["items"] == 500 and rows["PreparedDataset[i], warm"]["extra"]["us/item"] > 0
+    index = PreparedCache(tmp_path / "work" / "cache-scale-2000")
     assert len(index) == 2000 and index.entries(1999)[1].key == "label"
-    assert index.meta(1234)["source"]["image"].endswith("case_0001234.nii.gz")
-    assert "PersistentDataset first pass" in capsys.readouterr().out
+    assert index.meta(1234)["source"]["image"] == "case_0001234.nii.gz"

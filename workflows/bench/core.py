@@ -94,15 +94,18 @@ class Rows:
         try:
             got = job()
         except (Unavailable, PrepError) as exc:  # PrepError: this data lacks what the way needs (one line)
-            why = (str(exc).splitlines() or [type(exc).__name__])[0].removeprefix(f"{label}: ")
-            self.skipped.append((label, why))
-            print(f"  unavailable: {label}: {why}", flush=True)  # the one line a way that cannot run prints
+            self.skip(label, (str(exc).splitlines() or [type(exc).__name__])[0].removeprefix(f"{label}: "))
             return []
         made = got if isinstance(got, list) else [got]
         for result in made:
             self.results.append(result)
             print(f"  {result.name}: {result.items_per_s:.1f} items/s, {result.gb_per_s:.3f} GB/s", flush=True)
         return made
+
+    def skip(self, label: str, why: str) -> None:
+        """Keep (and print) that `label` cannot run here, and why."""
+        self.skipped.append((label, why))
+        print(f"  unavailable: {label}: {why}", flush=True)
 
     def extend(self, other: Rows) -> None:
         """Append another scenario's rows (for `all`)."""
