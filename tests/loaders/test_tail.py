@@ -12,56 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("monai.transforms")
 
+from tailutil import K, assert_same, batched, make_batch, reference  # noqa: E402
+
 from loaders.errors import PrepError  # noqa: E402
 from loaders.tail import BatchedTail, batched_names  # noqa: E402
-
-
-def make_batch(n: int = 4, spatial: tuple[int, ...] = (20, 22, 20), seed: int = 0) -> dict[str, Any]:
-    """Images (float32, 1 channel) with spheres and their uint8 labels."""
-    g = torch.Generator().manual_seed(seed)
-    image = torch.rand((n, 1, *spatial), generator=g)
-    grids = torch.meshgrid(*[torch.arange(s, dtype=torch.float32) for s in spatial], indexing="ij")
-    label = torch.zeros((n, 1, *spatial), dtype=torch.uint8)
-    for i in range(n):
-        centre = [s * (0.3 + 0.1 * i) for s in spatial]
-        dist = sum((gr - c) ** 2 for gr, c in zip(grids, centre))
-        label[i, 0] = (dist < (min(spatial) / 4) ** 2).to(torch.uint8)
-        image[i, 0] += 2.0 * label[i, 0]
-    return {"image": image, "label": label}
-
-
-def reference(transforms: list[Any], batch: dict[str, Any], seed: int) -> dict[str, Any]:
-    """MONAI's way: the chain item by item, then list_data_collate."""
-    from monai.data import list_data_collate
-
-    chain = mt.Compose(copy.deepcopy(transforms))
-    chain.set_random_state(seed)
-    n = batch["image"].shape[0]
-    outs: list[Any] = []
-    for i in range(n):
-        out = chain({k: v[i].clone() for k, v in batch.items()})
-        outs.append(out)
-    collated = list_data_collate(outs)
-    return {k: v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v for k, v in collated.items()}
-
-
-def batched(transforms: list[Any], batch: dict[str, Any], seed: int) -> tuple[dict[str, Any], BatchedTail]:
-    tail = BatchedTail(copy.deepcopy(transforms))
-    tail.set_random_state(seed)
-    return tail({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}), tail
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any], keys: tuple[str, ...] = ("image", "label"), atol=0.0):
-    for k in keys:
-        assert got[k].dtype == want[k].dtype, (k, got[k].dtype, want[k].dtype)
-        assert got[k].shape == want[k].shape, (k, got[k].shape, want[k].shape)
-        if atol == 0.0:
-            assert torch.equal(got[k], want[k]), (k, (got[k].float() - want[k].float()).abs().max())
-        else:
-            torch.testing.assert_close(got[k].float(), want[k].float(), atol=atol, rtol=0)
-
-
-K = ["image", "label"]
 
 EXACT = {
     "spatial_crop": [mt.RandSpatialCropd(K, roi_size=(12, 10, 16))],
@@ -252,5 +206,5 @@ def test_import_loaders_stays_light() -> None:
 
 def test_batched_names_cover_the_issue_list() -> None:
     want = {"RandCropByPosNegLabeld", "RandSpatialCropd", "RandSpatialCropSamplesd", "RandFlipd", "RandRotate90d"}
-    want |= {"RandScaleIntensityd", "RandShiftIntensityd", "RandGaussianNoised"}
+    want |= {"RandScaleIntensityd", "RandShiftIntensityd", "RandGaussianNoised", "RandAffined"}
     assert want <= set(batched_names())

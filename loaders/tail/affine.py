@@ -1,0 +1,123 @@
+"""Batched RandAffined: each item's matrix drawn and built by MONAI, one grid_sample for the batch.
+
+MONAI's conventions, kept: the identity grid is centred voxel coordinates (`create_grid`), the item's
+matrix (float32, as `AffineGrid` casts it) maps output to input voxels, rows are reversed into grid_sample's
+(x, y, z) order and scaled by 2 / max(2, size) (`norm_coords`, align_corners=False), the resampling runs in
+the resampler's dtype (float64 by default) and the output is float32, also for items that were not resampled.
+Only the torch grid_sample modes (bilinear/nearest/bicubic; zeros/border/reflection) are batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from loaders.tail.batched import TailBatch, keys_of
+
+
+def _modes(t: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:
+    """grid_sample's (mode, padding_mode) for each key, or None where MONAI would not use grid_sample."""
+    from monai.config import USE_COMPILED
+    from monai.transforms.utils import resolves_modes
+    from monai.utils import TransformBackends
+
+    out = []
+    for _key, mode, padding in t.key_iterator({k: None for k in keys}, t.mode, t.padding_mode):
+        backend, interp, pad, _ = resolves_modes(mode, padding, backend=None, use_compiled=USE_COMPILED)
+        if USE_COMPILED or backend != TransformBackends.TORCH:
+            return None
+        out.append((interp, pad))
+    return out
+
+
+def _item_matrix(t: Any, sp_size: tuple[int, ...]) -> Any:
+    """The matrix MONAI's AffineGrid builds from the parameters just drawn (float32, as it casts it)."""
+    import torch
+
+    grid = t.rand_affine.rand_affine_grid
+    # RandAffined calls its grid with the default randomize=True, so MONAI draws the parameters a second time
+    # here; lazy=True builds and stores the matrix only, not the grid
+    grid(sp_size, randomize=True, lazy=True)
+    return torch.as_tensor(grid.get_transformation_matrix()).to(torch.float32)
+
+
+def _grids(t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...], device: Any) -> Any:
+    """Normalised sampling grids (m, *sp_size, nd) for grid_sample, one matrix per item."""
+    import torch
+    from monai.transforms.utils import create_grid
+
+    cached = t.rand_affine._cached_grid
+    identity = cached if cached is not None else create_grid(sp_size, device=device, backend="torch")
+    identity = torch.as_tensor(identity).to(device=device, dtype=torch.float32)
+    nd = len(sp_size)
+    flat = torch.matmul(mats.to(device), identity.reshape(nd + 1, -1))  # (m, nd+1, V)
+    coords = flat[:, list(range(nd - 1, -1, -1))]  # reversed: grid_sample wants (x, y, z) = (W, H, D)
+    coords = coords.to(_resample_dtype(t))
+    scale = torch.tensor([2.0 / max(2, d) for d in reversed(in_size)], dtype=coords.dtype, device=device)
+    coords = coords * scale.view(1, nd, 1)
+    return coords.movedim(1, -1).reshape(mats.shape[0], *sp_size, nd)
+
+
+def _resample_dtype(t: Any) -> Any:
+    """The dtype MONAI's Resample converts the image and grid to (float64 unless set)."""
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    dtype = t.rand_affine.resampler.dtype
+    return get_equivalent_dtype(dtype, torch.Tensor) if dtype is not None else torch.float64
+
+
+def rand_affine(t: Any, batch: TailBatch) -> bool:
+    """RandAffined: per-item draws and matrices from MONAI, then one grid_sample per key over the batch."""
+    import torch
+    from monai.utils import fall_back_tuple
+
+    keys = keys_of(t, batch)
+    if not keys:
+        return True  # MONAI draws nothing when none of its keys is present
+    shapes = {tuple(batch.data[k].shape[2:]) for k in keys if batch.is_batched(k)}
+    modes = _modes(t, keys)
+    resampler = t.rand_affine.resampler
+    if len(shapes) != 1 or any(not batch.is_batched(k) for k in keys) or modes is None or t.lazy:
+        return False
+    if not resampler.norm_coords:
+        return False
+    in_size = shapes.pop()
+    sp_size = tuple(int(s) for s in fall_back_tuple(t.rand_affine.spatial_size, in_size))
+    eye = torch.eye(len(sp_size) + 1, dtype=torch.float32)
+    chosen, mats = [], []
+    for i in range(batch.n):
+        t.randomize(None)
+        t.rand_affine.randomize()
+        if t._do_transform:
+            chosen.append(i)
+            mats.append(_item_matrix(t, sp_size))
+        elif sp_size != in_size:  # only the output size changes: the identity grid resamples
+            chosen.append(i)
+            mats.append(eye)
+        if chosen and chosen[-1] == i:
+            # MONAI then resamples each key through RandAffine.__call__(..., randomize=True, grid): the grid
+            # is given, but the call draws once more per key, which moves the stream for the next item
+            for _ in keys:
+                t.rand_affine.randomize()
+    if not chosen:
+        for k in keys:
+            batch.data[k] = batch.data[k].to(torch.float32)
+        return True
+    device = batch.data[keys[0]].device
+    grids = _grids(t, torch.stack(mats), sp_size, in_size, device)
+    dtype = _resample_dtype(t)
+    align = resampler.align_corners
+    for k, (interp, pad) in zip(keys, modes):
+        x = batch.data[k]
+        index = torch.as_tensor(chosen, dtype=torch.long, device=device)
+        src = x.index_select(0, index) if len(chosen) < batch.n else x
+        out = torch.nn.functional.grid_sample(
+            src.to(dtype), grids, mode=interp, padding_mode=pad, align_corners=align
+        ).to(torch.float32)
+        if len(chosen) < batch.n:  # the others keep their values, as float32 (MONAI converts them too)
+            full = x.to(torch.float32, copy=True)
+            full[index] = out
+            out = full
+        batch.data[k] = out
+    return True
