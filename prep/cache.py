@@ -36,7 +36,7 @@ from loaders.format import (
     write_manifest,
     write_meta,
 )
-from prep.cluster import ClusterStarter, Progress, batch_size_for, run_tasks, torch_threads_for
+from prep.cluster import ClusterStarter, Progress, batch_size_for, check_security, run_tasks, torch_threads_for
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, load_pipeline
@@ -125,13 +125,15 @@ def prepare_cache(
     processes: bool = False,
     batch_size: int | None = None,
     progress: Progress | None = None,
+    security: Any = None,
 ) -> CacheSummary:
     """Run the pipeline's deterministic head over the datalist on dask and commit a prepared cache.
 
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
     The local cluster runs `workers` threads in this process (`processes=True`: one process per worker);
-    either way each task gets cores / workers torch threads.
+    either way each task gets cores / workers torch threads. `security` (a distributed.security.Security) is
+    required for a tls:// `scheduler`.
     """
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
@@ -139,6 +141,7 @@ def prepare_cache(
     for path, what in ((Path(datalist), "datalist"), (Path(pipeline), "pipeline file")):
         if not path.is_file():
             raise UsageError(f"{path}: {what} not found")
+    check_security(scheduler, security)
     root = Path(output)
     check_output(root)
     # a committed cache is usually up to date (or stale): no cluster for it unless work turns out to be needed
@@ -147,7 +150,7 @@ def prepare_cache(
         stack.enter_context(CacheLock(root))
         starter = None
         if early:
-            starter = stack.enter_context(ClusterStarter(workers, scheduler, processes, pipeline, bundle_key))
+            starter = stack.enter_context(ClusterStarter(workers, scheduler, processes, pipeline, bundle_key, security))
         pipe = load_pipeline(pipeline, bundle_key)
         items = load_datalist(datalist, sections)
         plan = _plan(pipe, Path(datalist), items, sections)
@@ -156,7 +159,9 @@ def prepare_cache(
         if manifest is not None:
             summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
         else:
-            run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress)
+            run = _Run(
+                root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress, security
+            )
             summary = _prepare(run, stack, starter, t0)
         if verify:
             summary.bad = verify_cache(root)
@@ -177,6 +182,7 @@ class _Run:
     shard_size: int
     batch_size: int | None
     progress: Progress | None
+    security: Any = None
 
 
 def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float) -> CacheSummary:
@@ -188,7 +194,9 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if run.progress:
         run.progress(0, len(todo))
     if todo:
-        starter = starter or stack.enter_context(ClusterStarter(run.workers, run.scheduler, run.processes))
+        starter = starter or stack.enter_context(
+            ClusterStarter(run.workers, run.scheduler, run.processes, security=run.security)
+        )
         threads = torch_threads_for(run.workers, run.scheduler)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
                         run.shard_size, uuid.uuid4().hex[:8], threads)  # fmt: skip

@@ -194,19 +194,31 @@ def cache_cmd(
     output: Annotated[Path, typer.Option(help="Cache folder to create or resume.")],
     workers: Annotated[int, typer.Option(help="Local dask workers (threads; cores shared among them).")] = 2,
     processes: Annotated[bool, typer.Option(help="Local workers as processes (isolates crashing transforms).")] = False,
-    scheduler: Annotated[str | None, typer.Option(help="Use an existing dask cluster: tcp://host:port.")] = None,
+    scheduler: Annotated[
+        str | None, typer.Option(help="Use an existing dask cluster: tcp://host:port, or tls://host:port (--tls-*).")
+    ] = None,
     shard_size: Annotated[int, typer.Option(help="Start a new shard file after this many bytes.")] = 1 << 30,
     force: Annotated[bool, typer.Option(help="Rebuild a cache made with another pipeline/datalist.")] = False,
     verify: Annotated[bool, typer.Option(help="Re-read and check every tensor after writing.")] = False,
     bundle_key: Annotated[str | None, typer.Option(help="Bundle config entry of the chain.")] = None,
     section: Annotated[list[str] | None, typer.Option(help="Datalist section(s) to prepare.")] = None,
+    tls_ca_file: Annotated[
+        Path | None, typer.Option(help="tls:// scheduler: the CA that signed its certificates.")
+    ] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="tls:// scheduler: this client's certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="tls:// scheduler: this client's private key (PEM).")] = None,
 ) -> None:
     """Run the deterministic head of a MONAI transform chain once, on dask, into a prepared cache.
 
     Example: prep cache demo/nifti/dataset.json --pipeline workflows/pipelines/spheres.py --output demo/cache
+
+    On a cluster: --scheduler tls://HOST:8786 --tls-ca-file ca.pem --tls-cert me.pem --tls-key me.key
     """
     from prep.cache import prepare_cache
+    from prep.cluster import scheduler_security
     from prep.progress import Progress
+
+    security = guarded(scheduler_security, scheduler, tls_ca_file, tls_cert, tls_key)
 
     with Progress(None, "prep cache", unit="items") as bar:
 
@@ -218,7 +230,7 @@ def cache_cmd(
         summary = guarded(
             prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
             force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
-            processes=processes, progress=progress,
+            processes=processes, progress=progress, security=security,
         )  # fmt: skip
     typer.echo("\n".join(summary.lines()))
     if summary.quarantined:

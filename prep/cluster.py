@@ -22,6 +22,46 @@ from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
 from prep.worker import TaskSpec, run_batch, warm
 
 Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
+TLS_OPTIONS = "--tls-ca-file, --tls-cert and --tls-key"
+
+
+def scheduler_security(
+    scheduler: str | None, ca_file: str | Path | None = None, cert: str | Path | None = None,
+    key: str | Path | None = None,
+) -> Any:  # fmt: skip
+    """A distributed `Security` for a tls:// scheduler from certificate files (None for tcp:// or local).
+
+    All three files are needed: the CA that signed the cluster's certificates, and this client's own
+    certificate and key (dask's TLS scheduler refuses clients without a certificate its CA signed).
+    """
+    given = {"--tls-ca-file": ca_file, "--tls-cert": cert, "--tls-key": key}
+    if not any(given.values()):
+        if scheduler and scheduler.startswith("tls://"):
+            raise UsageError(f"{scheduler}: a TLS scheduler needs {TLS_OPTIONS} (its CA, this client's certificate)")
+        return None
+    missing = [name for name, value in given.items() if not value]
+    if missing:
+        raise UsageError(f"TLS needs all of {TLS_OPTIONS}; missing {', '.join(missing)}")
+    for name, value in given.items():
+        if not Path(str(value)).is_file():
+            raise UsageError(f"{value}: {name} file not found")
+    if not (scheduler or "").startswith("tls://"):
+        raise UsageError(f"{TLS_OPTIONS} are for a tls:// scheduler; got --scheduler {scheduler or '(none)'}")
+    from distributed.security import Security
+
+    return Security(tls_ca_file=str(ca_file), tls_client_cert=str(cert), tls_client_key=str(key),
+                    require_encryption=True)  # fmt: skip
+
+
+def check_security(scheduler: str | None, security: Any) -> None:
+    """Refuse a Security for an unencrypted or local cluster (it would be silently unused or fail obscurely),
+    and a tls:// address without one."""
+    if security is None:
+        if scheduler and scheduler.startswith("tls://"):
+            raise UsageError(f"{scheduler}: a TLS scheduler needs a Security (CLI: {TLS_OPTIONS})")
+        return
+    if not (scheduler or "").startswith("tls://"):
+        raise UsageError(f"a Security was given for {scheduler or 'a local cluster'}; it applies to tls:// schedulers")
 
 
 def local_cores() -> int:
@@ -62,13 +102,29 @@ def worker_process_env(threads: int) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _connect(scheduler: str, security: Any) -> Any:
+    """A Client of an existing scheduler; a refused or unreachable one becomes one UsageError line."""
+    from distributed import Client
+
+    try:
+        return Client(scheduler, set_as_default=False, timeout="10s", security=security)
+    except (OSError, TimeoutError) as exc:
+        # a TLS scheduler refusing this client's certificate (or a plain tcp:// client) looks like a timeout
+        hint = f"; a tls:// scheduler also needs {TLS_OPTIONS} signed by its CA" if security is None else (
+            "; or the scheduler refused this certificate (not signed by its CA?)")  # fmt: skip
+        reason = " ".join(str(exc).split())[:200]
+        raise UsageError(
+            f"cannot reach the dask scheduler at {scheduler} ({reason}); check --scheduler{hint}"
+        ) from None
+
+
 class ClusterStarter:
     """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes), on a
     thread; then loads `pipeline` on every worker process. `client()` waits for it; use as a context manager."""
 
     def __init__(
         self, workers: int, scheduler: str | None, processes: bool = True, pipeline: str | Path | None = None,
-        bundle_key: str | None = None,
+        bundle_key: str | None = None, security: Any = None,
     ) -> None:  # fmt: skip
         self._stack = ExitStack()
         self._client: Any = None
@@ -79,21 +135,19 @@ class ClusterStarter:
             key = bundle_key or (DEFAULT_BUNDLE_KEY if path.suffix in BUNDLE_SUFFIXES else None)
             target = (str(path), key)
         self._thread = threading.Thread(
-            target=self._start, args=(workers, scheduler, processes, target), name="blockprep-cluster", daemon=True
+            target=self._start,
+            args=(workers, scheduler, processes, target, security),
+            name="blockprep-cluster",
+            daemon=True,
         )
         self._thread.start()
 
-    def _start(self, workers: int, scheduler: str | None, processes: bool, target: tuple | None) -> None:
+    def _start(self, workers: int, scheduler: str | None, processes: bool, target: tuple | None, security: Any) -> None:
         from distributed import Client, LocalCluster
 
         try:
             if scheduler:
-                try:
-                    client = Client(scheduler, set_as_default=False, timeout="10s")
-                except OSError as exc:
-                    raise UsageError(
-                        f"cannot reach the dask scheduler at {scheduler} ({exc}); check --scheduler"
-                    ) from exc
+                client = _connect(scheduler, security)
             else:
                 # in-process: no memory limit, since a worker inside the caller's process would pause (and the
                 # run hang) at a share of memory the caller's own data may already hold; task results are tiny

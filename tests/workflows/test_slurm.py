@@ -62,12 +62,17 @@ def test_jobqueue_dry_run_prints_the_worker_job(tmp_path: Path) -> None:
     pytest.importorskip("dask_jobqueue", reason="pip install 'blockprep[slurm]'")
     args = [sys.executable, str(SLURM / "prep_cache_jobqueue.py"), "data.json", "--pipeline", "p.py",
             "--output", str(tmp_path / "cache"), "--cores", "4", "--queue", "cpu", "--account", "proj",
-            "--job-extra=--constraint=nvme", "--dry-run"]  # fmt: skip
+            "--job-extra=--constraint=nvme", "--tls-dir", str(tmp_path / "tls"), "--dry-run"]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for directive in ("#SBATCH -p cpu", "#SBATCH -A proj", "#SBATCH --cpus-per-task=4", "#SBATCH --constraint=nvme"):
         assert directive in proc.stdout
     assert "dask_worker" in proc.stdout and not (tmp_path / "cache").exists()
+    # TLS by default: the worker gets this run's temporary certificate, written where only we can read it
+    assert "tls://" in proc.stdout and f"--tls-key {tmp_path / 'tls'}" in proc.stdout
+    assert (tmp_path / "tls").stat().st_mode & 0o777 == 0o700
+    plain = subprocess.run([*args, "--no-tls"], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "tls" not in plain.stdout.replace("--tls-dir", ""), plain.stderr
 
 
 @pytest.mark.slow  # stages a cache, maps it, trains one step: ~10 s
@@ -85,7 +90,7 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "SHARED_CACHE": str(shared),
         "SCRATCH_DIR": str(scratch), "DEVICE": "cpu", "ITERS": "1", "BATCHSIZE": "1", "PYTHON": sys.executable,
-        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "both",
+        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "both", "KEEP_SCRATCH": "1",
     }  # fmt: skip
     proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], capture_output=True, text=True, env=env,
                           cwd=SLURM.parents[1], timeout=300)  # fmt: skip
