@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
@@ -112,7 +113,7 @@ def _connect(scheduler: str, security: Any) -> Any:
         # a TLS scheduler refusing this client's certificate (or a plain tcp:// client) looks like a timeout
         hint = f"; a tls:// scheduler also needs {TLS_OPTIONS} signed by its CA" if security is None else (
             "; or the scheduler refused this certificate (not signed by its CA?)")  # fmt: skip
-        reason = " ".join(str(exc).split())[:200]
+        reason = re.sub(r"^in <[^>]*>: ", "", " ".join(str(exc).split()))[:200]  # drop the comm's repr
         raise UsageError(
             f"cannot reach the dask scheduler at {scheduler} ({reason}); check --scheduler{hint}"
         ) from None
