@@ -78,7 +78,7 @@ def rand_affine(t: Any, batch: TailBatch) -> bool:
     shapes = {tuple(batch.data[k].shape[2:]) for k in keys if batch.is_batched(k)}
     modes = _modes(t, keys)
     resampler = t.rand_affine.resampler
-    if len(shapes) != 1 or any(not batch.is_batched(k) for k in keys) or modes is None or t.lazy:
+    if len(shapes) != 1 or any(not batch.is_batched(k) for k in keys) or modes is None:
         return False
     if not resampler.norm_coords:
         return False

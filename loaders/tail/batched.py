@@ -73,7 +73,7 @@ class TailBatch:
     per_item: set[Hashable] = field(default_factory=set)  # passed-through lists with one entry per item
 
     @classmethod
-    def from_batch(cls, batch: Mapping[Hashable, Any], device: Any = None) -> TailBatch:
+    def from_batch(cls, batch: Mapping[Any, Any], device: Any = None) -> TailBatch:
         import torch
 
         data = {k: _plain(v) for k, v in batch.items()}
@@ -217,9 +217,19 @@ def _flatten(transform: Any) -> tuple[Any, list[Any]]:
         compose = Compose(list(transform))
     else:
         compose = Compose([transform])
-    if type(compose) is not Compose:  # OneOf / SomeOf / RandomOrder: one random choice per item
+    if type(compose) is not Compose or not _eager(compose):
+        # OneOf / SomeOf / RandomOrder (one random choice per item), lazy resampling (MONAI fuses the spatial
+        # transforms into one resample) or other item mapping: the whole chain runs per item through MONAI
         return compose, [compose]
     return compose, list(compose.flatten().transforms)
+
+
+def _eager(compose: Any) -> bool:
+    """Whether `compose` applies its transforms one after the other, eagerly, mapping list outputs."""
+    lazy = compose.lazy
+    if lazy is None:  # each transform's own flag decides
+        lazy = any(getattr(t, "lazy", False) is True for t in compose.flatten().transforms)
+    return lazy is False and compose.map_items in (True, 1) and not compose.unpack_items
 
 
 class BatchedTail:
@@ -247,7 +257,7 @@ class BatchedTail:
         self.transform.set_random_state(seed=seed, state=state)
         return self
 
-    def __call__(self, batch: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+    def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:
         tb = TailBatch.from_batch(batch, self.device)
         for t, handler in zip(self.transforms, self._handlers):
             tb.try_stack()

@@ -106,11 +106,12 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
     noise = torch.from_numpy(np.stack([np.asarray(drawn[i]) for i in chosen]))
     for k in keys:
         x = batch.data[k]
-        out = x.to(_out_dtype(x, drawn, t.rand_gaussian_noise.dtype), copy=True)
-        add = noise.to(out.device, out.dtype, non_blocking=True)
+        dtype = _out_dtype(x, drawn, t.rand_gaussian_noise.dtype)
+        add = noise.to(x.device, dtype, non_blocking=True)
         if len(chosen) == batch.n:
-            out += add
+            out = x.to(dtype) + add
         else:
+            out = x.to(dtype, copy=True)
             index = torch.as_tensor(chosen, dtype=torch.long, device=out.device)
             out.index_add_(0, index, add)
         batch.data[k] = out

@@ -208,3 +208,31 @@ def test_batched_names_cover_the_issue_list() -> None:
     want = {"RandCropByPosNegLabeld", "RandSpatialCropd", "RandSpatialCropSamplesd", "RandFlipd", "RandRotate90d"}
     want |= {"RandScaleIntensityd", "RandShiftIntensityd", "RandGaussianNoised", "RandAffined"}
     assert want <= set(batched_names())
+
+
+def test_one_of_inside_runs_per_item() -> None:
+    batch = make_batch()
+    chain = [
+        mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
+        mt.OneOf([mt.RandFlipd(K, prob=1.0, spatial_axis=0), mt.RandScaleIntensityd("image", factors=0.5, prob=1.0)]),
+        mt.RandFlipd(K, prob=0.5, spatial_axis=1),
+    ]
+    got, tail = batched(chain, batch, seed=4)
+    assert tail.fallbacks == ["OneOf"]
+    assert_same(got, reference(chain, batch, seed=4))
+
+
+def test_lazy_compose_runs_whole_chain_per_item() -> None:
+    """MONAI's lazy resampling fuses the crop and the affine into one resample: only MONAI itself gives that."""
+    batch = make_batch(n=3)
+    transforms = [
+        mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
+        mt.RandAffined(K, prob=1.0, rotate_range=0.3, mode=("bilinear", "nearest")),
+    ]
+    lazy = mt.Compose(copy.deepcopy(transforms), lazy=True)
+    tail = BatchedTail(lazy).set_random_state(3)
+    got = tail({k: v.clone() for k, v in batch.items()})
+    assert tail.fallbacks == ["Compose"]
+    want = mt.Compose(copy.deepcopy(transforms), lazy=True).set_random_state(3)
+    items = [want({k: v[i].clone() for k, v in batch.items()}) for i in range(3)]
+    torch.testing.assert_close(got["image"], torch.stack([it["image"].as_tensor() for it in items]))
