@@ -30,6 +30,8 @@ _LAZY = {
     "CacheSource": "loaders.dali",
     "FileSource": "loaders.dali",
     "PreparedBatches": "loaders.batches",
+    "collate": "loaders.batches",
+    "pad_collate": "loaders.batches",
     "PreparedDataset": "loaders.dataset",
     "PreparedPersistentDataset": "loaders.monai",
 }
@@ -59,5 +61,7 @@ __all__ = [
     "SchemaVersionError",
     "StaleError",
     "backend_names",
+    "collate",
     "get_backend",
+    "pad_collate",
 ]

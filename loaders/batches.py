@@ -77,6 +77,14 @@ class BatchReads:
     def _staged(self) -> bool:  # pragma: no cover - the dataset defines it
         raise NotImplementedError
 
+    def _roi_reads(self, item: int) -> list[Any]:  # pragma: no cover - the dataset defines it
+        raise NotImplementedError
+
+    def _regions(self, reads: list[Any]) -> list[Any]:  # pragma: no cover - the dataset defines it
+        raise NotImplementedError
+
+    roi: Any
+
     def _read(self, items: Sequence[int], stager: Any = None, slot: int = -1) -> _Batch:
         """One backend call for every selected tensor of `items`, into one buffer at aligned offsets.
 
@@ -136,14 +144,24 @@ class BatchReads:
         return view.view(torch_dtype(entry.dtype)).reshape(entry.shape)
 
     def iter_batches(
-        self, batch_size: int, prefetch: int = 2, shuffle: bool = False, seed: int = 0, drop_last: bool = False
+        self,
+        batch_size: int,
+        prefetch: int = 2,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool = False,
     ) -> Iterator[dict[str, Any]]:
         """Batches of stacked tensors, `prefetch` batches read ahead (each one backend call, all in flight).
 
         Yields {key: tensor (B, ...), "_items": item numbers, "_meta": [per-item meta] (when meta)}; keys of
-        equal-shaped, 4 KiB-multiple tensors are zero-copy views of the read buffer. Inside a DataLoader
-        worker, batches are split across workers (worker k takes batches k, k+n, ...). On a GPU without a
-        GPU backend, batches go through `prefetch + 1` pinned slots and async copies (double buffering)."""
+        equal-shaped, 4 KiB-multiple tensors are zero-copy views of the read buffer. A key whose tensors
+        differ in shape within the batch is a list of B tensors; with `pad=True` it is instead one
+        (B, *largest) tensor, each item zero-padded at the end of every dim, and `_shapes[key]` (B, ndim)
+        holds the items' own shapes. With `roi`, only each item's region is read (one region read per
+        batch, every request in flight). Inside a DataLoader worker, batches are split across workers
+        (worker k takes batches k, k+n, ...). On a GPU without a GPU backend, batches go through
+        `prefetch + 1` pinned slots and async copies (double buffering)."""
         import torch
 
         order = np.arange(len(self.items))
@@ -156,49 +174,135 @@ class BatchReads:
         if info is not None:
             chunks = chunks[info.id :: info.num_workers]
         stager = None
-        if self._staged():
+        if self._staged() and self.roi is None:
             from loaders.gpu import PinnedStager
 
             stager = PinnedStager(self.device, slots=prefetch + 1)
-        yield from self._pipeline(chunks, max(1, prefetch), stager)
+        yield from self._pipeline(chunks, max(1, prefetch), stager, pad)
 
-    def _pipeline(self, chunks: list[np.ndarray], prefetch: int, stager: Any) -> Iterator[dict[str, Any]]:
+    def _pipeline(self, chunks: list[np.ndarray], prefetch: int, stager: Any, pad: bool) -> Iterator[dict[str, Any]]:
         # Slot k % (prefetch + 1) is read into only after batch k - prefetch - 1 was uploaded out of it.
+        read = self._read_roi_batch if self.roi is not None else self._read
         with ThreadPoolExecutor(prefetch, thread_name_prefix="blockprep-prefetch") as pool:
-            pending: deque[Future[_Batch]] = deque()
+            pending: deque[Future[Any]] = deque()
             for k, chunk in enumerate(chunks):
                 slot = k % (prefetch + 1) if stager is not None else -1
-                pending.append(pool.submit(self._read, self.items[chunk], stager, slot))
+                pending.append(pool.submit(read, self.items[chunk], stager, slot))
                 if len(pending) > prefetch:
-                    yield self._collate(pending.popleft().result())
+                    yield self._collate(pending.popleft().result(), pad)
             while pending:
-                yield self._collate(pending.popleft().result())
+                yield self._collate(pending.popleft().result(), pad)
 
-    def _collate(self, batch: _Batch) -> dict[str, Any]:
+    def _read_roi_batch(self, items: Sequence[int], stager: Any = None, slot: int = -1) -> tuple[list[int], dict]:
+        """The regions of every item of a batch in one region read: (items, {key: [tensor per item]})."""
+        items = [int(i) for i in items]
+        per_item = [self._roi_reads(i) for i in items]
+        tensors = self._regions([r for reads in per_item for r in reads])
+        out: dict[str, list[Any]] = {}
+        at = 0
+        for reads in per_item:
+            for r in reads:
+                out.setdefault(r.entry.key, []).append(tensors[at])
+                at += 1
+        return items, out
+
+    def _collate(self, batch: _Batch | tuple[list[int], dict], pad: bool = False) -> dict[str, Any]:
         import torch
 
-        flat = self._flat_tensor(batch)
         out: dict[str, Any] = {}
-        for key in self.keys:
-            found = [
-                (e, o) for ents, offs in zip(batch.entries, batch.offsets) for e, o in zip(ents, offs) if e.key == key
-            ]
-            if not found:
-                continue
-            e0, o0 = found[0]
-            same = all(e.shape == e0.shape for e, _ in found) and e0.nbytes == align_up(e0.nbytes)
-            if same and len(found) == len(batch.items):
-                view = flat[o0 : o0 + e0.nbytes * len(found)]
-                out[key] = view.view(torch_dtype(e0.dtype)).reshape(len(found), *e0.shape)
-            elif all(e.shape == e0.shape for e, _ in found):
-                out[key] = torch.stack([self._tensor(flat, e, o) for e, o in found])
-            else:
-                out[key] = [self._tensor(flat, e, o) for e, o in found]
+        shapes: dict[str, Any] = {}
+        if isinstance(batch, _Batch):
+            items = batch.items
+            flat = self._flat_tensor(batch)
+            for key in self.keys:
+                found = [
+                    (e, o)
+                    for ents, offs in zip(batch.entries, batch.offsets)
+                    for e, o in zip(ents, offs)
+                    if e.key == key
+                ]
+                if not found:
+                    continue
+                e0, o0 = found[0]
+                same = all(e.shape == e0.shape for e, _ in found) and e0.nbytes == align_up(e0.nbytes)
+                if same and len(found) == len(items):  # back to back in the buffer: a zero-copy view
+                    view = flat[o0 : o0 + e0.nbytes * len(found)]
+                    out[key] = view.view(torch_dtype(e0.dtype)).reshape(len(found), *e0.shape)
+                else:
+                    out[key] = stack([self._tensor(flat, e, o) for e, o in found], pad, shapes, key)
+        else:
+            items, found_roi = batch
+            for key in self.keys:
+                if key in found_roi:
+                    out[key] = stack(found_roi[key], pad, shapes, key)
         result = unflatten(out)
-        result["_items"] = torch.as_tensor(batch.items)
+        result["_items"] = torch.as_tensor(items)
+        if shapes:
+            result["_shapes"] = shapes
         if self.meta:
-            result["_meta"] = [line_meta(self.cache.meta(i)) for i in batch.items]
+            result["_meta"] = [line_meta(self.cache.meta(i)) for i in items]
         return self.transform(result) if self.transform is not None else result
+
+
+def stack(tensors: list[Any], pad: bool, shapes: dict[str, Any] | None = None, key: str = "") -> Any:
+    """Equal shapes: one stacked tensor. Unequal: the list, or with `pad` one tensor of the largest shape
+    (each zero-padded at the end of every dim), the items' own shapes put in `shapes[key]` (B, ndim)."""
+    import torch
+
+    first = tensors[0]
+    if all(t.shape == first.shape for t in tensors):
+        return torch.stack(tensors)
+    if not pad or any(t.dim() != first.dim() for t in tensors):
+        return list(tensors)
+    size = [max(t.shape[d] for t in tensors) for d in range(first.dim())]
+    out = torch.zeros((len(tensors), *size), dtype=first.dtype, device=first.device)
+    for b, t in enumerate(tensors):
+        index: tuple[Any, ...] = (b, *(slice(0, n) for n in t.shape))
+        out[index] = t
+    if shapes is not None:
+        shapes[key] = torch.tensor([list(t.shape) for t in tensors])
+    return out
+
+
+def collate(batch: Sequence[Any], pad: bool = False) -> Any:
+    """A DataLoader `collate_fn` for items of unequal shapes (what `ds[i]` gives over real scans): the batch
+    form of `iter_batches` — equal shapes stacked, unequal ones a list of tensors, or with `pad` one
+    zero-padded tensor and `_shapes[key]`. Everything else goes through MONAI's `list_data_collate` (torch's
+    `default_collate` without MONAI), so MetaTensors and their meta collate as MONAI does."""
+    from torch.utils.data import default_collate
+
+    from loaders.deps import has
+
+    base = default_collate
+    if has("monai"):
+        from monai.data import list_data_collate
+
+        base = list_data_collate
+    first = batch[0]
+    if not isinstance(first, dict):
+        return base(list(batch))
+    out: dict[str, Any] = {}
+    shapes: dict[str, Any] = {}
+    rest = [{k: v for k, v in item.items() if not _unequal(batch, k)} for item in batch]
+    for key in first:
+        if _unequal(batch, key):
+            out[key] = stack([item[key] for item in batch], pad, shapes, key)
+    out.update(base(rest))
+    if shapes:
+        out["_shapes"] = shapes
+    return out
+
+
+def pad_collate(batch: Sequence[Any]) -> Any:
+    """`collate(batch, pad=True)`: unequal shapes zero-padded to the largest, their shapes in `_shapes`."""
+    return collate(batch, pad=True)
+
+
+def _unequal(batch: Sequence[Any], key: str) -> bool:
+    values = [item.get(key) for item in batch]
+    if not all(hasattr(v, "shape") and hasattr(v, "dim") for v in values):
+        return False
+    return any(v.shape != values[0].shape for v in values)
 
 
 class _BatchesCore:

@@ -319,20 +319,25 @@ class _DatasetCore(BatchReads):
         tensors = [torch.from_numpy(a) for a in arrays]
         return [t.to(self.device, non_blocking=True) for t in tensors] if self.on_gpu else tensors
 
-    def _read_roi(self, item: int) -> dict[str, Any]:
+    def _roi_reads(self, item: int) -> list[RegionRead]:
+        """The planned region reads of one item under `roi` (keys with fewer dims than the roi: whole)."""
         entries = [e for e in self.cache.entries(item) if e.key in self.keys]
         roi = self.roi
         if callable(roi):
             roi = roi(item, {e.key: e.shape for e in entries})
         reads = []
         for e in entries:
-            if roi is None or len(roi[0]) > len(e.shape):  # keys with fewer dims than the roi: whole
+            if roi is None or len(roi[0]) > len(e.shape):
                 start, shape = [0] * len(e.shape), list(e.shape)
             else:
                 lead = len(e.shape) - len(roi[0])
                 start = [0] * lead + list(roi[0])
                 shape = list(e.shape[:lead]) + list(roi[1])
             reads.append(plan_read(e, start, shape))
+        return reads
+
+    def _read_roi(self, item: int) -> dict[str, Any]:
+        reads = self._roi_reads(item)
         return {r.entry.key: t for r, t in zip(reads, self._regions(reads))}
 
 

@@ -4,7 +4,16 @@ with `split_output`; readers decode it with `restore_meta` / `meta_template` + `
 One meta line per item (JSON)::
 
     {"source": datalist entry, "section": datalist section,
-     "meta": {key: MetaTensor meta}, "applied_operations": {key: [...]}, "values": {key: non-tensor output}}
+     "meta": {key: MetaTensor meta}, "applied_operations": {key: [...]}, "values": {key: non-tensor output},
+     "typed": 1}
+
+With "typed", values keep their types through JSON (MONAI parity: a NIfTI header's int16/float32 fields,
+tensors in applied operations, tuples, MONAI enums): numpy arrays, numpy scalars, tensors, tuples and
+enums are written as small tagged objects ({"__nd__": dtype, "s": shape, "v": values}, ...) and come back
+as what they were. Lines without it (older caches) decode as before (numeric lists to numpy arrays).
+The ids of applied operations are reset
+to MONAI's TraceKeys.NONE, as MONAI's PersistentDataset does: an object id means nothing in another
+process (and would make meta.jsonl differ between identical runs).
 
 Each line key is named once, here. Everything heavy (torch, MONAI) is imported inside the functions.
 """
@@ -28,6 +37,10 @@ SECTION = "section"  # its datalist section ("training", ...)
 META = "meta"  # {flat key: MetaTensor meta (JSON)}
 OPS = "applied_operations"  # {flat key: MetaTensor applied_operations (JSON)}
 VALUES = "values"  # {flat key: non-tensor output of the head (JSON)}
+TYPED = "typed"  # 1: values are type-tagged (absent in caches written before)
+
+_ID = "id"  # MONAI TraceKeys.ID
+_NONE_ID = "none"  # MONAI TraceKeys.NONE's value: "do not match this operation to a transform by id"
 
 # MetaTensor meta keys that are not arrays although JSON stored them as lists
 _LIST_META = (OPS, "crop_center")
@@ -35,7 +48,8 @@ _LIST_META = (OPS, "crop_center")
 
 # --- encode (prep cache) ---
 def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Head output -> ({flat key: array}, meta line parts: per-key meta, applied operations, plain values)."""
+    """Head output -> ({flat key: array}, meta line parts: per-key meta, applied operations, plain values),
+    values type-tagged (see the module docstring)."""
     arrays: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {}
     ops: dict[str, Any] = {}
@@ -43,27 +57,65 @@ def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     for key, leaf in flatten(out).items():
         if hasattr(leaf, "detach"):  # torch.Tensor or MONAI MetaTensor
             if hasattr(leaf, "meta"):
-                meta[key] = to_jsonable(dict(leaf.meta))
-                jsonable_ops = _strict_jsonable(getattr(leaf, "applied_operations", []))
-                if jsonable_ops is not None:
-                    ops[key] = jsonable_ops
+                meta[key] = encode(dict(leaf.meta))
+                if _strict_jsonable(getattr(leaf, "applied_operations", [])) is not None:
+                    # tuples as lists: what MONAI's PersistentDataset gives back for a cached head's operations
+                    ops[key] = encode(_reset_ids(list(leaf.applied_operations), _trace_none()), tuples=False)
                 leaf = leaf.as_tensor()
             arrays[key] = np.ascontiguousarray(leaf.detach().cpu().numpy())
         elif isinstance(leaf, (np.ndarray, np.generic)):
             arrays[key] = np.ascontiguousarray(leaf)
         else:
-            values[key] = to_jsonable(leaf)
+            values[key] = encode(leaf)
     for key, array in arrays.items():
         try:
             dtype_code(array.dtype)
         except FormatError as exc:
             raise FormatError(f"output '{key}': {exc}") from None
-    parts: dict[str, Any] = {META: meta}
+    parts: dict[str, Any] = {META: meta, TYPED: 1}
     if ops:
         parts[OPS] = ops
     if values:
         parts[VALUES] = values
     return arrays, parts
+
+
+def encode(value: Any, tuples: bool = True) -> Any:
+    """`value` as JSON that `decode` turns back into the same types (numpy arrays and scalars with their
+    dtype, tensors, tuples unless `tuples` is False, enums); other objects as `to_jsonable` writes them."""
+    if hasattr(value, "detach"):  # torch tensor (MetaTensors in meta are stored as plain tensors)
+        array = value.detach().cpu().numpy()
+        return {"__pt__": array.dtype.name, "s": list(array.shape), "v": array.tolist()}
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        return {"__nd__": value.dtype.name, "s": list(value.shape), "v": value.tolist()}
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+        return {"__np__": value.dtype.name, "v": value.item()}
+    if isinstance(value, enum.Enum):
+        kind = type(value)
+        return {"__enum__": f"{kind.__module__}:{kind.__qualname__}", "v": to_jsonable(value.value)}
+    if isinstance(value, Mapping):
+        return {str(k): encode(v, tuples) for k, v in value.items()}
+    if isinstance(value, tuple) and tuples:
+        return {"__tuple__": [encode(v, tuples) for v in value]}
+    if isinstance(value, (list, tuple)):
+        return [encode(v, tuples) for v in value]
+    return to_jsonable(value)
+
+
+def _trace_none() -> Any:
+    """MONAI's TraceKeys.NONE (the head that made applied operations is a MONAI one)."""
+    from monai.utils import TraceKeys
+
+    return TraceKeys.NONE
+
+
+def _reset_ids(value: Any, none: Any = _NONE_ID) -> Any:
+    """Applied operations with every id set to TraceKeys.NONE (as MONAI's `reset_ops_id`)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_reset_ids(v, none) for v in value)
+    if isinstance(value, Mapping):
+        return {k: (none if k == _ID else _reset_ids(v, none)) for k, v in value.items()}
+    return value
 
 
 def meta_line(source: Any, section: str, parts: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,6 +158,43 @@ def item_metas(line: Mapping[str, Any] | None) -> dict[str, Any]:
     return metas
 
 
+def decode(doc: Any) -> Any:
+    """The value `encode` wrote (plain JSON passes through)."""
+    if isinstance(doc, list):
+        return [decode(v) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    if "__nd__" in doc:
+        return np.asarray(doc["v"], dtype=doc["__nd__"]).reshape(doc["s"])
+    if "__np__" in doc:
+        return np.dtype(doc["__np__"]).type(doc["v"])
+    if "__pt__" in doc:
+        import torch
+
+        return torch.as_tensor(np.asarray(doc["v"], dtype=doc["__pt__"]).reshape(doc["s"]))
+    if "__tuple__" in doc:
+        return tuple(decode(v) for v in doc["__tuple__"])
+    if "__enum__" in doc:
+        return _enum(doc["__enum__"], doc["v"])
+    return {k: decode(v) for k, v in doc.items()}
+
+
+def _enum(name: str, value: Any) -> Any:
+    """The enum member `value` of class "module:qualname" (MONAI's only; others come back as the value)."""
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    if module.split(".")[0] != "monai":
+        return value
+    try:
+        kind: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            kind = getattr(kind, part)
+        return kind(value)
+    except (ImportError, AttributeError, ValueError):
+        return value
+
+
 def key_meta(line: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
     """The MetaTensor meta of flat key `key` (falling back to its top-level key), applied operations in."""
     line = line or {}
@@ -114,12 +203,17 @@ def key_meta(line: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
     ops = (line.get(OPS) or {}).get(key)
     if ops is not None:
         meta[OPS] = ops
+    if line.get(TYPED):
+        return decode(meta)  # type: ignore[no-any-return]
+    if OPS in meta:  # written before "typed": ids of another process
+        meta[OPS] = _reset_ids(meta[OPS])
     return meta
 
 
 def line_values(line: Mapping[str, Any] | None) -> dict[str, Any]:
     """The head's non-tensor outputs stored in a meta line."""
-    return dict((line or {}).get(VALUES) or {})
+    values = dict((line or {}).get(VALUES) or {})
+    return decode(values) if (line or {}).get(TYPED) else values  # type: ignore[no-any-return]
 
 
 def line_source(line: Mapping[str, Any] | None) -> Any:
@@ -128,13 +222,15 @@ def line_source(line: Mapping[str, Any] | None) -> Any:
 
 
 def line_meta(line: Mapping[str, Any] | None) -> dict[str, Any]:
-    """{flat key: MetaTensor meta} as stored (applied operations apart)."""
-    return dict((line or {}).get(META) or {})
+    """{flat key: MetaTensor meta} (applied operations apart), values with their types."""
+    metas = dict((line or {}).get(META) or {})
+    return decode(metas) if (line or {}).get(TYPED) else metas  # type: ignore[no-any-return]
 
 
 def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
-    """Wrap a tensor as a MONAI MetaTensor with its stored meta, types as LoadImage made them: affine a
-    float64 tensor, original_affine and other numeric lists numpy arrays, space a SpaceKeys."""
+    """Wrap a tensor as a MONAI MetaTensor with its meta (as `key_meta` decodes it). Untyped meta (caches
+    written before "typed") gets LoadImage's types where they can be guessed: affine a float64 tensor,
+    numeric lists numpy arrays, space a SpaceKeys."""
     import torch
     from monai.data import MetaTensor
     from monai.utils import SpaceKeys
@@ -142,12 +238,12 @@ def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
     meta = dict(meta or {})
     ops = meta.pop(OPS, None)
     affine = meta.pop("affine", None)
-    if affine is not None:
+    if affine is not None and not isinstance(affine, torch.Tensor):  # a list: written before "typed"
         affine = torch.as_tensor(np.asarray(affine, dtype=np.float64))
     for k, v in meta.items():
         if isinstance(v, list) and k not in _LIST_META and _numeric(v):
             meta[k] = np.asarray(v, dtype=np.float64 if "affine" in k else None)
-    if meta.get("space") in {s.value for s in SpaceKeys}:
+    if isinstance(meta.get("space"), str) and meta["space"] in {s.value for s in SpaceKeys}:
         meta["space"] = SpaceKeys(meta["space"])
     out = MetaTensor(tensor, affine=affine, meta=meta)
     if ops:

@@ -12,9 +12,11 @@ must equal the manifest's "fingerprint", else StaleError says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loaders import chain
@@ -42,15 +44,75 @@ def _key(entry: Any) -> str:
     return json.dumps(to_jsonable(entry), sort_keys=True)
 
 
+def _resolved(value: Any, bases: Sequence[Path]) -> Any:
+    """A datalist entry with every string that names an existing file (absolute, or relative to one of
+    `bases`, first match wins) replaced by its real path: entries match whatever folder they were loaded
+    from (a datalist read through a relative path gives relative paths)."""
+    if isinstance(value, Mapping):
+        return {k: _resolved(v, bases) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_resolved(v, bases) for v in value]
+    if isinstance(value, str) and value:
+        for base in [Path()] if os.path.isabs(value) else bases:
+            path = base / value
+            if path.exists():
+                return os.path.realpath(path)
+    return value
+
+
+def _source_bases(manifest: Mapping[str, Any]) -> list[Path]:
+    """Where a cache's relative source paths may be relative to: the current folder, then the prepared
+    datalist's folder and its parents (prep ran in one of them when it was given a relative datalist)."""
+    bases = [Path.cwd()]
+    datalist = manifest.get("datalist")
+    if isinstance(datalist, str) and os.path.isabs(datalist):
+        bases += [Path(datalist).parent, *Path(datalist).parent.parents]
+    return bases
+
+
+def _random_states(objs: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(object, its random state) of every Randomizable in `objs`, nested ones included."""
+    out: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+    todo = list(objs)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if hasattr(obj, "R"):
+            out.append((obj, obj.R))
+        todo += list(getattr(obj, "transforms", None) or [])
+        # random transforms seed the transforms they hold too (RandCropByPosNegLabeld's cropper)
+        todo += [v for v in getattr(obj, "__dict__", {}).values() if hasattr(v, "set_random_state")]
+    return out
+
+
+@contextlib.contextmanager
+def keep_random_states(transform: Any) -> Iterator[None]:
+    """Restore the random state of every Randomizable in `transform` on exit. Building a MONAI Compose
+    re-seeds what it is built from (so does `Compose.flatten`, which splitting a chain calls): without this,
+    `transform.set_random_state(s)` before building the drop-in would give other draws than
+    PersistentDataset with the same seed."""
+    states = _random_states([transform])
+    try:
+        yield
+    finally:
+        for obj, state in states:
+            obj.R = state
+
+
 def tail_compose(transform: Any) -> Any:
-    """The random tail of `transform` as a MONAI Compose with the user's Compose options (None if empty)."""
+    """The random tail of `transform` as a MONAI Compose with the user's Compose options (None if empty);
+    the user's transforms keep their random states."""
     from monai.transforms import Compose
 
-    _, tail = chain.split(transform)
-    if not tail:
-        return None
-    options = {n: getattr(transform, n) for n in _COMPOSE_OPTIONS if hasattr(transform, n)}
-    return Compose(tail, **options)
+    with keep_random_states(transform):
+        _, tail = chain.split(transform)
+        if not tail:
+            return None
+        options = {n: getattr(transform, n) for n in _COMPOSE_OPTIONS if hasattr(transform, n)}
+        return Compose(tail, **options)
 
 
 def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -> None:
@@ -92,21 +154,24 @@ class _PersistentCore:
         self.data = data
         self.transform = transform
         self.dataset = PreparedDataset(cache_dir, backend=backend, device=device, verify=verify, **options)
-        check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
-        self.tail = tail_compose(transform)
+        with keep_random_states(transform):  # splitting the chain re-seeds it
+            check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
+            self.tail = tail_compose(transform)
         self._items: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return len(self.data)
 
     def _lookup(self, index: int) -> int:
-        """The cache item holding data[index]: same position when the sources agree, else by source entry."""
+        """The cache item holding data[index]: same position when the sources agree, else by source entry
+        (file paths compared as real paths)."""
         cache = self.dataset.cache
         if self._items is None:
             if index < len(cache) and _key(line_source(cache.meta(index))) == _key(self.data[index]):
                 return index
-            self._items = {_key(line_source(cache.meta(i))): i for i in range(len(cache))}
-        item = self._items.get(_key(self.data[index]))
+            bases = _source_bases(cache.manifest)
+            self._items = {_key(_resolved(line_source(cache.meta(i)), bases)): i for i in range(len(cache))}
+        item = self._items.get(_key(_resolved(self.data[index], [Path.cwd()])))
         if item is None:
             raise StaleError(
                 f"{self.dataset.root}: data[{index}] is not in the cache (quarantined, or the datalist changed "

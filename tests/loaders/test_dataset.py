@@ -363,3 +363,85 @@ def test_gpu_delivery(cache: tuple[Path, list[dict]], backend: str) -> None:
         idx = batch["_items"].tolist()
         assert batch["label"].is_cuda
         np.testing.assert_array_equal(batch["label"].cpu().numpy(), np.stack([items[i]["label"] for i in idx]))
+
+
+def test_roi_applies_to_batches(cache: tuple[Path, list[dict]]) -> None:
+    root, items = cache
+    start, shape = (2, 3, 4), (5, 6, 7)
+    ds = PreparedDataset(root, keys=["image", "label"], backend="posix", roi=(start, shape), meta=False)
+    sl = (slice(None), slice(2, 7), slice(3, 9), slice(4, 11))
+    seen = []
+    for batch in ds.iter_batches(3):
+        idx = batch["_items"].tolist()
+        seen += idx
+        assert batch["image"].shape == (len(idx), 1, *shape)
+        np.testing.assert_array_equal(batch["image"].numpy(), np.stack([items[i]["image"][sl] for i in idx]))
+        np.testing.assert_array_equal(batch["label"].numpy(), np.stack([items[i]["label"][sl] for i in idx]))
+    assert seen == list(range(N))
+
+    def per_item(i: int, shapes: dict) -> tuple:
+        return (i % 3, 0, 1), (4, 4, 4)
+
+    batches = PreparedBatches(PreparedDataset(root, keys=["label"], backend="posix", roi=per_item, meta=False), 4)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2, timeout=60)
+    for batch in loader:
+        for b, i in enumerate(batch["_items"].tolist()):
+            np.testing.assert_array_equal(batch["label"][b].numpy(), items[i]["label"][:, i % 3 : i % 3 + 4, 0:4, 1:5])
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """Items of unequal shapes, as real scans (and the demo) give."""
+    rng = np.random.default_rng(9)
+    items = []
+    for i in range(5):
+        shape = (1, 10 + i, 12 - i, 9 + 2 * (i % 2))
+        items.append(
+            {"image": rng.random(shape, dtype=np.float32), "label": (rng.random(shape) > 0.5).astype(np.uint8)}
+        )
+    metas = [{"source": {"image": f"r{i}.nii.gz"}, "meta": {"image": {"affine": np.eye(4)}}} for i in range(5)]
+    root = tmp_path_factory.mktemp("ragged") / "c"
+    write_items(root, items, metas)
+    return root, items
+
+
+def test_unequal_shapes_batch_form(ragged: tuple[Path, list[dict]]) -> None:
+    root, items = ragged
+    ds = PreparedDataset(root, backend="posix", meta=False)
+    for batch in ds.iter_batches(2):
+        idx = batch["_items"].tolist()
+        assert isinstance(batch["image"], list) and len(batch["image"]) == len(idx) or len(idx) == 1
+    for batch in ds.iter_batches(3, pad=True):
+        idx = batch["_items"].tolist()
+        image, shapes = batch["image"], batch["_shapes"]["image"] if len(idx) > 1 else None
+        assert isinstance(image, torch.Tensor) and image.shape[0] == len(idx)
+        for b, i in enumerate(idx):
+            want = items[i]["image"]
+            assert shapes is None or tuple(shapes[b].tolist()) == want.shape
+            region = image[(b, *(slice(0, n) for n in want.shape))]
+            np.testing.assert_array_equal(region.numpy(), want)
+            assert float(image[b].sum()) == pytest.approx(float(want.sum()), rel=1e-5)  # padding is zeros
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_map_style_loaders_over_unequal_shapes(ragged: tuple[Path, list[dict]], workers: int) -> None:
+    from monai.data import ThreadDataLoader
+
+    from loaders import collate, pad_collate
+
+    root, items = ragged
+    ds = PreparedDataset(root, backend="posix")
+    ds[0]
+    plain = torch.utils.data.DataLoader(
+        ds, batch_size=2, num_workers=workers, collate_fn=collate, timeout=60 * bool(workers)
+    )
+    got = [t for b in plain for t in b["label"]]
+    assert [tuple(t.shape) for t in got] == [it["label"].shape for it in items]
+    for t, it in zip(got, items):
+        np.testing.assert_array_equal(np.asarray(t), it["label"])
+    padded = ThreadDataLoader(ds, batch_size=3, num_workers=workers, collate_fn=pad_collate)
+    batches = list(padded)
+    assert [b["image"].shape[0] for b in batches] == [3, 2]
+    first = batches[0]
+    assert first["_shapes"]["image"].tolist() == [list(items[i]["image"].shape) for i in range(3)]
+    np.testing.assert_array_equal(np.asarray(first["image"][1, :, :11, :11, :11]), items[1]["image"])

@@ -159,3 +159,114 @@ def test_torch_dataloader_workers(prepared: dict[str, Any]) -> None:
     batches = list(DataLoader(ds, batch_size=2, num_workers=2, timeout=60))
     assert sum(b["label"].shape[0] for b in batches) == 2 * len(ds)
     assert batches[0]["image"].meta["filename_or_obj"][0] == prepared["data"][0]["image"]
+
+
+def test_seeding_before_building_keeps_the_draws(prepared: dict[str, Any]) -> None:
+    """transform.set_random_state(s), then build the drop-in: same draws as PersistentDataset (issue 9.5)."""
+    from monai.data import PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+
+    data = prepared["data"]
+    theirs = _transform(prepared["pipeline"])
+    ref = PersistentDataset(data, theirs, prepared["tmp"] / "pt-seed")
+    theirs.set_random_state(23)
+    want = [ref[i] for i in range(len(data))]
+    transform = _transform(prepared["pipeline"])  # the same pipeline, fresh (its readers hold no files yet)
+    transform.set_random_state(23)
+    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix")  # built after seeding
+    got = [ours[i] for i in range(len(data))]
+    _same_item(want, got)
+
+
+def test_relative_datalist_paths_match(
+    prepared: dict[str, Any], nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries loaded through a relative datalist path match the cache by real path (issue 9.8)."""
+    from loaders.monai import PreparedPersistentDataset
+    from prep.cache import load_datalist, prepare_cache
+
+    transform = _transform(prepared["pipeline"])
+    monkeypatch.chdir(nifti_dataset.parent.parent)
+    relative = Path(nifti_dataset.parent.name) / nifti_dataset.name
+    data = [entry for _, entry in load_datalist(relative)]
+    assert not Path(data[0]["image"]).is_absolute()
+    ours = PreparedPersistentDataset(list(reversed(data)), transform, prepared["cache"], backend="posix")
+    head = ours.dataset[ours._lookup(0)]
+    assert Path(head["image"].meta["filename_or_obj"]).resolve() == Path(data[-1]["image"]).resolve()
+    # and the other way round: a cache prepared from a relative datalist, read with absolute entries elsewhere
+    prepare_cache(relative, prepared["pipeline"], prepared["tmp"] / "rel-cache", workers=1, processes=False)
+    monkeypatch.chdir(prepared["tmp"])
+    absolute = list(reversed(prepared["data"]))
+    ours = PreparedPersistentDataset(absolute, transform, prepared["tmp"] / "rel-cache", backend="posix")
+    assert ours[0][0]["image"].shape == (1, 12, 12, 12)
+
+
+FOREGROUND = """
+from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, RandFlipd,
+                              RandSpatialCropd, ScaleIntensityd, Spacingd)
+KEYS = ["image", "label"]
+transform = Compose([
+    LoadImaged(keys=KEYS),
+    EnsureChannelFirstd(keys=KEYS),
+    Spacingd(keys=KEYS, pixdim=(1.0, 1.0, 1.5), mode=("bilinear", "nearest")),
+    CropForegroundd(keys=KEYS, source_key="label"),
+    ScaleIntensityd(keys="image"),
+    RandSpatialCropd(keys=KEYS, roi_size=(8, 8, 8), random_size=False),
+    RandFlipd(keys=KEYS, prob=0.5, spatial_axis=0),
+])
+"""
+
+
+def _same_types(ref: Any, got: Any, where: str) -> None:
+    """Equal types (numpy dtypes, tensor dtypes, containers) all the way down, and equal values."""
+    if isinstance(ref, torch.Tensor):
+        assert type(got) is type(ref) and got.dtype == ref.dtype, where
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(ref)), where
+    elif isinstance(ref, np.ndarray):
+        assert isinstance(got, np.ndarray) and got.dtype == ref.dtype, where
+        np.testing.assert_array_equal(got, ref, err_msg=where)
+    elif isinstance(ref, dict):
+        assert isinstance(got, dict) and set(map(str, got)) == set(map(str, ref)), where
+        for k in ref:
+            _same_types(ref[k], got[k], f"{where}.{k}")
+    elif isinstance(ref, (list, tuple)):
+        assert type(got) is type(ref) and len(got) == len(ref), where
+        for i, (r, g) in enumerate(zip(ref, got)):
+            _same_types(r, g, f"{where}[{i}]")
+    elif isinstance(ref, float) and np.isnan(ref):
+        assert isinstance(got, float) and np.isnan(got), where
+    else:
+        assert type(got) is type(ref) and got == ref, where
+
+
+def test_meta_types_match_monai(nifti_dataset: Path, tmp_path: Path) -> None:
+    """Header fields, applied operations and foreground coordinates come back with MONAI's types (9.13):
+    compared with what MONAI's PersistentDataset(track_meta=True) returns from its cache."""
+    from monai.data import PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+    from prep.cache import load_datalist, prepare_cache
+
+    pipeline = tmp_path / "fg.py"
+    pipeline.write_text(FOREGROUND)
+    prepare_cache(nifti_dataset, pipeline, tmp_path / "cache", workers=1, processes=False)
+    data = [entry for _, entry in load_datalist(nifti_dataset)][:3]
+    transform = _transform(pipeline)
+    ours = PreparedPersistentDataset(data, transform, tmp_path / "cache", backend="posix")
+    ref = PersistentDataset(data, transform, tmp_path / "pt", track_meta=True, weights_only=False)
+    [ref[i] for i in range(len(data))]  # fill MONAI's cache: later reads come from it
+    for i in range(len(data)):
+        transform.set_random_state(i)
+        want = ref[i]
+        transform.set_random_state(i)
+        got = ours[i]
+        assert set(got) == set(want)
+        for key in want:
+            assert type(got[key]) is type(want[key]), key
+        for key in ("image", "label"):
+            _same_types(dict(want[key].meta), dict(got[key].meta), f"{key}.meta")
+            _same_types(want[key].applied_operations, got[key].applied_operations, f"{key}.ops")
+            assert torch.equal(want[key].as_tensor(), got[key].as_tensor())
+        for key in ("foreground_start_coord", "foreground_end_coord"):
+            _same_types(want[key], got[key], key)

@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loaders.format import JOURNAL_DIR, PreparedCache, check
+from loaders.meta import line_meta
 from prep.cache import load_datalist, prepare_cache
 from prep.cli import app
 from prep.errors import LockedError, PrepError, StaleError
@@ -86,12 +87,11 @@ def test_cache_equals_monai_head_bit_exact(tmp_path: Path, nifti_dataset: Path) 
         assert got["label"].dtype == np.uint8
         meta = cache.meta(item)
         assert meta["source"] == entry
+        metas = line_meta(meta)  # meta values are type-tagged in the line (loaders.meta decodes them)
         for key in ("image", "label"):
-            assert np.array_equal(np.asarray(meta["meta"][key]["affine"]), expected[key].affine.numpy())
-            assert np.array_equal(
-                np.asarray(meta["meta"][key]["original_affine"]), expected[key].meta["original_affine"]
-            )
-            assert meta["meta"][key]["filename_or_obj"] == entry[key]
+            assert np.array_equal(np.asarray(metas[key]["affine"]), expected[key].affine.numpy())
+            assert np.array_equal(np.asarray(metas[key]["original_affine"]), expected[key].meta["original_affine"])
+            assert metas[key]["filename_or_obj"] == entry[key]
         assert meta["applied_operations"]["image"][0]["class"] == "Orientation"
     assert verify_cache(out) == []
     if summary.bmap is not None:  # the shards' block map, where the filesystem has FIEMAP
