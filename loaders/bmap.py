@@ -15,6 +15,13 @@ Document (JSON, UTF-8; all offsets and lengths in bytes)::
 
 `checksum` is xxh3-64 of the document without it, serialised canonically (sorted keys, no spaces); the
 written file is exactly that serialisation with the checksum member first, so any edit is detected.
+
+`BlockMap.load` also reads the flat map of the research loaders, `{"train/a/x.JPEG": {"startblock": S,
+"endblock": E}}` (whole-disk LBAs, E inclusive; also what `prep bmap --format seed` writes), with a warning
+printed once: such a map holds one run per file (first-extent-only maps read fragmented files wrong) and
+no size, inode or time to tell a stale entry. Where the files are mounted (`root=`), each entry gets the
+file's size and the readers' check of its current extents, which sends fragmented or moved files through
+the filesystem.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +41,71 @@ BMAP_FORMAT = "blockprep-bmap"
 BMAP_VERSION = "1.0"  # major.minor: readers reject an unknown major
 EXTENT_FIELDS = ("logical", "physical", "length", "flags")
 _HEADER = re.compile(rb'\{"checksum":"xxh3:([0-9a-f]{16})",')
+FLAT_FORMAT = "flat-seed"  # `format` of a document built from a flat research map
+
+
+class FlatMapWarning(UserWarning):
+    """A flat research map was loaded: one run per file, no staleness data."""
+
+
+def is_flat_map(doc: Any) -> bool:
+    """Whether a parsed JSON document is the flat research form {key: {"startblock", "endblock"}}."""
+    return (
+        isinstance(doc, dict)
+        and bool(doc)
+        and all(isinstance(v, dict) and "startblock" in v and "endblock" in v for v in doc.values())
+    )
+
+
+def _lba_size(device: str | None) -> int:
+    """The logical block size of a block device (sysfs), else 512 (what the research maps assume)."""
+    if device:
+        name = os.path.basename(os.path.realpath(device))
+        for at in (f"/sys/class/block/{name}/queue", f"/sys/class/block/{name}/../queue"):
+            try:
+                with open(f"{at}/logical_block_size") as f:
+                    return int(f.read())
+            except (OSError, ValueError):
+                continue
+    return 512
+
+
+def flat_document(
+    flat: dict[str, dict[str, int]], root: str | None, device: str | None, block: int | None = None
+) -> dict[str, Any]:
+    """A bmap document for a flat research map: one extent per file at whole-disk byte S*block, partition
+    start 0. With `root` (where the keys are mounted) each file present gets its size, inode and mtime now,
+    and is filesystem-only when it is longer than its run (the map kept only its first extent)."""
+    lbs = block or _lba_size(device)
+    start = _partition_start(root) if root else 0  # whole-disk LBAs -> offsets on the filesystem's device
+    files: dict[str, Any] = {}
+    for key, v in flat.items():
+        first, last = int(v["startblock"]), int(v["endblock"])
+        run = (last - first + 1) * lbs
+        rec: dict[str, Any] = {"size": run, "inode": -1, "mtime_ns": -1, "raw_readable": run > 0, "reason": None}
+        rec["extents"] = [[0, first * lbs - start, run, 1]]
+        try:
+            st = os.stat(os.path.join(root, key)) if root else None
+        except OSError:
+            st = None
+        if st is not None:
+            rec.update(size=st.st_size, inode=st.st_ino, mtime_ns=st.st_mtime_ns)
+            if st.st_size > run:
+                rec.update(raw_readable=False, reason="fragmented: the flat map holds its first extent only")
+        files[key] = rec
+    dev = device or "?"
+    return {"format": FLAT_FORMAT, "version": BMAP_VERSION, "root": root or "", "device": dev, "disk": dev,
+            "partition_start": start, "logical_block_size": lbs, "files": files}  # fmt: skip
+
+
+def _partition_start(root: str) -> int:
+    """Bytes from the start of the disk to the filesystem holding `root` (sysfs; 0 when not a partition)."""
+    try:
+        dev = os.stat(root).st_dev
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/start") as f:
+            return int(f.read()) * 512
+    except (OSError, ValueError):
+        return 0
 
 
 def _xxh3_hex(data: bytes) -> str:
@@ -81,6 +154,14 @@ def decode_document(data: bytes, path: str = "?") -> dict[str, Any]:
     if _xxh3_hex(body) != m.group(1).decode():
         raise ChecksumError(f"{path}: checksum mismatch: the block map was edited or corrupted; re-run `prep bmap`")
     return doc
+
+
+def _flat_or_none(data: bytes) -> dict[str, dict[str, int]] | None:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return doc if is_flat_map(doc) else None
 
 
 class Segment(NamedTuple):
@@ -179,13 +260,48 @@ class BlockMap:
         self.loop_offset: int = int(loop.get("offset", 0))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> BlockMap:
-        """Read and check a bmap.json (version, checksum)."""
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        root: str | os.PathLike[str] | None = None,
+        device: str | os.PathLike[str] | None = None,
+    ) -> BlockMap:
+        """Read and check a bmap.json (version, checksum), or read a flat research map (see `from_flat`;
+        `device` gives its LBA size and is recorded as its device)."""
         try:
             data = Path(path).read_bytes()
         except OSError as exc:
             raise FormatError(f"{path}: cannot read the block map ({exc.strerror}); check the path") from None
+        if not _HEADER.match(data):
+            flat = _flat_or_none(data)
+            if flat is not None:
+                return cls.from_flat(flat, os.fspath(path), root, device)
         return cls(decode_document(data, os.fspath(path)), os.fspath(path), root)
+
+    @classmethod
+    def from_flat(
+        cls,
+        flat: dict[str, dict[str, int]],
+        path: str = "?",
+        root: str | os.PathLike[str] | None = None,
+        device: str | os.PathLike[str] | None = None,
+    ) -> BlockMap:
+        """A BlockMap of a flat research map (see `flat_document`); warns once about what such maps lack."""
+        warnings.warn(
+            f"{path}: a flat startblock/endblock map: one run per file (first-extent-only maps read fragmented "
+            "files wrong) and no size, inode or mtime to detect stale entries; pass the mounted folder (root) "
+            "so files are checked, or use the full map of `prep bmap`",
+            FlatMapWarning,
+            stacklevel=3,
+        )
+        r = os.fspath(root) if root is not None else None
+        doc = flat_document(flat, r, os.fspath(device) if device is not None else None)
+        return cls(doc, path, r or os.getcwd())
+
+    @property
+    def flat(self) -> bool:
+        """True for a map built from the flat research form (one run per file, whole-disk offsets)."""
+        return self.doc.get("format") == FLAT_FORMAT
 
     def __len__(self) -> int:
         return len(self.files)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -157,10 +158,15 @@ class FileSource(_EpochSource):
 class BmapSource(_EpochSource):
     """(bytes, label) batches of the files of a block map, read as raw device ranges.
 
-    bmap: a bmap.json path or a BlockMap. backend: "blockdev" (O_DIRECT on the device or loop image) or
-    "xnvme". folder: the class-folder root inside the map ("" = the map's root). Files are those
-    `fn.readers.file` would list there (class subfolders, DALI's filters); labels are the index of the class
-    folder among the sorted subfolders, as there (only a wholly empty folder, absent from a map, differs)."""
+    bmap: a bmap.json path, a flat research map, or a BlockMap. backend: "blockdev" (O_DIRECT on the device
+    or loop image) or "xnvme" (the `xnvme-bmap` backend). folder: the class-folder root inside the map ("" =
+    the map's root; default "" for bmap.json, "train" for flat maps, whose keys are "train/<class>/<file>").
+    root: where the map's keys are mounted now (default: the map's own root; flat maps have none).
+
+    Where that folder is mounted, files and labels are exactly `fn.readers.file(file_root=...)`'s (the same
+    listing as `list_labeled_files`: empty class folders keep their label, DALI's filters, one level); files
+    there that the map lacks are read through the filesystem (one warning). Only where nothing is mounted
+    (a flat map without root) are labels derived from the keys, as the research loaders do."""
 
     def __init__(
         self,
@@ -173,40 +179,62 @@ class BmapSource(_EpochSource):
         num_shards: int = 1,
         file_filters: Sequence[str] = DEFAULT_FILE_FILTERS,
         device_path: str | None = None,
-        folder: str = "",
+        folder: str | None = None,
+        root: str | os.PathLike[str] | None = None,
     ) -> None:
         from loaders.bmap import BlockMap
 
-        self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
-        prefix = folder.strip("/") + "/" if folder.strip("/") else ""
-        mapped: Iterator[str] = self.bmap.keys()  # BlockMap has keys() but no __iter__
-        under = [k[len(prefix) :] for k in mapped if k.startswith(prefix)]
-        # a class is any subfolder holding mapped files (of any kind, at any depth), as readers.file counts
-        # every subfolder; only folders that are entirely empty are invisible in a map
-        classes = sorted({k.split("/")[0] for k in under if "/" in k}, key=os.fsencode)
-        rel = [k for k in under if k.count("/") == 1 and _matches(k.split("/")[1], file_filters, False)]
-        label = {c: i for i, c in enumerate(classes)}
-        #  `files` are relative to `folder` (as FileSource's); the backend reads the map's keys
-        self.files = sorted(((k, label[k.split("/")[0]]) for k in rel), key=lambda kv: os.fsencode(kv[0]))
-        self.prefix = prefix
+        self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap, root=root, device=device_path)
+        if folder is None:
+            folder = "train" if self.bmap.flat and all(k.startswith("train/") for k in self.bmap.files) else ""
+        self.prefix = folder.strip("/") + "/" if folder.strip("/") else ""
+        tree = Path(self.bmap.root) / self.prefix
+        mounted = not (self.bmap.flat and not self.bmap.doc["root"]) and tree.is_dir()
+        self.files = list_labeled_files(tree, file_filters) if mounted else self._from_keys(file_filters)
+        # files of the folder the map does not know (added after mapping): through the filesystem
+        self._unmapped = {p for p, _ in self.files if self.prefix + p not in self.bmap.files}
+        if self._unmapped:
+            warnings.warn(
+                f"{tree}: {len(self._unmapped)} file(s) not in block map {self.bmap.path} (e.g. "
+                f"{min(self._unmapped)}); reading them through the filesystem (re-run `prep bmap` to map them)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
         name = "xnvme-bmap" if backend == "xnvme" else backend  # "xnvme" here means its block-range reader
         if name not in BLOCK_RANGE_BACKENDS:
             raise BackendError(f"BmapSource: backend {backend!r} cannot read block ranges; use 'blockdev' or 'xnvme'")
         self.backend: Backend = get_backend(name, bmap=self.bmap, device_path=device_path)
 
+    def _from_keys(self, file_filters: Sequence[str]) -> list[tuple[str, int]]:
+        """(file, label) from the map's keys alone: a class is a subfolder holding mapped files (an empty
+        folder cannot be seen in a map, so labels after it would differ from DALI's: only without a tree)."""
+        under = [k[len(self.prefix) :] for k in self.bmap.files if k.startswith(self.prefix)]
+        classes = sorted({k.split("/")[0] for k in under if "/" in k}, key=os.fsencode)
+        rel = [k for k in under if k.count("/") == 1 and _matches(k.split("/")[1], file_filters, False)]
+        label = {c: i for i, c in enumerate(classes)}
+        return sorted(((k, label[k.split("/")[0]]) for k in rel), key=lambda kv: os.fsencode(kv[0]))
+
     def close(self) -> None:
         self.backend.close()
 
     def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        keys = [self.prefix + self.files[i][0] for i in positions]
-        sizes = [self.bmap.entry(k).size for k in keys]
-        data = _read_files(self.backend, keys, sizes)
+        files, prefix, unmapped = self.files, self.prefix, self._unmapped
+        rels = [files[i][0] for i in positions]
+        keys = [prefix + r for r in rels if r not in unmapped]
+        entry = self.bmap.entry
+        read = iter(_read_files(self.backend, keys, [entry(k).size for k in keys]) if keys else [])
         changed = getattr(self.backend, "changed", None)
-        for i, k in enumerate(keys):
-            if changed is not None and changed(k):  # its size may have changed too: the whole file as it is now
-                data[i] = np.fromfile(self.bmap.file_path(k), dtype=np.uint8)
-        return data, [np.array([self.files[i][1]], dtype=np.int32) for i in positions]
+        data = []
+        for r in rels:
+            k = prefix + r
+            if r in unmapped or (changed is not None and changed(k)):
+                if r not in unmapped:
+                    next(read)  # its raw bytes are not used: the size may have changed too, read it whole now
+                data.append(np.fromfile(self.bmap.file_path(k), dtype=np.uint8))
+            else:
+                data.append(next(read))
+        return data, [np.array([files[i][1]], dtype=np.int32) for i in positions]
 
 
 class CacheSource(_EpochSource):

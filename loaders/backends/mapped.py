@@ -114,7 +114,10 @@ class MappedFiles:
         self.bmap = bmap
         self.fallback = fallback
         self.check_stale = check_stale
-        self.window = window(bmap, source)
+        if bmap.flat and not bmap.doc["root"]:  # a flat map with nowhere to look: trusted as it is (it warned)
+            self.window, self.check_stale = Window(source.base, None), False
+        else:
+            self.window = window(bmap, source)
         self.source = RawSource(source.path, self.window.base)
         self.why: dict[str, str | None] = {}
         self._warned: set[str] = set()
@@ -158,9 +161,12 @@ class MappedFiles:
             now = current_extents(fd, key)
         except OSError as exc:
             return f"changed since it was mapped (cannot map it now: {exc.strerror})"
-        if _runs(now, r["size"]) != _runs(r["extents"], r["size"]):
-            return f"changed since it was mapped ({MOVED})"
-        return None
+        if self.bmap.flat:  # one run of whole LBAs: the file's bytes must lie in one extent starting there
+            runs, ph = _runs(now, r["size"]), r["extents"][0][1]
+            same = len(runs) == 1 and runs[0][:2] == (0, ph) and runs[0][2] >= r["size"] and not runs[0][3]
+        else:
+            same = _runs(now, r["size"]) == _runs(r["extents"], r["size"])
+        return None if same else f"changed since it was mapped ({MOVED})"
 
     def check_many(self, keys: Iterable[str]) -> None:
         """Verdicts of `keys`: open through the filesystem, fstat, one FIEMAP, close (for batches: the

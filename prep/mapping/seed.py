@@ -13,6 +13,7 @@ from typing import Any
 
 from loaders.bmap import BlockMap
 from loaders.format import atomic_write_bytes
+from prep.errors import UsageError
 from prep.fiemap import Extent, merge_adjacent
 
 
@@ -64,4 +65,7 @@ def write_seed(doc: dict[str, Any], output: Path) -> tuple[int, dict[str, str]]:
 
 def seed_from_bmap(bmap_path: Path, output: Path) -> tuple[int, dict[str, str]]:
     """Convert an existing bmap.json to the seed form without walking again: (files written, skipped)."""
-    return write_seed(BlockMap.load(bmap_path).doc, output)
+    bmap = BlockMap.load(bmap_path)
+    if bmap.flat:
+        raise UsageError(f"{bmap_path}: already a flat startblock/endblock map; convert the full map of `prep bmap`")
+    return write_seed(bmap.doc, output)

@@ -72,6 +72,8 @@ def verify_bmap(
     from loaders.backends.blockdev import RawDevice
 
     bmap = BlockMap.load(bmap_path)
+    if bmap.flat:
+        raise UsageError(f"{bmap_path}: a flat startblock/endblock map cannot be verified; verify the full map")
     src = bmap.source(device)
     if bmap.uuid:
         from prep.devices import superblock_uuid

@@ -213,7 +213,7 @@ def test_bmap_source_over_xnvme(make_loopfs: Callable[..., Any], tmp_path: Path,
     with BmapSource(tmp_path / "bmap.json", backend="xnvme", batch_size=3, folder="train", device_path=device) as src:
         assert src.backend.xnvme.device_uri == (str(fs.image) if via == "image" else fs.device)
         want = [content["train/" + path] for path, _ in src.files]
-        with pytest.warns(RuntimeWarning, match="odd.jpg: changed since mapped") as record:
+        with pytest.warns(RuntimeWarning, match="odd.jpg: changed since it was mapped") as record:
             for _ in range(2):  # a second epoch: the same bytes, no second warning for the same file
                 got = [d.tobytes() for data, _labels in src for d in data]
                 assert got == want
@@ -227,3 +227,57 @@ def test_bmap_source_refuses_backends_without_block_ranges(tmp_path: Path) -> No
     doc = {"files": {}, "root": str(tmp_path), "device": "/dev/null"}
     with pytest.raises(BackendError, match="backend 'posix' cannot read block ranges"):
         BmapSource(BlockMap(doc), backend="posix")
+
+
+@pytest.mark.loopdev
+def test_bmap_source_labels_equal_readers_file(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """Empty class folders (one sorting first), stray files, mixed-case extensions, nested and hidden files:
+    BmapSource lists what a real DALI readers.file pipeline lists, with the same labels, full map or flat."""
+    from loaders.bmap import FlatMapWarning
+    from prep.mapping import build_bmap
+
+    fs = make_loopfs("ext4")
+    train = _tricky_tree(fs.mountpoint / "train")
+    (train / "0empty").mkdir()  # sorts before every class: every later label depends on it
+    want = _readers_file(train)
+    assert {label for _, label in want} == {1, 3, 4, 5}  # 0empty and B0 (empty) take labels 0 and 2
+    build_bmap(fs.mountpoint, tmp_path / "bmap.json")
+    build_bmap(fs.mountpoint, tmp_path / "seed.json", fmt="seed")
+    with BmapSource(tmp_path / "bmap.json", batch_size=4, folder="train") as src:
+        assert src.files == want
+        got = [(d.tobytes(), int(lab[0])) for data, labels in src for d, lab in zip(data, labels)]
+        assert got == [((train / p).read_bytes(), label) for p, label in want]
+    with pytest.warns(FlatMapWarning, match="first-extent-only"):  # the flat form, where the files are mounted
+        flat = BmapSource(tmp_path / "seed.json", batch_size=4, root=fs.mountpoint, device_path=str(fs.image))
+    with flat:
+        assert flat.prefix == "train/" and flat.files == want
+        got = [(d.tobytes(), int(lab[0])) for data, labels in flat for d, lab in zip(data, labels)]
+        assert got == [((train / p).read_bytes(), label) for p, label in want]
+
+
+@pytest.mark.loopdev
+def test_flat_maps_research_and_seed_form(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """The research map (keys relative to the folder holding train/) and `prep bmap --format seed` load;
+    without a mounted tree the bytes are whole blocks, as the research loaders read them."""
+    import json
+
+    from loaders.bmap import BlockMap, FlatMapWarning
+    from prep.mapping import build_bmap
+
+    fs = make_loopfs("ext4")
+    content = {f"train/{c}/{i}.JPEG": bytes([65 + i]) * (1000 + 4096 * i) for c in ("a", "b") for i in range(3)}
+    for k, v in content.items():
+        (fs.mountpoint / k).parent.mkdir(parents=True, exist_ok=True)
+        (fs.mountpoint / k).write_bytes(v)
+    build_bmap(fs.mountpoint, tmp_path / "seed.json", fmt="seed")
+    seed = json.loads((tmp_path / "seed.json").read_text())
+    assert set(seed) == set(content)
+    with pytest.warns(FlatMapWarning):
+        bm = BlockMap.load(tmp_path / "seed.json", device=fs.device)
+    assert bm.flat and bm.entry("train/a/1.JPEG").size == 10 * 512  # whole LBAs: no size in a flat map
+    with pytest.warns(FlatMapWarning), BmapSource(tmp_path / "seed.json", batch_size=6, device_path=fs.device) as src:
+        assert src.files == [(k.removeprefix("train/"), int(k.split("/")[1] == "b")) for k in sorted(content)]
+        for data, _labels in src:
+            for d, (p, _) in zip(data, src.files):
+                want = content["train/" + p]
+                assert d.tobytes()[: len(want)] == want and len(d) % 512 == 0
