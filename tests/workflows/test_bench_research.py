@@ -1,0 +1,80 @@
+"""The research code's six benchmark command lines (seed 004's README), run verbatim through
+`python -m workflows.benchmark` against demo-like data: the ways that can run here measure, the others
+say why in one line and exit 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loaders.dali import list_labeled_files
+
+pytest.importorskip("nvidia.dali")
+REPO = Path(__file__).resolve().parents[2]
+SEED_LINES = [  # verbatim after `python benchmark.py`
+    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem cpu --bmap imagenet_train_bmap.json",
+    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem gpu --bmap imagenet_train_bmap.json",
+    "--batchsize 64 --batches 1000 xnvme-bam --uri /dev/libnvm0 --bmap imagenet_train_bmap.json",
+    "--batchsize 64 --batches 1000 dali --datadir /data",
+    "--batchsize 64 --batches 1000 python-file --datadir /data",
+    "--batchsize 64 --batches 1000 xnvme-file --datadir /data",
+]
+
+
+@pytest.fixture(scope="module")
+def research_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """/data as the research code expects it: data/train/<class>/*.JPEG (an empty class folder and a stray
+    text file too, which readers.file skips), its flat map, and a stand-in for /dev/libnvm0."""
+    from prep.synth import image_tree
+
+    base = tmp_path_factory.mktemp("research")
+    train = image_tree(base / "data", classes=3, per_class=4, size=32, seed=5)
+    (train / "0empty").mkdir()
+    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
+    (train / classes[1] / "notes.txt").write_text("not an image")
+    flat = {
+        f"train/{p}": {"startblock": 8 * i, "endblock": 8 * i + 7} for i, (p, _) in enumerate(list_labeled_files(train))
+    }
+    (base / "imagenet_train_bmap.json").write_text(json.dumps(flat))
+    (base / "libnvm0").write_bytes(bytes(1 << 20))
+    return base
+
+
+def _run(line: str, base: Path) -> tuple[int, str]:
+    args = line.replace("64", "4").replace("1000", "2").split()
+    args = [str(base / "data") if a == "/data" else str(base / "libnvm0") if a == "/dev/libnvm0" else a for a in args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflows.benchmark", *args], cwd=base, env=env, capture_output=True, text=True
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", SEED_LINES, ids=[" ".join(x.split()[4:6]) for x in SEED_LINES])
+def test_seed_command_lines_run_verbatim(line: str, research_data: Path) -> None:
+    status, out = _run(line, research_data)
+    way = line.split()[4]
+    unavailable = [x for x in out.splitlines() if x.startswith(f"  unavailable: {way}:")]
+    assert "Traceback" not in out, out
+    if way in ("dali", "python-file"):  # these run here: the tree under --datadir/train, images decoded
+        assert status == 0 and not unavailable, out
+        n = len(list_labeled_files(research_data / "data" / "train"))
+        assert n == 12 and "images" in out
+        return
+    assert status == 1 and len(unavailable) == 1, out  # cannot run here: one line saying why
+    why = unavailable[0]
+    if "--mem gpu" in line or way == "xnvme-bam":
+        assert "GPU" in why, why
+    else:
+        assert "xnvme" in why and ("libxnvme" in why or "blockprep[xnvme]" in why), why
+
+
+def test_datadir_is_the_folder_holding_train(research_data: Path) -> None:
+    status, out = _run("--batchsize 64 --batches 1000 dali --datadir /data/train", research_data)
+    assert status == 1 and "no train/ folder" in out and "folder holding train/" in out, out
