@@ -73,6 +73,49 @@ def rand_spatial_crop_samples(t: Any, batch: TailBatch) -> bool:
     return True
 
 
+class _Indices:
+    """Flat positions of the True voxels of one item's mask, found on the mask's device only when asked.
+
+    MONAI's `map_binary_to_indices` lists every foreground and background voxel and copies both lists to the
+    host (32 MB for a 160^3 background); the centre draw only needs their counts and the few entries picked,
+    so these stand in for the lists (`generate_pos_neg_label_crop_centers` takes any sized, indexable one).
+    """
+
+    def __init__(self, mask: Any, count: int) -> None:
+        self._mask, self._count = mask, count
+        self._where: Any = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, k: Any) -> int:
+        import torch
+
+        if self._where is None:
+            self._where = torch.nonzero(self._mask).flatten()
+        return int(self._where[int(k)])
+
+
+def _pos_neg_indices(t: Any, label: Any, image: Any) -> list[tuple[_Indices, _Indices]]:
+    """Each item's foreground/background positions as `map_binary_to_indices` finds them, in a few batch ops.
+
+    The same ops on purpose: `torch.any` of a uint8 label is uint8, so MONAI's `~` is a bitwise not and,
+    without `image_key`, every voxel of a uint8 label counts as background (foreground included). The draws
+    must be MONAI's, so that is kept.
+    """
+    import torch
+
+    n = int(label.shape[0])
+    lab = label[:, 1:] if label.shape[1] > 1 else label  # one-hot: the background channel is dropped
+    fg_any = torch.any(lab, dim=1).reshape(n, -1)
+    bg_any = ~fg_any
+    if image is not None:
+        bg_any = torch.any(image > t.cropper.image_threshold, dim=1).reshape(n, -1) & bg_any
+    fg, bg = fg_any != 0, bg_any != 0
+    counts = torch.stack([fg.sum(1), bg.sum(1)], dim=1).tolist()  # one sync for the whole batch
+    return [(_Indices(fg[i], counts[i][0]), _Indices(bg[i], counts[i][1])) for i in range(n)]
+
+
 def rand_crop_by_pos_neg_label(t: Any, batch: TailBatch) -> bool:
     """RandCropByPosNegLabeld: centres drawn from each item's label (on its device), windows sliced out."""
     from monai.transforms import Crop
@@ -81,15 +124,18 @@ def rand_crop_by_pos_neg_label(t: Any, batch: TailBatch) -> bool:
     keys = keys_of(t, batch)
     spatial = _spatial(batch, keys)
     given = [k for k in (t.fg_indices_key, t.bg_indices_key) if k is not None and k in batch.data]
-    label_ok = batch.is_batched(t.label_key) or t.label_key not in batch.data
+    label_ok = batch.is_batched(t.label_key)
     image_ok = t.image_key is None or batch.is_batched(t.image_key) or t.image_key not in batch.data
-    if spatial is None or given or not (label_ok and image_ok):
+    own = t.cropper.fg_indices is not None or t.cropper.bg_indices is not None
+    if spatial is None or given or own or not (label_ok and image_ok):
         return False
-    label, image = batch.data.get(t.label_key), batch.data.get(t.image_key) if t.image_key else None
+    label, image = batch.data[t.label_key], batch.data.get(t.image_key) if t.image_key else None
+    if tuple(label.shape[2:]) != spatial or (image is not None and tuple(image.shape[2:]) != spatial):
+        return False
     roi = fall_back_tuple(t.cropper.spatial_size, default=spatial)
     windows: list[tuple[int, tuple[slice, ...]]] = []
-    for i in range(batch.n):
-        t.randomize(None if label is None else label[i], None, None, None if image is None else image[i])
+    for i, (fg, bg) in enumerate(_pos_neg_indices(t, label, image)):
+        t.randomize(label[i], fg, bg, None if image is None else image[i])
         for center in t.cropper.centers:
             windows.append((i, tuple(Crop.compute_slices(roi_center=center, roi_size=roi))))
     _crop(batch, keys, windows)

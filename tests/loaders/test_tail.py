@@ -236,3 +236,17 @@ def test_lazy_compose_runs_whole_chain_per_item() -> None:
     want = mt.Compose(copy.deepcopy(transforms), lazy=True).set_random_state(3)
     items = [want({k: v[i].clone() for k, v in batch.items()}) for i in range(3)]
     torch.testing.assert_close(got["image"], torch.stack([it["image"].as_tensor() for it in items]))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float32])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_pos_neg_label_dtypes_and_one_hot(dtype: torch.dtype, channels: int) -> None:
+    """MONAI's background of a uint8 label (no image_key) is every voxel; other dtypes exclude the foreground."""
+    batch = make_batch()
+    if channels > 1:  # one-hot: background channel, then two classes
+        fg = batch["label"]
+        batch["label"] = torch.cat([1 - fg, fg, torch.zeros_like(fg)], dim=1)
+    batch["label"] = batch["label"].to(dtype)
+    chain = [mt.RandCropByPosNegLabeld(K, "label", spatial_size=(6, 6, 6), pos=1, neg=3, num_samples=4)]
+    got, _ = batched(chain, batch, seed=13)
+    assert_same(got, reference(chain, batch, seed=13))
