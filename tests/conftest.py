@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests check correctness, never speed: a loaded 2-core CI box must not fail them on time.
+settings.register_profile("blockprep", deadline=None)
+settings.load_profile("blockprep")
 
 
 @pytest.fixture(scope="session")
