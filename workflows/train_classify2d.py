@@ -1,5 +1,6 @@
 """Image classification on a class-folder tree (ImageNet layout: ROOT/<class>/<image>), with DALI or PyTorch.
 
+\b
     python -m workflows.train_classify2d demo/images/train --iters 100                  # DALI, CPU pipeline
     python -m workflows.train_classify2d demo/images/train --device cuda:0 --iters 500  # DALI, GPU decode
     python -m workflows.train_classify2d demo/images/train --reader blockprep --backend direct
@@ -14,16 +15,43 @@ DataLoader workers. A small CNN; the report gives the share of step time spent w
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+class Reader(str, Enum):
+    """Who reads and decodes the images."""
+
+    auto = "auto"
+    dali = "dali"
+    blockprep = "blockprep"
+    torch = "torch"
+
+
+@dataclass
+class Args:
+    """The command line's settings."""
+
+    datadir: Path
+    reader: str = "auto"
+    backend: str = "auto"
+    iters: int = 50
+    batchsize: int = 32
+    size: int = 64
+    workers: int = 2
+    device: str = "cpu"
+    lr: float = 0.05
+    seed: int = 0
 
 
 @dataclass
@@ -57,9 +85,9 @@ def class_tree(root: Path) -> tuple[list[str], list[int], list[str]]:
     return files, labels, classes
 
 
-def dali_batches(root: Path, args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
+def dali_batches(root: Path, args: Args) -> Iterator[tuple[Any, Any]]:
     """Endless (images NCHW float, labels) torch batches from a DALI pipeline (CPU, or GPU decode on cuda)."""
-    from loaders._deps import require
+    from workflows.bench.core import require
 
     dali = require("nvidia.dali", "the DALI reader (or pass --reader torch)")
     plugin = require("nvidia.dali.plugin.pytorch", "the DALI reader (or pass --reader torch)")
@@ -117,7 +145,7 @@ class _TreeDataset:
         return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1))), self.labels[i]
 
 
-def torch_batches(root: Path, args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
+def torch_batches(root: Path, args: Args) -> Iterator[tuple[Any, Any]]:
     """Endless shuffled (images, labels) batches decoded by PIL in DataLoader workers."""
     import torch
 
@@ -146,12 +174,12 @@ def pick_reader(name: str) -> str:
     """`auto`: DALI when it is installed, else PyTorch."""
     if name != "auto":
         return name
-    from loaders._deps import has
+    from workflows.bench.core import has
 
     return "dali" if has("nvidia.dali") else "torch"
 
 
-def train(args: argparse.Namespace) -> ClassifyReport:
+def train(args: Args) -> ClassifyReport:
     """Run `args.iters` steps; time in `next(batches)` (and the copy to the device) counts as waiting."""
     import torch
 
@@ -182,34 +210,41 @@ def train(args: argparse.Namespace) -> ClassifyReport:
     return ClassifyReport(reader, classes, args.iters, seconds, wait, losses[0], losses[-1])
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("datadir", type=Path, help="class-folder tree: DATADIR/<class>/<image>")
-    p.add_argument(
-        "--reader",
-        choices=["auto", "dali", "blockprep", "torch"],
-        default="auto",
-        help="dali: fn.readers.file; blockprep: loaders.dali.FileSource; torch: PIL + DataLoader",
-    )
-    p.add_argument("--backend", default="auto", help="backend of --reader blockprep (auto, posix, direct, ...)")
-    p.add_argument("--iters", type=int, default=50, help="training steps")
-    p.add_argument("--batchsize", type=int, default=32, help="images per batch")
-    p.add_argument("--size", type=int, default=64, help="images are resized to SIZE x SIZE")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (PyTorch reader)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
-    args = p.parse_args(argv)
-    if not args.datadir.is_dir():
-        p.error(f"{args.datadir}: no such folder")
-    return args
+def parse(argv: list[str] | None = None) -> Args:
+    """Command-line options (typer; exits 2 with the usage on bad input)."""
+    got: list[Args] = []
+
+    def command(
+        datadir: Annotated[
+            Path, typer.Argument(exists=True, file_okay=False, help="class-folder tree DATADIR/<class>/<image>")
+        ],
+        reader: Annotated[
+            Reader, typer.Option(help="dali: fn.readers.file; blockprep: FileSource; torch: PIL")
+        ] = Reader.auto,
+        backend: Annotated[str, typer.Option(help="backend of --reader blockprep (auto, posix, direct, ...)")] = "auto",
+        iters: Annotated[int, typer.Option(min=1, help="training steps")] = 50,
+        batchsize: Annotated[int, typer.Option(min=1, help="images per batch")] = 32,
+        size: Annotated[int, typer.Option(min=8, help="images are resized to SIZE x SIZE")] = 64,
+        workers: Annotated[int, typer.Option(min=0, help="DataLoader workers (PyTorch reader)")] = 2,
+        device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+        lr: Annotated[float, typer.Option(help="SGD learning rate")] = 0.05,
+        seed: Annotated[int, typer.Option(help="seed for weights and shuffling")] = 0,
+    ) -> None:
+        got.append(Args(datadir, reader.value, backend, iters, batchsize, size, workers, device, lr, seed))
+
+    app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
+    app.command(help=__doc__)(command)
+    try:
+        app(argv, prog_name="python -m workflows.train_classify2d")
+    except SystemExit as exc:
+        if exc.code or not got:
+            raise
+    return got[0]
 
 
 def main(argv: list[str] | None = None) -> ClassifyReport:
     """Train and print one summary line."""
-    args = parse(argv)
-    r = train(args)
+    r = train(parse(argv))
     print(f"{r.reader}: {r.classes} classes, {r.iters} steps in {r.seconds:.2f} s, waiting for data "
           f"{100 * r.wait_share:.1f}% of step time, loss {r.first_loss:.3f} -> {r.last_loss:.3f}")  # fmt: skip
     return r

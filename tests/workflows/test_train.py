@@ -58,3 +58,10 @@ def test_classify2d_labels_follow_readers_file(image_tree: Path) -> None:
     expected = list_labeled_files(image_tree)
     assert [(str(Path(f).relative_to(image_tree)), label) for f, label in zip(files, labels)] == expected
     assert classes == sorted(classes) and len(classes) == 3
+
+
+def test_classify2d_command_line_errors_exit_2(tmp_path: Path) -> None:
+    for argv in ([str(tmp_path / "missing")], [str(tmp_path), "--reader", "pil"], [str(tmp_path), "--iters", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            train_classify2d.main(argv)
+        assert exc.value.code == 2, argv

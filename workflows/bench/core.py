@@ -207,10 +207,15 @@ def cuda_sync(device: str) -> Callable[[], None] | None:
 
 # The one place workflows reach loaders' optional-package checks (a private module until loaders names it
 # publicly): every scenario asks here.
+def require(name: str, purpose: str = "") -> ModuleType:
+    """Import an optional package or raise MissingDependencyError (a PrepError) naming the install command."""
+    from loaders._deps import require as _require
+
+    return _require(name, purpose)
+
+
 def optional(name: str, purpose: str = "") -> ModuleType:
     """Import an optional package or raise Unavailable with the install command in one line."""
-    from loaders._deps import require
-
     try:
         return require(name, purpose)
     except MissingDependencyError as exc:
