@@ -87,7 +87,7 @@ def class_tree(root: Path) -> tuple[list[str], list[int], list[str]]:
 
 def dali_batches(root: Path, args: Args) -> Iterator[tuple[Any, Any]]:
     """Endless (images NCHW float, labels) torch batches from a DALI pipeline (CPU, or GPU decode on cuda)."""
-    from workflows.bench.core import require
+    from loaders.deps import require
 
     dali = require("nvidia.dali", "the DALI reader (or pass --reader torch)")
     plugin = require("nvidia.dali.plugin.pytorch", "the DALI reader (or pass --reader torch)")
@@ -174,7 +174,7 @@ def pick_reader(name: str) -> str:
     """`auto`: DALI when it is installed, else PyTorch."""
     if name != "auto":
         return name
-    from workflows.bench.core import has
+    from loaders.deps import has
 
     return "dali" if has("nvidia.dali") else "torch"
 

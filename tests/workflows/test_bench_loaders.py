@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("monai")
 
+from loaders.deps import cuda_available  # noqa: E402
 from workflows import benchmark  # noqa: E402
-from workflows.bench.core import cuda_available  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["--warm", "--cold"])

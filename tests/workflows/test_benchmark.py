@@ -43,7 +43,7 @@ def test_all_runs_every_way_that_applies(demo: Path, tmp_path: Path, capsys: pyt
     text = capsys.readouterr().out
     assert status == 0, text
     rows = _rows(out)
-    from workflows.bench.core import has
+    from loaders.deps import has
 
     expected = ["blockprep prepared (posix)", "blockprep prepared (direct)", report.PERSISTENT,
                 "monai Dataset (NIfTI + head)", "monai CacheDataset", "ceiling np.fromfile (warm)"]  # fmt: skip

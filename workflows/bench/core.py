@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders.deps import cuda_available, require
 from loaders.errors import MissingDependencyError, PrepError
 
 
@@ -205,35 +206,12 @@ def cuda_sync(device: str) -> Callable[[], None] | None:
     return lambda: torch.cuda.synchronize(torch.device(device))
 
 
-# The one place workflows reach loaders' optional-package checks (a private module until loaders names it
-# publicly): every scenario asks here.
-def require(name: str, purpose: str = "") -> ModuleType:
-    """Import an optional package or raise MissingDependencyError (a PrepError) naming the install command."""
-    from loaders._deps import require as _require
-
-    return _require(name, purpose)
-
-
 def optional(name: str, purpose: str = "") -> ModuleType:
     """Import an optional package or raise Unavailable with the install command in one line."""
     try:
         return require(name, purpose)
     except MissingDependencyError as exc:
         raise Unavailable(str(exc).splitlines()[0]) from exc
-
-
-def has(name: str) -> bool:
-    """True when the optional package `name` imports here."""
-    from loaders._deps import has as _has
-
-    return _has(name)
-
-
-def cuda_available() -> bool:
-    """True when torch is installed and sees a CUDA (or ROCm) device."""
-    from loaders._deps import cuda_available as _cuda_available
-
-    return _cuda_available()
 
 
 def require_gpu(opts: Options, what: str) -> None:

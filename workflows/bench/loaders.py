@@ -19,10 +19,11 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from loaders.deps import cuda_available
 from loaders.errors import PrepError
 from loaders.format import PreparedCache, read_manifest, write_items
 from workflows.bench import ceilings, scenario
-from workflows.bench.core import Options, Result, Rows, cuda_available, evict
+from workflows.bench.core import Options, Result, Rows, evict
 
 HOST_BACKENDS = ("posix", "direct")
 PERSISTENT = "MONAI PersistentDataset"

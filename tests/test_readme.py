@@ -1,0 +1,134 @@
+"""The README cannot drift: every ```bash/```sh and ```python block of README.md runs against `make demo`'s
+outputs, in README order, in a scratch folder that looks like the repository root (its top-level entries
+linked) with `demo/` a copy of the demo's outputs. Python blocks share one namespace (a block may use what an
+earlier one defined, as a reader would); shell blocks run with `bash -e -o pipefail`. A block whose last
+non-blank line before the fence is `<!-- not-run: <reason> -->` (GPU, cluster, root, minutes of work) is
+only syntax-checked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(\S.*?)\s*-->$")
+FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of the README."""
+
+    line: int  # 1-based line of the opening fence
+    lang: str  # "bash" or "python"
+    code: str
+    not_run: str | None  # the reason, when marked
+
+    @property
+    def id(self) -> str:
+        return f"L{self.line}-{self.lang}"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The bash/sh/python blocks of a markdown text, with their not-run reasons."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), len(lines))
+        lang = {"sh": "bash", "shell": "bash"}.get(match.group(1), match.group(1))
+        if lang in ("bash", "python"):
+            before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            reason = NOT_RUN.match(before.strip())
+            blocks.append(Block(i + 1, lang, "\n".join(lines[i + 1 : end]) + "\n", reason and reason.group(1)))
+        i = end + 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+
+def syntax_check(block: Block) -> None:
+    """bash -n or compile(): the block at least parses."""
+    if block.lang == "python":
+        compile(block.code, f"README.md:{block.line}", "exec")
+        return
+    done = subprocess.run(["bash", "-n"], input=block.code, capture_output=True, text=True)
+    assert done.returncode == 0, f"README.md:{block.line}: {done.stderr}"
+
+
+def test_readme_has_runnable_blocks() -> None:
+    assert sum(b.not_run is None for b in BLOCKS) >= 10, [b.id for b in BLOCKS]
+    assert {b.lang for b in BLOCKS} == {"bash", "python"}
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_readme_block_parses(block: Block) -> None:
+    syntax_check(block)
+
+
+def test_the_block_parser(tmp_path: Path) -> None:
+    text = "x\n<!-- not-run: needs a GPU -->\n\n```bash\nmake gpu\n```\n```python\nprint(1)\n```\n```text\nno\n```\n"
+    got = readme_blocks(text)
+    assert [(b.line, b.lang, b.code, b.not_run) for b in got] == [
+        (4, "bash", "make gpu\n", "needs a GPU"),
+        (7, "python", "print(1)\n", None),
+    ]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder that looks like the repository root, with `demo/` made there by `python -m workflows.demo`
+    (made in place: a cache records its sources' absolute paths, as the MONAI drop-in then looks them up)."""
+    root = tmp_path_factory.mktemp("readme-root")
+    for entry in ROOT.iterdir():
+        if entry.name not in {"demo", ".git", "bench_out", "data", ".pytest_cache", ".mypy_cache", ".ruff_cache"}:
+            (root / entry.name).symlink_to(entry)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "workflows.demo", "--out", "demo"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def namespace() -> dict[str, Any]:
+    """One namespace for every Python block, in README order."""
+    return {"__name__": "__readme__"}
+
+
+@pytest.mark.slow  # the demo first (about a minute on 2 cores), then every block
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_readme_block_runs(
+    block: Block, scratch: Path, namespace: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if block.not_run is not None:
+        syntax_check(block)
+        pytest.skip(f"not run here: {block.not_run}")
+    monkeypatch.chdir(scratch)
+    if block.lang == "python":
+        monkeypatch.syspath_prepend(str(ROOT))
+        with warnings.catch_warnings():  # shown, not fatal: e.g. "4 DataLoader workers on a 2-core machine"
+            warnings.simplefilter("default")
+            exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
+        return
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", "-e", "-o", "pipefail"], input=block.code, cwd=scratch, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    where = f"README.md:{block.line} exited {done.returncode}"
+    assert done.returncode == 0, f"{where}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
