@@ -1,0 +1,441 @@
+"""PreparedLoader: batches ready for the model, from a prepared cache and the user's full MONAI transform.
+
+    >>> loader = PreparedLoader("cache/", transform, batch_size=4, device="cuda:0", gpu_budget="8GiB")  # doctest: +SKIP
+    >>> for epoch in range(epochs):                                                                    # doctest: +SKIP
+    ...     for batch in loader:
+    ...         loss = loss_fn(model(batch["image"]), batch["label"])
+
+The cache holds the head's output (`prep cache`); the loader runs the random tail. What it does so the GPU
+never waits:
+- a `RandSpatialCropd` at the start of the tail is folded into the read: its crop is drawn with the
+  transform's own random state (MONAI's per-item draws) and only the crop's bytes are read, every region of
+  a batch in one backend call (`read_regions`);
+- the rest of the tail runs over the whole batch on the device (`loaders.tail.BatchedTail` where present,
+  else MONAI per item);
+- batch k+1 is read, uploaded (pinned staging) and transformed by a background thread on a side CUDA stream
+  while the model computes on batch k;
+- items are kept on the device, whole, up to `gpu_budget` bytes, filled lazily during the first epoch
+  (a crop of a resident item is a slice, a fresh crop every epoch); items beyond the budget stream from
+  the page cache or the disk;
+- DDP: `shard(rank, world)` and `set_epoch(epoch)`, as `DistributedSampler`: a different split every
+  epoch, every item once per epoch across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders._deps import require
+from loaders.backends import Backend, ReadRequest, get_backend
+from loaders.errors import BackendError
+from loaders.format import PreparedCache, TensorEntry, align_up, check
+from loaders.region import RegionRead, plan_read, read_regions
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
+
+
+def parse_bytes(value: int | str | None) -> int:
+    """Bytes from an int or a string such as "8GiB", "500MB", "1.5g" (None -> 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    if m is None:
+        raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def split_fold(tail: Sequence[Any], keys: Sequence[str]) -> tuple[Any, list[Any]]:
+    """(crop to fold into the read or None, the rest of the tail): a leading eager `RandSpatialCropd`
+    (or subclass) that crops every loaded key is folded."""
+    from monai.transforms import RandSpatialCropd
+
+    first = tail[0] if tail else None
+    if isinstance(first, RandSpatialCropd) and not getattr(first, "lazy", False) and set(keys) <= set(first.keys):
+        return first, list(tail[1:])
+    return None, list(tail)
+
+
+def draw_crop(crop: Any, spatial: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(start, shape) over the spatial dims, drawn as MONAI's `RandSpatialCropd` draws it for one item."""
+    from monai.transforms import CenterSpatialCrop
+
+    crop.randomize(list(spatial))
+    cropper = crop.cropper
+    if getattr(cropper, "random_center", True):
+        slices = cropper._slices
+    else:
+        slices = CenterSpatialCrop(cropper._size).compute_slices(list(spatial))
+    start = [int(s.start or 0) for s in slices]
+    stop = [int(s.stop if s.stop is not None else n) for s, n in zip(slices, spatial)]
+    start += [0] * (len(spatial) - len(start))
+    stop += list(spatial[len(stop) :])
+    return start, [b - a for a, b in zip(start, stop)]
+
+
+class _PerItemTail:
+    """The tail through MONAI, item by item (used where `loaders.tail.BatchedTail` is not installed)."""
+
+    def __init__(self, transforms: Sequence[Any], device: Any = None) -> None:
+        from monai.transforms import Compose
+
+        self.compose = Compose(list(transforms)) if transforms else None
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        if self.compose is None:
+            return batch
+        keys = [k for k in batch if not k.startswith("_")]
+        n = len(batch[keys[0]])
+        outs: list[dict[str, Any]] = []
+        for i in range(n):
+            out = self.compose({k: batch[k][i] for k in keys})
+            outs.extend(out if isinstance(out, list) else [out])  # num_samples crops: MONAI's list layout
+        result = {k: torch.stack([_plain(o[k]) for o in outs]) for k in keys}
+        return {**{k: v for k, v in batch.items() if k.startswith("_")}, **result}
+
+
+def _plain(t: Any) -> Any:
+    return t.as_tensor() if hasattr(t, "as_tensor") else t
+
+
+def batched_tail(transforms: Sequence[Any], device: Any) -> Any:
+    """`loaders.tail.BatchedTail` over `transforms` when installed, else MONAI per item."""
+    try:
+        from loaders.tail import BatchedTail  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return _PerItemTail(transforms, device)
+    from monai.transforms import Compose
+
+    return BatchedTail(Compose(list(transforms)), device=device) if transforms else _PerItemTail([], device)
+
+
+@dataclass
+class _Plan:
+    """What one batch reads: per item, whole or a region (start, shape over the spatial dims)."""
+
+    items: list[int]
+    crops: list[tuple[list[int], list[int]] | None]
+
+
+class _PreparedLoaderCore:
+    """Batches ready for the model from a prepared cache + the full MONAI transform (see module doc).
+
+    cache_dir: a `prep cache` output made with this transform's head. transform: the full pipeline.
+    batch_size, shuffle, seed, drop_last: as for a DataLoader (seed + epoch orders each epoch).
+    device: "cuda:N" or "cpu". gpu_budget: bytes (or "8GiB") of whole items kept on the device.
+    crop_read: read only a folded crop's bytes ("auto"/True) or whole items cropped on the device (False).
+    prefetch: batches prepared ahead. backend, backend_options, keys, verify: as for PreparedDataset
+    (verify checks whole reads only: checksums cover whole tensors).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        transform: Any,
+        batch_size: int,
+        device: str = "cuda:0",
+        gpu_budget: int | str | None = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        crop_read: bool | str = "auto",
+        prefetch: int = 2,
+        backend: str | Backend = "auto",
+        backend_options: dict[str, Any] | None = None,
+        keys: Sequence[str] | None = None,
+        verify: bool = False,
+    ) -> None:
+        from loaders import chain
+        from loaders.monai import check_fingerprint
+
+        self.torch = require("torch", "PreparedLoader")
+        self.cache = PreparedCache(cache_dir)
+        check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
+        self.keys = list(keys) if keys is not None else list(self.cache.keys)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.device = self.torch.device(device)
+        self.gpu = self.device.type == "cuda"
+        self.budget = parse_bytes(gpu_budget)
+        self.crop_read = crop_read
+        self.prefetch = max(1, prefetch)
+        self.verify = verify
+        _, tail = chain.split(transform)
+        self.crop, rest = split_fold(tail, self.keys)
+        from monai.transforms import Compose
+
+        self._tail_compose = Compose(tail) if tail else None  # seeds crop and rest as MONAI would
+        self.tail = batched_tail(rest, self.device)
+        self._backend = backend if isinstance(backend, Backend) else None
+        self._backend_spec, self._backend_options = backend, dict(backend_options or {})
+        self.items = np.arange(len(self.cache), dtype=np.int64)
+        self.rank, self.world = 0, 1
+        self.epoch, self._epoch_pinned = 0, False
+        self.tier: dict[int, dict[str, Any]] = {}  # item -> whole tensors on the device
+        self.tier_bytes = 0
+        self._entries: dict[int, list[TensorEntry]] = {}
+        self._stager: Any = None
+        self._stream: Any = None
+
+    # --- order ---
+    def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
+        """This loader as DDP rank `rank` of `world`: each epoch's shuffled order split across ranks."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world size {world}")
+        self.rank, self.world = rank, world
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Order the next iteration as epoch `epoch` (seed + epoch); without it, each iteration is the next."""
+        self.epoch, self._epoch_pinned = epoch, True
+
+    def set_random_state(self, seed: int) -> _PreparedLoaderCore:
+        """Seed the tail's random transforms as `Compose(tail).set_random_state(seed)` seeds them."""
+        if self._tail_compose is not None:
+            self._tail_compose.set_random_state(seed=seed)
+        return self
+
+    def epoch_items(self, epoch: int) -> np.ndarray:
+        """Items this rank reads in `epoch`: all ranks' lists together hold every item once (padded by
+        wrapping so every rank steps equally, as DistributedSampler does)."""
+        order = self.items
+        if self.shuffle:
+            order = order[np.random.default_rng(self.seed + epoch).permutation(len(order))]
+        if self.world > 1:
+            order = np.resize(order, -(-len(order) // self.world) * self.world)[self.rank :: self.world]
+        return order
+
+    def __len__(self) -> int:
+        n = len(self.epoch_items(0))
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    # --- iteration ---
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch = self.epoch
+        if not self._epoch_pinned:
+            self.epoch += 1
+        self._epoch_pinned = False
+        order = self.epoch_items(epoch)
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last and chunks and len(chunks[-1]) < self.batch_size:
+            chunks.pop()
+        return self._run(chunks)
+
+    def _run(self, chunks: list[np.ndarray]) -> Iterator[dict[str, Any]]:
+        torch = self.torch
+        out: queue.Queue[Any] = queue.Queue(self.prefetch)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._produce, args=(chunks, out, stop), daemon=True, name="blockprep-feed")
+        worker.start()
+        try:
+            for _ in chunks:
+                got = out.get()
+                if isinstance(got, BaseException):
+                    raise got
+                batch, event = got
+                if event is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)
+                    for v in batch.values():
+                        if isinstance(v, torch.Tensor) and v.is_cuda:
+                            v.record_stream(current)  # freed only after the consumer's stream is done
+                yield batch
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a producer waiting on a full queue
+                with contextlib.suppress(queue.Empty):
+                    out.get(timeout=0.05)
+            worker.join()
+
+    def _produce(self, chunks: list[np.ndarray], out: queue.Queue[Any], stop: threading.Event) -> None:
+        torch = self.torch
+        try:
+            if self.gpu and self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            for k, chunk in enumerate(chunks):
+                if stop.is_set():
+                    return
+                plan = self._plan([int(i) for i in chunk])
+                if self.gpu:
+                    with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                        batch = self._batch(plan, k)
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                    out.put((batch, event))
+                else:
+                    out.put((self._batch(plan, k), None))
+        except BaseException as exc:  # noqa: BLE001  (handed to the consumer, raised there)
+            out.put(exc)
+
+    def _plan(self, items: list[int]) -> _Plan:
+        """Draw the folded crop per item, in batch order (as MONAI's per-item tail draws it)."""
+        crops: list[tuple[list[int], list[int]] | None] = []
+        for item in items:
+            if self.crop is None:
+                crops.append(None)
+                continue
+            crops.append(draw_crop(self.crop, self.entries(item)[0].shape[1:]))
+        return _Plan(items, crops)
+
+    def _batch(self, plan: _Plan, k: int) -> dict[str, Any]:
+        """Read (tier, whole or region), crop, stack and run the rest of the tail, on the device."""
+        torch = self.torch
+        whole = [i for i in plan.items if i not in self.tier and not self._crop_only(i)]
+        regions = [(i, c) for i, c in zip(plan.items, plan.crops) if i not in self.tier and self._crop_only(i)]
+        got: dict[int, dict[str, Any]] = {}
+        if whole:
+            got.update(self._read_whole(whole, 2 * k))
+            for i in whole:
+                self._admit(i, got[i])
+        if regions:
+            got.update(self._read_regions(regions, 2 * k + 1))
+        per_key: dict[str, list[Any]] = {key: [] for key in self.keys}
+        for item, crop in zip(plan.items, plan.crops):
+            tensors = self.tier.get(item) or got[item]
+            for key in self.keys:
+                t = tensors[key]
+                if crop is not None and (item in self.tier or item in whole):
+                    t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*crop)))]
+                per_key[key].append(t)
+        batch: dict[str, Any] = {key: _stack(torch, ts) for key, ts in per_key.items()}
+        batch["_items"] = torch.as_tensor(plan.items)
+        return self.tail(batch)  # type: ignore[no-any-return]
+
+    def _crop_only(self, item: int) -> bool:
+        """Read only the crop: a folded crop, of an item the tier will not take."""
+        if self.crop is None or self.crop_read is False:
+            return False
+        return self.tier_bytes + self._nbytes(item) > self.budget
+
+    def _admit(self, item: int, tensors: dict[str, Any]) -> None:
+        nbytes = self._nbytes(item)
+        if item not in self.tier and self.tier_bytes + nbytes <= self.budget:
+            self.tier[item] = {k: t.clone() for k, t in tensors.items()}  # not a view of the batch buffer
+            self.tier_bytes += nbytes
+
+    # --- reads ---
+    @property
+    def backend(self) -> Backend:
+        """The backend reads go through (built on first use)."""
+        if self._backend is None:
+            name = self._backend_spec if isinstance(self._backend_spec, str) else "auto"
+            self._backend = get_backend(name, device=str(self.device), **self._backend_options)
+        return self._backend
+
+    def entries(self, item: int) -> list[TensorEntry]:
+        """The loaded tensors of `item`, in key order."""
+        got = self._entries.get(item)
+        if got is None:
+            got = [e for e in self.cache.entries(item) if e.key in self.keys]
+            got.sort(key=lambda e: self.keys.index(e.key))
+            self._entries[item] = got
+        return got
+
+    def _nbytes(self, item: int) -> int:
+        return sum(e.nbytes for e in self.entries(item))
+
+    def _host(self, slot: int, nbytes: int) -> np.ndarray:
+        """Host bytes to read into: a pinned staging slot on a GPU, plain aligned memory on CPU."""
+        if self.gpu and not self.backend.gpu:
+            if self._stager is None:
+                from loaders.gpu import PinnedStager
+
+                self._stager = PinnedStager(str(self.device), slots=2 * (self.prefetch + 2))
+            return self._stager.host(slot % self._stager.slots, nbytes)  # type: ignore[no-any-return]
+        return self.backend.allocate(max(nbytes, 1))  # type: ignore[no-any-return]
+
+    def _upload(self, buf: Any, slot: int, nbytes: int) -> Any:
+        """The bytes as one uint8 tensor on the device (one async copy when staged)."""
+        torch = self.torch
+        if self.gpu and not self.backend.gpu:
+            return self._stager.upload(slot % self._stager.slots, nbytes)
+        if self.backend.gpu:
+            return torch.as_tensor(buf[:nbytes], device=self.device)
+        return torch.from_numpy(np.asarray(buf[:nbytes]))
+
+    def _read_whole(self, items: list[int], slot: int) -> dict[int, dict[str, Any]]:
+        """Whole items, every tensor in flight in one backend call, into one buffer, then the device."""
+        layout: list[tuple[int, TensorEntry, int]] = []
+        pos = 0
+        for item in items:
+            for e in self.entries(item):
+                layout.append((item, e, pos))
+                pos += align_up(e.nbytes)
+        buf = self._host(slot, pos)
+        requests = [ReadRequest(e.shard, e.offset, e.nbytes) for _, e, _ in layout]
+        try:
+            self.backend.read_into(requests, [buf[at : at + e.nbytes] for _, e, at in layout])
+        except BackendError as exc:
+            raise BackendError(f"{self.cache.root}: {exc}; rebuild the cache with `prep cache --force`") from exc
+        if self.verify:
+            for _, e, at in layout:
+                data = buf[at : at + e.nbytes]
+                check(e, np.asarray(data.get() if hasattr(data, "get") else data))
+        flat = self._upload(buf, slot, pos)
+        out: dict[int, dict[str, Any]] = {i: {} for i in items}
+        for item, e, at in layout:
+            out[item][e.key] = flat[at : at + e.nbytes].view(_torch_dtype(self.torch, e.dtype)).reshape(e.shape)
+        return out
+
+    def _read_regions(self, crops: list[tuple[int, Any]], slot: int) -> dict[int, dict[str, Any]]:
+        """The crops of several items, every region of the batch in one `read_regions` call, then packed
+        into one staging buffer and uploaded with one copy."""
+        reads: list[tuple[int, RegionRead]] = []
+        for item, (start, shape) in crops:
+            for e in self.entries(item):
+                lead = len(e.shape) - len(start)
+                reads.append((item, plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
+        arrays = read_regions(self.backend, [r for _, r in reads])
+        sizes = [align_up(a.nbytes) for a in arrays]
+        buf = self._host(slot, sum(sizes))
+        at, places = 0, []
+        for a, size in zip(arrays, sizes):
+            np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
+            places.append(at)
+            at += size
+        flat = self._upload(buf, slot, at)
+        out: dict[int, dict[str, Any]] = {i: {} for i, _ in crops}
+        for (item, r), a, at in zip(reads, arrays, places):
+            out[item][r.entry.key] = flat[at : at + a.nbytes].view(_torch_dtype(self.torch, a.dtype)).reshape(a.shape)
+        return out
+
+    def close(self) -> None:
+        """Release the backend and the device tier."""
+        if self._backend is not None:
+            self._backend.close()
+        self.tier.clear()
+        self.tier_bytes = 0
+
+
+def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _stack(torch: Any, tensors: list[Any]) -> Any:
+    return torch.stack(tensors) if all(t.shape == tensors[0].shape for t in tensors) else tensors
+
+
+PreparedLoader = _PreparedLoaderCore
+
+
+def dataset_bytes(cache_dir: str | Path, keys: Sequence[str] | None = None) -> int:
+    """Bytes of every tensor (of `keys`) in a cache: what holding it whole on a device costs."""
+    cache = PreparedCache(cache_dir)
+    return sum(e.nbytes for e in cache.iter_entries() if keys is None or e.key in keys)
+
+
+__all__ = ["PreparedLoader", "dataset_bytes", "draw_crop", "parse_bytes", "split_fold"]

@@ -1,0 +1,151 @@
+"""PreparedLoader: the same tensors as MONAI's per-item tail for the same draws, whatever the read path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders.errors import StaleError
+from loaders.feed import PreparedLoader, dataset_bytes, parse_bytes
+from workflows.bench.train import pipeline_source
+
+CROP = 16
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(pipeline, cache): five 24^3 volumes prepared with the training benchmark's pipeline (16^3 crops)."""
+    from prep.cache import prepare_cache
+    from prep.synth import nifti_dataset
+
+    root = tmp_path_factory.mktemp("feed")
+    pipeline = root / "pipeline.py"
+    pipeline.write_text(pipeline_source(CROP))
+    datalist = nifti_dataset(root / "nifti", count=5, size=24, seed=3)
+    prepare_cache(datalist, pipeline, root / "cache", workers=1)
+    return pipeline, root / "cache"
+
+
+def _transform(pipeline: Path) -> object:
+    from prep.pipeline import load_pipeline
+
+    return load_pipeline(pipeline).transform
+
+
+def _reference(pipeline: Path, cache: Path, order: list[int], seed: int) -> list[dict[str, np.ndarray]]:
+    """MONAI's per-item tail over the cached heads, in `order`, seeded as the loader seeds it."""
+    from loaders.dataset import PreparedDataset
+    from loaders.monai import tail_compose
+
+    tail = tail_compose(_transform(pipeline))
+    tail.set_random_state(seed=seed)
+    ds = PreparedDataset(cache)
+    out = []
+    for i in order:
+        item = tail(ds[i])
+        out.append(
+            {
+                k: np.asarray(item[k].as_tensor() if hasattr(item[k], "as_tensor") else item[k])
+                for k in ("image", "label")
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("crop_read", "budget"),
+    [("auto", 0), (False, 0), ("auto", "1GiB"), ("auto", 24**3 * 4 * 2 * 2)],
+    ids=["crop-reads", "whole-reads", "all-in-tier", "part-in-tier"],
+)
+def test_batches_equal_monai_per_item_tail_over_epochs(
+    prepared: tuple[Path, Path], crop_read: object, budget: object
+) -> None:
+    pipeline, cache = prepared
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", shuffle=False, drop_last=False,
+                            crop_read=crop_read, gpu_budget=budget)  # fmt: skip
+    loader.set_random_state(11)
+    got = [b for _ in range(3) for b in loader]  # epoch 1 fills the tier, epochs 2-3 read from it
+    want = _reference(pipeline, cache, [0, 1, 2, 3, 4] * 3, 11)
+    flat_items = [int(i) for b in got for i in b["_items"]]
+    assert flat_items == [0, 1, 2, 3, 4] * 3
+    k = 0
+    for batch in got:
+        assert batch["image"].shape[2:] == (CROP,) * 3
+        for j in range(len(batch["_items"])):
+            for key in ("image", "label"):
+                np.testing.assert_allclose(batch[key][j].numpy(), want[k][key], rtol=1e-6)
+            k += 1
+    assert loader.tier_bytes <= parse_bytes(budget)
+    if parse_bytes(budget) == 0:
+        assert not loader.tier
+    loader.close()
+
+
+def test_the_tier_holds_what_fits_and_not_the_whole_dataset(prepared: tuple[Path, Path]) -> None:
+    pipeline, cache = prepared
+    total = dataset_bytes(cache)
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", gpu_budget=total // 2)
+    list(loader)
+    assert 0 < loader.tier_bytes <= total // 2 and 0 < len(loader.tier) < 5
+
+
+def test_shards_cover_every_item_once_per_epoch_and_reshuffle(prepared: tuple[Path, Path]) -> None:
+    pipeline, cache = prepared
+    ranks = [PreparedLoader(cache, _transform(pipeline), 1, device="cpu", seed=4).shard(r, 2) for r in range(2)]
+    splits = []
+    for epoch in range(4):
+        parts = [sorted(int(i) for i in rank.epoch_items(epoch)) for rank in ranks]
+        assert set(parts[0]) | set(parts[1]) == set(range(5))
+        assert len(parts[0]) == len(parts[1]) == 3  # padded so both ranks step equally
+        splits.append(parts[0])
+    assert len({tuple(s) for s in splits}) > 1
+    ranks[0].set_epoch(2)
+    assert [int(b["_items"][0]) for b in ranks[0]] == list(ranks[0].epoch_items(2))
+
+
+def test_each_iteration_is_the_next_epoch_unless_pinned(prepared: tuple[Path, Path]) -> None:
+    pipeline, cache = prepared
+    loader = PreparedLoader(cache, _transform(pipeline), 5, device="cpu", seed=1)
+    first, second = (b["_items"].tolist() for b in (next(iter(loader)), next(iter(loader))))
+    assert sorted(first) == sorted(second) == list(range(5)) and first != second
+
+
+def test_a_different_head_is_refused(prepared: tuple[Path, Path]) -> None:
+    from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+
+    _, cache = prepared
+    other = Compose([LoadImaged(keys="image"), EnsureChannelFirstd(keys="image"), RandFlipd(keys="image")])
+    with pytest.raises(StaleError, match="different pipeline head"):
+        PreparedLoader(cache, other, 2, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("8GiB", 8 << 30), ("500MB", 500 * 10**6), ("1.5k", 1500), (7, 7), (None, 0)]
+)
+def test_parse_bytes(text: object, value: int) -> None:
+    assert parse_bytes(text) == value  # type: ignore[arg-type]
+
+
+def test_parse_bytes_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
+
+
+@pytest.mark.gpu
+def test_gpu_batches_equal_cpu_batches(prepared: tuple[Path, Path]) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pipeline, cache = prepared
+    out = {}
+    for device, budget in (("cpu", 0), ("cuda:0", 0), ("cuda:0", "1GiB")):
+        loader = PreparedLoader(cache, _transform(pipeline), 2, device=device, shuffle=False, gpu_budget=budget)
+        loader.set_random_state(5)
+        out[(device, budget)] = [{k: b[k].cpu() for k in ("image", "label")} for _ in range(2) for b in loader]
+    for key in out:
+        for a, b in zip(out[("cpu", 0)], out[key]):
+            torch.testing.assert_close(a["image"], b["image"])
+            torch.testing.assert_close(a["label"], b["label"])

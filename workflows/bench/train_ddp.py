@@ -1,0 +1,105 @@
+"""The training benchmark's `--ddp` row: the fast path on every rank of a `torchrun` job.
+
+    torchrun --standalone --nproc-per-node 2 -m workflows.benchmark train --ddp --device cuda
+
+Rank 0 first makes the data and measures the fast path on its GPU alone (the others wait); then every rank
+trains a DistributedDataParallel UNet on its shard (`PreparedLoader.shard(rank, world)`, `set_epoch(e)`),
+reading straight into its own GPU. Printed and written by rank 0: steps/s of one GPU, steps/s of the job
+(each step takes `world` batches), their ratio, and whether every item was seen once per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from workflows.bench.train import TrainOptions, TrainRow, build_data, ratios, table, time_loop, transform_of, write
+
+
+def _device(opts: TrainOptions, local_rank: int) -> str:
+    return f"cuda:{local_rank}" if opts.gpu else "cpu"
+
+
+def _loader(cache: Path, pipeline: Path, opts: TrainOptions, device: str) -> Any:
+    from loaders.feed import PreparedLoader
+
+    loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=device,
+                            gpu_budget=opts.gpu_budget or 0, seed=opts.seed, drop_last=False)  # fmt: skip
+    return loader
+
+
+def main_ddp(opts: TrainOptions) -> int:
+    """One rank of the DDP row (RANK, WORLD_SIZE, LOCAL_RANK from torchrun); returns the exit status."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = _device(opts, local)
+    if opts.gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if opts.gpu else "gloo")
+    try:
+        work = opts.out / "work"
+        if rank == 0:
+            build_data(opts, work)
+        dist.barrier()
+        _, pipeline, cache = build_data(opts, work)  # present now: only looked up
+        rows: list[TrainRow] = []
+        if rank == 0:
+            loader = _loader(cache, pipeline, opts, device)
+            loader.set_random_state(opts.seed)
+            rows.append(time_loop("blockprep PreparedLoader, 1 GPU", "ours", _epochs(loader, None), opts, device))
+            loader.close()
+        dist.barrier()
+        loader = _loader(cache, pipeline, opts, device).shard(rank, world)
+        loader.set_random_state(opts.seed + rank)  # each rank its own draws
+        seen: list[list[int]] = []
+        row = time_loop(f"blockprep PreparedLoader, DDP x{world}", "ours", _epochs(loader, seen), opts, device,
+                        ddp=True)  # fmt: skip
+        loader.close()
+        once = _every_item_once(seen, world, len(loader.items))
+        if rank == 0:
+            row.steps *= world  # a DDP step trains `world` batches: count them as single-GPU steps
+            row.note = (
+                f"{world} ranks; every item once per epoch: {once}; x 1 GPU {row.steps_per_s / rows[0].steps_per_s:.2f}"
+            )
+            row.extra.update(world=world, every_item_once=once, x_one_gpu=row.steps_per_s / rows[0].steps_per_s)
+            rows.append(row)
+            table_rows = ratios(rows)
+            print(table(table_rows, []))
+            write(opts.out, table_rows, [], opts)
+            (opts.out / "ddp.json").write_text(json.dumps({"every_item_once": once, "world": world}))
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _epochs(loader: Any, seen: list[list[int]] | None) -> Any:
+    def epochs(epoch: int) -> Any:
+        loader.set_epoch(epoch)
+        items: list[int] = []
+        if seen is not None:
+            seen.append(items)
+        for batch in loader:
+            items.extend(int(i) for i in batch["_items"])
+            yield batch
+
+    return epochs
+
+
+def _every_item_once(seen: list[list[int]], world: int, n: int) -> bool:
+    """All ranks' items of each epoch together cover every item (padding repeats at most world - 1)."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, seen)
+    splits = []
+    for epoch in range(len(seen)):
+        items = [i for rank_seen in gathered for i in rank_seen[epoch]]
+        if set(items) != set(range(n)) or len(items) - n >= world:
+            return False
+        splits.append(sorted(gathered[0][epoch]))
+    return len(splits) < 2 or any(s != splits[0] for s in splits[1:])  # a different split every epoch
