@@ -1,13 +1,16 @@
 """3D UNet segmentation on a prepared cache, and how much of each step waits for data.
 
-    python -m workflows.train_seg3d --cache demo/cache --iters 50                       # blockprep
-    python -m workflows.train_seg3d --cache demo/cache --loader persistent --iters 50    # MONAI PersistentDataset
-    python -m workflows.train_seg3d --cache demo/cache --loader both --device cuda:0     # one after the other
+    python -m workflows.train_seg3d --cache demo/cache --iters 50                       # blockprep fast path
+    python -m workflows.train_seg3d --cache demo/cache --device cuda:0 --gpu-budget 8GiB
+    python -m workflows.train_seg3d --cache demo/cache --loader drop-in --iters 50       # PreparedPersistentDataset
+    python -m workflows.train_seg3d --cache demo/cache --loader all --device cuda:0      # one after the other
 
-`blockprep` reads the head's output from the cache with `PreparedPersistentDataset` (the MONAI drop-in) and
-applies the random tail (crops, flips) per step; `persistent` runs MONAI's `PersistentDataset` over the
-same datalist and pipeline (its .pt files are written before timing starts). A plain loop with DiceLoss,
-Adam, and AMP on GPU. The report: the share of step time spent waiting for the next batch.
+`fast` (the default) is `loaders.PreparedLoader`: batches ready on the device, the random tail run there
+over the whole batch, reads overlapped with compute, items kept on the GPU up to `--gpu-budget`.
+`drop-in` reads the head's output with `PreparedPersistentDataset` (the one-line MONAI drop-in) under a
+DataLoader, tail per item on the CPU; `persistent` runs MONAI's `PersistentDataset` over the same datalist
+and pipeline (its .pt files are written before timing starts). A plain loop with DiceLoss, Adam, and bf16
+autocast on GPU. The report: the share of step time spent waiting for the next batch.
 """
 
 from __future__ import annotations
@@ -61,15 +64,19 @@ def make_dataset(args: argparse.Namespace, loader: str) -> Any:
 
     data, recorded = cache_sources(args.cache)
     transform = load_pipeline(args.pipeline or recorded).transform
-    transform.set_random_state(seed=args.seed)  # both loaders draw the same crops and flips
-    if loader == "blockprep":
+    transform.set_random_state(seed=args.seed)  # the loaders draw the same crops and flips
+    if loader == "fast":
+        from loaders.feed import PreparedLoader
+
+        fast = PreparedLoader(args.cache, transform, args.batchsize, device=args.device, gpu_budget=args.gpu_budget,
+                              backend=args.backend, seed=args.seed, drop_last=False)  # fmt: skip
+        return fast.set_random_state(args.seed)
+    if loader == "drop-in":
         from loaders.monai import PreparedPersistentDataset
 
         options: dict[str, Any] = {}
         if args.backend == "blockdev":
             options["backend_options"] = {"bmap": str(args.cache / "bmap.json")}
-        if args.backend == "kvikio":  # GPU-only path (not run in CI): reads land in GPU memory, tail runs there
-            options["device"] = args.device
         return PreparedPersistentDataset(data, transform, args.cache, backend=args.backend, **options)
     from monai.data import PersistentDataset
 
@@ -94,13 +101,18 @@ def _batches(dataset: Any, args: argparse.Namespace, loader_name: str) -> Any:
     import torch
     from monai.data import DataLoader, list_data_collate
 
-    gpu_reads = loader_name == "blockprep" and args.backend == "kvikio"  # tensors already on the GPU
-    loader = DataLoader(dataset, batch_size=args.batchsize, shuffle=True, num_workers=0 if gpu_reads else args.workers,
+    if loader_name == "fast":  # batches come ready on the device; each pass is the next epoch
+        while True:
+            yield from dataset
+    loader = DataLoader(dataset, batch_size=args.batchsize, shuffle=True, num_workers=args.workers,
                         collate_fn=list_data_collate, generator=torch.Generator().manual_seed(args.seed),
-                        pin_memory=args.device.startswith("cuda") and not gpu_reads,
-                        persistent_workers=args.workers > 0 and not gpu_reads)  # fmt: skip
+                        pin_memory=args.device.startswith("cuda"), persistent_workers=args.workers > 0)  # fmt: skip
     while True:
         yield from loader
+
+
+def _plain(x: Any) -> Any:
+    return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
 def train(args: argparse.Namespace, loader: str) -> TrainReport:
@@ -115,7 +127,6 @@ def train(args: argparse.Namespace, loader: str) -> TrainReport:
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = DiceLoss(to_onehot_y=True, softmax=True)
     amp = cuda and args.amp
-    scaler = torch.amp.GradScaler("cuda", enabled=amp)
     batches = _batches(dataset, args, loader)
     losses: list[float] = []
     wait = 0.0
@@ -123,17 +134,16 @@ def train(args: argparse.Namespace, loader: str) -> TrainReport:
     for _ in range(args.iters):
         t0 = time.perf_counter()
         batch = next(batches)
-        image = batch["image"].to(args.device, non_blocking=True).as_tensor()
-        label = batch["label"].to(args.device, non_blocking=True).as_tensor()
+        image = _plain(batch["image"]).to(args.device, non_blocking=True)
+        label = _plain(batch["label"]).to(args.device, non_blocking=True)
         if cuda:
             torch.cuda.synchronize(args.device)  # the copy is part of waiting for data
         wait += time.perf_counter() - t0
         optimiser.zero_grad(set_to_none=True)
-        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.float16, enabled=amp):
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=amp):
             loss = loss_fn(model(image), label)
-        scaler.scale(loss).backward()
-        scaler.step(optimiser)
-        scaler.update()
+        loss.backward()  # bf16 needs no loss scaling
+        optimiser.step()
         losses.append(float(loss.detach()))  # .item() syncs: the step's compute is finished here
     seconds = time.perf_counter() - start
     return TrainReport(loader, args.iters, seconds, wait, losses[0], losses[-1])
@@ -144,8 +154,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, required=True, help="prepared cache (prep cache)")
     p.add_argument("--pipeline", type=Path, default=None, help="PIPELINE.py (default: the one the cache recorded)")
-    p.add_argument("--loader", choices=["blockprep", "persistent", "both"], default="blockprep")
+    p.add_argument("--loader", choices=["fast", "drop-in", "persistent", "all"], default="fast",
+                   help="fast: PreparedLoader (default); drop-in: PreparedPersistentDataset; persistent: MONAI's")
     p.add_argument("--backend", default="auto", help="blockprep backend: auto, posix, direct, blockdev, kvikio")
+    p.add_argument("--gpu-budget", default="0", help="bytes of whole items the fast path keeps on the device (8GiB)")
     p.add_argument("--persistent-dir", type=Path, default=None, help="PersistentDataset cache_dir")
     p.add_argument("--iters", type=int, default=20, help="training steps per loader")
     p.add_argument("--batchsize", type=int, default=2, help="items per batch (each gives the tail's crops)")
@@ -165,14 +177,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[TrainReport]:
     """Train with the chosen loader(s) and print the share of step time spent waiting for data."""
     args = parse(argv)
-    loaders = ["blockprep", "persistent"] if args.loader == "both" else [args.loader]
+    loaders = ["fast", "drop-in", "persistent"] if args.loader == "all" else [args.loader]
     reports = []
     for loader in loaders:
         report = train(args, loader)
         print(report.line(), flush=True)
         reports.append(report)
-    if len(reports) == 2 and reports[0].seconds > 0:
-        print(f"blockprep steps take {reports[0].seconds / reports[1].seconds:.2f}x the time of PersistentDataset's")
+    base = next((r for r in reports if r.loader == "persistent"), None)
+    for r in reports:
+        if base is not None and r is not base and base.seconds > 0:
+            print(f"{r.loader} steps take {r.seconds / base.seconds:.2f}x the time of PersistentDataset's")
     if args.json is not None:
         args.json.write_text(json.dumps([{**asdict(r), "wait_share": r.wait_share} for r in reports], indent=1))
     return reports

@@ -25,21 +25,27 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "cache"
 
 
-@pytest.mark.slow  # ~8 s: a cache, two loaders, a UNet
-def test_seg3d_blockprep_and_persistent_train_on_the_same_data(cache: Path, tmp_path: Path) -> None:
+@pytest.mark.slow  # ~12 s: a cache, three loaders, a UNet
+def test_seg3d_fast_drop_in_and_persistent_train_on_the_same_data(cache: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    reports = train_seg3d.main(["--cache", str(cache), "--loader", "both", "--iters", "2", "--batchsize", "1",
+    reports = train_seg3d.main(["--cache", str(cache), "--loader", "all", "--iters", "2", "--batchsize", "1",
                                 "--workers", "0", "--channels", "4", "8", "--persistent-dir", str(tmp_path / "pt"),
                                 "--json", str(report)])  # fmt: skip
-    blockprep, persistent = reports
-    assert (blockprep.loader, persistent.loader) == ("blockprep", "persistent")
+    fast, drop_in, persistent = reports
+    assert (fast.loader, drop_in.loader, persistent.loader) == ("fast", "drop-in", "persistent")
     for r in reports:
         assert r.iters == 2 and 0 < r.wait_seconds < r.seconds and 0 < r.wait_share < 1
         assert math.isfinite(r.first_loss) and math.isfinite(r.last_loss)
     # same seed, same crops, same weights: the cache delivers what PersistentDataset delivers
-    assert blockprep.first_loss == pytest.approx(persistent.first_loss, rel=1e-4)
+    assert drop_in.first_loss == pytest.approx(persistent.first_loss, rel=1e-4)
     assert any((tmp_path / "pt").iterdir())
-    assert [d["loader"] for d in json.loads(report.read_text())] == ["blockprep", "persistent"]
+    assert [d["loader"] for d in json.loads(report.read_text())] == ["fast", "drop-in", "persistent"]
+
+
+def test_seg3d_fast_path_with_a_device_tier(cache: Path) -> None:
+    (r,) = train_seg3d.main(["--cache", str(cache), "--iters", "3", "--batchsize", "2", "--channels", "4", "8",
+                             "--gpu-budget", "1GiB"])  # fmt: skip
+    assert r.loader == "fast" and r.iters == 3 and math.isfinite(r.last_loss)
 
 
 @pytest.mark.parametrize("reader", ["dali", "blockprep", "torch"])
