@@ -24,6 +24,7 @@ never waits:
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import re
 import threading
@@ -36,6 +37,7 @@ import numpy as np
 
 from loaders._deps import require
 from loaders.backends import Backend, ReadRequest, get_backend
+from loaders.backends.base import aligned_empty
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check
 from loaders.region import RegionRead, plan_read, read_regions
@@ -98,13 +100,16 @@ class _PerItemTail:
         if self.compose is None:
             return batch
         keys = [k for k in batch if not k.startswith("_")]
-        n = len(batch[keys[0]])
         outs: list[dict[str, Any]] = []
-        for i in range(n):
+        sources: list[int] = []
+        for i in range(len(batch[keys[0]])):
             out = self.compose({k: batch[k][i] for k in keys})
-            outs.extend(out if isinstance(out, list) else [out])  # num_samples crops: MONAI's list layout
-        result = {k: torch.stack([_plain(o[k]) for o in outs]) for k in keys}
-        return {**{k: v for k, v in batch.items() if k.startswith("_")}, **result}
+            out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
+            outs.extend(out)
+            sources.extend([i] * len(out))
+        result = {k: _stack(torch, [_plain(o[k]) for o in outs]) for k in keys}
+        result["_items"] = batch["_items"][sources]  # the item each output came from
+        return result
 
 
 def _plain(t: Any) -> Any:
@@ -180,6 +185,7 @@ class _PreparedLoaderCore:
 
         self._tail_compose = Compose(tail) if tail else None  # seeds crop and rest as MONAI would
         self.tail = batched_tail(rest, self.device)
+        self._ragged_tail = _PerItemTail(rest)  # items of unequal shapes (no folded crop): MONAI per item
         self._backend = backend if isinstance(backend, Backend) else None
         self._backend_spec, self._backend_options = backend, dict(backend_options or {})
         self.items = np.arange(len(self.cache), dtype=np.int64)
@@ -312,8 +318,13 @@ class _PreparedLoaderCore:
                     t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*crop)))]
                 per_key[key].append(t)
         batch: dict[str, Any] = {key: _stack(torch, ts) for key, ts in per_key.items()}
-        batch["_items"] = torch.as_tensor(plan.items)
-        return self.tail(batch)  # type: ignore[no-any-return]
+        if any(isinstance(v, list) for v in batch.values()):
+            batch["_items"] = torch.as_tensor(plan.items)
+            return self._ragged_tail(batch)
+        batch["_items"] = list(plan.items)  # a per-item list: multi-sample crops repeat it as they repeat items
+        out = self.tail(batch)
+        out["_items"] = torch.as_tensor(out["_items"])
+        return out  # type: ignore[no-any-return]
 
     def _crop_only(self, item: int) -> bool:
         """Read only the crop: a folded crop, of an item the tier will not take."""
@@ -392,25 +403,39 @@ class _PreparedLoaderCore:
         return out
 
     def _read_regions(self, crops: list[tuple[int, Any]], slot: int) -> dict[int, dict[str, Any]]:
-        """The crops of several items, every region of the batch in one `read_regions` call, then packed
-        into one staging buffer and uploaded with one copy."""
+        """The crops of several items: every region of the batch in one `read_regions` call, landing in one
+        staging buffer (warm regions are copied straight into it), uploaded with one copy."""
         reads: list[tuple[int, RegionRead]] = []
         for item, (start, shape) in crops:
             for e in self.entries(item):
                 lead = len(e.shape) - len(start)
                 reads.append((item, plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
-        arrays = read_regions(self.backend, [r for _, r in reads])
-        sizes = [align_up(a.nbytes) for a in arrays]
-        buf = self._host(slot, sum(sizes))
-        at, places = 0, []
+        sizes = [align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in reads]
+        total = sum(sizes)
+        buf = self._host(slot, 2 * total)  # regions land in the first half; the second takes copies
+        base = buf.ctypes.data
+        cursor = [0]
+
+        def allocate(nbytes: int) -> Any:
+            at = cursor[0]
+            if at + nbytes > total:  # scratch slabs of cold reads: ordinary memory
+                return aligned_empty(nbytes)
+            cursor[0] = at + align_up(nbytes)
+            return buf[at : at + nbytes]
+
+        arrays = read_regions(self.backend, [r for _, r in reads], allocate=allocate)
+        places, spare = [], total
         for a, size in zip(arrays, sizes):
-            np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
+            at = a.ctypes.data - base
+            if not (0 <= at < total and a.flags.c_contiguous):  # not in the buffer: one copy into it
+                at, spare = spare, spare + size
+                np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
             places.append(at)
-            at += size
-        flat = self._upload(buf, slot, at)
+        flat = self._upload(buf, slot, max(spare, max((p + a.nbytes for p, a in zip(places, arrays)), default=0)))
         out: dict[int, dict[str, Any]] = {i: {} for i, _ in crops}
         for (item, r), a, at in zip(reads, arrays, places):
-            out[item][r.entry.key] = flat[at : at + a.nbytes].view(_torch_dtype(self.torch, a.dtype)).reshape(a.shape)
+            view = flat[at : at + a.nbytes].view(_torch_dtype(self.torch, a.dtype))
+            out[item][r.entry.key] = view.reshape(a.shape)
         return out
 
     def close(self) -> None:

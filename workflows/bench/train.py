@@ -1,7 +1,7 @@
 """Training benchmark: steps/s of a real MONAI 3D UNet loop, and how much of each step waits for data.
 
-    python -m workflows.benchmark train --size 160 --crop 96 --batch 4 --count 48 --device cuda:0
-    torchrun --nproc-per-node 2 -m workflows.benchmark train --ddp --device cuda    # one row over 2 GPUs
+    python -m workflows.benchmark train --size 160 --crop 96 --batchsize 4 --count 48 --device cuda:0
+    torchrun --standalone --nproc-per-node 2 -m workflows.benchmark train --ddp --device cuda  # 2 GPUs
 
 The data is made here (`prep synth nifti` + `prep cache`) with the pipeline LoadImaged, EnsureChannelFirstd,
 ScaleIntensityd | RandSpatialCropd(crop), RandFlipd, RandScaleIntensityd. Every row trains a fresh
@@ -12,20 +12,22 @@ with the device synchronised after every step so compute is not counted as waiti
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from workflows.bench.core import Unavailable
+import typer
+
+from workflows.bench import scenario
+from workflows.bench.core import Options, Result, Rows, Unavailable
+from workflows.bench.report import PERSISTENT as MONAI_PERSISTENT
 
 KEYS = ("image", "label")
 CEILING = "compute only (one batch resident, no transforms)"
-PERSISTENT = "monai PersistentDataset + DataLoader"
+PERSISTENT = f"{MONAI_PERSISTENT} + DataLoader"
 
 
 @dataclass
@@ -41,7 +43,7 @@ class TrainOptions:
     count: int = 48
     gpu_budget: str | None = None  # caps GPU-resident peers; None: the device's free memory
     channels: tuple[int, ...] = (16, 32, 64, 128)
-    out: Path = Path("bench_out/train")
+    out: Path = Path("bench_out")
     seed: int = 0
     rows: tuple[str, ...] = ()  # only these rows (names as in ROWS); empty: all
 
@@ -330,8 +332,8 @@ def gpu_budget(opts: TrainOptions) -> int:
     return max(0, free - (8 << 30))
 
 
-def run(opts: TrainOptions, work: Path) -> tuple[list[TrainRow], list[tuple[str, str]]]:
-    """Every row that applies here, in one run; returns (rows, [(row, why it could not run)])."""
+def run(opts: TrainOptions, work: Path) -> Rows:
+    """Every row that applies here, in one run (the ceiling first; `opts.rows` picks the others)."""
     from loaders.feed import dataset_bytes
 
     datalist, pipeline, cache = build_data(opts, work)
@@ -339,6 +341,9 @@ def run(opts: TrainOptions, work: Path) -> tuple[list[TrainRow], list[tuple[str,
     budget = gpu_budget(opts)
     steps = opts.count // opts.batch
     half = nbytes // 2
+    rows = Rows(title=f"training: {opts.count} x {opts.size}^3, crop {opts.crop}^3, batch {opts.batch}, "
+                f"{opts.epochs - 1} timed epochs, items/s = steps/s")  # fmt: skip
+    rows.peers["train"] = f"{PERSISTENT}({opts.workers})"
     jobs: list[tuple[str, Callable[[], TrainRow]]] = [
         ("ceiling", lambda: ceiling(opts, steps)),
         ("persistent", lambda: persistent(datalist, pipeline, opts, work)),
@@ -352,121 +357,47 @@ def run(opts: TrainOptions, work: Path) -> tuple[list[TrainRow], list[tuple[str,
         ("fast-half", lambda: fast_path(pipeline, cache, opts, half, "GPU tier = half the dataset")),
         ("fast-budget", lambda: fast_path(pipeline, cache, opts, min(budget, nbytes), "GPU tier = --gpu-budget")),
     ]
-    rows: list[TrainRow] = []
-    skipped: list[tuple[str, str]] = []
     for key, job in jobs:
         if opts.rows and key not in opts.rows and key != "ceiling":
             continue
-        try:
-            row = job()
-        except Unavailable as exc:
-            skipped.append((key, str(exc).splitlines()[0]))
-            print(f"  unavailable: {key}: {skipped[-1][1]}", flush=True)
-            continue
-        row.extra["key"] = key
-        rows.append(row)
-        print(f"  {row.name}: {row.steps_per_s:.1f} steps/s, waiting {100 * row.wait_share:.0f}%", flush=True)
-    return rows, skipped
+        rows.add(key, lambda job=job: as_result(job()))  # type: ignore[misc]
+    return rows
 
 
-def ratios(rows: list[TrainRow]) -> list[dict[str, Any]]:
-    """Rows as dicts with steps/s, wait share, x ceiling and x PersistentDataset."""
-    top = next((r for r in rows if r.kind == "ceiling"), None)
-    base = next((r for r in rows if r.name.startswith(PERSISTENT)), None)
-    out = []
-    for r in rows:
-        d = asdict(r)
-        d.update(steps_per_s=r.steps_per_s, wait_share=r.wait_share, data="train", items_per_s=r.steps_per_s,
-                 x_ceiling=r.steps_per_s / top.steps_per_s if top and top.steps_per_s else None,
-                 x_persistent=r.steps_per_s / base.steps_per_s if base and base.steps_per_s else None)  # fmt: skip
-        out.append(d)
-    return out
+def as_result(row: TrainRow) -> Result:
+    """A harness row: items = timed steps (items/s is steps/s); the wait share goes with it."""
+    extra = {"waiting %": 100 * row.wait_share, **row.extra}
+    return Result(row.name, "train", row.steps, row.seconds, 0, row.kind, row.note, extra)
 
 
-def table(rows: list[dict[str, Any]], skipped: list[tuple[str, str]]) -> str:
-    """Fixed-width text table; rows that could not run are named under it."""
-    cols = ("way", "steps/s", "waiting", "x ceiling", "x PersistentDataset")
-
-    def f(v: Any) -> str:
-        return "-" if v is None else f"{v:.2f}"
-
-    cells = [[r["name"], f"{r['steps_per_s']:.1f}", f"{100 * r['wait_share']:.0f}%", f(r["x_ceiling"]),
-              f(r["x_persistent"])] for r in rows]  # fmt: skip
-    widths = [max(len(c) for c in col) for col in zip(cols, *cells)]
-    line = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [line.format(*cols), line.format(*("-" * w for w in widths)), *(line.format(*c) for c in cells)]
-    out += [f"unavailable: {k}: {why}" for k, why in skipped]
-    return "\n".join(s.rstrip() for s in out)
-
-
-def write(out: Path, rows: list[dict[str, Any]], skipped: list[tuple[str, str]], opts: TrainOptions) -> list[Path]:
-    """train.csv, train.json and train.png under `out`."""
-    import platform
-
-    out.mkdir(parents=True, exist_ok=True)
-    fields = ["name", "kind", "steps", "seconds", "wait_seconds", "steps_per_s", "wait_share", "x_ceiling",
-              "x_persistent", "note"]  # fmt: skip
-    with open(out / "train.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    env = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
-           "cpus": os.cpu_count(), "options": {k: str(v) for k, v in asdict(opts).items()}}  # fmt: skip
-    if opts.gpu:
-        import torch
-
-        env["gpu"] = torch.cuda.get_device_name(torch.device(opts.device))
-    doc = {"environment": env, "results": rows, "unavailable": dict(skipped)}
-    (out / "train.json").write_text(json.dumps(doc, indent=1, default=str))
-    paths = [out / "train.csv", out / "train.json"]
-    if rows:
-        from workflows.bench.report import plot
-
-        plot(rows, out / "train.png", title=f"training steps/s, {opts.device}, batch {opts.batch}, {opts.crop}^3")
-        paths.append(out / "train.png")
-    return paths
-
-
-def parse(argv: list[str] | None = None) -> tuple[TrainOptions, bool]:
-    """Command-line options of `python -m workflows.benchmark train`; (options, ddp)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m workflows.benchmark train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    d = TrainOptions()
-    p.add_argument("--size", type=int, default=d.size, help="volume edge in voxels (default 160)")
-    p.add_argument("--crop", type=int, default=d.crop, help="random crop edge (default 96)")
-    p.add_argument("--batch", type=int, default=d.batch, help="items per step (default 4)")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="epochs per row; the first is not timed (default 4)")
-    p.add_argument("--workers", type=int, default=d.workers, help="DataLoader workers of the peers (default 8)")
-    p.add_argument("--device", default=d.device, help="cuda:N or cpu (default cuda:0)")
-    p.add_argument("--count", type=int, default=d.count, help="volumes in the dataset (default 48)")
-    p.add_argument("--gpu-budget", default=None, help="bytes GPU-resident peers may hold, e.g. 8GiB")
-    p.add_argument("--channels", type=int, nargs="+", default=list(d.channels), help="UNet channels per level")
-    p.add_argument("--rows", nargs="*", default=[], help="only these rows (ceiling always): persistent cache-gpu "
-                   "gds smart-cache drop-in drop-in-threads fast fast-whole fast-half fast-budget")  # fmt: skip
-    p.add_argument("--out", type=Path, default=d.out, help="folder for train.csv/json/png (default bench_out/train)")
-    p.add_argument("--ddp", action="store_true", help="run under torchrun: the fast path over every rank's GPU")
-    a = p.parse_args(argv)
-    if a.epochs < 2 or a.batch < 1 or a.count < a.batch or a.crop > a.size:
-        p.error("need --epochs >= 2, --count >= --batch >= 1 and --crop <= --size")
-    opts = TrainOptions(a.size, a.crop, a.batch, a.epochs, a.workers, a.device, a.count, a.gpu_budget,
-                        tuple(a.channels), a.out, rows=tuple(a.rows))  # fmt: skip
-    return opts, a.ddp
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry of `python -m workflows.benchmark train`; returns the exit status."""
-    opts, ddp = parse(argv)
+@scenario("train", "MONAI 3D UNet training steps/s and data-wait share, every loader against the compute ceiling.")
+def train(
+    opts: Options,
+    size: Annotated[int, typer.Option(help="volume edge in voxels")] = 160,
+    crop: Annotated[int, typer.Option(help="random crop edge (RandSpatialCropd)")] = 96,
+    epochs: Annotated[int, typer.Option(min=2, help="epochs per row; the first fills caches, untimed")] = 4,
+    count: Annotated[int, typer.Option(min=1, help="volumes in the dataset")] = 48,
+    gpu_budget: Annotated[str | None, typer.Option(help="bytes GPU-resident rows may hold, e.g. 8GiB")] = None,
+    channels: Annotated[str, typer.Option(help="UNet channels per level, comma-separated")] = "16,32,64,128",
+    rows: Annotated[
+        str,
+        typer.Option(
+            help="only these rows, comma-separated (the ceiling always runs): "
+            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,fast,"
+            "fast-whole,fast-half,fast-budget"
+        ),
+    ] = "",
+    ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,
+) -> Rows:
+    """`python -m workflows.benchmark train --device cuda:0` (global --batchsize is the batch, --workers the
+    DataLoader workers of the peers: default 8)."""
+    if crop > size or count < opts.batchsize:
+        raise typer.BadParameter("need --crop <= --size and --count >= --batchsize")
+    topts = TrainOptions(size, crop, opts.batchsize, epochs, opts.workers or 8, opts.device, count, gpu_budget,
+                         tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
+                         rows=tuple(r for r in rows.split(",") if r))  # fmt: skip
     if ddp:
         from workflows.bench.train_ddp import main_ddp
 
-        return main_ddp(opts)
-    print(f"train benchmark: {opts.count} x {opts.size}^3, crop {opts.crop}^3, batch {opts.batch}, "
-          f"{opts.epochs} epochs (first untimed), device {opts.device}", flush=True)  # fmt: skip
-    rows, skipped = run(opts, opts.out / "work")
-    table_rows = ratios(rows)
-    print()
-    print(table(table_rows, skipped))
-    print("\nwrote " + ", ".join(str(p) for p in write(opts.out, table_rows, skipped, opts)))
-    return 0 if any(r.kind != "ceiling" for r in rows) else 1
+        return main_ddp(topts)
+    return run(topts, opts.work)

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workflows.bench.train import TrainOptions, TrainRow, build_data, ratios, table, time_loop, transform_of, write
+from workflows.bench.core import Rows
+from workflows.bench.train import TrainOptions, TrainRow, as_result, build_data, time_loop, transform_of
 
 
 def _device(opts: TrainOptions, local_rank: int) -> str:
@@ -30,8 +31,9 @@ def _loader(cache: Path, pipeline: Path, opts: TrainOptions, device: str) -> Any
     return loader
 
 
-def main_ddp(opts: TrainOptions) -> int:
-    """One rank of the DDP row (RANK, WORLD_SIZE, LOCAL_RANK from torchrun); returns the exit status."""
+def main_ddp(opts: TrainOptions) -> Rows:
+    """One rank of the DDP row (RANK, WORLD_SIZE, LOCAL_RANK from torchrun): rank 0 returns the rows; the
+    other ranks exit 0 when done (only rank 0 prints and writes)."""
     import torch
     import torch.distributed as dist
 
@@ -63,18 +65,21 @@ def main_ddp(opts: TrainOptions) -> int:
         once = _every_item_once(seen, world, len(loader.items))
         if rank == 0:
             row.steps *= world  # a DDP step trains `world` batches: count them as single-GPU steps
-            row.note = (
-                f"{world} ranks; every item once per epoch: {once}; x 1 GPU {row.steps_per_s / rows[0].steps_per_s:.2f}"
-            )
-            row.extra.update(world=world, every_item_once=once, x_one_gpu=row.steps_per_s / rows[0].steps_per_s)
+            x_one = row.steps_per_s / rows[0].steps_per_s
+            row.note = f"{world} ranks, every item once per epoch and a new split each epoch: {once}"
+            row.extra.update(world=world, x_one_gpu=x_one)
             rows.append(row)
-            table_rows = ratios(rows)
-            print(table(table_rows, []))
-            write(opts.out, table_rows, [], opts)
-            (opts.out / "ddp.json").write_text(json.dumps({"every_item_once": once, "world": world}))
-        return 0
+            (opts.out / "ddp.json").parent.mkdir(parents=True, exist_ok=True)
+            (opts.out / "ddp.json").write_text(
+                json.dumps({"every_item_once": once, "world": world, "x_one_gpu": x_one})
+            )
+            out = Rows(title=f"training, DDP over {world} ranks: items/s = single-GPU steps/s")
+            for r in rows:
+                out.add(r.name, lambda r=r: as_result(r))  # type: ignore[misc]
+            return out
     finally:
         dist.destroy_process_group()
+    raise SystemExit(0)  # ranks > 0: rank 0 reports
 
 
 def _epochs(loader: Any, seen: list[list[int]] | None) -> Any:
