@@ -194,6 +194,7 @@ class _PreparedLoaderCore:
         self.tier: dict[int, dict[str, Any]] = {}  # item -> whole tensors on the device
         self.tier_bytes = 0
         self._entries: dict[int, list[TensorEntry]] = {}
+        self._region_backend: Backend | None = None
         self._stager: Any = None
         self._stream: Any = None
 
@@ -341,11 +342,22 @@ class _PreparedLoaderCore:
     # --- reads ---
     @property
     def backend(self) -> Backend:
-        """The backend reads go through (built on first use)."""
+        """The backend whole items are read through (built on first use). "auto" picks a host backend:
+        its reads land in pinned staging and go up with one async copy, as region reads must anyway."""
         if self._backend is None:
             name = self._backend_spec if isinstance(self._backend_spec, str) else "auto"
-            self._backend = get_backend(name, device=str(self.device), **self._backend_options)
+            device = "cpu" if name == "auto" else str(self.device)
+            self._backend = get_backend(name, device=device, **self._backend_options)
         return self._backend
+
+    @property
+    def region_backend(self) -> Backend:
+        """The backend crops are read through: a host one (regions are assembled in host memory)."""
+        if not self.backend.gpu:
+            return self.backend
+        if self._region_backend is None:
+            self._region_backend = get_backend("auto", device="cpu")
+        return self._region_backend
 
     def entries(self, item: int) -> list[TensorEntry]:
         """The loaded tensors of `item`, in key order."""
@@ -359,22 +371,22 @@ class _PreparedLoaderCore:
     def _nbytes(self, item: int) -> int:
         return sum(e.nbytes for e in self.entries(item))
 
-    def _host(self, slot: int, nbytes: int) -> np.ndarray:
-        """Host bytes to read into: a pinned staging slot on a GPU, plain aligned memory on CPU."""
-        if self.gpu and not self.backend.gpu:
+    def _host(self, backend: Backend, slot: int, nbytes: int) -> np.ndarray:
+        """Memory to read into: a pinned staging slot for a GPU (host backends), else the backend's own."""
+        if self.gpu and not backend.gpu:
             if self._stager is None:
                 from loaders.gpu import PinnedStager
 
                 self._stager = PinnedStager(str(self.device), slots=2 * (self.prefetch + 2))
             return self._stager.host(slot % self._stager.slots, nbytes)  # type: ignore[no-any-return]
-        return self.backend.allocate(max(nbytes, 1))  # type: ignore[no-any-return]
+        return backend.allocate(max(nbytes, 1))  # type: ignore[no-any-return]
 
-    def _upload(self, buf: Any, slot: int, nbytes: int) -> Any:
+    def _upload(self, backend: Backend, buf: Any, slot: int, nbytes: int) -> Any:
         """The bytes as one uint8 tensor on the device (one async copy when staged)."""
         torch = self.torch
-        if self.gpu and not self.backend.gpu:
+        if self.gpu and not backend.gpu:
             return self._stager.upload(slot % self._stager.slots, nbytes)
-        if self.backend.gpu:
+        if backend.gpu:
             return torch.as_tensor(buf[:nbytes], device=self.device)
         return torch.from_numpy(np.asarray(buf[:nbytes]))
 
@@ -386,17 +398,18 @@ class _PreparedLoaderCore:
             for e in self.entries(item):
                 layout.append((item, e, pos))
                 pos += align_up(e.nbytes)
-        buf = self._host(slot, pos)
+        backend = self.backend
+        buf = self._host(backend, slot, pos)
         requests = [ReadRequest(e.shard, e.offset, e.nbytes) for _, e, _ in layout]
         try:
-            self.backend.read_into(requests, [buf[at : at + e.nbytes] for _, e, at in layout])
+            backend.read_into(requests, [buf[at : at + e.nbytes] for _, e, at in layout])
         except BackendError as exc:
             raise BackendError(f"{self.cache.root}: {exc}; rebuild the cache with `prep cache --force`") from exc
         if self.verify:
             for _, e, at in layout:
                 data = buf[at : at + e.nbytes]
                 check(e, np.asarray(data.get() if hasattr(data, "get") else data))
-        flat = self._upload(buf, slot, pos)
+        flat = self._upload(backend, buf, slot, pos)
         out: dict[int, dict[str, Any]] = {i: {} for i in items}
         for item, e, at in layout:
             out[item][e.key] = flat[at : at + e.nbytes].view(_torch_dtype(self.torch, e.dtype)).reshape(e.shape)
@@ -412,7 +425,8 @@ class _PreparedLoaderCore:
                 reads.append((item, plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
         sizes = [align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in reads]
         total = sum(sizes)
-        buf = self._host(slot, 2 * total)  # regions land in the first half; the second takes copies
+        backend = self.region_backend
+        buf = self._host(backend, slot, 2 * total)  # regions land in the first half; the second takes copies
         base = buf.ctypes.data
         cursor = [0]
 
@@ -423,7 +437,7 @@ class _PreparedLoaderCore:
             cursor[0] = at + align_up(nbytes)
             return buf[at : at + nbytes]
 
-        arrays = read_regions(self.backend, [r for _, r in reads], allocate=allocate)
+        arrays = read_regions(backend, [r for _, r in reads], allocate=allocate)
         places, spare = [], total
         for a, size in zip(arrays, sizes):
             at = a.ctypes.data - base
@@ -431,7 +445,9 @@ class _PreparedLoaderCore:
                 at, spare = spare, spare + size
                 np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
             places.append(at)
-        flat = self._upload(buf, slot, max(spare, max((p + a.nbytes for p, a in zip(places, arrays)), default=0)))
+        flat = self._upload(
+            backend, buf, slot, max(spare, max((p + a.nbytes for p, a in zip(places, arrays)), default=0))
+        )
         out: dict[int, dict[str, Any]] = {i: {} for i, _ in crops}
         for (item, r), a, at in zip(reads, arrays, places):
             view = flat[at : at + a.nbytes].view(_torch_dtype(self.torch, a.dtype))
@@ -440,8 +456,8 @@ class _PreparedLoaderCore:
 
     def close(self) -> None:
         """Release the backend and the device tier."""
-        if self._backend is not None:
-            self._backend.close()
+        for backend in {id(b): b for b in (self._backend, self._region_backend) if b is not None}.values():
+            backend.close()
         self.tier.clear()
         self.tier_bytes = 0
 

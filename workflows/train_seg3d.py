@@ -154,8 +154,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, required=True, help="prepared cache (prep cache)")
     p.add_argument("--pipeline", type=Path, default=None, help="PIPELINE.py (default: the one the cache recorded)")
-    p.add_argument("--loader", choices=["fast", "drop-in", "persistent", "all"], default="fast",
-                   help="fast: PreparedLoader (default); drop-in: PreparedPersistentDataset; persistent: MONAI's")
+    p.add_argument(
+        "--loader",
+        choices=["fast", "drop-in", "persistent", "all"],
+        default="fast",
+        help="fast: PreparedLoader (default); drop-in: PreparedPersistentDataset; persistent: MONAI's",
+    )
     p.add_argument("--backend", default="auto", help="blockprep backend: auto, posix, direct, blockdev, kvikio")
     p.add_argument("--gpu-budget", default="0", help="bytes of whole items the fast path keeps on the device (8GiB)")
     p.add_argument("--persistent-dir", type=Path, default=None, help="PersistentDataset cache_dir")

@@ -129,7 +129,7 @@ def make_step(opts: TrainOptions, device: str, ddp: bool = False) -> Callable[[A
 
     torch.manual_seed(opts.seed)
     model: Any = UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=opts.channels,
-                      strides=(2,) * (len(opts.channels) - 1), num_res_units=2).to(device)  # fmt: skip
+                      strides=(2,) * (len(opts.channels) - 1)).to(device)  # fmt: skip
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if opts.gpu else None)
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -162,12 +162,15 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
     sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
     row = TrainRow(name, kind, note=note)
     for epoch in range(opts.epochs):
-        batches = iter(epochs(epoch))
+        source = epochs(epoch)
+        expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
+        batches, seen = iter(source), 0
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
                 break
+            seen += 1
             image, label = _tensor(batch["image"], device), _tensor(batch["label"], device)
             sync()
             t1 = time.perf_counter()
@@ -177,6 +180,8 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
                 row.steps += 1
                 row.wait_seconds += t1 - t0
                 row.seconds += time.perf_counter() - t0
+        if expected is not None and seen < expected:  # a loader thread died: its error was printed above
+            raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
     if row.steps == 0:
         raise Unavailable(f"{name}: no timed steps (need --epochs >= 2 and count >= batch)")
     return row
@@ -257,7 +262,9 @@ def gds(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> Train
 
         index = torch.device(opts.device).index or 0
         ds = GDSDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=work / "gds", device=index)
-        ds[0]
+        for _ in range(2):  # the first pass writes its cache, the second reads it back (what epochs do)
+            for i in range(len(ds)):
+                ds[i]
     except Exception as exc:  # noqa: BLE001  (cupy/kvikio missing or unusable: one line, the run goes on)
         raise Unavailable(f"monai GDSDataset cannot run here: {str(exc).splitlines()[0][:160]}") from exc
     loader = _dataloader(ds, opts, 0, threads=True)
