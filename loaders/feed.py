@@ -29,7 +29,7 @@ import queue
 import re
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,10 +129,15 @@ def batched_tail(transforms: Sequence[Any], device: Any) -> Any:
 
 @dataclass
 class _Plan:
-    """What one batch reads: per item, whole or a region (start, shape over the spatial dims)."""
+    """One batch: its items, their folded crops (start, shape over the spatial dims) and what the read
+    thread left in host (or device) memory for the consumer to upload and assemble."""
 
     items: list[int]
     crops: list[tuple[list[int], list[int]] | None]
+    slot: int = 0
+    whole: list[int] = field(default_factory=list)  # items read whole
+    admit: set[int] = field(default_factory=set)  # of them, those the tier takes
+    reads: dict[str, Any] = field(default_factory=dict)  # "whole" / "regions" -> (backend, buf, nbytes, places)
 
 
 class _PreparedLoaderCore:
@@ -193,10 +198,11 @@ class _PreparedLoaderCore:
         self.epoch, self._epoch_pinned = 0, False
         self.tier: dict[int, dict[str, Any]] = {}  # item -> whole tensors on the device
         self.tier_bytes = 0
+        self._reserved = 0  # bytes promised to the tier by reads in flight
+        self._promised: set[int] = set()
         self._entries: dict[int, list[TensorEntry]] = {}
         self._region_backend: Backend | None = None
         self._stager: Any = None
-        self._stream: Any = None
 
     # --- order ---
     def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
@@ -243,7 +249,9 @@ class _PreparedLoaderCore:
         return self._run(chunks)
 
     def _run(self, chunks: list[np.ndarray]) -> Iterator[dict[str, Any]]:
-        torch = self.torch
+        # The read thread only reads (syscalls and numpy copies, which drop the GIL); uploads, crops of
+        # resident items and the tail are launched here, between steps: the GIL-bound training loop then
+        # never waits on another thread's Python.
         out: queue.Queue[Any] = queue.Queue(self.prefetch)
         stop = threading.Event()
         worker = threading.Thread(target=self._produce, args=(chunks, out, stop), daemon=True, name="blockprep-feed")
@@ -253,14 +261,7 @@ class _PreparedLoaderCore:
                 got = out.get()
                 if isinstance(got, BaseException):
                     raise got
-                batch, event = got
-                if event is not None:
-                    current = torch.cuda.current_stream(self.device)
-                    current.wait_event(event)
-                    for v in batch.values():
-                        if isinstance(v, torch.Tensor) and v.is_cuda:
-                            v.record_stream(current)  # freed only after the consumer's stream is done
-                yield batch
+                yield self._finish(got)
         finally:
             stop.set()
             while worker.is_alive():  # unblock a producer waiting on a full queue
@@ -269,26 +270,15 @@ class _PreparedLoaderCore:
             worker.join()
 
     def _produce(self, chunks: list[np.ndarray], out: queue.Queue[Any], stop: threading.Event) -> None:
-        torch = self.torch
         try:
-            if self.gpu and self._stream is None:
-                self._stream = torch.cuda.Stream(device=self.device)
             for k, chunk in enumerate(chunks):
                 if stop.is_set():
                     return
-                plan = self._plan([int(i) for i in chunk])
-                if self.gpu:
-                    with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                        batch = self._batch(plan, k)
-                        event = torch.cuda.Event()
-                        event.record(self._stream)
-                    out.put((batch, event))
-                else:
-                    out.put((self._batch(plan, k), None))
+                out.put(self._fetch(self._plan([int(i) for i in chunk], k)))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, raised there)
             out.put(exc)
 
-    def _plan(self, items: list[int]) -> _Plan:
+    def _plan(self, items: list[int], k: int) -> _Plan:
         """Draw the folded crop per item, in batch order (as MONAI's per-item tail draws it)."""
         crops: list[tuple[list[int], list[int]] | None] = []
         for item in items:
@@ -296,26 +286,49 @@ class _PreparedLoaderCore:
                 crops.append(None)
                 continue
             crops.append(draw_crop(self.crop, self.entries(item)[0].shape[1:]))
-        return _Plan(items, crops)
+        return _Plan(items, crops, slot=2 * k)
 
-    def _batch(self, plan: _Plan, k: int) -> dict[str, Any]:
-        """Read (tier, whole or region), crop, stack and run the rest of the tail, on the device."""
-        torch = self.torch
-        whole = [i for i in plan.items if i not in self.tier and not self._crop_only(i)]
-        regions = [(i, c) for i, c in zip(plan.items, plan.crops) if i not in self.tier and self._crop_only(i)]
-        got: dict[int, dict[str, Any]] = {}
-        if whole:
-            got.update(self._read_whole(whole, 2 * k))
-            for i in whole:
-                self._admit(i, got[i])
+    def _fetch(self, plan: _Plan) -> _Plan:
+        """Read what the tier does not hold: whole items (those the tier will take, or all without a folded
+        crop or with crop_read=False) and the crops of the others, into staging memory."""
+        regions = []
+        for item, crop in zip(plan.items, plan.crops):
+            if item in self.tier or item in plan.whole:
+                continue
+            nbytes = self._nbytes(item)
+            if self._reserved + nbytes <= self.budget and item not in self._promised:
+                self._reserved += nbytes
+                self._promised.add(item)
+                plan.admit.add(item)
+                plan.whole.append(item)
+            elif crop is None or self.crop_read is False:
+                plan.whole.append(item)
+            else:
+                regions.append((item, crop))
+        if plan.whole:
+            plan.reads["whole"] = self._read_whole(plan.whole, plan.slot)
         if regions:
-            got.update(self._read_regions(regions, 2 * k + 1))
+            plan.reads["regions"] = self._read_regions(regions, plan.slot + 1)
+        return plan
+
+    def _finish(self, plan: _Plan) -> dict[str, Any]:
+        """Upload, admit to the tier, crop, stack and run the rest of the tail, on the caller's stream."""
+        torch = self.torch
+        got: dict[int, dict[str, Any]] = {}
+        for what, (backend, buf, nbytes, places) in plan.reads.items():
+            flat = self._upload(backend, buf, plan.slot + (what == "regions"), nbytes)
+            for item, key, at, dtype, shape in places:
+                nb = math.prod(shape) * np.dtype(dtype).itemsize
+                got.setdefault(item, {})[key] = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
+        for item in plan.admit:
+            self._admit(item, got[item])
         per_key: dict[str, list[Any]] = {key: [] for key in self.keys}
         for item, crop in zip(plan.items, plan.crops):
-            tensors = self.tier.get(item) or got[item]
+            resident = item in self.tier
+            tensors = self.tier[item] if resident else got[item]
             for key in self.keys:
                 t = tensors[key]
-                if crop is not None and (item in self.tier or item in whole):
+                if crop is not None and (resident or item in plan.whole):
                     t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*crop)))]
                 per_key[key].append(t)
         batch: dict[str, Any] = {key: _stack(torch, ts) for key, ts in per_key.items()}
@@ -327,17 +340,10 @@ class _PreparedLoaderCore:
         out["_items"] = torch.as_tensor(out["_items"])
         return out  # type: ignore[no-any-return]
 
-    def _crop_only(self, item: int) -> bool:
-        """Read only the crop: a folded crop, of an item the tier will not take."""
-        if self.crop is None or self.crop_read is False:
-            return False
-        return self.tier_bytes + self._nbytes(item) > self.budget
-
     def _admit(self, item: int, tensors: dict[str, Any]) -> None:
-        nbytes = self._nbytes(item)
-        if item not in self.tier and self.tier_bytes + nbytes <= self.budget:
+        if item not in self.tier:
             self.tier[item] = {k: t.clone() for k, t in tensors.items()}  # not a view of the batch buffer
-            self.tier_bytes += nbytes
+            self.tier_bytes += self._nbytes(item)
 
     # --- reads ---
     @property
@@ -390,34 +396,32 @@ class _PreparedLoaderCore:
             return torch.as_tensor(buf[:nbytes], device=self.device)
         return torch.from_numpy(np.asarray(buf[:nbytes]))
 
-    def _read_whole(self, items: list[int], slot: int) -> dict[int, dict[str, Any]]:
-        """Whole items, every tensor in flight in one backend call, into one buffer, then the device."""
-        layout: list[tuple[int, TensorEntry, int]] = []
+    def _read_whole(self, items: list[int], slot: int) -> tuple[Backend, Any, int, list[tuple]]:
+        """Whole items, every tensor in flight in one backend call, into one staging buffer."""
+        places: list[tuple[int, str, int, np.dtype, tuple[int, ...]]] = []
+        entries: list[TensorEntry] = []
         pos = 0
         for item in items:
             for e in self.entries(item):
-                layout.append((item, e, pos))
+                places.append((item, e.key, pos, e.dtype, tuple(e.shape)))
+                entries.append(e)
                 pos += align_up(e.nbytes)
         backend = self.backend
         buf = self._host(backend, slot, pos)
-        requests = [ReadRequest(e.shard, e.offset, e.nbytes) for _, e, _ in layout]
+        requests = [ReadRequest(e.shard, e.offset, e.nbytes) for e in entries]
+        targets = [buf[p[2] : p[2] + e.nbytes] for p, e in zip(places, entries)]
         try:
-            backend.read_into(requests, [buf[at : at + e.nbytes] for _, e, at in layout])
+            backend.read_into(requests, targets)
         except BackendError as exc:
             raise BackendError(f"{self.cache.root}: {exc}; rebuild the cache with `prep cache --force`") from exc
         if self.verify:
-            for _, e, at in layout:
-                data = buf[at : at + e.nbytes]
+            for e, data in zip(entries, targets):
                 check(e, np.asarray(data.get() if hasattr(data, "get") else data))
-        flat = self._upload(backend, buf, slot, pos)
-        out: dict[int, dict[str, Any]] = {i: {} for i in items}
-        for item, e, at in layout:
-            out[item][e.key] = flat[at : at + e.nbytes].view(_torch_dtype(self.torch, e.dtype)).reshape(e.shape)
-        return out
+        return backend, buf, pos, places
 
-    def _read_regions(self, crops: list[tuple[int, Any]], slot: int) -> dict[int, dict[str, Any]]:
+    def _read_regions(self, crops: list[tuple[int, Any]], slot: int) -> tuple[Backend, Any, int, list[tuple]]:
         """The crops of several items: every region of the batch in one `read_regions` call, landing in one
-        staging buffer (warm regions are copied straight into it), uploaded with one copy."""
+        staging buffer (warm regions are copied straight into it)."""
         reads: list[tuple[int, RegionRead]] = []
         for item, (start, shape) in crops:
             for e in self.entries(item):
@@ -438,28 +442,23 @@ class _PreparedLoaderCore:
             return buf[at : at + nbytes]
 
         arrays = read_regions(backend, [r for _, r in reads], allocate=allocate)
-        places, spare = [], total
-        for a, size in zip(arrays, sizes):
+        places, spare, end = [], total, 0
+        for (item, r), a, size in zip(reads, arrays, sizes):
             at = a.ctypes.data - base
             if not (0 <= at < total and a.flags.c_contiguous):  # not in the buffer: one copy into it
                 at, spare = spare, spare + size
                 np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
-            places.append(at)
-        flat = self._upload(
-            backend, buf, slot, max(spare, max((p + a.nbytes for p, a in zip(places, arrays)), default=0))
-        )
-        out: dict[int, dict[str, Any]] = {i: {} for i, _ in crops}
-        for (item, r), a, at in zip(reads, arrays, places):
-            view = flat[at : at + a.nbytes].view(_torch_dtype(self.torch, a.dtype))
-            out[item][r.entry.key] = view.reshape(a.shape)
-        return out
+            places.append((item, r.entry.key, at, a.dtype, tuple(a.shape)))
+            end = max(end, at + a.nbytes)
+        return backend, buf, end, places
 
     def close(self) -> None:
         """Release the backend and the device tier."""
         for backend in {id(b): b for b in (self._backend, self._region_backend) if b is not None}.values():
             backend.close()
         self.tier.clear()
-        self.tier_bytes = 0
+        self._promised.clear()
+        self.tier_bytes = self._reserved = 0
 
 
 def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:

@@ -312,9 +312,9 @@ def fast_path(pipeline: Path, cache: Path, opts: TrainOptions, budget: int, labe
     loader.set_random_state(opts.seed)
     try:
         row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts)
+        row.extra["GPU tier GB"] = loader.tier_bytes / 1e9
     finally:
         loader.close()
-    row.extra["tier_bytes"] = loader.tier_bytes
     return row
 
 
