@@ -71,6 +71,7 @@ class TailBatch:
     n: int
     items: list[dict[Hashable, Any]] | None = None
     per_item: set[Hashable] = field(default_factory=set)  # passed-through lists with one entry per item
+    inputs: set[int] = field(default_factory=set)  # storages of the caller's tensors (never written)
 
     @classmethod
     def from_batch(cls, batch: Mapping[Any, Any], device: Any = None) -> TailBatch:
@@ -84,7 +85,8 @@ class TailBatch:
         if device is not None:
             data = {k: v.to(device, non_blocking=True) if cls._batched(v, n) else v for k, v in data.items()}
         per_item = {k for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
-        return cls(data=data, n=n, per_item=per_item)
+        inputs = {v.untyped_storage().data_ptr() for v in data.values() if isinstance(v, torch.Tensor)}
+        return cls(data=data, n=n, per_item=per_item, inputs=inputs)
 
     @staticmethod
     def _batched(value: Any, n: int) -> bool:
@@ -97,13 +99,21 @@ class TailBatch:
         return self.items is None and self._batched(self.data.get(key), self.n)
 
     def item(self, i: int) -> dict[Hashable, Any]:
-        """Item `i` as MONAI's per-item chain sees it (views, no copies)."""
+        """Item `i` as MONAI's per-item chain sees it: views of the batch, copies where they would view the
+        caller's tensors (a MONAI transform may write in place; the caller's batch is never changed)."""
         if self.items is not None:
-            return dict(self.items[i])
+            return {k: self._own(v) for k, v in self.items[i].items()}
         out = {}
         for k, v in self.data.items():
-            out[k] = v[i] if self._batched(v, self.n) or k in self.per_item else v
+            out[k] = self._own(v[i]) if self._batched(v, self.n) or k in self.per_item else v
         return out
+
+    def _own(self, value: Any) -> Any:
+        import torch
+
+        if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in self.inputs:
+            return value.clone()
+        return value
 
     def replace(self, new: Mapping[Hashable, Sequence[Any]], sources: Sequence[int]) -> None:
         """New per-item tensors for the keys in `new` (one per output item); output item j came from input

@@ -250,3 +250,37 @@ def test_pos_neg_label_dtypes_and_one_hot(dtype: torch.dtype, channels: int) -> 
     chain = [mt.RandCropByPosNegLabeld(K, "label", spatial_size=(6, 6, 6), pos=1, neg=3, num_samples=4)]
     got, _ = batched(chain, batch, seed=13)
     assert_same(got, reference(chain, batch, seed=13))
+
+
+class InPlaceShiftd(mt.MapTransform):
+    """A transform that writes into its input, as some MONAI transforms do."""
+
+    def __call__(self, data: dict[str, Any]) -> dict[str, Any]:
+        d = dict(data)
+        for k in self.key_iterator(d):
+            d[k].add_(1)
+        return d
+
+
+@pytest.mark.parametrize("first", ["none", "crop", "random_size_crop"])
+def test_fallback_never_writes_the_callers_batch(first: str) -> None:
+    batch = make_batch()
+    before = {k: v.clone() for k, v in batch.items()}
+    head = {
+        "none": [],
+        "crop": [mt.RandSpatialCropd(K, roi_size=(8, 8, 8))],
+        "random_size_crop": [mt.RandSpatialCropd(K, roi_size=(8, 8, 8), random_size=True)],
+    }[first]
+    tail = BatchedTail([*head, InPlaceShiftd("image"), mt.RandSpatialCropd(K, roi_size=(6, 6, 6))])
+    out = tail(batch)
+    assert all(torch.equal(before[k], batch[k]) for k in batch)
+    assert out["image"].shape == (4, 1, 6, 6, 6)
+
+
+def test_single_transform_and_device_argument() -> None:
+    batch = make_batch()
+    t = mt.RandFlipd(K, prob=0.5, spatial_axis=0)
+    tail = BatchedTail(copy.deepcopy(t), device="cpu").set_random_state(21)
+    got = tail(batch)
+    assert got["image"].device.type == "cpu"
+    assert_same(got, reference([t], batch, seed=21))
