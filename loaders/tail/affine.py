@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, keys_of
+from loaders.tail.batched import TailBatch, gather, keys_of, to_device
 
 
 def _modes(t: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:
@@ -50,10 +50,10 @@ def _grids(t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...]
     identity = cached if cached is not None else create_grid(sp_size, device=device, backend="torch")
     identity = torch.as_tensor(identity).to(device=device, dtype=torch.float32)
     nd = len(sp_size)
-    flat = torch.matmul(mats.to(device), identity.reshape(nd + 1, -1))  # (m, nd+1, V)
+    flat = torch.matmul(to_device(mats, device), identity.reshape(nd + 1, -1))  # (m, nd+1, V)
     coords = flat[:, list(range(nd - 1, -1, -1))]  # reversed: grid_sample wants (x, y, z) = (W, H, D)
     coords = coords.to(_resample_dtype(t))
-    scale = torch.tensor([2.0 / max(2, d) for d in reversed(in_size)], dtype=coords.dtype, device=device)
+    scale = to_device(torch.tensor([2.0 / max(2, d) for d in reversed(in_size)], dtype=coords.dtype), device)
     coords = coords * scale.view(1, nd, 1)
     return coords.movedim(1, -1).reshape(mats.shape[0], *sp_size, nd)
 
@@ -110,14 +110,12 @@ def rand_affine(t: Any, batch: TailBatch) -> bool:
     align = resampler.align_corners
     for k, (interp, pad) in zip(keys, modes):
         x = batch.data[k]
-        index = torch.as_tensor(chosen, dtype=torch.long, device=device)
-        src = x.index_select(0, index) if len(chosen) < batch.n else x
+        src = gather(x, [x[i] for i in chosen]) if len(chosen) < batch.n else x
         out = torch.nn.functional.grid_sample(
             src.to(dtype), grids, mode=interp, padding_mode=pad, align_corners=align
         ).to(torch.float32)
         if len(chosen) < batch.n:  # the others keep their values, as float32 (MONAI converts them too)
-            full = x.to(torch.float32, copy=True)
-            full[index] = out
-            out = full
+            where = {i: j for j, i in enumerate(chosen)}
+            out = gather(out, [out[where[i]] if i in where else x[i].to(torch.float32) for i in range(batch.n)])
         batch.data[k] = out
     return True

@@ -118,17 +118,15 @@ class TailBatch:
     def replace(self, new: Mapping[Hashable, Sequence[Any]], sources: Sequence[int]) -> None:
         """New per-item tensors for the keys in `new` (one per output item); output item j came from input
         item `sources[j]`, so every other per-item value is gathered from there (multi-sample crops)."""
-        import torch
 
         n_out = len(sources)
         identity = list(sources) == list(range(self.n))
-        index = None if identity else torch.as_tensor(list(sources), dtype=torch.long)
         rest: dict[Hashable, Any] = {}
         for k, v in self.data.items():
             if k in new:
                 continue
             if self._batched(v, self.n):
-                rest[k] = v if index is None else v.index_select(0, index.to(v.device))
+                rest[k] = v if identity else gather(v, [v[s] for s in sources])
             elif k in self.per_item:
                 rest[k] = v if identity else [v[s] for s in sources]
             else:
@@ -206,6 +204,28 @@ def _stack(values: list[Any]) -> Any:
     for v in values[1:]:
         dtype = torch.promote_types(dtype, v.dtype)
     return torch.stack([_plain(v).to(dtype) for v in values])
+
+
+def to_device(value: Any, device: Any) -> Any:
+    """A small host tensor (factors, matrices, noise) on `device` without stalling the host.
+
+    A CUDA copy from pageable memory first waits for all work queued on the stream (the previous training
+    step); from pinned memory it is asynchronous. The caching host allocator keeps the pinned block alive
+    until the copy is done.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return value.to(device)
+    return value.pin_memory().to(device, non_blocking=True)
+
+
+def gather(x: Any, rows: Sequence[Any]) -> Any:
+    """One tensor from per-item rows (views or tensors), by one stack: no index tensor to upload."""
+    import torch
+
+    return torch.stack(list(rows))
 
 
 def _per_item(transform: Any, batch: TailBatch) -> None:

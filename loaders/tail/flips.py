@@ -4,24 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders.tail.batched import TailBatch, keys_of, spatial_batch_axes
+from loaders.tail.batched import TailBatch, gather, keys_of, spatial_batch_axes
 
 
 def _where(x: Any, chosen: list[int], op: Any) -> Any:
     """`op` applied to the chosen items of `x`, the others unchanged (the input is never written).
 
     One `op` over the chosen items, then one stack gathering them with the untouched items' views: about
-    1 + 2f passes over the batch for a chosen share f (a clone plus index_put was 1 + 3f, and slower).
+    1 + 2f passes over the batch for a chosen share f (a clone plus index_put was 1 + 3f, and slower), and
+    no index tensor to upload (a CUDA copy from pageable memory would wait for the stream).
     """
-    import torch
-
     if not chosen:
         return x
     if len(chosen) == x.shape[0]:
         return op(x)
-    done = op(x.index_select(0, torch.as_tensor(chosen, dtype=torch.long, device=x.device)))
+    done = op(gather(x, [x[i] for i in chosen]))
     where = {i: j for j, i in enumerate(chosen)}
-    return torch.stack([done[where[i]] if i in where else x[i] for i in range(x.shape[0])])
+    return gather(x, [done[where[i]] if i in where else x[i] for i in range(x.shape[0])])
 
 
 def rand_flip(t: Any, batch: TailBatch) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, keys_of
+from loaders.tail.batched import TailBatch, gather, keys_of, to_device
 
 
 def _ready(t: Any, batch: TailBatch) -> list[Hashable] | None:
@@ -25,7 +25,7 @@ def _per_channel(values: list[Any], x: Any, neutral: float) -> Any:
     rows = [[neutral] if v is None else (list(v) if isinstance(v, (list, tuple)) else [v]) for v in values]
     width = max(len(r) for r in rows)
     table = torch.tensor([r * width if len(r) == 1 else r for r in rows], dtype=dtype)
-    return table.to(x.device, non_blocking=True).view(len(rows), width, *([1] * (x.ndim - 2)))
+    return to_device(table, x.device).view(len(rows), width, *([1] * (x.ndim - 2)))
 
 
 def _draw(t: Any, batch: TailBatch, keys: list[Hashable], inner: Any, attr: str) -> list[Any]:
@@ -107,12 +107,11 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
     for k in keys:
         x = batch.data[k]
         dtype = _out_dtype(x, drawn, t.rand_gaussian_noise.dtype)
-        add = noise.to(x.device, dtype, non_blocking=True)
+        add = to_device(noise, x.device).to(dtype)
         if len(chosen) == batch.n:
-            out = x.to(dtype) + add
-        else:
-            out = x.to(dtype, copy=True)
-            index = torch.as_tensor(chosen, dtype=torch.long, device=out.device)
-            out.index_add_(0, index, add)
-        batch.data[k] = out
+            batch.data[k] = x.to(dtype) + add
+            continue
+        where = {i: j for j, i in enumerate(chosen)}
+        noisy = gather(x, [x[i] for i in chosen]).to(dtype) + add
+        batch.data[k] = gather(x, [noisy[where[i]] if i in where else x[i].to(dtype) for i in range(batch.n)])
     return True
