@@ -23,7 +23,7 @@ import fnmatch
 import os
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,10 @@ def list_labeled_files(
 
 
 class _EpochSource:
-    """Batches of positions over `n` samples: shard, per-epoch shuffle, short last batch."""
+    """Batches of positions over `n` samples: shard, per-epoch shuffle, short last batch. With `readahead`
+    on, the next batch of the epoch is read on a background thread while the pipeline uses this one."""
+
+    readahead = False
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, shard_id: int, num_shards: int) -> None:
         if not 0 <= shard_id < num_shards:
@@ -83,12 +86,15 @@ class _EpochSource:
         self.epoch = -1
         self._order: np.ndarray = self.positions
         self._next = 0
+        self._ahead: tuple[tuple[int, int], Future[Any]] | None = None  # ((epoch, start), the read running)
+        self._ahead_pool: ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         """Batches per epoch."""
         return -(-len(self.positions) // self.batch_size)
 
     def __iter__(self) -> Any:
+        self._settle()
         self.epoch += 1
         rng = np.random.default_rng(self.seed + self.epoch)
         self._order = rng.permutation(self.positions) if self.shuffle else self.positions
@@ -96,17 +102,37 @@ class _EpochSource:
         return self
 
     def __next__(self) -> Any:
-        if self._next >= len(self._order):
+        start = self._next
+        if start >= len(self._order):
             raise StopIteration
-        chunk = self._order[self._next : self._next + self.batch_size]
+        chunk = [int(i) for i in self._order[start : start + self.batch_size]]
         self._next += len(chunk)
-        return self._batch([int(i) for i in chunk])
+        if not self.readahead:
+            return self._batch(chunk)
+        ahead, self._ahead = self._ahead, None
+        batch = ahead[1].result() if ahead is not None and ahead[0] == (self.epoch, start) else self._batch(chunk)
+        if self._next < len(self._order):
+            nxt = [int(i) for i in self._order[self._next : self._next + self.batch_size]]
+            if self._ahead_pool is None:
+                self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="blockprep-readahead")
+            self._ahead = ((self.epoch, self._next), self._ahead_pool.submit(self._batch, nxt))
+        return batch
+
+    def _settle(self) -> None:
+        """Wait for a read-ahead nobody will take (its errors belong to a batch never asked for)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[1].exception()
 
     def _batch(self, positions: list[int]) -> Any:
         raise NotImplementedError
 
     def close(self) -> None:
         """Release the descriptors and threads this source opened (it may be iterated again after)."""
+        self._settle()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=True)
+            self._ahead_pool = None
 
     def __enter__(self) -> Any:
         return self
@@ -179,7 +205,10 @@ class FileSource(_EpochSource):
         elif backend != "auto":
             self.backend = get_backend(backend)
 
+    readahead = True
+
     def close(self) -> None:
+        super().close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -263,7 +292,10 @@ class BmapSource(_EpochSource):
         label = {c: i for i, c in enumerate(classes)}
         return sorted(((k, label[k.split("/")[0]]) for k in rel), key=lambda kv: os.fsencode(kv[0]))
 
+    readahead = True
+
     def close(self) -> None:
+        super().close()
         self.backend.close()
 
     def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -281,3 +281,29 @@ def test_flat_maps_research_and_seed_form(make_loopfs: Callable[..., Any], tmp_p
             for d, (p, _) in zip(data, src.files):
                 want = content["train/" + p]
                 assert d.tobytes()[: len(want)] == want and len(d) % 512 == 0
+
+
+def test_read_ahead_keeps_batches_and_epochs_exact(image_tree: Path) -> None:
+    """The next batch is read on a thread: an epoch cut short, a reshuffled epoch and a closed and reopened
+    source still give exactly the files and labels of their positions."""
+    pairs = list_labeled_files(image_tree)
+    src = FileSource(image_tree, batch_size=4, shuffle=True, seed=9)
+    assert src.readahead
+
+    def check(data: list[np.ndarray], labels: list[np.ndarray], positions: list[int]) -> None:
+        assert [d.tobytes() for d in data] == [(image_tree / pairs[i][0]).read_bytes() for i in positions]
+        assert [int(x[0]) for x in labels] == [pairs[i][1] for i in positions]
+
+    it = iter(src)
+    data, labels = next(it)  # the second batch is now being read ahead; this epoch stops here
+    check(data, labels, src._order[:4].tolist())
+    for _ in range(2):
+        it = iter(src)
+        got = [b for b in it]
+        order = src._order.tolist()
+        for k, (data, labels) in enumerate(got):
+            check(data, labels, order[4 * k : 4 * k + 4])
+        assert sum(len(d) for d, _ in got) == len(pairs)
+    src.close()
+    check(*next(iter(src)), src._order[:4].tolist())
+    src.close()

@@ -78,3 +78,16 @@ def test_seed_command_lines_run_verbatim(line: str, research_data: Path) -> None
 def test_datadir_is_the_folder_holding_train(research_data: Path) -> None:
     status, out = _run("--batchsize 64 --batches 1000 dali --datadir /data/train", research_data)
     assert status == 1 and "no train/ folder" in out and "folder holding train/" in out, out
+
+
+def test_dali_readers_smoke(research_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from workflows import benchmark
+
+    argv = ["--batchsize", "4", "--batches", "2", "--warm", "--out", str(tmp_path), "dali-readers"]
+    status = benchmark.main([*argv, "--datadir", str(research_data / "data")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    for row in ("dali readers.file", "research Python iterator", "blockprep FileSource"):
+        assert f"  {row}: " in out, out
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["name"] for r in rows["results"]} >= {"blockprep FileSource", "dali readers.file"}

@@ -11,6 +11,7 @@ pipeline (readers.file, the research code's Python iterator, FileSource, BmapSou
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,8 +62,12 @@ def _pipeline(opts: Options) -> Any:
     return dali.Pipeline(batch_size=opts.batchsize, num_threads=max(2, os.cpu_count() or 2), device_id=device_id)
 
 
+# False inside `dali-readers --no-decode`: the pipelines deliver the encoded bytes (reading alone is compared)
+DECODE: contextvars.ContextVar[bool] = contextvars.ContextVar("decode", default=True)
+
+
 def _decode(encoded: Any, files: list[str], opts: Options) -> Any:
-    if not files[0].lower().endswith(IMAGE_SUFFIXES):
+    if not DECODE.get() or not files[0].lower().endswith(IMAGE_SUFFIXES):
         return encoded  # not images: deliver the bytes
     fn = _dali().fn
     return fn.decoders.image(encoded, device="mixed" if opts.gpu else "cpu")
@@ -409,4 +414,69 @@ def blockprep_dali_way(
     if tree is not None:
         ceilings.image_ceilings(rows, lambda: tree_files(tree)[0], opts)
     rows.add("blockprep-dali", lambda: blockprep_dali(opts, tree, bmap, backend))
+    return rows
+
+
+class ResearchFileIterator:
+    """The research code's Python iterator for `external_source` (its FileInputIterator), unshuffled so every
+    way reads the same order: `np.fromfile` per file, one after another, labels as int32 arrays."""
+
+    def __init__(self, files: list[str], labels: list[int], batch_size: int) -> None:
+        self.files, self.labels, self.batch_size = files, labels, batch_size
+        self.i = 0
+
+    def __iter__(self) -> ResearchFileIterator:
+        self.i = 0
+        return self
+
+    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        n = len(self.files)
+        at = [(self.i + k) % n for k in range(self.batch_size)]
+        self.i += self.batch_size
+        return [np.fromfile(self.files[j], dtype=np.uint8) for j in at], [
+            np.array([self.labels[j]], dtype=np.int32) for j in at
+        ]
+
+
+def research_iterator(datadir: str | os.PathLike[str], opts: Options) -> Result:
+    """The research code's plain Python `external_source` iterator over a class tree."""
+    dali = _dali()
+    files, labels = tree_files(datadir)
+
+    def build() -> Any:
+        pipe = _pipeline(opts)
+        with pipe:
+            data, label = dali.fn.external_source(
+                source=ResearchFileIterator(files, labels, opts.batchsize), num_outputs=2
+            )
+            pipe.set_outputs(_decode(data, files, opts), label)
+        pipe.build()
+        return pipe
+
+    return run_pipeline(build, files, opts, "research Python iterator", kind="research")
+
+
+@scenario(
+    "dali-readers", "Ways of feeding DALI one class tree: readers.file, the research iterator, FileSource, BmapSource."
+)
+def dali_readers(
+    opts: Options,
+    datadir: Annotated[Path, _DATADIR],
+    bmap: Annotated[Path | None, typer.Option(help="bmap.json of the tree's filesystem (adds BmapSource)")] = None,
+    decode: Annotated[bool, typer.Option(help="decode the images (off: compare the reading alone)")] = False,
+) -> Rows:
+    """readers.file is the peer every other row is compared with (same files, same order, same batch)."""
+    tree = train_dir(datadir)
+    rows = Rows(title=f"DALI readers over {tree}")
+    rows.peers["images"] = "dali readers.file"
+    token = DECODE.set(decode)
+    try:
+        ceilings.image_ceilings(rows, lambda: tree_files(tree)[0], opts)
+        rows.add("dali", lambda: dali_file(tree, opts))
+        rows.add("research iterator", lambda: research_iterator(tree, opts))
+        rows.add("FileSource", lambda: blockprep_dali(opts, tree, name="blockprep FileSource"))
+        if bmap is not None:
+            rows.add("BmapSource", lambda: blockprep_dali(opts, tree, bmap, "blockdev", name="blockprep BmapSource"))
+    finally:
+        DECODE.reset(token)
     return rows
