@@ -33,6 +33,7 @@ _LAZY = {
     "collate": "loaders.batches",
     "pad_collate": "loaders.batches",
     "PreparedDataset": "loaders.dataset",
+    "PreparedLoader": "loaders.feed",
     "PreparedPersistentDataset": "loaders.monai",
 }
 
@@ -56,6 +57,7 @@ __all__ = [
     "PreparedBatches",
     "PreparedCache",
     "PreparedDataset",
+    "PreparedLoader",
     "PreparedPersistentDataset",
     "ReadRequest",
     "SchemaVersionError",

@@ -368,7 +368,20 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         if opts.rows and key not in opts.rows and key != "ceiling":
             continue
         rows.add(key, lambda job=job: as_result(job()))  # type: ignore[misc]
+    _best_ceiling(rows, opts, steps)
     return rows
+
+
+def _best_ceiling(rows: Rows, opts: TrainOptions, steps: int) -> None:
+    """Measure the ceiling again after every row and keep the faster of the two: the first run can find
+    the GPU's clocks still low (one H100 run: 127 steps/s first, 166 in the next run)."""
+    first = next((r for r in rows.results if r.kind == "ceiling"), None)
+    if first is None:
+        return
+    again = as_result(ceiling(opts, steps))
+    if again.items_per_s > first.items_per_s:
+        first.seconds, first.items, first.extra = again.seconds, again.items, again.extra
+    first.note = "best of the first and the last row"
 
 
 def as_result(row: TrainRow) -> Result:
