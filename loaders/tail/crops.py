@@ -25,7 +25,7 @@ def _crop(batch: TailBatch, keys: list[Hashable], windows: list[tuple[int, tuple
     new = {}
     for k in keys:
         x = batch.data[k]
-        new[k] = [x[i][(slice(None), *sl)] for i, sl in windows]
+        new[k] = [x[(i, slice(None), *sl)] for i, sl in windows]
     batch.replace(new, [i for i, _ in windows])
 
 

@@ -57,16 +57,14 @@ def rand_rotate90(t: Any, batch: TailBatch) -> bool:
     for k in keys:
         x = batch.data[k]
         a, b = spatial_batch_axes(x.ndim - 1, t.spatial_axes)
-        square = x.shape[a] == x.shape[b]
-        if square or len({q % 2 for q in ks}) == 1:
+        if x.shape[a] == x.shape[b]:  # a square plane: every turn keeps the shape, one rot90 per k
             out = x
             for q in sorted(set(ks) - {0}):
-                out = _where(
-                    out, [i for i, v in enumerate(ks) if v == q], lambda v, q=q, p=(a, b): torch.rot90(v, q, p)
-                )
+                chosen = [i for i, v in enumerate(ks) if v == q]
+                out = _where(out, chosen, lambda v, q=q, p=(a, b): torch.rot90(v, q, p))
             batch.data[k] = out
-        else:  # odd and even turns of a non-square plane: the items' shapes differ
-            new[k] = [torch.rot90(x[i], q, (a - 1, b - 1)) for i, q in enumerate(ks)]
+        else:  # odd turns of a non-square plane change the shape: per item, stacked where shapes agree
+            new[k] = [torch.rot90(x[i], q, (a - 1, b - 1)) if q else x[i] for i, q in enumerate(ks)]
     if new:
         batch.replace(new, list(range(batch.n)))
     return True

@@ -284,3 +284,21 @@ def test_single_transform_and_device_argument() -> None:
     got = tail(batch)
     assert got["image"].device.type == "cpu"
     assert_same(got, reference([t], batch, seed=21))
+
+
+def test_rot90_of_a_non_square_plane() -> None:
+    """Odd turns of a 20x22 plane change the shape: batches MONAI can collate are equal, the others raise."""
+    batch = make_batch()
+    chain = [mt.RandRotate90d(K, prob=0.9, max_k=3, spatial_axes=(0, 1))]
+    stacked = ragged = 0
+    for seed in range(40):
+        try:
+            want = reference(chain, batch, seed)
+        except RuntimeError:  # MONAI's collate cannot stack items of different shapes
+            ragged += 1
+            with pytest.raises(PrepError, match="shapes differ"):
+                batched(chain, batch, seed)
+            continue
+        stacked += 1
+        assert_same(batched(chain, batch, seed)[0], want)
+    assert stacked and ragged
