@@ -118,3 +118,23 @@ def test_worker_processes_spawn_without_dask_malloc_trim_and_with_passive_omp(mo
         env = next(iter(starter.client().run(_malloc_env).values()))
         assert _malloc_env() == dict.fromkeys(env)  # the nanny's writes into this process's environment undone
     assert env == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(local_cores())}
+
+
+def _worker_origin() -> tuple[bool, bool, int]:
+    import sys
+
+    return "torch" in sys.modules, "monai.transforms" in sys.modules, os.getppid()
+
+
+def test_worker_processes_fork_from_a_server_that_imported_torch_and_monai_once() -> None:
+    """Spawned workers each imported torch and MONAI again: ~the bare import's CPU per worker (most of
+    --processes' extra CPU per item); they now fork from one preloaded forkserver."""
+    from multiprocessing import forkserver
+
+    from prep.cluster import ClusterStarter
+
+    with ClusterStarter(2, None, processes=True) as starter:  # no pipeline: nothing warms the workers
+        origins = list(starter.client().run(_worker_origin).values())
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    assert len(origins) == 2 and all(torch and monai for torch, monai, _ in origins), origins
+    assert server is not None and {ppid for _, _, ppid in origins} == {server} and server != os.getpid()

@@ -29,9 +29,12 @@ PEER = "PersistentDataset first pass"
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its finished children: a measure of work that other load barely moves."""
+    """CPU time of this process and its finished children: a measure of work that other load barely moves.
+    `prep cache --processes` workers are children of a forkserver, counted through it."""
+    from prep.cluster import forkserver_cpu_seconds
+
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + forkserver_cpu_seconds()
 
 
 def _tree_bytes(root: Path) -> int:
