@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from loaders.bmap import BlockMap
+from loaders.fiemap import Extent, merge_adjacent
 from loaders.format import atomic_write_bytes
 from prep.errors import UsageError
-from prep.fiemap import Extent, merge_adjacent
 
 
 def seed_entry(rec: dict[str, Any], partition_start: int, block: int) -> tuple[dict[str, int] | None, str | None]:

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from loaders.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, encode_document_with_files
+from loaders.fiemap import EXTENT_FLAGS, FS_IOC_FIEMAP, SAFE_FLAGS, FiemapReader, unsafe_reasons
 from loaders.format import atomic_write_bytes, checksum
 from prep.devices import DeviceInfo, check_mappable, device_info
 from prep.errors import UsageError
-from prep.fiemap import EXTENT_FLAGS, FS_IOC_FIEMAP, SAFE_FLAGS, FiemapReader, unsafe_reasons
 from prep.mapping.seed import skipped_path, write_seed
 
 FORMATS = ("full", "seed")
