@@ -56,13 +56,18 @@ def _reference(pipeline: Path, cache: Path, order: list[int], seed: int) -> list
 
 @pytest.mark.parametrize(
     ("crop_read", "budget"),
-    [("auto", 0), (False, 0), ("auto", "1GiB"), ("auto", 24**3 * 4 * 2 * 2)],
-    ids=["crop-reads", "whole-reads", "all-in-tier", "part-in-tier"],
+    [("auto", 0), ("cold", 0), (False, 0), ("auto", "1GiB"), ("auto", 24**3 * 4 * 2 * 2)],
+    ids=["crop-reads", "crop-reads-cold", "whole-reads", "all-in-tier", "part-in-tier"],
 )
 def test_batches_equal_monai_per_item_tail_over_epochs(
     prepared: tuple[Path, Path], crop_read: object, budget: object
 ) -> None:
     pipeline, cache = prepared
+    if crop_read == "cold":  # out of the page cache: regions take the cold path (merged runs, scratch slabs)
+        from workflows.bench.core import evict
+
+        evict(sorted(str(p) for p in (cache / "shards").iterdir()), drop_caches=False)
+        crop_read = "auto"
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", shuffle=False, drop_last=False,
                             crop_read=crop_read, gpu_budget=budget)  # fmt: skip
     loader.set_random_state(11)
@@ -149,3 +154,42 @@ def test_gpu_batches_equal_cpu_batches(prepared: tuple[Path, Path]) -> None:
         for a, b in zip(out[("cpu", 0)], out[key]):
             torch.testing.assert_close(a["image"], b["image"])
             torch.testing.assert_close(a["label"], b["label"])
+
+
+@pytest.fixture(scope="module")
+def spheres(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three 40^3 volumes through the demo pipeline (resampled: unequal shapes; 2 pos/neg crops per item)."""
+    from prep.cache import prepare_cache
+    from prep.synth import nifti_dataset
+
+    root = tmp_path_factory.mktemp("spheres")
+    datalist = nifti_dataset(root / "nifti", count=3, size=40, seed=2)
+    prepare_cache(datalist, SPHERES, root / "cache", workers=1)
+    return root / "cache"
+
+
+SPHERES = Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py"
+
+
+def test_multi_sample_crops_give_monai_list_collate_layout(spheres: Path) -> None:
+    from monai.data import list_data_collate
+
+    loader = PreparedLoader(spheres, _transform(SPHERES), batch_size=2, device="cpu", shuffle=False, drop_last=False)
+    loader.set_random_state(3)
+    got = list(loader)
+    want = _reference_lists(spheres, [0, 1, 2], 3)
+    collated = [list_data_collate(want[0] + want[1]), list_data_collate(want[2])]
+    assert [b["_items"].tolist() for b in got] == [[0, 0, 1, 1], [2, 2]]
+    for batch, ref in zip(got, collated):
+        for key in ("image", "label"):
+            np.testing.assert_allclose(batch[key].numpy(), np.asarray(ref[key].as_tensor()), rtol=1e-6)
+
+
+def _reference_lists(cache: Path, order: list[int], seed: int) -> list[list[dict[str, object]]]:
+    from loaders.dataset import PreparedDataset
+    from loaders.monai import tail_compose
+
+    tail = tail_compose(_transform(SPHERES))
+    tail.set_random_state(seed=seed)
+    ds = PreparedDataset(cache)
+    return [list(tail(ds[i])) for i in order]
