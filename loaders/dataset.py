@@ -44,17 +44,32 @@ Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, 
 
 @dataclass
 class _ItemPlan:
-    """Everything about reading one item alone that does not change: requests (split into pieces) and
-    where each lands, where each tensor sits, and its meta made ready for MetaTensors."""
+    """Everything about reading one item alone that does not change: requests (one per tensor, and split
+    into pieces) and where each lands, where each tensor sits, and its meta made ready for MetaTensors."""
 
     entries: list[TensorEntry]
     offsets: list[int]  # byte offset of each entry in the buffer
-    requests: list[ReadRequest]
+    requests: list[ReadRequest]  # cut into pieces for the backend's threads
     places: list[tuple[int, int]]  # [start, end) of each request in the buffer
+    whole: tuple[list[ReadRequest], list[tuple[int, int]]]  # requests and places, one per tensor
     nbytes: int
     views: list[tuple[str, int, int, Any, tuple[int, ...]]]  # key, offset, nbytes, torch dtype, shape
     templates: dict[str, Any] | None = None  # key -> MetaTensor template (built on first use)
     values: str | None = None  # JSON of the head's non-tensor outputs (parsed per item: each gets its own)
+
+
+def fits_in_memory(nbytes: int, share: float = 0.5) -> bool:
+    """True when `nbytes` is at most `share` of the memory Linux says is available (MemAvailable).
+
+    A cache that fits is read buffered on CPU (`auto` -> posix): the first epoch fills the page cache and
+    later epochs are memory copies. O_DIRECT (`direct`) never fills it, so every epoch would go to the
+    device: it is for caches larger than memory, where the page cache would only thrash."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return nbytes <= share * avail
 
 
 def _split(requests: list[ReadRequest], places: list[tuple[int, int]], pieces: int) -> tuple[list, list]:
@@ -149,6 +164,8 @@ class _DatasetCore(BatchReads):
             with self._lock:
                 if self._backend is None:
                     name = self._backend_spec if isinstance(self._backend_spec, str) else "auto"
+                    if name == "auto" and not self.on_gpu and not self._backend_options:
+                        name = "posix" if fits_in_memory(int(self.cache.index["nbytes"].sum())) else "auto"
                     self._backend = get_backend(name, device=self.device, **self._backend_options)
         return self._backend
 
@@ -238,10 +255,11 @@ class _DatasetCore(BatchReads):
             places.append((pos, pos + e.nbytes))
             pos += align_up(e.nbytes)
         threads = getattr(self.backend, "threads", 1)
+        whole = (requests, places)
         if len(requests) < threads and not self.backend.gpu:
             requests, places = _split(requests, places, threads)
         views = [(e.key, o, e.nbytes, torch_dtype(e.dtype), tuple(e.shape)) for e, o in zip(entries, offsets)]
-        plan = _ItemPlan(entries, offsets, requests, places, pos, views)
+        plan = _ItemPlan(entries, offsets, requests, places, whole, pos, views)
         if len(self._plans) >= PLAN_CACHE:
             self._plans.clear()
         self._plans[item] = plan
@@ -273,7 +291,14 @@ class _DatasetCore(BatchReads):
         plan = self._plan(item)
         buf = self._pool().get(plan.nbytes)
         try:
-            self.backend.read_into(plan.requests, [buf[a:b] for a, b in plan.places])
+            if torch.utils.data.get_worker_info() is None:  # many pieces in flight on the backend's threads
+                self.backend.read_into(plan.requests, [buf[a:b] for a, b in plan.places])
+            else:
+                # In a DataLoader worker process the workers are the parallelism (torch gives each one
+                # intra-op thread): a thread handoff per piece only costs CPU there. One tensor per call,
+                # so a warm read is a copy on this thread; a cold O_DIRECT one still keeps its chunks in flight.
+                for r, (a, b) in zip(*plan.whole):
+                    self.backend.read_into([r], [buf[a:b]])
         except BackendError as exc:
             raise name_short_read([plan.entries], exc) from exc
         if self.verify:

@@ -36,6 +36,8 @@ __all__ = [
     "tail_compose",
 ]
 
+# PersistentDataset options with no meaning over a prepared cache (accepted, so the one-line change works)
+_PERSISTENT_ONLY = ("hash_func", "pickle_module", "pickle_protocol", "hash_transform", "reset_ops_id", "weights_only")
 # Compose options that change how transforms are applied; the tail keeps the user's settings.
 _COMPOSE_OPTIONS = ("map_items", "unpack_items", "lazy", "overrides", "log_stats")
 
@@ -134,9 +136,13 @@ class _PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
     data: the datalist entries (as for MONAI; matched to cache items by their source entry). transform:
-    the full pipeline (Compose or list). cache_dir: the `prep cache` output. backend, device, verify and
-    other options: as for PreparedDataset. A `monai.data.Dataset`, so slicing, DataLoader and
-    ThreadDataLoader work as with PersistentDataset.
+    the full pipeline (Compose or list). cache_dir: the `prep cache` output. track_meta: as MONAI's
+    PersistentDataset (default False): False gives the head's output as plain tensors, as
+    PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
+    True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)).
+    backend, device, verify and other options: as for PreparedDataset; PersistentDataset's own options
+    (hash_func, pickle_module, ...) are accepted and have nothing to do here. A `monai.data.Dataset`, so
+    slicing, DataLoader and ThreadDataLoader work as with PersistentDataset.
     """
 
     def __init__(
@@ -147,13 +153,19 @@ class _PersistentCore:
         backend: str | Backend = "auto",
         device: str = "cpu",
         verify: bool = False,
+        track_meta: bool = False,
         **options: Any,
     ) -> None:
         from loaders.dataset import PreparedDataset
 
+        for name in _PERSISTENT_ONLY:
+            options.pop(name, None)
         self.data = data
         self.transform = transform
-        self.dataset = PreparedDataset(cache_dir, backend=backend, device=device, verify=verify, **options)
+        self.track_meta = track_meta
+        self.dataset = PreparedDataset(
+            cache_dir, backend=backend, device=device, verify=verify, meta=track_meta, **options
+        )
         with keep_random_states(transform):  # splitting the chain re-seeds it
             check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
             self.tail = tail_compose(transform)

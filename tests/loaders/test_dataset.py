@@ -445,3 +445,18 @@ def test_map_style_loaders_over_unequal_shapes(ragged: tuple[Path, list[dict]], 
     first = batches[0]
     assert first["_shapes"]["image"].tolist() == [list(items[i]["image"].shape) for i in range(3)]
     np.testing.assert_array_equal(np.asarray(first["image"][1, :, :11, :11, :11]), items[1]["image"])
+
+
+def test_auto_reads_buffered_when_the_cache_fits_in_memory(
+    cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_DIRECT never fills the page cache: a cache that fits is read buffered so epoch 2 is a copy."""
+    from loaders import dataset
+
+    root, items = cache
+    assert dataset.fits_in_memory(1 << 20) and not dataset.fits_in_memory(1 << 60)
+    assert PreparedDataset(root).backend.name == "posix"
+    monkeypatch.setattr(dataset, "fits_in_memory", lambda nbytes, share=0.5: False)
+    ds = PreparedDataset(root)
+    assert ds.backend.name == "direct"
+    _same(ds[3]["label"], items[3]["label"])

@@ -80,7 +80,7 @@ def test_matches_monai_persistent_dataset(prepared: dict[str, Any]) -> None:
     transform = _transform(prepared["pipeline"])
     data = prepared["data"]
     ref = PersistentDataset(data, transform, prepared["tmp"] / "pt")
-    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix")
+    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix", track_meta=True)
     assert isinstance(ours, Dataset) and len(ours) == len(data)
     transform.set_random_state(11)
     want = [ref[i] for i in range(len(data))]
@@ -95,7 +95,7 @@ def test_matches_by_source_when_reordered(prepared: dict[str, Any]) -> None:
 
     transform = _transform(prepared["pipeline"])
     data = list(reversed(prepared["data"]))
-    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix", verify=True)
+    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix", verify=True, track_meta=True)
     head = ours.dataset[ours._lookup(0)]
     assert head["image"].meta["filename_or_obj"] == data[0]["image"]
     extra = [*data, {"image": "/nope/img.nii.gz", "label": "/nope/lab.nii.gz"}]
@@ -137,7 +137,7 @@ def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path)
     items = [{k: o[k].as_tensor().numpy() for k in ("image", "label")} for o in outs]
     metas = [{"source": d, "meta": {k: dict(o[k].meta) for k in ("image", "label")}} for d, o in zip(data, outs)]
     write_items(tmp_path / "c", items, metas, {"fingerprint": chain.fingerprint(head)})
-    ds = PreparedPersistentDataset(data, transform, tmp_path / "c", backend="posix")
+    ds = PreparedPersistentDataset(data, transform, tmp_path / "c", backend="posix", track_meta=True)
     transform.set_random_state(5)
     got = ds[1]
     assert got[0]["image"].shape == (1, 12, 12, 12)
@@ -154,7 +154,9 @@ def test_torch_dataloader_workers(prepared: dict[str, Any]) -> None:
 
     from loaders.monai import PreparedPersistentDataset
 
-    ds = PreparedPersistentDataset(prepared["data"], _transform(prepared["pipeline"]), prepared["cache"], "posix")
+    ds = PreparedPersistentDataset(
+        prepared["data"], _transform(prepared["pipeline"]), prepared["cache"], "posix", track_meta=True
+    )
     ds[0]  # the parent reads first: workers must rebuild the backend, not inherit its thread pool
     batches = list(DataLoader(ds, batch_size=2, num_workers=2, timeout=60))
     assert sum(b["label"].shape[0] for b in batches) == 2 * len(ds)
@@ -174,7 +176,9 @@ def test_seeding_before_building_keeps_the_draws(prepared: dict[str, Any]) -> No
     want = [ref[i] for i in range(len(data))]
     transform = _transform(prepared["pipeline"])  # the same pipeline, fresh (its readers hold no files yet)
     transform.set_random_state(23)
-    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix")  # built after seeding
+    ours = PreparedPersistentDataset(
+        data, transform, prepared["cache"], backend="posix", track_meta=True
+    )  # built after seeding
     got = [ours[i] for i in range(len(data))]
     _same_item(want, got)
 
@@ -191,7 +195,9 @@ def test_relative_datalist_paths_match(
     relative = Path(nifti_dataset.parent.name) / nifti_dataset.name
     data = [entry for _, entry in load_datalist(relative)]
     assert not Path(data[0]["image"]).is_absolute()
-    ours = PreparedPersistentDataset(list(reversed(data)), transform, prepared["cache"], backend="posix")
+    ours = PreparedPersistentDataset(
+        list(reversed(data)), transform, prepared["cache"], backend="posix", track_meta=True
+    )
     head = ours.dataset[ours._lookup(0)]
     assert Path(head["image"].meta["filename_or_obj"]).resolve() == Path(data[-1]["image"]).resolve()
     # and the other way round: a cache prepared from a relative datalist, read with absolute entries elsewhere
@@ -253,7 +259,7 @@ def test_meta_types_match_monai(nifti_dataset: Path, tmp_path: Path) -> None:
     prepare_cache(nifti_dataset, pipeline, tmp_path / "cache", workers=1, processes=False)
     data = [entry for _, entry in load_datalist(nifti_dataset)][:3]
     transform = _transform(pipeline)
-    ours = PreparedPersistentDataset(data, transform, tmp_path / "cache", backend="posix")
+    ours = PreparedPersistentDataset(data, transform, tmp_path / "cache", backend="posix", track_meta=True)
     ref = PersistentDataset(data, transform, tmp_path / "pt", track_meta=True, weights_only=False)
     [ref[i] for i in range(len(data))]  # fill MONAI's cache: later reads come from it
     for i in range(len(data)):
@@ -270,3 +276,28 @@ def test_meta_types_match_monai(nifti_dataset: Path, tmp_path: Path) -> None:
             assert torch.equal(want[key].as_tensor(), got[key].as_tensor())
         for key in ("foreground_start_coord", "foreground_end_coord"):
             _same_types(want[key], got[key], key)
+
+
+def test_track_meta_false_is_what_persistent_dataset_reads_back(prepared: dict[str, Any]) -> None:
+    """The default, as MONAI's: the head's output as plain tensors, as PersistentDataset(track_meta=False)
+    returns it from its cache from the second epoch on; its options are accepted."""
+    from monai.data import PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+
+    data = prepared["data"]
+    transform = _transform(prepared["pipeline"])
+    ours = PreparedPersistentDataset(data, transform, prepared["cache"], backend="posix", hash_func=None)
+    ref = PersistentDataset(data, transform, prepared["tmp"] / "pt-plain")
+    [ref[i] for i in range(len(data))]  # epoch 1 fills MONAI's cache
+    assert type(ours.dataset[0]["image"]) is torch.Tensor
+    for i in range(len(data)):
+        transform.set_random_state(i)
+        want = ref[i]
+        transform.set_random_state(i)
+        got = ours[i]
+        for w, g in zip(want, got):
+            for key in ("image", "label"):
+                assert type(g[key]) is type(w[key]) and set(g[key].meta) == set(w[key].meta)
+                assert torch.equal(g[key].as_tensor(), w[key].as_tensor())
+                assert torch.equal(g[key].affine, w[key].affine)
