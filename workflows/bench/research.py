@@ -320,13 +320,16 @@ def gpu_options(opts: Options, what: str) -> Options:
 
 def xnvme_gds(uri: str | None, bmap: Path, mem: str, opts: Options, datadir: Path | None = None) -> Result:
     """The research code's xnvme-gds: each file's block ranges (from the map) read with xNVMe from `uri` into
-    host memory, then decoded (on the GPU with `--mem gpu`, as there, else on the CPU)."""
+    host memory, then decoded as there: on the (default) GPU where there is one, else on the CPU."""
     from loaders.backends.xnvme import load_capi
     from loaders.errors import PrepError
 
     if mem not in ("cpu", "gpu"):
         raise Unavailable(f"xnvme-gds: --mem {mem}: choose cpu or gpu")
-    run = gpu_options(opts, "xnvme-gds --mem gpu") if mem == "gpu" else opts
+    from workflows.bench.core import cuda_available
+
+    # the research code decodes on the GPU ("mixed") whatever --mem says: so here, wherever there is one
+    run = gpu_options(opts, "xnvme-gds --mem gpu") if mem == "gpu" or cuda_available() else opts
     if uri is not None and not os.path.exists(uri):
         raise Unavailable(f"xnvme-gds: {uri}: no such device (pass --uri with the NVMe namespace the map addresses)")
     try:
