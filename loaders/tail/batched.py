@@ -237,28 +237,25 @@ def _per_item(transform: Any, batch: TailBatch) -> None:
     batch.set_items(outs)
 
 
-def _flatten(transform: Any) -> tuple[Any, list[Any]]:
-    """(a Compose whose set_random_state seeds the objects as the user's Compose would, its transforms)."""
+def _walk(transforms: Sequence[Any], map_items: Any) -> list[Any]:
+    """The transforms in order, nested Composes inlined by `Compose.flatten`'s rule. Not `flatten()` itself:
+    it builds a new Compose, and building one reseeds every transform in it (the caller's seeding is lost)."""
     from monai.transforms import Compose
 
-    if isinstance(transform, Compose):
-        compose = transform
-    elif isinstance(transform, (list, tuple)):
-        compose = Compose(list(transform))
-    else:
-        compose = Compose([transform])
-    if type(compose) is not Compose or not _eager(compose):
-        # OneOf / SomeOf / RandomOrder (one random choice per item), lazy resampling (MONAI fuses the spatial
-        # transforms into one resample) or other item mapping: the whole chain runs per item through MONAI
-        return compose, [compose]
-    return compose, list(compose.flatten().transforms)
+    out: list[Any] = []
+    for t in transforms:
+        if type(t) is Compose and t.map_items == map_items:
+            out += _walk(t.transforms, map_items)
+        else:
+            out.append(t)
+    return out
 
 
-def _eager(compose: Any) -> bool:
+def _eager(compose: Any, flat: list[Any]) -> bool:
     """Whether `compose` applies its transforms one after the other, eagerly, mapping list outputs."""
     lazy = compose.lazy
     if lazy is None:  # each transform's own flag decides
-        lazy = any(getattr(t, "lazy", False) is True for t in compose.flatten().transforms)
+        lazy = any(getattr(t, "lazy", False) is True for t in flat)
     return lazy is False and compose.map_items in (True, 1) and not compose.unpack_items
 
 
@@ -270,7 +267,19 @@ class BatchedTail:
     """
 
     def __init__(self, transform: Any, device: Any = None) -> None:
-        self.transform, self.transforms = _flatten(transform)
+        from monai.transforms import Compose
+
+        if isinstance(transform, Compose):
+            self._compose: Any = transform
+            flat = _walk(transform.transforms, transform.map_items)
+            # OneOf / SomeOf / RandomOrder (one random choice per item), lazy resampling (MONAI fuses the
+            # spatial transforms into one resample) or other item mapping: the whole chain runs per item
+            whole = type(transform) is not Compose or not _eager(transform, flat)
+            self.transforms = [transform] if whole else flat
+        else:
+            self._compose = None  # a list is seeded as Compose(list) would seed it, built only when seeding
+            self._items = list(transform) if isinstance(transform, (list, tuple)) else [transform]
+            self.transforms = _walk(self._items, True)
         self.device = device
         self._handlers = [_handler(t) for t in self.transforms]
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
@@ -284,7 +293,10 @@ class BatchedTail:
 
     def set_random_state(self, seed: int | None = None, state: Any = None) -> BatchedTail:
         """Seed the underlying MONAI transforms exactly as `Compose.set_random_state` does."""
-        self.transform.set_random_state(seed=seed, state=state)
+        from monai.transforms import Compose
+
+        compose = self._compose if self._compose is not None else Compose(self._items)
+        compose.set_random_state(seed=seed, state=state)
         return self
 
     def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:

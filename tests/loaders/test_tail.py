@@ -302,3 +302,33 @@ def test_rot90_of_a_non_square_plane() -> None:
         stacked += 1
         assert_same(batched(chain, batch, seed)[0], want)
     assert stacked and ragged
+
+
+@pytest.mark.parametrize("form", ["compose", "nested", "list", "single"])
+def test_building_keeps_the_callers_seeding(form: str) -> None:
+    """Seeded first, wrapped after: the draws are those of the objects as the caller seeded them."""
+    from monai.data import list_data_collate
+
+    batch = make_batch()
+    flip, scale = mt.RandFlipd(K, prob=0.5, spatial_axis=0), mt.RandScaleIntensityd("image", factors=0.3, prob=0.5)
+    chain: Any = {
+        "compose": mt.Compose([flip, scale]),
+        "nested": mt.Compose([mt.Compose([flip]), scale]),
+        "list": [flip, scale],
+        "single": flip,
+    }[form]
+    if isinstance(chain, mt.Compose):
+        chain.set_random_state(17)
+    else:
+        flip.set_random_state(17)
+        scale.set_random_state(18)
+    want_chain = copy.deepcopy(chain)
+    got = BatchedTail(chain)(batch)
+    items = []
+    for i in range(4):
+        item: Any = {k: v[i].clone() for k, v in batch.items()}
+        for t in want_chain if isinstance(want_chain, list) else [want_chain]:
+            item = t(item)
+        items.append(item)
+    want = {k: v.as_subclass(torch.Tensor) for k, v in list_data_collate(items).items()}
+    assert_same(got, want)
