@@ -22,6 +22,7 @@ _log = logging.getLogger("loaders.tail")
 # MONAI class name -> (module, function) of its batched version. Matched on the exact MONAI class (a user's
 # subclass may change the behaviour, so it runs per item through MONAI).
 _HANDLERS: dict[str, tuple[str, str]] = {
+    "NormalizeIntensityd": ("loaders.tail.intensity", "normalize_intensity"),
     "RandAffined": ("loaders.tail.affine", "rand_affine"),
     "RandCropByPosNegLabeld": ("loaders.tail.crops", "rand_crop_by_pos_neg_label"),
     "RandFlipd": ("loaders.tail.flips", "rand_flip"),

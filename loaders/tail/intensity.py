@@ -115,3 +115,37 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
         noisy = gather(x, [x[i] for i in chosen]).to(dtype) + add
         batch.data[k] = gather(x, [noisy[where[i]] if i in where else x[i].to(dtype) for i in range(batch.n)])
     return True
+
+
+def normalize_intensity(t: Any, batch: TailBatch) -> bool:
+    """NormalizeIntensityd (deterministic; in the BraTS tutorial's tail): per-item (per-channel) mean and
+    std over all or the nonzero voxels, in float32 as MONAI computes them, one subtract/divide for the batch.
+    Equal to MONAI's within float rounding (the sums run in another order); given subtrahend/divisor run per item.
+    """
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    keys = _ready(t, batch)
+    norm = t.normalizer
+    if keys is None or norm.subtrahend is not None or norm.divisor is not None:
+        return False
+    for k in keys:
+        x = batch.data[k]
+        n, c = int(x.shape[0]), int(x.shape[1])
+        flat = x.to(torch.float32).reshape(n, c if norm.channel_wise else 1, -1)
+        if norm.nonzero:
+            mask = flat != 0
+            count = mask.sum(-1, keepdim=True).clamp(min=1)
+            mean = flat.sum(-1, keepdim=True) / count  # zeros add nothing to the sum
+            var = torch.where(mask, (flat - mean) ** 2, 0.0).sum(-1, keepdim=True) / count
+        else:
+            mean = flat.mean(-1, keepdim=True)
+            var = flat.var(-1, keepdim=True, correction=0)
+        std = var.sqrt()
+        std = torch.where(std == 0, torch.ones_like(std), std)
+        out = (flat - mean) / std
+        if norm.nonzero:  # MONAI writes only the nonzero voxels; the others stay 0
+            out = torch.where(mask, out, flat)
+        dtype = get_equivalent_dtype(norm.dtype, torch.Tensor) if norm.dtype is not None else x.dtype
+        batch.data[k] = out.reshape(x.shape).to(dtype)
+    return True

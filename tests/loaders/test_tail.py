@@ -332,3 +332,37 @@ def test_building_keeps_the_callers_seeding(form: str) -> None:
         items.append(item)
     want = {k: v.as_subclass(torch.Tensor) for k, v in list_data_collate(items).items()}
     assert_same(got, want)
+
+
+BRATS = [
+    mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
+    mt.RandFlipd(K, prob=0.5, spatial_axis=0),
+    mt.RandFlipd(K, prob=0.5, spatial_axis=1),
+    mt.RandFlipd(K, prob=0.5, spatial_axis=2),
+    mt.NormalizeIntensityd("image", nonzero=True, channel_wise=True),
+    mt.RandScaleIntensityd("image", factors=0.1, prob=1.0),
+    mt.RandShiftIntensityd("image", offsets=0.1, prob=1.0),
+]
+
+
+@pytest.mark.parametrize("nonzero", [True, False])
+@pytest.mark.parametrize("channel_wise", [True, False])
+def test_normalize_intensity_brats_tail(nonzero: bool, channel_wise: bool) -> None:
+    batch = make_batch()
+    image = torch.cat([batch["image"], 3 * batch["image"] + 1, torch.zeros_like(batch["image"])], dim=1)
+    image[:, :, :4] = 0  # background slab: nonzero=True leaves it at 0
+    image[1] = 0  # an item with no nonzero voxel at all
+    batch["image"] = image
+    chain = list(BRATS)
+    chain[4] = mt.NormalizeIntensityd("image", nonzero=nonzero, channel_wise=channel_wise)
+    got, tail = batched(chain, batch, seed=12)
+    assert tail.fallbacks == []
+    assert_same(got, reference(chain, batch, seed=12), atol=2e-5)
+
+
+def test_normalize_intensity_with_given_values_runs_per_item() -> None:
+    batch = make_batch()
+    chain = [mt.RandFlipd(K, prob=0.5), mt.NormalizeIntensityd("image", subtrahend=0.5, divisor=0.25)]
+    got, tail = batched(chain, batch, seed=2)
+    assert tail.fallbacks == ["NormalizeIntensityd"]
+    assert_same(got, reference(chain, batch, seed=2))
