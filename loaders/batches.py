@@ -317,8 +317,11 @@ class _BatchesCore:
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle differently each epoch (seed + epoch) when shuffle=True."""
+        """Reshuffle differently each epoch (seed + epoch) when shuffle=True; a dataset made by
+        `shard(..., shuffle=True)` takes that epoch's split too."""
         self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         options = dict(self.options)

@@ -58,6 +58,28 @@ class _ItemPlan:
     values: str | None = None  # JSON of the head's non-tensor outputs (parsed per item: each gets its own)
 
 
+def shard_items(
+    items: np.ndarray,
+    rank: int,
+    world_size: int,
+    contiguous: bool,
+    even: bool,
+    shuffle: bool,
+    seed: int,
+    epoch: int = 0,
+) -> np.ndarray:
+    """Rank `rank`'s items of `items` for `epoch`: the same (seed, epoch) permutation on every rank when
+    shuffled, padded by wrapping around when `even`, then cut strided or in contiguous blocks."""
+    if shuffle:
+        items = items[np.random.default_rng([seed, epoch]).permutation(len(items))]
+    per = -(-len(items) // world_size)
+    if even and len(items):
+        items = np.resize(items, per * world_size)  # np.resize repeats from the start
+    if contiguous:
+        return np.asarray(items[rank * per : (rank + 1) * per], dtype=np.int64)
+    return np.asarray(items[rank::world_size], dtype=np.int64)
+
+
 def fits_in_memory(nbytes: int, share: float = 0.5) -> bool:
     """True when `nbytes` is at most `share` of the memory Linux says is available (MemAvailable).
 
@@ -128,6 +150,9 @@ class _DatasetCore(BatchReads):
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._plans: dict[int, _ItemPlan] = {}  # item -> its read plan (the cache is immutable)
+        self.epoch = 0
+        # (parent items, rank, world size, contiguous, even, shuffle, seed) of a shard view, else None
+        self._shard: tuple[np.ndarray, int, int, bool, bool, bool, int] | None = None
 
     # --- process-local state (rebuilt after pickling into DataLoader workers) ---
     def __getstate__(self) -> dict[str, Any]:
@@ -188,22 +213,38 @@ class _DatasetCore(BatchReads):
         view.__dict__.update(self.__dict__)
         view.items = np.asarray(items, dtype=np.int64)
         view._local = threading.local()
+        view._shard = None
         return view
 
-    def shard(self, rank: int, world_size: int, contiguous: bool = False, even: bool = True) -> Any:
+    def shard(
+        self,
+        rank: int,
+        world_size: int,
+        contiguous: bool = False,
+        even: bool = True,
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> Any:
         """The part of this dataset for DDP rank `rank` of `world_size`: strided (default) or contiguous.
 
         even=True pads by wrapping around so every rank gets the same count (as DistributedSampler does);
-        otherwise DDP ranks would step a different number of times and hang."""
+        otherwise DDP ranks would step a different number of times and hang. shuffle=True splits a
+        permutation drawn from (seed, epoch) instead of the dataset order, and `set_epoch(e)` draws the
+        next one, as DistributedSampler does: every rank computes the same permutation (pass the same
+        seed everywhere), so each epoch every item goes to exactly one rank (plus the padding), and the
+        split differs from epoch to epoch."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
-        items = self.items
-        per = -(-len(items) // world_size)
-        if even and len(items):
-            items = np.resize(items, per * world_size)  # np.resize repeats from the start
-        if contiguous:
-            return self._view(items[rank * per : (rank + 1) * per])
-        return self._view(items[rank::world_size])
+        spec = (self.items, rank, world_size, contiguous, even, shuffle, seed)
+        view = self._view(shard_items(*spec, epoch=0))
+        view._shard, view.epoch = spec, 0
+        return view
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch`: a shard made with shuffle=True takes that epoch's part of the split."""
+        self.epoch = epoch
+        if self._shard is not None:
+            self.items = shard_items(*self._shard, epoch=epoch)
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> Any:
         """A view over positions `indices` of this dataset."""

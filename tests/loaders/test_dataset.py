@@ -460,3 +460,47 @@ def test_auto_reads_buffered_when_the_cache_fits_in_memory(
     ds = PreparedDataset(root)
     assert ds.backend.name == "direct"
     _same(ds[3]["label"], items[3]["label"])
+
+
+def _ddp_rank(rank: int, world: int, init: str, root: str, out: str) -> None:
+    """One DDP rank (spawned): its shards' items and what it read, every epoch, gathered on rank 0."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ds = PreparedDataset(root, keys=["label"], backend="posix", meta=False)
+    seen: dict = {}
+    for even in (False, True):
+        part = ds.shard(rank, world, shuffle=True, seed=3, even=even)
+        for epoch in range(3):
+            part.set_epoch(epoch)
+            sums = [int(part[j]["label"].sum()) for j in range(len(part))]  # what the rank actually read
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, (part.items.tolist(), sums))
+            seen.setdefault(str(even), []).append(gathered)
+    if rank == 0:
+        Path(out).write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+def test_shard_set_epoch_over_gloo(cache: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    """Two real gloo ranks: every item once per epoch across ranks, another split every epoch (issue 13)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    root, items = cache
+    out = tmp_path / "seen.json"
+    mp.spawn(_ddp_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(root), str(out)), nprocs=2, join=True)
+    seen = json.loads(out.read_text())
+    label_sum = {i: int(items[i]["label"].sum()) for i in range(N)}
+    for even in (False, True):
+        splits = []
+        for (a, sums_a), (b, sums_b) in seen[str(even)]:
+            assert [label_sum[i] for i in a] == sums_a and [label_sum[i] for i in b] == sums_b
+            if even:
+                assert len(a) == len(b) == 4 and set(a) | set(b) == set(range(N))  # one item padded in
+            else:
+                assert sorted(a + b) == list(range(N))  # exactly once
+            splits.append(tuple(sorted(a)))
+        assert len(set(splits)) > 1  # the split changes between epochs
