@@ -74,26 +74,35 @@ def rand_spatial_crop_samples(t: Any, batch: TailBatch) -> bool:
 
 
 class _Indices:
-    """Flat positions of the True voxels of one item's mask, found on the mask's device only when asked.
+    """Flat positions of the nonzero voxels of one item's mask, found on the mask's device only when asked.
 
     MONAI's `map_binary_to_indices` lists every foreground and background voxel and copies both lists to the
     host (32 MB for a 160^3 background); the centre draw only needs their counts and the few entries picked,
     so these stand in for the lists (`generate_pos_neg_label_crop_centers` takes any sized, indexable one).
+    Counts are kept per slice of the first spatial axis, so a lookup searches one slice, not the volume.
     """
 
-    def __init__(self, mask: Any, count: int) -> None:
-        self._mask, self._count = mask, count
-        self._where: Any = None
+    def __init__(self, rows: Any, counts: list[int]) -> None:
+        import numpy as np
+
+        self._rows = rows  # (slices, voxels per slice), nonzero = in the set
+        self._cum = np.cumsum(np.asarray(counts, dtype=np.int64))
+        self._count = int(self._cum[-1]) if len(counts) else 0
 
     def __len__(self) -> int:
         return self._count
 
     def __getitem__(self, k: Any) -> int:
+        import numpy as np
         import torch
 
-        if self._where is None:
-            self._where = torch.nonzero(self._mask).flatten()
-        return int(self._where[int(k)])
+        k = int(k)
+        if not 0 <= k < self._count:
+            raise IndexError(k)
+        s = int(np.searchsorted(self._cum, k, side="right"))
+        before = int(self._cum[s - 1]) if s else 0
+        hits = torch.nonzero(self._rows[s]).flatten()
+        return s * int(self._rows.shape[1]) + int(hits[k - before])
 
 
 def _pos_neg_indices(t: Any, label: Any, image: Any) -> list[tuple[_Indices, _Indices]]:
@@ -105,15 +114,22 @@ def _pos_neg_indices(t: Any, label: Any, image: Any) -> list[tuple[_Indices, _In
     """
     import torch
 
-    n = int(label.shape[0])
+    n, slices = int(label.shape[0]), int(label.shape[2])
     lab = label[:, 1:] if label.shape[1] > 1 else label  # one-hot: the background channel is dropped
-    fg_any = torch.any(lab, dim=1).reshape(n, -1)
+    fg_any = torch.any(lab, dim=1)
     bg_any = ~fg_any
     if image is not None:
-        bg_any = torch.any(image > t.cropper.image_threshold, dim=1).reshape(n, -1) & bg_any
-    fg, bg = fg_any != 0, bg_any != 0
-    counts = torch.stack([fg.sum(1), bg.sum(1)], dim=1).tolist()  # one sync for the whole batch
-    return [(_Indices(fg[i], counts[i][0]), _Indices(bg[i], counts[i][1])) for i in range(n)]
+        bg_any = torch.any(image > t.cropper.image_threshold, dim=1) & bg_any
+    fg, bg = fg_any.reshape(n, slices, -1), bg_any.reshape(n, slices, -1)
+    # one small table read back for the whole batch: (n, slices) counts per set
+    if image is None:  # the background is the complement (bool) or, for uint8's bitwise not, every voxel
+        fg_counts = torch.count_nonzero(fg, dim=2).tolist()
+        per_slice = int(fg.shape[2])
+        bg_counts = [[per_slice - c if fg.dtype == torch.bool else per_slice for c in row] for row in fg_counts]
+    else:
+        table = torch.stack([torch.count_nonzero(fg, dim=2), torch.count_nonzero(bg, dim=2)], dim=1).tolist()
+        fg_counts, bg_counts = [row[0] for row in table], [row[1] for row in table]
+    return [(_Indices(fg[i], fg_counts[i]), _Indices(bg[i], bg_counts[i])) for i in range(n)]
 
 
 def rand_crop_by_pos_neg_label(t: Any, batch: TailBatch) -> bool:

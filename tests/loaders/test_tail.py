@@ -238,7 +238,7 @@ def test_lazy_compose_runs_whole_chain_per_item() -> None:
     torch.testing.assert_close(got["image"], torch.stack([it["image"].as_tensor() for it in items]))
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float32, torch.bool])
 @pytest.mark.parametrize("channels", [1, 3])
 def test_pos_neg_label_dtypes_and_one_hot(dtype: torch.dtype, channels: int) -> None:
     """MONAI's background of a uint8 label (no image_key) is every voxel; other dtypes exclude the foreground."""
