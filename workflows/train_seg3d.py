@@ -1,5 +1,6 @@
 """3D UNet segmentation on a prepared cache, and how much of each step waits for data.
 
+\b
     python -m workflows.train_seg3d --cache demo/cache --iters 50                       # blockprep fast path
     python -m workflows.train_seg3d --cache demo/cache --device cuda:0 --gpu-budget 8GiB
     python -m workflows.train_seg3d --cache demo/cache --loader drop-in --iters 50       # PreparedPersistentDataset
@@ -15,14 +16,46 @@ autocast on GPU. The report: the share of step time spent waiting for the next b
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 DEFAULT_PIPELINE = Path(__file__).parent / "pipelines" / "spheres.py"
+
+
+class Loader(str, Enum):
+    """Which loader feeds the model."""
+
+    fast = "fast"
+    drop_in = "drop-in"
+    persistent = "persistent"
+    all = "all"
+
+
+@dataclass
+class Args:
+    """The command line's settings."""
+
+    cache: Path
+    pipeline: Path | None = None
+    loader: str = "fast"
+    backend: str = "auto"
+    gpu_budget: str = "0"
+    persistent_dir: Path | None = None
+    iters: int = 20
+    batchsize: int = 2
+    workers: int = 2
+    device: str = "cpu"
+    amp: bool = True
+    channels: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
+    lr: float = 1e-3
+    seed: int = 0
+    json: Path | None = None
 
 
 @dataclass
@@ -58,7 +91,7 @@ def cache_sources(cache_dir: Path) -> tuple[list[dict[str, Any]], Path]:
     return data, Path(recorded) if recorded and Path(recorded).is_file() else DEFAULT_PIPELINE
 
 
-def make_dataset(args: argparse.Namespace, loader: str) -> Any:
+def make_dataset(args: Args, loader: str) -> Any:
     """The training dataset of one loader: both apply the full pipeline, only where the head comes from differs."""
     from prep.pipeline import load_pipeline
 
@@ -96,7 +129,7 @@ def make_model(channels: tuple[int, ...], device: str) -> Any:
                 strides=(2,) * (len(channels) - 1), num_res_units=1).to(device)  # fmt: skip
 
 
-def _batches(dataset: Any, args: argparse.Namespace, loader_name: str) -> Any:
+def _batches(dataset: Any, args: Args, loader_name: str) -> Any:
     """Endless shuffled batches (epochs chained); crops of every item are flattened into the batch."""
     import torch
     from monai.data import DataLoader, list_data_collate
@@ -115,7 +148,7 @@ def _plain(x: Any) -> Any:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
-def train(args: argparse.Namespace, loader: str) -> TrainReport:
+def train(args: Args, loader: str) -> TrainReport:
     """Run `args.iters` steps with one loader; time spent in `next(batches)` and the copy to the device is waiting."""
     import torch
     from monai.losses import DiceLoss
@@ -149,33 +182,54 @@ def train(args: argparse.Namespace, loader: str) -> TrainReport:
     return TrainReport(loader, args.iters, seconds, wait, losses[0], losses[-1])
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cache", type=Path, required=True, help="prepared cache (prep cache)")
-    p.add_argument("--pipeline", type=Path, default=None, help="PIPELINE.py (default: the one the cache recorded)")
-    p.add_argument(
-        "--loader",
-        choices=["fast", "drop-in", "persistent", "all"],
-        default="fast",
-        help="fast: PreparedLoader (default); drop-in: PreparedPersistentDataset; persistent: MONAI's",
-    )
-    p.add_argument("--backend", default="auto", help="blockprep backend: auto, posix, direct, blockdev, kvikio")
-    p.add_argument("--gpu-budget", default="0", help="bytes of whole items the fast path keeps on the device (8GiB)")
-    p.add_argument("--persistent-dir", type=Path, default=None, help="PersistentDataset cache_dir")
-    p.add_argument("--iters", type=int, default=20, help="training steps per loader")
-    p.add_argument("--batchsize", type=int, default=2, help="items per batch (each gives the tail's crops)")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True, help="mixed precision on GPU")
-    p.add_argument("--channels", type=int, nargs="+", default=[16, 32, 64, 128], help="UNet channels per level")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling and the random tail")
-    p.add_argument("--json", type=Path, default=None, help="also write the reports here")
-    args = p.parse_args(argv)
-    if args.iters < 1 or args.batchsize < 1:
-        p.error("--iters and --batchsize must be at least 1")
-    return args
+def _channels(text: str) -> list[int]:
+    try:
+        got = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        got = []
+    if len(got) < 2:
+        raise typer.BadParameter(f"{text!r}: give at least two channel counts, e.g. 16,32,64,128")
+    return got
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    """Command-line options (typer; exits 2 with the usage on bad input)."""
+    got: list[Args] = []
+
+    def command(
+        cache: Annotated[Path, typer.Option(exists=True, file_okay=False, help="prepared cache (prep cache)")],
+        pipeline: Annotated[Path | None, typer.Option(help="PIPELINE.py (default: the one the cache recorded)")] = None,
+        loader: Annotated[
+            Loader,
+            typer.Option(
+                help="fast: PreparedLoader; drop-in: PreparedPersistentDataset; "
+                "persistent: MONAI's; all: one after the other"
+            ),
+        ] = Loader.fast,
+        backend: Annotated[str, typer.Option(help="blockprep backend: auto, posix, direct, blockdev, kvikio")] = "auto",
+        gpu_budget: Annotated[str, typer.Option(help="bytes of items the fast path keeps on the GPU (8GiB)")] = "0",
+        persistent_dir: Annotated[Path | None, typer.Option(help="PersistentDataset cache_dir")] = None,
+        iters: Annotated[int, typer.Option(min=1, help="training steps per loader")] = 20,
+        batchsize: Annotated[int, typer.Option(min=1, help="items per batch (each gives the tail's crops)")] = 2,
+        workers: Annotated[int, typer.Option(min=0, help="DataLoader worker processes")] = 2,
+        device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+        amp: Annotated[bool, typer.Option(help="mixed precision on GPU")] = True,
+        channels: Annotated[str, typer.Option(help="UNet channels per level, comma-separated")] = "16,32,64,128",
+        lr: Annotated[float, typer.Option(help="Adam learning rate")] = 1e-3,
+        seed: Annotated[int, typer.Option(help="seed for weights, shuffling and the random tail")] = 0,
+        json: Annotated[Path | None, typer.Option(help="also write the reports here")] = None,
+    ) -> None:
+        got.append(Args(cache, pipeline, loader.value, backend, gpu_budget, persistent_dir, iters, batchsize,
+                        workers, device, amp, _channels(channels), lr, seed, json))  # fmt: skip
+
+    app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
+    app.command(help=__doc__)(command)
+    try:
+        app(argv, prog_name="python -m workflows.train_seg3d")
+    except SystemExit as exc:
+        if exc.code or not got:
+            raise
+    return got[0]
 
 
 def main(argv: list[str] | None = None) -> list[TrainReport]:

@@ -29,7 +29,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_seg3d_fast_drop_in_and_persistent_train_on_the_same_data(cache: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     reports = train_seg3d.main(["--cache", str(cache), "--loader", "all", "--iters", "2", "--batchsize", "1",
-                                "--workers", "0", "--channels", "4", "8", "--persistent-dir", str(tmp_path / "pt"),
+                                "--workers", "0", "--channels", "4,8", "--persistent-dir", str(tmp_path / "pt"),
                                 "--json", str(report)])  # fmt: skip
     fast, drop_in, persistent = reports
     assert (fast.loader, drop_in.loader, persistent.loader) == ("fast", "drop-in", "persistent")
@@ -43,7 +43,7 @@ def test_seg3d_fast_drop_in_and_persistent_train_on_the_same_data(cache: Path, t
 
 
 def test_seg3d_fast_path_with_a_device_tier(cache: Path) -> None:
-    (r,) = train_seg3d.main(["--cache", str(cache), "--iters", "3", "--batchsize", "2", "--channels", "4", "8",
+    (r,) = train_seg3d.main(["--cache", str(cache), "--iters", "3", "--batchsize", "2", "--channels", "4,8",
                              "--gpu-budget", "1GiB"])  # fmt: skip
     assert r.loader == "fast" and r.iters == 3 and math.isfinite(r.last_loss)
 
@@ -70,4 +70,13 @@ def test_classify2d_command_line_errors_exit_2(tmp_path: Path) -> None:
     for argv in ([str(tmp_path / "missing")], [str(tmp_path), "--reader", "pil"], [str(tmp_path), "--iters", "0"]):
         with pytest.raises(SystemExit) as exc:
             train_classify2d.main(argv)
+        assert exc.value.code == 2, argv
+
+
+def test_seg3d_command_line_errors_exit_2(tmp_path: Path) -> None:
+    cache = ["--cache", str(tmp_path)]
+    for argv in (["--cache", str(tmp_path / "missing")], [*cache, "--loader", "fastest"], [*cache, "--channels", "4"],
+                 [*cache, "--iters", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            train_seg3d.main(argv)
         assert exc.value.code == 2, argv
