@@ -17,6 +17,7 @@ autocast on GPU. The report: the share of step time spent waiting for the next b
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -35,6 +36,11 @@ class Loader(str, Enum):
     drop_in = "drop-in"
     persistent = "persistent"
     all = "all"
+    blockprep = "blockprep"  # the earlier names of fast and all, still accepted (job scripts use them)
+    both = "both"
+
+
+OLD_NAMES = {"blockprep": "fast", "both": "all"}
 
 
 @dataclass
@@ -192,6 +198,23 @@ def _channels(text: str) -> list[int]:
     return got
 
 
+def _joined_channels(argv: list[str]) -> list[str]:
+    """`--channels 16 32 64` (the earlier form, still in job scripts) as `--channels 16,32,64`."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        out.append(argv[i])
+        if argv[i] == "--channels":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("-"):
+                j += 1
+            out.append(",".join(argv[i + 1 : j]))
+            i = j
+        else:
+            i += 1
+    return out
+
+
 def parse(argv: list[str] | None = None) -> Args:
     """Command-line options (typer; exits 2 with the usage on bad input)."""
     got: list[Args] = []
@@ -203,7 +226,7 @@ def parse(argv: list[str] | None = None) -> Args:
             Loader,
             typer.Option(
                 help="fast: PreparedLoader; drop-in: PreparedPersistentDataset; "
-                "persistent: MONAI's; all: one after the other"
+                "persistent: MONAI's; all: one after the other (blockprep, both: the same as fast, all)"
             ),
         ] = Loader.fast,
         backend: Annotated[str, typer.Option(help="blockprep backend: auto, posix, direct, blockdev, kvikio")] = "auto",
@@ -219,13 +242,14 @@ def parse(argv: list[str] | None = None) -> Args:
         seed: Annotated[int, typer.Option(help="seed for weights, shuffling and the random tail")] = 0,
         json: Annotated[Path | None, typer.Option(help="also write the reports here")] = None,
     ) -> None:
-        got.append(Args(cache, pipeline, loader.value, backend, gpu_budget, persistent_dir, iters, batchsize,
-                        workers, device, amp, _channels(channels), lr, seed, json))  # fmt: skip
+        name = OLD_NAMES.get(loader.value, loader.value)
+        got.append(Args(cache, pipeline, name, backend, gpu_budget, persistent_dir, iters, batchsize, workers, device,
+                        amp, _channels(channels), lr, seed, json))  # fmt: skip
 
     app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
     app.command(help=__doc__)(command)
     try:
-        app(argv, prog_name="python -m workflows.train_seg3d")
+        app(_joined_channels(sys.argv[1:] if argv is None else argv), prog_name="python -m workflows.train_seg3d")
     except SystemExit as exc:
         if exc.code or not got:
             raise

@@ -80,3 +80,11 @@ def test_seg3d_command_line_errors_exit_2(tmp_path: Path) -> None:
         with pytest.raises(SystemExit) as exc:
             train_seg3d.main(argv)
         assert exc.value.code == 2, argv
+
+
+def test_seg3d_accepts_the_earlier_command_line(tmp_path: Path) -> None:
+    """Job scripts written for the earlier options keep working: `--channels 4 8`, `--loader blockprep|both`."""
+    args = train_seg3d.parse(["--cache", str(tmp_path), "--channels", "4", "8", "--loader", "both", "--workers", "0"])
+    assert args.channels == [4, 8] and args.loader == "all" and args.workers == 0
+    assert train_seg3d.parse(["--cache", str(tmp_path), "--loader", "blockprep"]).loader == "fast"
+    assert train_seg3d.parse(["--cache", str(tmp_path), "--channels", "4,8,16"]).channels == [4, 8, 16]
