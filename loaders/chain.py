@@ -1,27 +1,52 @@
 """The transform chain's head/tail split and the head's fingerprint: the ONE definition.
 
-`prep cache` stores the output of the deterministic head (every transform before the first
-`monai.transforms.Randomizable`); the loaders apply the random tail at training time and check the
-fingerprint recorded in the manifest. Both sides call these functions, so they can never disagree.
+`prep cache` stores the output of the deterministic head; the loaders apply the random tail at training
+time and check the fingerprint recorded in the manifest. Both sides call these functions, so they can never
+disagree.
+
+The head ends where MONAI's `PersistentDataset` ends it: at the first transform that is random
+(`RandomizableTrait`) or is not a MONAI `Transform` at all (a plain function or lambda may draw random
+numbers, so it is never cached). Wrap deterministic code of your own in a `monai.transforms.MapTransform`
+subclass to have it cached.
+
+The fingerprint hashes each head transform's class and configuration (the attributes its constructor
+sets), never state it gains with use (a reader's last `filenames`, random state, thread-local tracing).
+Library versions are not part of it: `compare_versions` applies a documented rule instead, so a cache made
+on a CPU node (`torch 2.13.0+cpu`) is read on a GPU node (`torch 2.13.0+cu130`).
 
 Light at import: MONAI, torch and numpy are imported inside the functions.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import inspect
 import json
-from collections.abc import Callable, Iterable, Mapping
+import textwrap
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+from loaders.errors import StaleError
 
 # Attribute names that hold random state or per-call scratch, never configuration.
 _SKIP_ATTRS = frozenset({"R", "_do_transform", "_rand_state", "rand_state", "_seed"})
 _MAX_DEPTH = 6
 
 
+class VersionWarning(UserWarning):
+    """A library differs from the one the cache was made with in a way that should not change its tensors."""
+
+
 def _flat_transforms(transform: Any) -> list[Any]:
-    """The transforms of a Compose (nested Composes flattened) or a list, in order."""
+    """The transforms of a Compose (nested plain Composes flattened) or a list, in order.
+
+    Only exact `Compose` instances are flattened: OneOf, SomeOf and RandomOrder are Compose subclasses whose
+    meaning is the choice among their members, so they stay one (random) transform.
+    """
     from monai.transforms import Compose
 
     if isinstance(transform, Compose):
@@ -29,20 +54,37 @@ def _flat_transforms(transform: Any) -> list[Any]:
     if isinstance(transform, (list, tuple)):
         out: list[Any] = []
         for t in transform:
-            out.extend(_flat_transforms(t) if isinstance(t, (Compose, list, tuple)) else [t])
+            out.extend(_flat_transforms(t) if type(t) is Compose or isinstance(t, (list, tuple)) else [t])
         return out
     return [transform]
 
 
-def split(transform: Any) -> tuple[list[Any], list[Any]]:
-    """Split a Compose (or list) into (head, tail): head = the transforms before the first Randomizable."""
-    from monai.transforms import Randomizable
+def head_end(transforms: Sequence[Any]) -> tuple[int, str]:
+    """(index of the first transform the cache must not run, why): MONAI PersistentDataset's rule."""
+    from monai.transforms import RandomizableTrait, Transform
 
-    transforms = _flat_transforms(transform)
     for i, t in enumerate(transforms):
-        if isinstance(t, Randomizable):
-            return transforms[:i], transforms[i:]
-    return transforms, []
+        name = t.__name__ if inspect.isfunction(t) else type(t).__name__
+        if isinstance(t, RandomizableTrait):
+            return i, f"head ends before transform {i} ({name}): it is random"
+        if not isinstance(t, Transform):
+            return i, (
+                f"head ends before transform {i} ({name}): not a MONAI Transform, so it may be random; "
+                "subclass monai.transforms.MapTransform to cache it"
+            )
+    return len(transforms), "no random transform: the whole chain is cached"
+
+
+def split(transform: Any) -> tuple[list[Any], list[Any]]:
+    """Split a Compose (or list) into (head, tail) at `head_end`."""
+    transforms = _flat_transforms(transform)
+    end, _ = head_end(transforms)
+    return transforms[:end], transforms[end:]
+
+
+def split_reason(transform: Any) -> str:
+    """Why `split` ends the head where it does, in one line for summaries."""
+    return head_end(_flat_transforms(transform))[1]
 
 
 # Code from these packages is named by module path; anything else (a class or function in the user's
@@ -108,8 +150,7 @@ def _config(value: Any, depth: int = 0) -> Any:
     if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value):
         return _callable_config(value)
     if hasattr(value, "__dict__"):
-        attrs = {k: v for k, v in vars(value).items() if k not in _SKIP_ATTRS}
-        return {"class": _qualname(value), "config": _config(attrs, depth + 1)}
+        return {"class": _qualname(value), "config": _config(_attrs(value), depth + 1)}
     return f"<{_qualname(value)}>"
 
 
@@ -138,21 +179,138 @@ def versions() -> dict[str, str]:
     }
 
 
+# The version rule: a difference in these leading release numbers refuses the cache (the head's numerics may
+# differ); any other difference (patch release, build tag such as +cpu/+cu130) is a VersionWarning.
+REFUSE_ON = {"monai": 2, "torch": 2, "numpy": 1}
+
+
+def _release(version: str, parts: int) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:parts])
+
+
+def compare_versions(
+    recorded: Mapping[str, str], current: Mapping[str, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """(refusals, warnings) between the versions a cache was made with and these (REFUSE_ON is the rule)."""
+    current = versions() if current is None else current
+    refuse, warn = [], []
+    for lib in sorted(set(recorded) | set(current)):
+        old, new = str(recorded.get(lib, "?")), str(current.get(lib, "?"))
+        if old == new:
+            continue
+        parts = REFUSE_ON.get(lib)
+        text = f"{lib} {old} -> {new}"
+        if parts is not None and (old == "?" or new == "?" or _release(old, parts) != _release(new, parts)):
+            refuse.append(text)
+        else:
+            warn.append(text)
+    return refuse, warn
+
+
+def check_versions(recorded: Mapping[str, str], where: str) -> None:
+    """StaleError when the libraries differ by REFUSE_ON from those the cache was made with; else a
+    VersionWarning for lesser differences (a patch release, another build of the same torch)."""
+    refuse, warn = compare_versions(recorded)
+    if refuse:
+        raise StaleError(
+            f"{where}: made with other library versions ({'; '.join(refuse)}), which may change the head's output; "
+            "re-run `prep cache --force` with these libraries"
+        )
+    if warn:
+        warnings.warn(
+            f"{where}: made under other library builds ({'; '.join(warn)}); accepted, as they keep the head's output",
+            VersionWarning,
+            stacklevel=2,
+        )
+
+
 def fingerprint(head: Iterable[Any]) -> str:
-    """Stable sha256 of each transform's class and configuration plus the library versions."""
-    doc = {
-        "transforms": [{"class": _qualname(t), "config": _config(_attrs(t))} for t in head],
-        "versions": versions(),
-    }
+    """Stable sha256 of each transform's class and configuration (not its run-time state, not versions)."""
+    doc = {"transforms": [{"class": _qualname(t), "config": _config(_attrs(t))} for t in head]}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def _attrs(t: Any) -> Any:
+    """The configuration of an object: its attributes less random state and state gained with use."""
     if inspect.isfunction(t) or inspect.ismethod(t):
         return _callable_config(t)
     if hasattr(t, "__dict__"):
-        return {k: v for k, v in vars(t).items() if k not in _SKIP_ATTRS}
+        runtime = _runtime_attrs(type(t))  # type: ignore[arg-type]  # classes are hashable
+        return {
+            k: v
+            for k, v in vars(t).items()
+            if k not in _SKIP_ATTRS and k not in runtime and not isinstance(v, threading.local)
+        }
     return None
+
+
+# Methods that set configuration: constructors (and the helpers they call), property setters, set_* methods.
+_CONSTRUCTORS = ("__init__", "__new__", "__post_init__")
+
+
+@functools.lru_cache(maxsize=512)
+def _runtime_attrs(cls: type) -> frozenset[str]:
+    """Attributes only assigned by methods that are not configuration methods (e.g. a reader's `filenames`,
+    set by `read`): state an object gains with use. Found from the methods' source; an attribute a
+    constructor also assigns stays configuration, so an unclear case changes the fingerprint, never hides."""
+    assigned: dict[str, set[str]] = {}
+    calls: dict[str, set[str]] = {}
+    config: set[str] = set()
+    for klass in reversed(cls.__mro__):
+        if klass.__module__ == "builtins":
+            continue
+        for name, member in vars(klass).items():
+            if isinstance(member, property):
+                if member.fset is not None:
+                    key = f"{klass.__qualname__}.{name}.setter"
+                    assigned[key], calls[key] = _self_assignments(member.fset)
+                    config.add(key)
+            elif inspect.isfunction(member):
+                a, c = _self_assignments(member)
+                assigned.setdefault(name, set()).update(a)
+                calls.setdefault(name, set()).update(c)
+                if name in _CONSTRUCTORS or name.startswith("set_"):
+                    config.add(name)
+    todo = [n for n in config if n in _CONSTRUCTORS]
+    while todo:  # helpers a constructor calls (self._init_x()) are configuration too
+        for callee in calls.get(todo.pop(), set()):
+            if callee in assigned and callee not in config:
+                config.add(callee)
+                todo.append(callee)
+    configured = set().union(*(assigned[n] for n in config)) if config else set()
+    used = set().union(*(a for n, a in assigned.items() if n not in config)) if assigned else set()
+    return frozenset(used - configured)
+
+
+def _self_assignments(fn: Callable[..., Any]) -> tuple[set[str], set[str]]:
+    """(attributes assigned on the first argument, methods called on it) in a function's source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return set(), set()
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or not func.args.args:
+        return set(), set()
+    me = func.args.args[0].arg
+    assigned, called = set(), set()
+    for node in ast.walk(func):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == me
+        ):
+            called.add(node.func.attr)
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == me:
+                    assigned.add(sub.attr)
+    return assigned, called
 
 
 def describe(transforms: Iterable[Any]) -> list[str]:

@@ -3,13 +3,19 @@
 A cache is a directory::
 
     CACHE/
-      manifest.json        written LAST (temp, fsync, rename, fsync dir): no manifest = incomplete, resumable
+      manifest.json        written LAST (temp, fsync, rename, fsync dir): no manifest = incomplete, resumable;
+                           holds its own checksum and the size + per-MiB xxh3 of every other file but shards
       index.npy            one row per tensor (INDEX_DTYPE), numpy .npy so it opens by mmap in microseconds
       meta.jsonl           one JSON line per item, in item order: source entry, per-key MetaTensor meta
       meta_offsets.npy     uint64 byte offset of each line of meta.jsonl (random access without parsing all)
       shards/*.bin         tensors at ALIGN-aligned offsets, each padded to ALIGN (O_DIRECT/GDS need no bounce)
       journal/             append-only per-writer journals while preparing (see prep.cache)
       bmap.json            optional: the shards' block map
+
+Every file a reader trusts is covered by the manifest (`files`): the index, meta offsets and block map are
+checked whole on open while they are at most SMALL bytes (larger ones, and meta.jsonl, chunk by chunk as
+they are read); tensors by their own xxh3 in the index. Caches of schema 1 had no such checksums and are
+refused with the fix (re-run `prep cache --force`).
 
 Nested outputs (lists of tensors, dicts) are flattened to path keys: {"image": t, "crops": [a, b]} ->
 {"image": t, "crops/0": a, "crops/1": b}; `unflatten` restores them.
@@ -27,10 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from loaders.checksums import FileCheck, checksum, doc_checksum, file_record
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
-SCHEMA_VERSION = "1.0"  # major.minor: readers reject an unknown major, accept any minor of a known major
+# major.minor: readers reject another major, accept any minor of theirs. 2: file checksums in the manifest.
+SCHEMA_VERSION = "2.0"
 ALIGN = 4096
+SMALL = 16 << 20  # files up to this size are checked whole on open; larger ones chunk by chunk as read
 MAX_NDIM = 6
 
 MANIFEST = "manifest.json"
@@ -40,6 +49,7 @@ META_OFFSETS = "meta_offsets.npy"
 SHARD_DIR = "shards"
 JOURNAL_DIR = "journal"
 BMAP = "bmap.json"
+LAYOUT_FILES = (INDEX, META, META_OFFSETS)  # always present in a committed cache; BMAP when written
 
 # Little-endian, fixed-size numeric dtypes only. The position in this tuple is the on-disk code: append only.
 DTYPES: tuple[str, ...] = (
@@ -66,15 +76,6 @@ INDEX_DTYPE = np.dtype(
 def align_up(n: int, align: int = ALIGN) -> int:
     """Smallest multiple of `align` that is >= n."""
     return -(-n // align) * align
-
-
-def checksum(buf: Any) -> int:
-    """xxh3_64 of a buffer (bytes, memoryview or C-contiguous numpy array)."""
-    import xxhash
-
-    if isinstance(buf, np.ndarray):
-        buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1).data
-    return int(xxhash.xxh3_64_intdigest(buf))
 
 
 def dtype_code(dtype: Any) -> int:
@@ -301,20 +302,34 @@ def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]]) -
 
 
 def write_manifest(cache_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
-    """Commit the cache: write manifest.json last and atomically. Required keys: keys, shards, n_items."""
+    """Commit the cache: checksum every layout file, then write manifest.json last and atomically.
+
+    Required keys: keys, shards, n_items. Write bmap.json (if any) before: it is covered too."""
     for required in ("keys", "shards", "n_items"):
         if required not in manifest:
             raise FormatError(f"manifest is missing '{required}'")
-    doc = {"schema_version": SCHEMA_VERSION, "format": "blockprep-cache", **manifest}
-    atomic_write_bytes(Path(cache_dir) / MANIFEST, json.dumps(to_jsonable(doc), indent=1).encode())
+    root = Path(cache_dir)
+    names = [*LAYOUT_FILES, *([BMAP] if (root / BMAP).exists() else [])]
+    files = {name: file_record(root / name) for name in names}
+    doc = to_jsonable({"schema_version": SCHEMA_VERSION, "format": "blockprep-cache", **manifest, "files": files})
+    doc["checksum"] = doc_checksum(doc)
+    atomic_write_bytes(root / MANIFEST, json.dumps(doc, indent=1).encode())
 
 
 def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load and check manifest.json; IncompleteCacheError if absent, SchemaVersionError if from the future."""
-    path = Path(cache_dir) / MANIFEST
-    if not Path(cache_dir).is_dir():
-        raise FormatError(f"{cache_dir}: no such cache directory; create it with `prep cache`")
+    """Load and check manifest.json: FormatError naming what the path is when it is no cache,
+    IncompleteCacheError if uncommitted, SchemaVersionError for another schema, ChecksumError if edited."""
+    root = Path(cache_dir)
+    path = root / MANIFEST
+    if root.is_file():
+        raise FormatError(f"{root}: is a file, not a cache directory; pass the folder `prep cache --output` wrote")
+    if not root.is_dir():
+        raise FormatError(f"{root}: no such cache directory; create it with `prep cache`")
     if not path.exists():
+        if not any((root / name).exists() for name in (JOURNAL_DIR, SHARD_DIR, ".lock")):  # traces of `prep cache`
+            raise FormatError(
+                f"{root}: not a prepared cache (no {MANIFEST}, no {JOURNAL_DIR}/); create one with `prep cache`"
+            )
         raise IncompleteCacheError(
             f"{path}: missing, so the cache is incomplete (interrupted run?); re-run the same `prep cache` to finish it"
         )
@@ -325,11 +340,16 @@ def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != "blockprep-cache":
         raise FormatError(f"{path}: not a blockprep cache manifest")
     version = str(doc.get("schema_version", ""))
-    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+    major, ours = version.split(".")[0], SCHEMA_VERSION.split(".")[0]
+    if major != ours:
+        older = major.isdigit() and int(major) < int(ours)
         raise SchemaVersionError(
             f"{path}: schema version {version} is not readable by this blockprep (reads {SCHEMA_VERSION}); "
-            "upgrade blockprep or rebuild the cache"
-        )
+            + ("it predates file checksums: re-run `prep cache --force` to rebuild it" if older
+               else "upgrade blockprep or rebuild the cache")
+        )  # fmt: skip
+    if doc.get("checksum") != doc_checksum(doc):
+        raise ChecksumError(f"{path}: fails its checksum (edited or damaged); rebuild with `prep cache --force`")
     return doc
 
 
@@ -344,6 +364,7 @@ class PreparedCache:
         # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
         self.root = Path(cache_dir).absolute()
         self.manifest = read_manifest(self.root)
+        self.files = self._file_checks()
         index_path = self.root / INDEX
         try:
             self.index: np.ndarray = np.load(index_path, mmap_mode="r", allow_pickle=False)
@@ -356,8 +377,29 @@ class PreparedCache:
         self.n_items = int(self.manifest["n_items"])
         self._starts = np.searchsorted(self.index["item"], np.arange(self.n_items + 1))
 
+    def _file_checks(self) -> dict[str, FileCheck]:
+        """Check each layout file's presence and size; the small ones' checksums now, the rest as read."""
+        records = self.manifest.get("files")
+        if not isinstance(records, dict):
+            records = {}
+        missing = [n for n in LAYOUT_FILES if n not in records]
+        if missing:
+            raise FormatError(
+                f"{self.root / MANIFEST}: no checksum for {', '.join(missing)}; rebuild with `prep cache --force`"
+            )
+        checks = {name: FileCheck(self.root / name, record) for name, record in records.items()}
+        for check in checks.values():
+            if check.size <= SMALL:  # larger files: the parts read are checked as they are read
+                check.check()
+        return checks
+
     def __len__(self) -> int:
         return self.n_items
+
+    def _rows_checked(self, start: int, stop: int) -> None:
+        """Check the index bytes of rows [start, stop) (a large index is not checked whole on open)."""
+        base = int(getattr(self.index, "offset", 0))
+        self.files[INDEX].check(base + start * INDEX_DTYPE.itemsize, (stop - start) * INDEX_DTYPE.itemsize)
 
     @cached_property
     def _meta_offsets(self) -> np.ndarray:
@@ -367,8 +409,9 @@ class PreparedCache:
         """The tensors of one item, in key order."""
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
-        rows = self.index[self._starts[item] : self._starts[item + 1]]
-        return [self._entry(row) for row in rows]
+        start, stop = int(self._starts[item]), int(self._starts[item + 1])
+        self._rows_checked(start, stop)
+        return [self._entry(row) for row in self.index[start:stop]]
 
     def _entry(self, row: np.void) -> TensorEntry:
         ndim = int(row["ndim"])
@@ -387,12 +430,24 @@ class PreparedCache:
         """The item's metadata line: {"source": datalist entry, "meta": {key: MetaTensor meta}}."""
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
+        offsets = self._meta_offsets
+        base = int(getattr(offsets, "offset", 0))
+        self.files[META_OFFSETS].check(base + item * 8, 16)
+        start = int(offsets[item])
+        stop = int(offsets[item + 1]) if item + 1 < len(offsets) else self.files[META].size
+        self.files[META].check(start, stop - start)
         with open(self.root / META, "rb") as f:
-            f.seek(int(self._meta_offsets[item]))
-            return dict(json.loads(f.readline()))
+            f.seek(start)
+            return dict(json.loads(f.read(stop - start)))
+
+    def check_files(self) -> None:
+        """Check every byte of every layout file against the manifest (`prep verify`); ChecksumError if not."""
+        for check in self.files.values():
+            check.check()
 
     def iter_entries(self) -> Iterator[TensorEntry]:
         """Every tensor of the cache, in index order."""
+        self._rows_checked(0, len(self.index))
         for row in self.index:
             yield self._entry(row)
 

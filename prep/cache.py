@@ -29,18 +29,20 @@ from loaders.format import (
     MANIFEST,
     META,
     META_OFFSETS,
+    SCHEMA_VERSION,
     SHARD_DIR,
+    PreparedCache,
     align_up,
     make_rows,
     write_index,
     write_manifest,
     write_meta,
 )
+from prep.cache_verify import BadItem, verify_cache
 from prep.cluster import ClusterStarter, Progress, batch_size_for, check_security, run_tasks, torch_threads_for
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, load_pipeline
-from prep.verify import BadItem, verify_cache
 from prep.worker import TaskSpec, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
@@ -63,6 +65,9 @@ class CacheSummary:
     bmap: Path | None = None
     bmap_note: str = ""
     bad: list[BadItem] = field(default_factory=list)
+    head: list[str] = field(default_factory=list)
+    head_reason: str = ""
+    version_notes: list[str] = field(default_factory=list)
 
     @property
     def items_per_s(self) -> float:
@@ -71,16 +76,25 @@ class CacheSummary:
 
     def lines(self) -> list[str]:
         """Human summary, one fact per line."""
-        state = "up to date" if self.up_to_date else f"prepared {self.n_new} items ({self.items_per_s:.1f} items/s)"
+        counts = f"{self.n_planned} items: {self.n_items} cached"
+        if self.quarantined:
+            counts += f", {len(self.quarantined)} quarantined"
+        if self.up_to_date:
+            state = "already complete and up to date"
+        else:
+            state = f"{self.n_new} prepared in this run ({self.items_per_s:.1f} items/s)"
+            if self.n_resumed:
+                state += f", {self.n_resumed} resumed from the journal"
         out = [
-            f"{self.output}: {state}; {self.n_items} of {self.n_planned} datalist items cached"
-            + (f", {self.n_resumed} resumed from the journal" if self.n_resumed else ""),
+            f"{self.output}: {counts}; {state}",
+            f"  head: {' -> '.join(self.head) or 'empty'}; {self.head_reason}" if self.head_reason else "",
             f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
             f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
         ]
+        out += [f"  note: made with {v} (does not change the tensors)" for v in self.version_notes]
         out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
         out += [f"  verify: {b}" for b in self.bad]
-        return out
+        return [line for line in out if line]
 
 
 def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> list[tuple[str, dict[str, Any]]]:
@@ -158,11 +172,13 @@ def prepare_cache(
         manifest = _reconcile(root, plan, force)
         if manifest is not None:
             summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
+            summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
         else:
             run = _Run(
                 root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress, security
             )
             summary = _prepare(run, stack, starter, t0)
+        summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
         if verify:
             summary.bad = verify_cache(root)
     return summary
@@ -209,9 +225,9 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     missing = [i for i in range(len(items)) if i not in state.finished]
     if missing:
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
-    manifest = _commit(root, run.plan, run.pipe, items, state)
+    manifest, bmap_note = _commit(root, run.plan, run.pipe, items, state)
     summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
-    summary.bmap, summary.bmap_note = _write_bmap(root)
+    summary.bmap_note = bmap_note or summary.bmap_note
     return summary
 
 
@@ -234,6 +250,7 @@ def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]
     return {
         "fingerprint": pipe.fingerprint,
         "head": pipe.head_description,
+        "head_end": pipe.head_reason,
         "versions": chain.versions(),
         "datalist": str(datalist.resolve()),
         "datalist_hash": datalist_hash(items),
@@ -250,10 +267,11 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if old.get("fingerprint") != new["fingerprint"]:
         if old.get("head") != new["head"]:
             diffs.append(f"pipeline head changed ({old.get('head')} -> {new['head']})")
-        elif old.get("versions") != new["versions"]:
-            diffs.append(f"library versions changed ({old.get('versions')} -> {new['versions']})")
         else:
             diffs.append("pipeline head settings changed (same transforms, different configuration)")
+    refuse, _ = chain.compare_versions(old.get("versions", {}), new["versions"])
+    if refuse:
+        diffs.append(f"library versions changed ({'; '.join(refuse)})")
     if old.get("datalist_hash") != new["datalist_hash"]:
         diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
     if old.get("sections") != new["sections"]:
@@ -264,6 +282,12 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] | None:
     """The existing manifest if the cache is complete and current; else wipe (fresh/force) or keep (resume)."""
     manifest = _load_json(root / MANIFEST)
+    if manifest is not None and not force:
+        version = str(manifest.get("schema_version", "?"))
+        if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+            raise StaleError(f"{root}: made by another blockprep (cache schema {version}, this one writes "
+                             f"{SCHEMA_VERSION}); re-run with --force to rebuild")  # fmt: skip
+        PreparedCache(root)  # a complete cache is reported up to date only while its files pass their checksums
     previous = manifest if manifest is not None else read_plan(root)
     if previous is None:
         if force or (root / JOURNAL_DIR).exists() or (root / SHARD_DIR).exists():
@@ -313,8 +337,9 @@ def _no_space(root: Path) -> Iterator[None]:
 
 def _commit(
     root: Path, plan: dict[str, Any], pipe: Pipeline, items: list[tuple[str, dict[str, Any]]], state: JournalState
-) -> dict[str, Any]:
-    """Consolidate journals into index.npy + meta.jsonl; write manifest.json last; drop the journals."""
+) -> tuple[dict[str, Any], str]:
+    """Consolidate journals into index.npy + meta.jsonl, map the shards, write manifest.json last (with every
+    file's checksum), drop the journals. Returns the manifest and why no block map was written ("" if one was)."""
     for stale_tmp in root.glob(".*.tmp*"):  # temp files of a commit that ran out of space or was killed
         stale_tmp.unlink()
     order = [i for i in range(len(items)) if i in state.done]
@@ -331,6 +356,8 @@ def _commit(
     ]
     write_index(root, make_rows(rows))
     write_meta(root, [r["meta"] for r in records])
+    (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
+    _, bmap_note = _write_bmap(root)  # before the manifest, which covers it with a checksum
     quarantined = [
         {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
         for i, q in sorted(state.quarantined.items())
@@ -348,7 +375,7 @@ def _commit(
     }
     write_manifest(root, manifest)
     shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
-    return json.loads((root / MANIFEST).read_text())
+    return json.loads((root / MANIFEST).read_text()), bmap_note
 
 
 def _trim_shards(root: Path, records: list[dict[str, Any]], used: set[str]) -> None:

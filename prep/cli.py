@@ -243,18 +243,23 @@ def cache_cmd(
 def verify_cmd(
     cache_dir: Annotated[Path, typer.Argument(help="Prepared cache folder (written by `prep cache`).")],
 ) -> None:
-    """Re-read every tensor of a prepared cache; check checksum, shape, dtype and shard lengths.
+    """Check every file of a prepared cache against the manifest's checksums, then every tensor (checksum,
+    shape, dtype) and shard length; exit 1 on any damage.
 
     Example: prep verify demo/cache
     """
-    from prep.verify import verify_cache
+    from loaders.format import PreparedCache
+    from prep.cache_verify import verify_cache
 
     bad = guarded(verify_cache, cache_dir)
     for item in bad:
         typer.echo(f"bad: {item}")
     if bad:
         raise fail(f"{cache_dir}: {len(bad)} bad tensors; rebuild with `prep cache --force`")
-    typer.echo(f"{cache_dir}: every tensor verified")
+    cache = PreparedCache(cache_dir)
+    files = ", ".join(["manifest.json", *cache.files])
+    typer.echo(f"{cache_dir}: ok: {files} match their checksums; every tensor verified ({len(cache.index)} "
+               f"tensors in {len(cache.shards)} shard(s))")  # fmt: skip
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
 A journal line is written only after the item's tensors are fsynced in their shard, and is itself fsynced
 (items are committed in groups: one shard fsync, then the group's lines, then one journal fsync), so every
-parseable line describes bytes that are on stable storage. A torn last line (kill -9 mid-write)
-is ignored, and a line whose shard bytes are missing is not trusted: that item is simply prepared again.
+parseable line describes bytes that are on stable storage. Each line carries the xxh3 of its record: a torn
+last line (kill -9 mid-write), a damaged line, or a line whose shard bytes are missing is not trusted: that
+item is simply prepared again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.format import JOURNAL_DIR, atomic_write_bytes, fsync_dir
+from loaders.format import JOURNAL_DIR, atomic_write_bytes, checksum, fsync_dir
 from prep.errors import LockedError, UsageError
 
 LOCK = ".lock"
@@ -97,7 +98,7 @@ class JournalWriter:
 
     def append_many(self, records: list[dict[str, Any]]) -> None:
         """Write records as lines (O_APPEND) and fsync once; a kill mid-write leaves at most a torn last line."""
-        data = b"".join((json.dumps(r, separators=(",", ":")) + "\n").encode() for r in records)
+        data = b"".join((json.dumps(_sealed(r), separators=(",", ":")) + "\n").encode() for r in records)
         done = 0
         while done < len(data):
             done += os.write(self._fd, data[done:])
@@ -114,6 +115,26 @@ class JournalWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _record_sum(record: dict[str, Any]) -> str:
+    return f"{checksum(json.dumps(record, sort_keys=True, separators=(',', ':')).encode()):016x}"
+
+
+def _sealed(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with the xxh3 of its content, so a damaged line is never trusted."""
+    return {**record, "line_xxh3": _record_sum(record)}
+
+
+def _unsealed(raw: bytes) -> dict[str, Any] | None:
+    """The record of a journal line, or None for a torn or damaged one."""
+    try:
+        record = json.loads(raw)
+        seal = record.pop("line_xxh3")
+        int(record["item"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return record if seal == _record_sum(record) else None
 
 
 @dataclass
@@ -137,11 +158,10 @@ def read_journals(cache_dir: Path) -> JournalState:
     shard_sizes: dict[str, int] = {}
     for path in sorted((root / JOURNAL_DIR).glob("*.jsonl")):
         for raw in path.read_bytes().splitlines():
-            try:
-                record = json.loads(raw)
-                item = int(record["item"])
-            except (ValueError, KeyError, TypeError):
-                continue  # torn line from a killed writer
+            record = _unsealed(raw)
+            if record is None:
+                continue  # torn line from a killed writer, or damaged
+            item = int(record["item"])
             if item in done or item in quarantined:
                 continue
             if "quarantined" in record:

@@ -35,6 +35,7 @@ class Pipeline:
     fingerprint: str = ""
     head_description: list[str] = field(default_factory=list)
     tail_description: list[str] = field(default_factory=list)
+    head_reason: str = ""  # where the head ends and why (chain.head_end), for summaries and the manifest
 
     def head_compose(self) -> Any:
         """The head as a MONAI Compose with the user's Compose settings (lazy, map_items, overrides)."""
@@ -74,6 +75,7 @@ def load_pipeline(path: str | Path, bundle_key: str | None = None) -> Pipeline:
         fingerprint=chain.fingerprint(head),
         head_description=chain.describe(head),
         tail_description=chain.describe(tail),
+        head_reason=chain.split_reason(transform),
     )
 
 

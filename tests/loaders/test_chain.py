@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from monai.transforms import (
 )
 
 from loaders import chain
+from loaders.errors import StaleError
 
 
 def _chain(pixdim: float = 1.0) -> Compose:
@@ -108,3 +110,101 @@ def test_user_code_fingerprint_ignores_module_name(tmp_path: Path) -> None:
     edited.write_text(code.replace("v * 2", "v * 3"))
     c = runpy.run_path(str(edited), run_name="my_pipeline")["transform"]
     assert chain.fingerprint(chain.split(c)[0]) != chain.fingerprint(chain.split(b)[0])
+
+
+def test_head_ends_at_a_plain_callable_like_persistent_dataset() -> None:
+    """A function or lambda may draw random numbers: MONAI's PersistentDataset never caches it, nor do we."""
+    from monai.transforms import Lambdad
+
+    jitter = lambda d: d  # noqa: E731
+    transforms = [LoadImaged(keys=["image"]), Lambdad(keys=["image"], func=abs), jitter, ScaleIntensityd(keys="image")]
+    head, tail = chain.split(transforms)
+    assert [type(t).__name__ for t in head] == ["LoadImaged", "Lambdad"]  # Lambdad is a MONAI Transform
+    assert tail[0] is jitter and len(tail) == 2
+    reason = chain.split_reason(transforms)
+    assert "transform 2 (<lambda>)" in reason and "not a MONAI Transform" in reason
+    assert "random" in chain.split_reason(_chain()) and "RandFlipd" in chain.split_reason(_chain())
+    assert "whole chain" in chain.split_reason([ScaleIntensityd(keys="image")])
+
+
+def test_one_of_in_a_list_stays_one_random_transform() -> None:
+    from monai.transforms import OneOf
+
+    choice = OneOf([ScaleIntensityd(keys="image"), ScaleIntensityd(keys="image", minv=-1.0)])
+    head, tail = chain.split([LoadImaged(keys=["image"]), [choice]])
+    assert len(head) == 1 and tail == [choice]  # not flattened into both alternatives applied in turn
+
+
+def test_fingerprint_unchanged_by_use(tmp_path: Path) -> None:
+    """MONAI's NibabelReader gains `filenames` once it has read an image: use, not configuration."""
+    import nibabel as nib
+    import numpy as np
+    from monai.data import NibabelReader
+
+    path = tmp_path / "a.nii.gz"
+    nib.save(nib.Nifti1Image(np.arange(512, dtype=np.float32).reshape(8, 8, 8), np.eye(4)), path)
+    for reader in (None, NibabelReader()):
+        head = [
+            LoadImaged(keys=["image"], reader=reader),
+            EnsureChannelFirstd(keys=["image"]),
+            Spacingd(keys=["image"], pixdim=(2.0,) * 3),
+        ]
+        before = chain.fingerprint(head)
+        Compose(head)({"image": str(path)})
+        if reader is not None:
+            assert reader.filenames  # the state the old fingerprint hashed is there
+        assert chain.fingerprint(head) == before
+    canonical = [LoadImaged(keys=["image"], reader=NibabelReader(as_closest_canonical=True))]
+    assert chain.fingerprint(canonical) != chain.fingerprint([LoadImaged(keys=["image"], reader=NibabelReader())])
+
+
+def test_user_transform_state_set_by_call_is_not_configuration(tmp_path: Path) -> None:
+    import runpy
+
+    path = tmp_path / "p.py"
+    path.write_text(
+        "from monai.transforms import MapTransform\n"
+        "class Scale(MapTransform):\n"
+        "    def __init__(self, keys, factor):\n"
+        "        super().__init__(keys)\n"
+        "        self.factor = factor\n"
+        "        self.calls = 0\n"
+        "    def __call__(self, d):\n"
+        "        self.last_shape = d['x'].shape\n"
+        "        self.calls += 1\n"
+        "        return {k: v * self.factor for k, v in d.items()}\n"
+    )
+    scale = runpy.run_path(str(path))["Scale"]
+    a, b = scale(keys=["x"], factor=2), scale(keys=["x"], factor=2)
+    a({"x": __import__("numpy").ones(3)})
+    assert "last_shape" in vars(a) and chain._runtime_attrs(scale) == {"last_shape"}
+    # a counter the constructor sets stays configuration: an unclear case refuses, it never hides a change
+    assert chain.fingerprint([a]) != chain.fingerprint([b])
+    a.calls = 0
+    assert chain.fingerprint([a]) == chain.fingerprint([b])
+    assert chain.fingerprint([scale(keys=["x"], factor=3)]) != chain.fingerprint([b])
+
+
+def test_version_rule_cpu_cache_read_on_gpu_node() -> None:
+    made = {"monai": "1.6.1", "torch": "2.13.0+cpu", "numpy": "2.3.1", "blockprep": "0.1.0"}
+    refuse, warn = chain.compare_versions(made, {**made, "torch": "2.13.0+cu130"})
+    assert refuse == [] and warn == ["torch 2.13.0+cpu -> 2.13.0+cu130"]
+    refuse, warn = chain.compare_versions(made, {**made, "torch": "2.13.2+cu130", "monai": "1.6.3"})
+    assert refuse == [] and len(warn) == 2
+    refuse, _ = chain.compare_versions(made, {**made, "monai": "1.7.0"})
+    assert refuse == ["monai 1.6.1 -> 1.7.0"]
+    refuse, _ = chain.compare_versions(made, {**made, "torch": "2.14.0+cpu", "numpy": "3.0.0"})
+    assert refuse == ["numpy 2.3.1 -> 3.0.0", "torch 2.13.0+cpu -> 2.14.0+cpu"]
+    assert chain.compare_versions({}, made)[0]  # a cache that recorded no versions is refused
+
+
+def test_check_versions_refuses_or_warns() -> None:
+    here = chain.versions()
+    chain.check_versions(here, "cache")  # no warning (warnings are errors in this suite)
+    base, _, build = here["torch"].partition("+")
+    other = f"{base}+{'cu130' if build != 'cu130' else 'cpu'}"
+    with pytest.warns(chain.VersionWarning, match=re.escape(f"torch {other} -> {here['torch']}")):
+        chain.check_versions({**here, "torch": other}, "cache")
+    major, minor = here["monai"].split(".")[:2]
+    with pytest.raises(StaleError, match=r"monai .*re-run `prep cache --force`"):
+        chain.check_versions({**here, "monai": f"{major}.{int(minor) + 1}.0"}, "cache")

@@ -53,6 +53,9 @@ def test_checksum_mismatch(tmp_path: Path) -> None:
 
 def test_incomplete_and_future(tmp_path: Path) -> None:
     (tmp_path / "c").mkdir()
+    with pytest.raises(FormatError, match="not a prepared cache"):
+        fmt.PreparedCache(tmp_path / "c")
+    (tmp_path / "c" / fmt.JOURNAL_DIR).mkdir()  # what an interrupted `prep cache` leaves
     with pytest.raises(IncompleteCacheError, match="re-run"):
         fmt.PreparedCache(tmp_path / "c")
     write_small_cache(tmp_path / "d", [{"x": np.ones(3, np.float32)}])

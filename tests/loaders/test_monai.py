@@ -127,6 +127,7 @@ def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path)
     from monai.transforms import Compose
 
     from loaders import chain
+    from loaders.checksums import doc_checksum
     from loaders.format import write_items
     from loaders.monai import PreparedPersistentDataset
 
@@ -144,6 +145,7 @@ def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path)
     assert got[0]["image"].meta["filename_or_obj"] == data[1]["image"]
     doc = json.loads((tmp_path / "c" / MANIFEST).read_text())
     doc["fingerprint"] = "0" * 64
+    doc["checksum"] = doc_checksum(doc)  # a manifest made for another head, not a damaged one
     (tmp_path / "c" / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(StaleError, match="fingerprint 000000000000"):
         PreparedPersistentDataset(data, transform, tmp_path / "c")

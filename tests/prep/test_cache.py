@@ -21,29 +21,30 @@ from typer.testing import CliRunner
 from loaders.format import JOURNAL_DIR, PreparedCache, check
 from loaders.meta import line_meta
 from prep.cache import load_datalist, prepare_cache
+from prep.cache_verify import verify_cache
 from prep.cli import app
 from prep.errors import LockedError, PrepError, StaleError
 from prep.journal import write_plan
 from prep.pipeline import load_pipeline
-from prep.verify import verify_cache
 
 REPO = Path(__file__).resolve().parents[2]
 SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 # Keeps label dtype (dtype=None: uint8 stays uint8) and adds a list output, to test both through the cache.
 NESTED_PIPELINE = """
-from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, Orientationd, RandFlipd
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, Orientationd, RandFlipd
 
-def add_views(d):
-    d = dict(d)
-    d["views"] = [d["image"][:, :8], {"top": d["label"][:, -4:]}]
-    return d
+class AddViews(MapTransform):  # a MONAI Transform, so the cache runs it (a plain function would end the head)
+    def __call__(self, d):
+        d = dict(d)
+        d["views"] = [d["image"][:, :8], {"top": d["label"][:, -4:]}]
+        return d
 
 transform = Compose([
     LoadImaged(keys=["image", "label"], dtype=None),
     EnsureChannelFirstd(keys=["image", "label"]),
     Orientationd(keys=["image", "label"], axcodes="LPS"),
-    add_views,
+    AddViews(keys=["image"]),
     RandFlipd(keys=["image"], prob=0.5),
 ])
 """
@@ -104,13 +105,15 @@ def test_cache_equals_monai_head_bit_exact(tmp_path: Path, nifti_dataset: Path) 
 
 SLOW_PIPELINE = """
 import time
-from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
 
-def slow(d):
-    time.sleep(0.4)
-    return d
+class Slow(MapTransform):
+    def __call__(self, d):
+        time.sleep(0.4)
+        return d
 
-transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]), slow,
+transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]),
+                     Slow(keys=["image"]),
                      RandFlipd(keys=["image"], prob=0.5)])
 """
 
@@ -337,17 +340,19 @@ def test_disk_full_is_clear_and_resumable(tmp_path: Path, nifti_dataset: Path, m
 DYING_PIPELINE = """
 import os
 from pathlib import Path
-from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
 
 MARK = Path(__file__).with_name("died-once")
 
-def die_once(d):
-    if "case_00003" in d["image"].meta["filename_or_obj"] and not MARK.exists():
-        MARK.write_text("the worker preparing case 3 died here")
-        os._exit(1)
-    return d
+class DieOnce(MapTransform):
+    def __call__(self, d):
+        if "case_00003" in d["image"].meta["filename_or_obj"] and not MARK.exists():
+            MARK.write_text("the worker preparing case 3 died here")
+            os._exit(1)
+        return d
 
-transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]), die_once,
+transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]),
+                     DieOnce(keys=["image"]),
                      RandFlipd(keys=["image"], prob=0.5)])
 """
 
@@ -366,3 +371,35 @@ def test_a_dying_worker_is_replaced_and_the_cache_completes(tmp_path: Path, nift
         for e in cache.entries(item):
             assert np.array_equal(_read(e), _to_numpy(expected[e.key]))
     assert verify_cache(out) == []
+
+
+RANDOM_CALLABLE_PIPELINE = """
+import numpy as np
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+
+def jitter(d):  # random, though no MONAI Randomizable says so
+    d = dict(d)
+    d["image"] = d["image"] + float(np.random.uniform(1.0, 2.0))
+    return d
+
+transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]), jitter,
+                     RandFlipd(keys=["image"], prob=0.5)])
+"""
+
+
+def test_random_plain_callable_is_never_cached(tmp_path: Path, nifti_dataset: Path) -> None:
+    pipe_path = _pipeline_file(tmp_path, RANDOM_CALLABLE_PIPELINE)
+    out = tmp_path / "cache"
+    args = ["cache", str(nifti_dataset), "--pipeline", str(pipe_path), "--output", str(out), "--workers", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "head: LoadImaged" in result.output and "transform 2 (jitter): not a MONAI Transform" in result.output
+    cache = PreparedCache(out)
+    assert cache.manifest["head_length"] == 2 and cache.manifest["tail"][0] == "jitter()"
+    assert "jitter" in cache.manifest["head_end"]
+    from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged
+
+    plain = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"])])
+    for item, (_, entry) in enumerate(load_datalist(nifti_dataset)):
+        got = {e.key: _read(e) for e in cache.entries(item)}
+        assert np.array_equal(got["image"], _to_numpy(plain(dict(entry))["image"]))  # no frozen draw in it

@@ -1,4 +1,4 @@
-"""`prep verify`: re-read every tensor of a committed cache and check it against the index."""
+"""`prep verify`: check every file of a committed cache against the manifest, then every tensor against the index."""
 
 from __future__ import annotations
 
@@ -27,11 +27,14 @@ class BadItem:
 
 
 def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
-    """Check every tensor's checksum, shape/dtype against its size, and every shard's length; list all failures.
+    """Check every layout file's checksums, then every tensor's checksum, shape/dtype against its size, and
+    every shard's length; list all tensor failures.
 
-    Raises FormatError/IncompleteCacheError when the cache cannot be opened at all.
+    Raises FormatError (IncompleteCacheError, ChecksumError, ...) when a layout file is missing or fails its
+    checksum: then nothing the index says can be trusted.
     """
     cache = PreparedCache(cache_dir)
+    cache.check_files()
     bad: list[BadItem] = []
     sizes: dict[str, int] = {}
     for shard in cache.shards:
