@@ -23,6 +23,7 @@ Nested outputs (lists of tensors, dicts) are flattened to path keys: {"image": t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -203,19 +204,25 @@ class ShardWriter:
         os.ftruncate(self._fd, self.size)
 
     def _reserve(self, end: int) -> None:
+        """Allocate through `end`, and up to `prealloc` bytes ahead while at most half the free space: the
+        ahead part is best effort, so a nearly full disk still takes every tensor that fits."""
         if end <= self._allocated:
             return
-        new = max(end, self._allocated + self.prealloc)
-        if hasattr(os, "posix_fallocate"):
+        ahead = max(end, self._allocated + self.prealloc)
+        if ahead > end:
+            vfs = os.fstatvfs(self._fd)
+            ahead = max(end, min(ahead, self._allocated + vfs.f_bavail * vfs.f_frsize // 2))
+        for new in dict.fromkeys((ahead, end)):
             try:
-                os.posix_fallocate(self._fd, self._allocated, new - self._allocated)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(self._fd, self._allocated, new - self._allocated)
             except OSError as exc:
-                if exc.errno not in (
-                    95,
-                    22,
-                ):  # EOPNOTSUPP/EINVAL: filesystem without fallocate; ENOSPC raises
+                if exc.errno == errno.ENOSPC and new > end:
+                    continue  # no room ahead: reserve what this tensor needs
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: plain writes
                     raise
-        self._allocated = new
+            self._allocated = new
+            return
 
     def write(self, array: np.ndarray) -> tuple[int, int, int]:
         """Write one tensor; returns (offset, nbytes, xxh3). Raises OSError (e.g. ENOSPC) untouched."""

@@ -81,8 +81,10 @@ def _check_nifti(path: Path, data_bytes: int) -> str | None:
         needed = int(offset) + int(np.prod(header.get_data_shape())) * dtype.itemsize
     except Exception as exc:  # nibabel raises many kinds on a damaged header
         return f"unreadable NIfTI header ({type(exc).__name__}: {exc})"
+    # the file's byte order is no reason to refuse it: the head's output dtype is judged when it is stored
+    # (MONAI converts big-endian data on load); complex and structured voxels have no faithful stored form
     try:
-        dtype_code(dtype)
+        dtype_code(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
     except FormatError as exc:
         return f"unsupported dtype: {exc}"
     if data_bytes < needed:

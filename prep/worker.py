@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.format import JOURNAL_DIR, SHARD_DIR, ShardWriter
+from loaders.format import JOURNAL_DIR, SHARD_DIR, ShardWriter, align_up
 from loaders.meta import meta_line, split_output
 from prep.errors import StaleError
 from prep.journal import JournalWriter
@@ -96,13 +96,24 @@ class _Shards:
         self.count = 0
         self.writer: ShardWriter | None = None
         self.rel = ""
+        self.left = 0  # bytes this task is still expected to write (0 until one item is written)
+
+    def _prealloc(self) -> int:
+        """Reserve ahead no more than this task has left to write (never 256 MiB for a 1 MB remainder)."""
+        return max(0, min(self.shard_size, _PREALLOC_MAX, self.left))
+
+    def expect(self, left: int) -> None:
+        """Tell the writer how many bytes this task still expects to write."""
+        self.left = left
+        if self.writer is not None:
+            self.writer.prealloc = self._prealloc()
 
     def current(self) -> ShardWriter:
         if self.writer is None or self.writer.size >= self.shard_size:
             self.close()
             self.rel = f"{SHARD_DIR}/shard-{self.name}-{self.count:03d}.bin"
             self.count += 1
-            self.writer = ShardWriter(self.root / self.rel, prealloc=min(self.shard_size, _PREALLOC_MAX))
+            self.writer = ShardWriter(self.root / self.rel, prealloc=self._prealloc())
         return self.writer
 
     def close(self) -> None:
@@ -127,9 +138,12 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
     with JournalWriter(root / JOURNAL_DIR / f"{name}.jsonl") as journal:
         try:
             last = time.monotonic()
-            for item, entry, section in items:
+            written = 0
+            for n, (item, entry, section) in enumerate(items, 1):
                 pending.append(_prepare_one(head, shards, item, entry, section))
                 statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
+                written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
+                shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
                 if time.monotonic() - last >= COMMIT_INTERVAL_S and (inflight is None or inflight.done()):
                     if inflight is not None:
                         inflight.result()  # re-raise its error (a full disk) here

@@ -14,8 +14,8 @@ from clusterutil import assert_same_cache, dask_cluster, kill9, make_certs, stop
 from typer.testing import CliRunner
 
 from prep.cache import prepare_cache
+from prep.cache_verify import verify_cache
 from prep.cli import app
-from prep.verify import verify_cache
 
 REPO = Path(__file__).resolve().parents[2]
 SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"

@@ -67,7 +67,7 @@ def test_train_sbatch_stages_remaps_and_trains(
     local = scratch / "cache"
     if keep == "1":
         from loaders.bmap import BlockMap
-        from prep.verify import verify_cache
+        from prep.cache_verify import verify_cache
 
         assert len(BlockMap.load(local / "bmap.json")) == len(list((local / "shards").iterdir()))
         assert verify_cache(local) == []
