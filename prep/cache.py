@@ -68,6 +68,9 @@ class CacheSummary:
     head: list[str] = field(default_factory=list)
     head_reason: str = ""
     version_notes: list[str] = field(default_factory=list)
+    verified: bool = False  # --verify ran
+    checked_files: list[str] = field(default_factory=list)
+    n_tensors: int = 0
 
     @property
     def items_per_s(self) -> float:
@@ -82,7 +85,7 @@ class CacheSummary:
         if self.up_to_date:
             state = "already complete and up to date"
         else:
-            state = f"{self.n_new} prepared in this run ({self.items_per_s:.1f} items/s)"
+            state = f"{self.n_new} processed in this run ({self.items_per_s:.1f} items/s)"
             if self.n_resumed:
                 state += f", {self.n_resumed} resumed from the journal"
         out = [
@@ -94,6 +97,11 @@ class CacheSummary:
         out += [f"  note: made with {v} (does not change the tensors)" for v in self.version_notes]
         out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
         out += [f"  verify: {b}" for b in self.bad]
+        if self.verified and not self.bad:
+            out.append(
+                f"  verify: ok: manifest, {', '.join(sorted(self.checked_files))} match their checksums; every "
+                f"tensor re-read and matches its checksum ({self.n_tensors} tensors)"
+            )
         return [line for line in out if line]
 
 
@@ -160,6 +168,18 @@ def prepare_cache(
     check_output(root)
     # a committed cache is usually up to date (or stale): no cluster for it unless work turns out to be needed
     early = force or not (root / MANIFEST).exists()
+    if not early:  # complete and current: reported without the lock, as readers need none (read-only mounts)
+        pipe = load_pipeline(pipeline, bundle_key)
+        items = load_datalist(datalist, sections)
+        plan = _plan(pipe, Path(datalist), items, sections)
+        summary = _up_to_date(root, plan, pipe, len(items), t0)
+        if summary is not None:
+            _verify(summary, root, verify)
+            return summary
+        manifest = _load_json(root / MANIFEST)
+        diffs = _differences(manifest, plan) if manifest is not None else []
+        if diffs:  # refused before taking the lock, so a read-only cache says what changed too
+            raise StaleError(f"{root}: {'; '.join(diffs)} since this cache was made; re-run with --force to rebuild")
     with ExitStack() as stack:  # closes in reverse: the cluster is gone before the lock is released
         stack.enter_context(CacheLock(root))
         starter = None
@@ -171,16 +191,37 @@ def prepare_cache(
         stack.enter_context(_no_space(root))
         manifest = _reconcile(root, plan, force)
         if manifest is not None:
-            summary = _summary_of(root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True)
-            summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
+            summary = _up_to_date(root, plan, pipe, len(items), t0) or _summary_of(
+                root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True
+            )
         else:
             run = _Run(
                 root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress, security
             )
             summary = _prepare(run, stack, starter, t0)
         summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
-        if verify:
-            summary.bad = verify_cache(root)
+        _verify(summary, root, verify)
+    return summary
+
+
+def _verify(summary: CacheSummary, root: Path, verify: bool) -> None:
+    """Run `prep verify`'s checks when asked; note in the summary what was checked."""
+    if not verify:
+        return
+    summary.bad = verify_cache(root)
+    cache = PreparedCache(root)
+    summary.verified, summary.checked_files, summary.n_tensors = True, list(cache.files), len(cache.index)
+
+
+def _up_to_date(root: Path, plan: dict[str, Any], pipe: Pipeline, n_planned: int, t0: float) -> CacheSummary | None:
+    """The summary of a committed cache made with this plan whose files pass their checksums, else None."""
+    manifest = _load_json(root / MANIFEST)
+    if manifest is None or _differences(manifest, plan):
+        return None
+    PreparedCache(root)  # damaged files: refused here, never reported as up to date
+    summary = _summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
+    summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
+    summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
     return summary
 
 
@@ -263,6 +304,9 @@ def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed between the plan an existing cache was made with and this run's plan."""
+    version = str(old.get("schema_version", SCHEMA_VERSION))  # plans carry none: they are this run's kind
+    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        return [f"blockprep's cache format changed (schema {version} -> {SCHEMA_VERSION})"]
     diffs = []
     if old.get("fingerprint") != new["fingerprint"]:
         if old.get("head") != new["head"]:
@@ -282,12 +326,6 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] | None:
     """The existing manifest if the cache is complete and current; else wipe (fresh/force) or keep (resume)."""
     manifest = _load_json(root / MANIFEST)
-    if manifest is not None and not force:
-        version = str(manifest.get("schema_version", "?"))
-        if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-            raise StaleError(f"{root}: made by another blockprep (cache schema {version}, this one writes "
-                             f"{SCHEMA_VERSION}); re-run with --force to rebuild")  # fmt: skip
-        PreparedCache(root)  # a complete cache is reported up to date only while its files pass their checksums
     previous = manifest if manifest is not None else read_plan(root)
     if previous is None:
         if force or (root / JOURNAL_DIR).exists() or (root / SHARD_DIR).exists():
@@ -300,6 +338,8 @@ def _reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] 
     if force or diffs:
         _wipe(root)
         return None
+    if manifest is not None:
+        PreparedCache(root)  # a complete cache is reported up to date only while its files pass their checksums
     return manifest
 
 

@@ -5,9 +5,7 @@ Each command group keeps its options here and its work in its own module (synth,
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -31,6 +29,23 @@ synth_app = typer.Typer(
 app.add_typer(synth_app, name="synth")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from loaders import __version__
+
+        typer.echo(f"blockprep {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """blockprep: block maps, prepared caches and fast loaders for GPU training."""
+
+
 def fail(message: str) -> typer.Exit:
     """Print a one-line error to stderr and return the Exit(1) to raise."""
     typer.echo(f"error: {message}", err=True)
@@ -48,34 +63,23 @@ def guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise typer.Exit(130) from None
 
 
-@contextmanager
-def progress_bar(total: int | None, desc: str, unit: str = "it") -> Iterator[Callable[[int], None]]:
-    """A tqdm bar on stderr (silent when stderr is not a terminal and total is small)."""
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False, disable=None) as bar:
-
-        def update(n: int) -> None:
-            bar.update(n)
-
-        yield update
-
-
 @synth_app.command("nifti")
 def synth_nifti(
     out: Annotated[Path, typer.Argument(help="Output folder (its parent must exist).")],
     count: Annotated[int, typer.Option(help="Number of image/label pairs.")] = 8,
     size: Annotated[int, typer.Option(help="Edge length of each cubic volume, in voxels.")] = 64,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same files.")] = 0,
+    force: Annotated[bool, typer.Option(help="Replace a dataset already in OUT (refused otherwise).")] = False,
 ) -> None:
     """3D image/label NIfTI pairs (.nii.gz) of random spheres, plus a decathlon-style dataset.json.
 
     Example: prep synth nifti data/spheres --count 16 --size 96 --seed 1
     """
     from prep import synth
+    from prep.progress import Progress
 
-    with progress_bar(count, "synth nifti", "pair") as update:
-        datalist = guarded(synth.nifti_dataset, out, count, size, seed, progress=update)
+    with Progress(count, "synth nifti", unit="pairs") as bar:
+        datalist = guarded(synth.nifti_dataset, out, count, size, seed, progress=bar.update, force=force)
     typer.echo(f"wrote {count} image/label pairs of {size}^3 voxels; datalist: {datalist}")
 
 
@@ -86,15 +90,17 @@ def synth_images(
     per_class: Annotated[int, typer.Option(help="JPEG files per class.")] = 16,
     size: Annotated[int, typer.Option(help="Edge length of each square image, in pixels.")] = 64,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same files.")] = 0,
+    force: Annotated[bool, typer.Option(help="Replace an OUT/train tree already there (refused otherwise).")] = False,
 ) -> None:
     """An ImageNet-style class-folder JPEG tree: OUT/train/<class>/<file>.JPEG.
 
     Example: prep synth images data/imgs --classes 10 --per-class 100
     """
     from prep import synth
+    from prep.progress import Progress
 
-    with progress_bar(classes * per_class, "synth images", "file") as update:
-        train = guarded(synth.image_tree, out, classes, per_class, size, seed, progress=update)
+    with Progress(classes * per_class, "synth images", unit="files") as bar:
+        train = guarded(synth.image_tree, out, classes, per_class, size, seed, progress=bar.update, force=force)
     typer.echo(f"wrote {classes * per_class} JPEG files in {classes} classes under {train}")
 
 

@@ -33,7 +33,15 @@ class CacheLock:
 
     def acquire(self) -> None:
         """Take the lock or raise LockedError naming the PID that holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise UsageError(
+                f"{self.path.parent}: cannot write here ({exc.strerror}) and the cache needs work (incomplete, "
+                "stale or --force); choose a writable --output"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -186,7 +194,14 @@ def check_output(cache_dir: Path) -> None:
     cache_dir = Path(cache_dir)
     if not cache_dir.parent.exists():
         raise UsageError(f"{cache_dir}: parent directory {cache_dir.parent} does not exist; create it first")
-    cache_dir.mkdir(exist_ok=True)
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise UsageError(f"{cache_dir}: is a file, not a folder; name a new or existing cache folder as --output")
+    try:
+        cache_dir.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"{cache_dir}: cannot create the cache folder ({exc.strerror}); choose a writable --output"
+        ) from None
     ours = {LOCK, JOURNAL_DIR, "shards", "manifest.json", "index.npy", "meta.jsonl", "meta_offsets.npy", "bmap.json"}
     foreign = [p.name for p in cache_dir.iterdir() if p.name not in ours and not p.name.startswith(".")]
     if foreign:

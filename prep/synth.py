@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,24 @@ import numpy as np
 from prep.errors import UsageError
 
 Progress = Callable[[int], None]
+
+
+def refuse_overwrite(out: Path, existing: list[Path], force: bool) -> None:
+    """Refuse to write over an earlier dataset (its files would be orphaned or mixed, caches of it go stale);
+    with `force`, remove it first."""
+    present = [p for p in existing if p.exists()]
+    if not present:
+        return
+    if not force:
+        raise UsageError(
+            f"{out}: already holds a dataset ({', '.join(p.name for p in present)}); pass --force to replace it, "
+            "or choose another folder"
+        )
+    for path in present:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def check_output_dir(out: Path) -> None:
@@ -43,8 +62,12 @@ def sphere_volume(size: int, rng: np.random.Generator, n_spheres: int = 3) -> tu
     return image, label
 
 
-def nifti_dataset(out: Path, count: int, size: int, seed: int = 0, progress: Progress | None = None) -> Path:
-    """Write `count` image/label .nii.gz pairs of `size`^3 voxels and a decathlon datalist; return its path."""
+def nifti_dataset(
+    out: Path, count: int, size: int, seed: int = 0, progress: Progress | None = None, force: bool = False
+) -> Path:
+    """Write `count` image/label .nii.gz pairs of `size`^3 voxels and a decathlon datalist; return its path.
+
+    An existing dataset in `out` is refused (UsageError), or replaced with `force`."""
     import nibabel as nib
 
     if count < 1:
@@ -53,6 +76,7 @@ def nifti_dataset(out: Path, count: int, size: int, seed: int = 0, progress: Pro
         raise UsageError(f"--size must be at least 8 voxels (got {size})")
     out = Path(out)
     check_output_dir(out)
+    refuse_overwrite(out, [out / "dataset.json", out / "imagesTr", out / "labelsTr"], force)
     (out / "imagesTr").mkdir(exist_ok=True)
     (out / "labelsTr").mkdir(exist_ok=True)
     training = []
@@ -80,8 +104,11 @@ def image_tree(
     size: int = 64,
     seed: int = 0,
     progress: Progress | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write an ImageNet-style tree OUT/train/<class>/<class>_<i>.JPEG; return OUT/train."""
+    """Write an ImageNet-style tree OUT/train/<class>/<class>_<i>.JPEG; return OUT/train.
+
+    An existing OUT/train is refused (UsageError), or replaced with `force`."""
     from PIL import Image
 
     if classes < 1 or per_class < 1:
@@ -89,6 +116,7 @@ def image_tree(
     out = Path(out)
     check_output_dir(out)
     train = out / "train"
+    refuse_overwrite(out, [train], force)
     for c in range(classes):
         cls_dir = train / f"n{c:08d}"
         cls_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ run prepares again.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
@@ -125,6 +126,7 @@ class _Shards:
 def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any], str]]) -> list[dict[str, Any]]:
     """Prepare (item number, resolved entry, section) triples; returns one small status dict per item."""
     root = Path(spec.output)
+    _quiet_disk_full()
     set_torch_threads(spec.torch_threads)
     head = _head(spec)
     name = f"{batch:06d}-{spec.run_id}-{uuid.uuid4().hex[:8]}"
@@ -184,9 +186,8 @@ def _prepare_one(head: Any, shards: _Shards, item: int, entry: dict[str, Any], s
     try:
         arrays, parts = split_output(head(dict(entry)))
     except Exception as exc:  # any failure of the user's head on this input quarantines the item
-        paths = input_paths(entry)
         reason = _root_cause(exc)
-        return {"item": item, "quarantined": reason[:500], "path": paths[0] if paths else ""}
+        return {"item": item, "quarantined": reason[:500], "path": _culprit(entry, exc)}
     writer = shards.current()
     tensors = []
     for key in sorted(arrays):
@@ -198,6 +199,40 @@ def _prepare_one(head: Any, shards: _Shards, item: int, entry: dict[str, Any], s
         )  # fmt: skip
     line = meta_line(entry, section, parts)
     return {"item": item, "shard": shards.rel, "tensors": tensors, "meta": line}
+
+
+def _culprit(entry: dict[str, Any], exc: BaseException) -> str:
+    """The input file a head failure is about: the one its error messages name (MONAI names the file it
+    could not read), else the only file the entry names, else the first image file."""
+    texts: list[str] = []
+    link: BaseException | None = exc
+    while link is not None and len(texts) < 16:
+        texts.append(str(link))
+        link = link.__cause__ or link.__context__
+    text = "\n".join(texts)
+    files = [v for value in entry.values() for v in (value if isinstance(value, (list, tuple)) else [value])
+             if isinstance(v, str) and os.path.isfile(v)]  # fmt: skip
+    named = [f for f in files if f in text or os.path.basename(f) in text]
+    for candidates in (named, files if len(files) == 1 else [], input_paths(entry), files):
+        if candidates:
+            return max(candidates, key=len) if candidates is named else candidates[0]
+    return ""
+
+
+class _DiskFullFilter(logging.Filter):
+    """Drops distributed's "Compute Failed" record of a task that ran out of space: `prep cache` reports it
+    in one line (finished items kept), and the record would print a traceback before that line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Compute Failed"):
+            return True
+        return not any("No space left" in str(a) or "ENOSPC" in str(a) for a in record.args or ())
+
+
+def _quiet_disk_full() -> None:
+    logger = logging.getLogger("distributed.worker")
+    if not any(isinstance(f, _DiskFullFilter) for f in logger.filters):
+        logger.addFilter(_DiskFullFilter())
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -73,3 +73,10 @@ def test_unwritable_path_exit_1(tmp_path: Path) -> None:
     result = invoke("synth", "images", str(blocker / "d"))
     assert result.exit_code == 1
     assert "error:" in result.output
+
+
+def test_version() -> None:
+    from loaders import __version__
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"blockprep {__version__}"

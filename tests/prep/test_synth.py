@@ -41,3 +41,24 @@ def test_bad_count(tmp_path: Path, count: int) -> None:
 def test_missing_parent(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         synth.nifti_dataset(tmp_path / "no" / "x", count=1, size=16)
+
+
+def test_existing_dataset_refused_then_replaced_with_force(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from prep.cli import app
+
+    out = tmp_path / "d"
+    runner = CliRunner()
+    assert runner.invoke(app, ["synth", "nifti", str(out), "--count", "3", "--size", "8"]).exit_code == 0
+    before = (out / "dataset.json").read_bytes()
+    result = runner.invoke(app, ["synth", "nifti", str(out), "--count", "2", "--size", "8"])
+    assert result.exit_code == 1 and "already holds a dataset" in result.output and "--force" in result.output
+    assert (out / "dataset.json").read_bytes() == before and len(list((out / "imagesTr").iterdir())) == 3
+    result = runner.invoke(app, ["synth", "nifti", str(out), "--count", "2", "--size", "8", "--force"])
+    assert result.exit_code == 0, result.output
+    assert len(list((out / "imagesTr").iterdir())) == 2  # no orphan from the first dataset
+    images = ["synth", "images", str(tmp_path / "i"), "--classes", "1", "--per-class", "1"]
+    assert runner.invoke(app, images).exit_code == 0
+    result = runner.invoke(app, images)
+    assert result.exit_code == 1 and "already holds a dataset (train)" in result.output

@@ -1,0 +1,92 @@
+"""prep cache errors a user meets: one line, exit 1, nothing lost (read-only mounts, a file as --output, a
+full disk under dask, a non-image file in a datalist entry)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from loaders.format import PreparedCache
+from prep.cache import prepare_cache
+from prep.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
+
+
+def _cache_args(datalist: Path, out: Path, *extra: str, pipeline: Path = SPHERES) -> list[str]:
+    return ["cache", str(datalist), "--pipeline", str(pipeline), "--output", str(out), "--workers", "1", *extra]
+
+
+def _one_error_line(result: object, *needles: str) -> None:
+    output = result.output  # type: ignore[attr-defined]
+    assert result.exit_code == 1, output  # type: ignore[attr-defined]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in output, output
+    for needle in needles:
+        assert needle in errors[0], output
+
+
+@pytest.mark.loopdev
+def test_read_only_mount(tmp_path: Path, nifti_dataset: Path, make_loopfs: object) -> None:
+    fs = make_loopfs("ext4", size_mb=16)  # type: ignore[operator]
+    out = fs.mountpoint / "cache"
+    runner = CliRunner()
+    assert runner.invoke(app, _cache_args(nifti_dataset, out)).exit_code == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(fs.mountpoint)], check=True)
+    result = runner.invoke(app, _cache_args(nifti_dataset, out))  # complete: no lock needed to say so
+    assert result.exit_code == 0, result.output
+    assert "already complete and up to date" in result.output
+    _one_error_line(runner.invoke(app, _cache_args(nifti_dataset, out, "--force")), "cannot write here")
+    other = tmp_path / "other.py"
+    other.write_text(SPHERES.read_text().replace("pixdim=(1.0, 1.0, 1.0)", "pixdim=(2.0, 2.0, 2.0)"))
+    _one_error_line(runner.invoke(app, _cache_args(nifti_dataset, out, pipeline=other)), "pipeline head")
+    new = fs.mountpoint / "new"
+    _one_error_line(runner.invoke(app, _cache_args(nifti_dataset, new)), "cannot create the cache folder", "Read-only")
+    assert PreparedCache(out).n_items == 6
+
+
+def test_output_naming_a_file(tmp_path: Path, nifti_dataset: Path) -> None:
+    (tmp_path / "afile").write_text("precious")
+    _one_error_line(CliRunner().invoke(app, _cache_args(nifti_dataset, tmp_path / "afile")), "is a file")
+    assert (tmp_path / "afile").read_text() == "precious"
+
+
+@pytest.mark.loopdev
+def test_disk_full_prints_no_dask_traceback(tmp_path: Path, nifti_dataset: Path, make_loopfs: object) -> None:
+    fs = make_loopfs("ext4", size_mb=8)  # type: ignore[operator]
+    with open(fs.mountpoint / "filler", "wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(fs.mountpoint).free - 600_000))
+        os.fsync(f.fileno())
+    out = fs.mountpoint / "cache"
+    proc = subprocess.run(
+        [sys.executable, "-m", "prep", *_cache_args(nifti_dataset, out)],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Compute Failed" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no space left" in errors[0], proc.stderr
+
+
+def test_non_image_file_quarantined_under_its_own_path(tmp_path: Path) -> None:
+    from prep.synth import nifti_dataset
+
+    datalist = nifti_dataset(tmp_path / "data", count=2, size=16, seed=3)
+    (tmp_path / "data" / "notes.txt").write_text("not an image")
+    doc = json.loads(datalist.read_text())
+    doc["training"].append({"image": "notes.txt", "label": "labelsTr/case_00000.nii.gz"})
+    datalist.write_text(json.dumps(doc))
+    out = tmp_path / "cache"
+    summary = prepare_cache(datalist, SPHERES, out, workers=1)
+    assert [Path(q["path"]).name for q in summary.quarantined] == ["notes.txt"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quarantined"][0]["path"] == str(tmp_path / "data" / "notes.txt")
+    assert ": 3 items: 2 cached, 1 quarantined; 3 processed in this run (" in summary.lines()[0]
