@@ -147,11 +147,15 @@ def _config(value: Any, depth: int = 0) -> Any:
         return [_config(v, depth + 1) for v in value]
     if isinstance(value, (set, frozenset)):
         return sorted((_config(v, depth + 1) for v in value), key=repr)
+    if isinstance(value, functools.partial):  # its function and bound arguments live outside __dict__
+        return {"partial": _config(value.func, depth + 1), "args": _config(value.args, depth + 1),
+                "keywords": _config(value.keywords, depth + 1)}  # fmt: skip
     if inspect.isfunction(value) or inspect.ismethod(value) or inspect.isbuiltin(value):
         return _callable_config(value)
     if hasattr(value, "__dict__"):
         return {"class": _qualname(value), "config": _config(_attrs(value), depth + 1)}
-    return f"<{_qualname(value)}>"
+    text = repr(value)  # objects without __dict__ (torch.float16, torch.device) are told apart by their repr
+    return f"<{_qualname(value)}>" if " at 0x" in text else {"class": _qualname(value), "repr": text}
 
 
 def _callable_config(fn: Callable[..., Any]) -> dict[str, Any]:

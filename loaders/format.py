@@ -4,7 +4,7 @@ A cache is a directory::
 
     CACHE/
       manifest.json        written LAST (temp, fsync, rename, fsync dir): no manifest = incomplete, resumable;
-                           holds its own checksum and the size + per-MiB xxh3 of every other file but shards
+                           holds its own checksum and the size + per-MiB xxh3 of index, meta and offsets
       index.npy            one row per tensor (INDEX_DTYPE), numpy .npy so it opens by mmap in microseconds
       meta.jsonl           one JSON line per item, in item order: source entry, per-key MetaTensor meta
       meta_offsets.npy     uint64 byte offset of each line of meta.jsonl (random access without parsing all)
@@ -12,10 +12,11 @@ A cache is a directory::
       journal/             append-only per-writer journals while preparing (see prep.cache)
       bmap.json            optional: the shards' block map
 
-Every file a reader trusts is covered by the manifest (`files`): the index, meta offsets and block map are
-checked whole on open while they are at most SMALL bytes (larger ones, and meta.jsonl, chunk by chunk as
-they are read); tensors by their own xxh3 in the index. Caches of schema 1 had no such checksums and are
-refused with the fix (re-run `prep cache --force`).
+Every file a reader trusts is covered by a checksum: index.npy, meta.jsonl and meta_offsets.npy by the
+manifest (`files`), checked whole on open while at most SMALL bytes (larger ones chunk by chunk as they are
+read); tensors by their own xxh3 in the index; the manifest by its own; bmap.json (remade wherever the cache
+is copied) by its document checksum and the files' current extents (loaders.bmap). Caches of schema 1 had
+no such checksums and are refused with the fix (re-run `prep cache --force`).
 
 Nested outputs (lists of tensors, dicts) are flattened to path keys: {"image": t, "crops": [a, b]} ->
 {"image": t, "crops/0": a, "crops/1": b}; `unflatten` restores them.
@@ -311,13 +312,13 @@ def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]]) -
 def write_manifest(cache_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
     """Commit the cache: checksum every layout file, then write manifest.json last and atomically.
 
-    Required keys: keys, shards, n_items. Write bmap.json (if any) before: it is covered too."""
+    Required keys: keys, shards, n_items. bmap.json is not covered: it is remade wherever the cache is copied
+    (staging to node-local scratch), and carries its own checksum and the files' extents, checked on read."""
     for required in ("keys", "shards", "n_items"):
         if required not in manifest:
             raise FormatError(f"manifest is missing '{required}'")
     root = Path(cache_dir)
-    names = [*LAYOUT_FILES, *([BMAP] if (root / BMAP).exists() else [])]
-    files = {name: file_record(root / name) for name in names}
+    files = {name: file_record(root / name) for name in LAYOUT_FILES}
     doc = to_jsonable({"schema_version": SCHEMA_VERSION, "format": "blockprep-cache", **manifest, "files": files})
     doc["checksum"] = doc_checksum(doc)
     atomic_write_bytes(root / MANIFEST, json.dumps(doc, indent=1).encode())

@@ -397,7 +397,7 @@ def _commit(
     write_index(root, make_rows(rows))
     write_meta(root, [r["meta"] for r in records])
     (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
-    _, bmap_note = _write_bmap(root)  # before the manifest, which covers it with a checksum
+    _, bmap_note = _write_bmap(root)  # before the manifest: a committed cache has its map (where FIEMAP works)
     quarantined = [
         {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
         for i, q in sorted(state.quarantined.items())

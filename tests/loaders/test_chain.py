@@ -208,3 +208,29 @@ def test_check_versions_refuses_or_warns() -> None:
     major, minor = here["monai"].split(".")[:2]
     with pytest.raises(StaleError, match=r"monai .*re-run `prep cache --force`"):
         chain.check_versions({**here, "monai": f"{major}.{int(minor) + 1}.0"}, "cache")
+
+
+def test_fingerprint_tells_torch_dtypes_and_devices_apart() -> None:
+    """Objects without __dict__ (torch.dtype, torch.device) are configuration too."""
+    import torch
+    from monai.transforms import CastToTyped, EnsureTyped
+
+    for cls in (EnsureTyped, CastToTyped):
+        half, single = cls(keys=["x"], dtype=torch.float16), cls(keys=["x"], dtype=torch.float32)
+        assert chain.fingerprint([half]) != chain.fingerprint([single])
+        assert chain.fingerprint([half]) == chain.fingerprint([cls(keys=["x"], dtype=torch.float16)])
+    on_cpu, on_meta = EnsureTyped(keys=["x"], device="cpu"), EnsureTyped(keys=["x"], device=torch.device("meta"))
+    assert chain.fingerprint([on_cpu]) != chain.fingerprint([on_meta])
+
+
+def test_fingerprint_sees_partial_arguments() -> None:
+    import functools
+
+    import numpy as np
+    from monai.transforms import Lambdad
+
+    def clipped(top: float) -> Lambdad:
+        return Lambdad(keys=["x"], func=functools.partial(np.clip, a_min=0.0, a_max=top))
+
+    assert chain.fingerprint([clipped(1.0)]) != chain.fingerprint([clipped(2.0)])
+    assert chain.fingerprint([clipped(1.0)]) == chain.fingerprint([clipped(1.0)])

@@ -25,18 +25,19 @@ MARKING_PIPELINE = """
 import os
 import time
 from pathlib import Path
-from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd, ScaleIntensityd
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd, ScaleIntensityd
 
 MARKS = Path(__file__).with_name("marks")
 
-def mark_and_wait(d):
-    name = Path(str(d["image"].meta["filename_or_obj"])).name
-    (MARKS / f"{os.getpid()}-{name}").touch()
-    time.sleep(1.0)
-    return d
+class MarkAndWait(MapTransform):  # a MONAI Transform: a plain function would end the cached head
+    def __call__(self, d):
+        name = Path(str(d["image"].meta["filename_or_obj"])).name
+        (MARKS / f"{os.getpid()}-{name}").touch()
+        time.sleep(1.0)
+        return d
 
 transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]),
-                     ScaleIntensityd(keys="image"), mark_and_wait, RandFlipd(keys=["image"], prob=0.5)])
+                     ScaleIntensityd(keys="image"), MarkAndWait(keys=["image"]), RandFlipd(keys=["image"], prob=0.5)])
 """
 
 
@@ -54,7 +55,7 @@ def test_cache_on_a_scheduler_with_two_workers_equals_a_local_run(tmp_path: Path
                     "--scheduler", cluster.address)  # fmt: skip
         logs = cluster.log("w0") + cluster.log("w1")
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    assert "6 of 6 datalist items cached" in proc.stdout
+    assert "6 items: 6 cached" in proc.stdout
     assert_same_cache(local, tmp_path / "remote")
     assert verify_cache(tmp_path / "remote") == []
 
@@ -87,7 +88,7 @@ def test_a_worker_killed_mid_run_still_gives_the_clean_cache(tmp_path: Path, nif
         finally:
             stop(run)
     assert run.returncode == 0, output
-    assert "6 of 6 datalist items cached" in output, output
+    assert "6 items: 6 cached" in output, output
     victim_items = {m.name.split("-", 1)[1] for m in marks.iterdir() if m.name.startswith(f"{victim.pid}-")}
     others = {m.name.split("-", 1)[1] for m in marks.iterdir() if not m.name.startswith(f"{victim.pid}-")}
     assert victim_items & others, "the item the victim held should have been prepared again by the survivor"

@@ -108,7 +108,7 @@ def test_jobqueue_recipe_prepares_the_local_cache_over_tls(
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr + slurm.logs()
     assert re.search(r"scheduler at tls://", proc.stdout), proc.stdout
-    assert "6 of 6 datalist items cached" in proc.stdout, proc.stdout
+    assert "6 items: 6 cached" in proc.stdout, proc.stdout
     assert_same_cache(local, tmp_path / "remote")
     # the worker job ran under SLURM and was cancelled when the recipe closed its cluster
     assert not slurm.run("squeue", "-h").strip()
