@@ -1,0 +1,100 @@
+"""The drop-in against what it replaces: PreparedPersistentDataset vs MONAI PersistentDataset, same data,
+same pipeline, same loader, no training (only delivery of tail-transformed items is timed).
+
+    python -m workflows.benchmark dropin --size 128 --crop 64 --count 32 --workers 8 --reps 3
+
+Rows for DataLoader(W worker processes) and ThreadDataLoader(W threads), with track_meta False (both
+classes' default) and True. Each row runs one untimed epoch (fills PersistentDataset's cache and the page
+cache), then `reps` timed epochs; the row is the median epoch. `cpu ms/item` (in the note) counts this
+process and its finished worker processes: on a shared machine it is steadier than wall time.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from workflows.bench import scenario
+from workflows.bench.core import Options, Result, Rows
+from workflows.bench.train import TrainOptions, build_data, transform_of
+
+
+def _cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _loader(dataset: Any, batch: int, workers: int, threads: bool) -> Any:
+    from monai.data import DataLoader, ThreadDataLoader
+
+    if threads:
+        return ThreadDataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, use_thread_workers=True)
+    return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
+
+
+def _epoch(loader: Any) -> tuple[int, int, float, float]:
+    """(items, bytes, seconds, cpu seconds) of one pass; worker processes are joined before the clock stops."""
+    from workflows.bench.core import nbytes_of
+
+    t0, c0 = time.perf_counter(), _cpu_s()
+    items = nbytes = 0
+    for batch in loader:
+        items += len(batch["image"])
+        nbytes += nbytes_of({k: batch[k] for k in ("image", "label")})
+    del loader  # the iterator's workers exit with it: their CPU time is then counted
+    return items, nbytes, time.perf_counter() - t0, _cpu_s() - c0
+
+
+def _row(name: str, data: str, kind: str, make: Any, batch: int, workers: int, threads: bool, reps: int) -> Result:
+    dataset = make()
+    _epoch(_loader(dataset, batch, workers, threads))  # untimed: fills caches
+    runs = [_epoch(_loader(dataset, batch, workers, threads)) for _ in range(reps)]
+    items, nbytes, seconds, cpu = sorted(runs, key=lambda r: r[2])[len(runs) // 2]
+    note = f"warm; cpu {1e3 * statistics.median(r[3] / r[0] for r in runs):.1f} ms/item"
+    return Result(name, data, items, seconds, nbytes, kind, note)
+
+
+@scenario("dropin", "PreparedPersistentDataset vs PersistentDataset under DataLoader workers and threads.")
+def dropin(
+    opts: Options,
+    size: Annotated[int, typer.Option(help="volume edge in voxels")] = 128,
+    crop: Annotated[int, typer.Option(help="random crop edge (RandSpatialCropd)")] = 64,
+    count: Annotated[int, typer.Option(min=1, help="volumes in the dataset")] = 32,
+    reps: Annotated[int, typer.Option(min=1, help="timed epochs per row (the median is reported)")] = 3,
+) -> Rows:
+    """`python -m workflows.benchmark dropin` (global --batchsize, --workers: default 2)."""
+    from monai.data import PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+    from workflows.bench.peers import datalist_items
+    from workflows.bench.report import PERSISTENT
+
+    workers = opts.workers or 2
+    topts = TrainOptions(size=size, crop=crop, batch=opts.batchsize, workers=workers, count=count, device="cpu")
+    datalist, pipeline, cache = build_data(topts, opts.work)
+    data = datalist_items(datalist)
+    rows = Rows(title=f"{count} volumes of {size}^3, tail: {crop}^3 crop, flip, intensity (CPU)")
+    for threads in (False, True):
+        loader = f"ThreadDataLoader({workers} threads)" if threads else f"DataLoader({workers} workers)"
+        for track in (False, True):
+            data_set = f"{loader}, track_meta={track}"
+            peer = f"{PERSISTENT} + {data_set}"
+            rows.peers[data_set] = peer
+            pt = Path(opts.work) / f"dropin_pt_{size}_{count}_{int(track)}"
+
+            def monai(track: bool = track, pt: Path = pt) -> Any:
+                return PersistentDataset(data, transform_of(pipeline, 0), pt, track_meta=track, weights_only=not track)
+
+            def ours(track: bool = track) -> Any:
+                return PreparedPersistentDataset(data, transform_of(pipeline, 0), cache, track_meta=track)
+
+            name = f"blockprep PreparedPersistentDataset + {data_set}"
+            for label, kind, make in ((peer, "peer", monai), (name, "ours", ours)):
+                rows.add(label, partial(_row, label, data_set, kind, make, opts.batchsize, workers, threads, reps))
+    return rows
