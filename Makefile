@@ -18,7 +18,10 @@ BENCH_ARGS ?= --batchsize 4 --batches 4 --cold --out bench_out
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test lint typecheck bench cache bmap clean
+# Into an existing Python whose torch must stay (HPC container): make install-keep-torch PY=/path/to/python
+KEEP_TORCH_ARGS ?= -e .
+
+.PHONY: install install-keep-torch demo test lint typecheck bench cache bmap clean
 
 install: $(STAMP)
 
@@ -29,6 +32,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_SPEC) $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -q -e '.[dev,dali]'
 	touch $(STAMP)
+
+# pip constrained to the installed torch (and a MONAI that supports it); fails if torch's files changed
+install-keep-torch:
+	PYTHON=$(PY) workflows/install_keep_torch.sh $(KEEP_TORCH_ARGS)
 
 demo: install
 	$(BIN)/python -m workflows.demo --out $(DEMO)

@@ -20,7 +20,7 @@ from typing import Any
 
 from prep.errors import PrepError, UsageError
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
-from prep.worker import TaskSpec, run_batch, warm
+from prep.worker import TaskSpec, run_batch, warm, warm_torch
 
 Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
 TLS_OPTIONS = "--tls-ca-file, --tls-cert and --tls-key"
@@ -168,6 +168,7 @@ class ClusterStarter:
         self._stack = ExitStack()
         self._client: Any = None
         self._error: BaseException | None = None
+        self._in_process = not (processes or scheduler)
         target = None
         if pipeline is not None:
             path = Path(pipeline).resolve()
@@ -218,6 +219,8 @@ class ClusterStarter:
         self._thread.join()
         if self._error is not None:
             raise self._error
+        if self._in_process:
+            warm_torch()  # on the caller's (main) thread, before the worker threads get tasks: see warm_torch
         return self._client
 
     def close(self) -> None:

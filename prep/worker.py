@@ -81,8 +81,33 @@ def set_torch_threads(n: int) -> None:
             torch.set_num_threads(n)
 
 
+_torch_warm = threading.Lock()
+_torch_warmed = False
+
+
+def warm_torch() -> None:
+    """Run torch's lazy numpy initialisation once in this process, before task threads race to it.
+
+    torch 2.3 initialises numpy support inside a C++ function-local static, holding the GIL, and that
+    initialiser imports a Python module (letting go of the GIL): a second thread making its first numpy<->tensor
+    conversion meanwhile blocks on the static's guard while holding the GIL, and both threads stop for good.
+    Call it on the process's main thread ahead of the workers (it is also called first by every task, under a
+    lock that waits without the GIL, for workers nobody warmed).
+    """
+    global _torch_warmed
+    if _torch_warmed:
+        return
+    with _torch_warm:
+        if not _torch_warmed:
+            import torch
+
+            torch.as_tensor(np.zeros(1, np.float32)).numpy()
+            _torch_warmed = True
+
+
 def warm(pipeline: str, bundle_key: str | None) -> str:
     """Load a pipeline into this worker's cache ahead of its tasks; returns its fingerprint."""
+    warm_torch()
     pipe = load_pipeline(pipeline, bundle_key)
     with _lock:
         _pipelines.setdefault((str(pipe.path), pipe.bundle_key, pipe.fingerprint), (pipe, pipe.head_compose()))
@@ -127,6 +152,7 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
     """Prepare (item number, resolved entry, section) triples; returns one small status dict per item."""
     root = Path(spec.output)
     _quiet_disk_full()
+    warm_torch()
     set_torch_threads(spec.torch_threads)
     head = _head(spec)
     name = f"{batch:06d}-{spec.run_id}-{uuid.uuid4().hex[:8]}"
