@@ -99,6 +99,7 @@ def warm_torch() -> None:
         return
     with _torch_warm:
         if not _torch_warmed:
+            import numpy as np
             import torch
 
             torch.as_tensor(np.zeros(1, np.float32)).numpy()
