@@ -81,7 +81,7 @@ def _torch_files(python: Path) -> dict:
 
 def _venv_with_torch23(root: Path) -> Path:
     """A fresh venv holding PyPI's torch 2.3.1 (pip's cache makes a repeat quick), or skip saying why."""
-    if shutil.disk_usage(root).free < 12 << 30:
+    if shutil.disk_usage(root.parent).free < 12 << 30:
         pytest.skip(f"torch {TORCH_23} venv needs about 6 GB free under {root} (twice that to be safe)")
     venv.create(root, with_pip=True)
     python = root / "bin" / "python"

@@ -43,13 +43,28 @@ def constraints(torch_version: str) -> list[str]:
     return lines
 
 
-def main() -> int:
+def installed_torch() -> str:
+    """torch's version as pip sees it, from its package metadata (PyPI's 2.3.1 says `2.3.1` where
+    torch.__version__ says `2.3.1+cu121`); exits with the reason when pip cannot see one."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("torch")
+    except md.PackageNotFoundError:
+        pass
     try:
         import torch
     except ImportError:
-        print("keep_torch: this Python has no torch to keep; install it first (or use `make install`)", file=sys.stderr)
-        return 1
-    print("\n".join(constraints(torch.__version__)))
+        msg = "keep_torch: this Python has no torch to keep; install it first (or use `make install`)"
+        raise SystemExit(msg) from None
+    raise SystemExit(
+        f"keep_torch: torch {torch.__version__} imports from {torch.__file__} but has no package metadata pip can "
+        "see, so pip would install a second torch; install blockprep with `pip install --no-deps` there instead"
+    )
+
+
+def main() -> int:
+    print("\n".join(constraints(installed_torch())))
     return 0
 
 
