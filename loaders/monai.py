@@ -132,12 +132,24 @@ def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -
         )
 
 
+def _persistent_track_meta() -> bool:
+    """MONAI's PersistentDataset default for track_meta: its argument's default (False) from MONAI 1.5; MONAI
+    1.4 (HPC containers with torch 2.3) has no such argument and gives the head's MetaTensors back."""
+    import inspect
+
+    from monai.data import PersistentDataset
+
+    param = inspect.signature(PersistentDataset).parameters.get("track_meta")
+    return True if param is None else bool(param.default)
+
+
 class _PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
     data: the datalist entries (as for MONAI; matched to cache items by their source entry). transform:
     the full pipeline (Compose or list). cache_dir: the `prep cache` output. track_meta: as MONAI's
-    PersistentDataset (default False): False gives the head's output as plain tensors, as
+    PersistentDataset (default: the installed MONAI's, False; MONAI 1.4 has no such option and keeps meta):
+    False gives the head's output as plain tensors, as
     PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
     True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)).
     backend, device, verify and other options: as for PreparedDataset; PersistentDataset's own options
@@ -153,10 +165,13 @@ class _PersistentCore:
         backend: str | Backend = "auto",
         device: str = "cpu",
         verify: bool = False,
-        track_meta: bool = False,
+        track_meta: bool | None = None,
         **options: Any,
     ) -> None:
         from loaders.dataset import PreparedDataset
+
+        if track_meta is None:
+            track_meta = _persistent_track_meta()
 
         for name in _PERSISTENT_ONLY:
             options.pop(name, None)
