@@ -117,6 +117,10 @@ class _DatasetCore(BatchReads):
     each item (or batch, in iter_batches). roi: read only a region (see README). meta: restore MetaTensors.
     """
 
+    # defaults for objects unpickled from before these existed (DataLoader workers of an older release)
+    epoch = 0
+    _shard: tuple[np.ndarray, int, int, bool, bool, bool, int] | None = None
+
     def __init__(
         self,
         cache_dir: str | os.PathLike[str],
@@ -151,8 +155,7 @@ class _DatasetCore(BatchReads):
         self._pid = os.getpid()
         self._plans: dict[int, _ItemPlan] = {}  # item -> its read plan (the cache is immutable)
         self.epoch = 0
-        # (parent items, rank, world size, contiguous, even, shuffle, seed) of a shard view, else None
-        self._shard: tuple[np.ndarray, int, int, bool, bool, bool, int] | None = None
+        self._shard = None  # (parent items, rank, world size, contiguous, even, shuffle, seed) of a shard view
 
     # --- process-local state (rebuilt after pickling into DataLoader workers) ---
     def __getstate__(self) -> dict[str, Any]:
