@@ -93,7 +93,7 @@ class TailBatch:
     def _batched(value: Any, n: int) -> bool:
         import torch
 
-        return isinstance(value, torch.Tensor) and value.ndim > 1 and int(value.shape[0]) == n
+        return isinstance(value, torch.Tensor) and value.ndim >= 1 and int(value.shape[0]) == n
 
     def is_batched(self, key: Hashable) -> bool:
         """Whether `key` holds a tensor with one entry per item."""

@@ -170,8 +170,10 @@ def test_passthrough_and_sample_expansion() -> None:
     batch: dict[str, Any] = dict(make_batch(n=3))
     batch["name"] = ["a", "b", "c"]
     batch["spacing"] = torch.tensor([[1.0], [2.0], [3.0]])
+    batch["cls"] = torch.tensor([7, 8, 9])
     chain = [mt.RandSpatialCropSamplesd(K, roi_size=(8, 8, 8), num_samples=2)]
     got, _ = batched(chain, batch, seed=0)
+    assert got["cls"].tolist() == [7, 7, 8, 8, 9, 9]
     assert got["name"] == ["a", "a", "b", "b", "c", "c"]
     assert got["spacing"].flatten().tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
     assert got["image"].shape[0] == 6
