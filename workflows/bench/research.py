@@ -12,6 +12,7 @@ pipeline (readers.file, the research code's Python iterator, FileSource, BmapSou
 from __future__ import annotations
 
 import contextvars
+import gc
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -91,6 +92,9 @@ def run_pipeline(
     for _ in range(opts.batches):
         warm.run()
     del warm
+    # DALI's readers.file mmaps the files it reads: pages a live mapping holds survive fadvise and
+    # drop_caches, so the untimed pipeline must be gone before `--cold` evicts (else "cold" reads are warm)
+    gc.collect()
     pipe = build()
     how = evict(files) if opts.cold else "warm"
 
