@@ -160,7 +160,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         ax.tick_params(labelsize=7)
     kinds = [k for k in KIND_COLOURS if any(r["kind"] == k for r in rows)]
     handles = [Patch(facecolor=KIND_COLOURS[k], edgecolor="black", label=k) for k in kinds]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="from memory (warm / in RAM)"))
+    if any(in_memory(r) for r in rows):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="from memory (warm / in RAM)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
