@@ -12,8 +12,10 @@ never waits:
   a batch in one backend call (`read_regions`);
 - the rest of the tail runs over the whole batch on the device (`loaders.tail.BatchedTail` where present,
   else MONAI per item);
-- batch k+1 is read, uploaded (pinned staging) and transformed by a background thread on a side CUDA stream
-  while the model computes on batch k;
+- batch k+1 is read, uploaded (pinned staging), assembled and transformed by a background thread on a side
+  CUDA stream while the model computes on batch k; the training thread's `next()` is a queue get and a
+  stream wait on the batch's CUDA event (`tail_thread=False`: the thread only reads, the rest is launched
+  by the training thread between steps);
 - items are kept on the device, whole, up to `gpu_budget` bytes, filled lazily during the first epoch
   (a crop of a resident item is a slice, a fresh crop every epoch); items beyond the budget stream from
   the page cache or the disk;
@@ -27,6 +29,7 @@ import contextlib
 import math
 import queue
 import re
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -149,6 +152,10 @@ class _PreparedLoaderCore:
     crop_read: read only a folded crop's bytes ("auto"/True) or whole items cropped on the device (False).
     prefetch: batches prepared ahead. backend, backend_options, keys, verify: as for PreparedDataset
     (verify checks whole reads only: checksums cover whole tensors).
+    tail_thread: upload, assemble and run the tail in the read thread (side CUDA stream, handed over with
+    an event); False: the training thread does it between steps. switch_interval: seconds for
+    `sys.setswitchinterval` while an epoch is iterated (restored after; None leaves it): how long a thread
+    waiting for the GIL waits before the holder is made to drop it.
     """
 
     def __init__(
@@ -167,6 +174,8 @@ class _PreparedLoaderCore:
         backend_options: dict[str, Any] | None = None,
         keys: Sequence[str] | None = None,
         verify: bool = False,
+        tail_thread: bool = True,
+        switch_interval: float | None = None,
     ) -> None:
         from loaders import chain
         from loaders.monai import check_fingerprint
@@ -184,6 +193,7 @@ class _PreparedLoaderCore:
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
+        self.tail_thread, self.switch_interval = tail_thread, switch_interval
         _, tail = chain.split(transform)
         self.crop, rest = split_fold(tail, self.keys)
         from monai.transforms import Compose
@@ -203,6 +213,7 @@ class _PreparedLoaderCore:
         self._entries: dict[int, list[TensorEntry]] = {}
         self._region_backend: Backend | None = None
         self._stager: Any = None
+        self._side: Any = None  # the read thread's CUDA stream (tail_thread)
 
     # --- order ---
     def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
@@ -249,32 +260,57 @@ class _PreparedLoaderCore:
         return self._run(chunks)
 
     def _run(self, chunks: list[np.ndarray]) -> Iterator[dict[str, Any]]:
-        # The read thread only reads (syscalls and numpy copies, which drop the GIL); uploads, crops of
-        # resident items and the tail are launched here, between steps: the GIL-bound training loop then
-        # never waits on another thread's Python.
         out: queue.Queue[Any] = queue.Queue(self.prefetch)
         stop = threading.Event()
         worker = threading.Thread(target=self._produce, args=(chunks, out, stop), daemon=True, name="blockprep-feed")
+        interval = sys.getswitchinterval()
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
         worker.start()
         try:
             for _ in chunks:
                 got = out.get()
                 if isinstance(got, BaseException):
                     raise got
-                yield self._finish(got)
+                yield self._handover(*got) if self.tail_thread else self._finish(got)
         finally:
             stop.set()
             while worker.is_alive():  # unblock a producer waiting on a full queue
                 with contextlib.suppress(queue.Empty):
                     out.get(timeout=0.05)
             worker.join()
+            sys.setswitchinterval(interval)
+
+    def _handover(self, batch: dict[str, Any], event: Any) -> dict[str, Any]:
+        """A batch finished on the read thread's stream, made safe to use on the caller's stream."""
+        if event is not None:
+            torch = self.torch
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.record_stream(current)  # its memory is reused only after the caller's stream is done
+        return batch
 
     def _produce(self, chunks: list[np.ndarray], out: queue.Queue[Any], stop: threading.Event) -> None:
+        torch = self.torch
         try:
+            if self.tail_thread and self.gpu and self._side is None:
+                self._side = torch.cuda.Stream(device=self.device)
             for k, chunk in enumerate(chunks):
                 if stop.is_set():
                     return
-                out.put(self._fetch(self._plan([int(i) for i in chunk], k)))
+                plan = self._fetch(self._plan([int(i) for i in chunk], k))
+                if not self.tail_thread:
+                    out.put(plan)
+                elif self.gpu:
+                    with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+                        batch = self._finish(plan)
+                        event = torch.cuda.Event()
+                        event.record(self._side)
+                    out.put((batch, event))
+                else:
+                    out.put((self._finish(plan), None))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, raised there)
             out.put(exc)
 
@@ -312,7 +348,7 @@ class _PreparedLoaderCore:
         return plan
 
     def _finish(self, plan: _Plan) -> dict[str, Any]:
-        """Upload, admit to the tier, crop, stack and run the rest of the tail, on the caller's stream."""
+        """Upload, admit to the tier, crop, stack and run the rest of the tail, on the current stream."""
         torch = self.torch
         got: dict[int, dict[str, Any]] = {}
         for what, (backend, buf, nbytes, places) in plan.reads.items():
@@ -461,8 +497,14 @@ class _PreparedLoaderCore:
         self.tier_bytes = self._reserved = 0
 
 
+_TORCH_DTYPES: dict[np.dtype, Any] = {}
+
+
 def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    got = _TORCH_DTYPES.get(dtype)
+    if got is None:
+        got = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return got
 
 
 def _stack(torch: Any, tensors: list[Any]) -> Any:

@@ -54,13 +54,14 @@ def _reference(pipeline: Path, cache: Path, order: list[int], seed: int) -> list
     return out
 
 
+@pytest.mark.parametrize("tail_thread", [True, False], ids=["tail-in-read-thread", "tail-in-caller"])
 @pytest.mark.parametrize(
     ("crop_read", "budget"),
     [("auto", 0), ("cold", 0), (False, 0), ("auto", "1GiB"), ("auto", 24**3 * 4 * 2 * 2)],
     ids=["crop-reads", "crop-reads-cold", "whole-reads", "all-in-tier", "part-in-tier"],
 )
 def test_batches_equal_monai_per_item_tail_over_epochs(
-    prepared: tuple[Path, Path], crop_read: object, budget: object
+    prepared: tuple[Path, Path], crop_read: object, budget: object, tail_thread: bool
 ) -> None:
     pipeline, cache = prepared
     if crop_read == "cold":  # out of the page cache: regions take the cold path (merged runs, scratch slabs)
@@ -69,7 +70,7 @@ def test_batches_equal_monai_per_item_tail_over_epochs(
         evict(sorted(str(p) for p in (cache / "shards").iterdir()), drop_caches=False)
         crop_read = "auto"
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", shuffle=False, drop_last=False,
-                            crop_read=crop_read, gpu_budget=budget)  # fmt: skip
+                            crop_read=crop_read, gpu_budget=budget, tail_thread=tail_thread)  # fmt: skip
     loader.set_random_state(11)
     got = [b for _ in range(3) for b in loader]  # epoch 1 fills the tier, epochs 2-3 read from it
     want = _reference(pipeline, cache, [0, 1, 2, 3, 4] * 3, 11)
@@ -86,6 +87,19 @@ def test_batches_equal_monai_per_item_tail_over_epochs(
     if parse_bytes(budget) == 0:
         assert not loader.tier
     loader.close()
+
+
+def test_switch_interval_applies_while_iterating_and_is_restored(prepared: tuple[Path, Path]) -> None:
+    import sys
+
+    pipeline, cache = prepared
+    before = sys.getswitchinterval()
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", switch_interval=before / 4)
+    seen = [sys.getswitchinterval() for _ in loader]
+    assert seen and all(s == pytest.approx(before / 4) for s in seen)
+    assert sys.getswitchinterval() == before
+    next(iter(loader))  # left unfinished: restored when the iteration is dropped
+    assert sys.getswitchinterval() == before
 
 
 def test_the_tier_holds_what_fits_and_not_the_whole_dataset(prepared: tuple[Path, Path]) -> None:
@@ -146,12 +160,14 @@ def test_gpu_batches_equal_cpu_batches(prepared: tuple[Path, Path]) -> None:
         pytest.skip("needs a CUDA GPU")
     pipeline, cache = prepared
     out = {}
-    for device, budget in (("cpu", 0), ("cuda:0", 0), ("cuda:0", "1GiB")):
-        loader = PreparedLoader(cache, _transform(pipeline), 2, device=device, shuffle=False, gpu_budget=budget)
+    for device, budget, thread in (("cpu", 0, True), ("cuda:0", 0, True), ("cuda:0", "1GiB", True),
+                                   ("cuda:0", 0, False), ("cuda:0", "1GiB", False)):  # fmt: skip
+        loader = PreparedLoader(cache, _transform(pipeline), 2, device=device, shuffle=False, gpu_budget=budget,
+                                tail_thread=thread)  # fmt: skip
         loader.set_random_state(5)
-        out[(device, budget)] = [{k: b[k].cpu() for k in ("image", "label")} for _ in range(2) for b in loader]
+        out[(device, budget, thread)] = [{k: b[k].cpu() for k in ("image", "label")} for _ in range(2) for b in loader]
     for key in out:
-        for a, b in zip(out[("cpu", 0)], out[key]):
+        for a, b in zip(out[("cpu", 0, True)], out[key]):
             torch.testing.assert_close(a["image"], b["image"])
             torch.testing.assert_close(a["label"], b["label"])
 

@@ -12,6 +12,7 @@ with the device synchronised after every step so compute is not counted as waiti
 
 from __future__ import annotations
 
+import ast
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -364,6 +365,14 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("fast-half", lambda: fast_path(pipeline, cache, opts, half, "GPU tier = half the dataset")),
         ("fast-budget", lambda: fast_path(pipeline, cache, opts, min(budget, nbytes), "GPU tier = --gpu-budget")),
     ]
+    fast = {"fast": (0, "no GPU tier (page cache), crop read"), "fast-half": (half, "GPU tier = half the dataset")}
+    for spec in opts.rows:  # variants of the fast path: "fast@tail_thread=False;switch_interval=0.0005"
+        base, _, options = spec.partition("@")
+        if options and base in fast:
+            budget_b, label = fast[base]
+            kw = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options.split(";"))}
+            jobs.append((spec, lambda b=budget_b, lb=f"{label}, {options}", kw=kw: fast_path(  # type: ignore[misc]
+                pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
     for key, job in jobs:
         if opts.rows and key not in opts.rows and key != "ceiling":
             continue
@@ -404,7 +413,8 @@ def train(
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
             "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,fast,"
-            "fast-whole,fast-half,fast-budget"
+            "fast-whole,fast-half,fast-budget; fast or fast-half with PreparedLoader options: "
+            "fast@tail_thread=False;switch_interval=0.0005"
         ),
     ] = "",
     ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,
