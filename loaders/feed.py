@@ -351,13 +351,30 @@ class _PreparedLoaderCore:
         """Upload, admit to the tier, crop, stack and run the rest of the tail, on the current stream."""
         torch = self.torch
         got: dict[int, dict[str, Any]] = {}
+        batch: dict[str, Any] | None = None
         for what, (backend, buf, nbytes, places) in plan.reads.items():
             flat = self._upload(backend, buf, plan.slot + (what == "regions"), nbytes)
+            if what == "regions" and not plan.whole:
+                batch = _packed(torch, flat, places, self.keys, len(plan.items))
+                if batch is not None:  # every item's crop, packed by key: no per-item views, no stack
+                    break
             for item, key, at, dtype, shape in places:
                 nb = math.prod(shape) * np.dtype(dtype).itemsize
                 got.setdefault(item, {})[key] = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
         for item in plan.admit:
             self._admit(item, got[item])
+        if batch is None:
+            batch = self._assemble(plan, got)
+        if any(isinstance(v, list) for v in batch.values()):
+            batch["_items"] = torch.as_tensor(plan.items)
+            return self._ragged_tail(batch)
+        batch["_items"] = list(plan.items)  # a per-item list: multi-sample crops repeat it as they repeat items
+        out = self.tail(batch)
+        out["_items"] = torch.as_tensor(out["_items"])
+        return out  # type: ignore[no-any-return]
+
+    def _assemble(self, plan: _Plan, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Per key, the batch's items (resident, whole or crop reads) cropped and stacked (a list if ragged)."""
         per_key: dict[str, list[Any]] = {key: [] for key in self.keys}
         for item, crop in zip(plan.items, plan.crops):
             resident = item in self.tier
@@ -367,14 +384,7 @@ class _PreparedLoaderCore:
                 if crop is not None and (resident or item in plan.whole):
                     t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*crop)))]
                 per_key[key].append(t)
-        batch: dict[str, Any] = {key: _stack(torch, ts) for key, ts in per_key.items()}
-        if any(isinstance(v, list) for v in batch.values()):
-            batch["_items"] = torch.as_tensor(plan.items)
-            return self._ragged_tail(batch)
-        batch["_items"] = list(plan.items)  # a per-item list: multi-sample crops repeat it as they repeat items
-        out = self.tail(batch)
-        out["_items"] = torch.as_tensor(out["_items"])
-        return out  # type: ignore[no-any-return]
+        return {key: _stack(self.torch, ts) for key, ts in per_key.items()}
 
     def _admit(self, item: int, tensors: dict[str, Any]) -> None:
         if item not in self.tier:
@@ -459,10 +469,13 @@ class _PreparedLoaderCore:
         """The crops of several items: every region of the batch in one `read_regions` call, landing in one
         staging buffer (warm regions are copied straight into it)."""
         reads: list[tuple[int, RegionRead]] = []
-        for item, (start, shape) in crops:
-            for e in self.entries(item):
-                lead = len(e.shape) - len(start)
-                reads.append((item, plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
+        for j in range(len(self.keys)):  # key-major: each key's crops land side by side (one batch view)
+            for item, (start, shape) in crops:
+                entries = self.entries(item)
+                if j < len(entries):
+                    e = entries[j]
+                    lead = len(e.shape) - len(start)
+                    reads.append((item, plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
         sizes = [align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in reads]
         total = sum(sizes)
         backend = self.region_backend
@@ -505,6 +518,24 @@ def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
     if got is None:
         got = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     return got
+
+
+def _packed(torch: Any, flat: Any, places: list[tuple], keys: list[str], n: int) -> dict[str, Any] | None:
+    """Each key's `n` crops as one (n, ...) view of `flat` when they lie back to back in batch order with
+    equal shapes (key-major region reads of one batch); None otherwise."""
+    if len(places) != n * len(keys):
+        return None
+    out = {}
+    for j, key in enumerate(keys):
+        run = places[j * n : (j + 1) * n]
+        _, _, at, dtype, shape = run[0]
+        nb = math.prod(shape) * np.dtype(dtype).itemsize
+        if at % np.dtype(dtype).itemsize or any(
+            p[1] != key or p[2] != at + i * nb or p[3] != dtype or p[4] != shape for i, p in enumerate(run)
+        ):
+            return None
+        out[key] = flat[at : at + n * nb].view(_torch_dtype(torch, dtype)).reshape(n, *shape)
+    return out
 
 
 def _stack(torch: Any, tensors: list[Any]) -> Any:

@@ -209,3 +209,26 @@ def _reference_lists(cache: Path, order: list[int], seed: int) -> list[list[dict
     tail.set_random_state(seed=seed)
     ds = PreparedDataset(cache)
     return [list(tail(ds[i])) for i in order]
+
+
+def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path]) -> None:
+    """The crops of a batch land key-major and back to back: each key's batch is one view (no stack)."""
+    import torch
+
+    from loaders.feed import _packed
+
+    pipeline, cache = prepared
+    for shard in (cache / "shards").iterdir():
+        shard.read_bytes()  # warm (another test evicts them): warm crops are copied straight into the buffer
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu")
+    plan = loader._fetch(loader._plan([4, 0, 2], 0))
+    _, buf, nbytes, places = plan.reads["regions"]
+    assert [p[:2] for p in places] == [(i, k) for k in ("image", "label") for i in (4, 0, 2)]
+    flat = torch.from_numpy(np.asarray(buf[:nbytes]))
+    packed = _packed(torch, flat, places, ["image", "label"], 3)
+    assert packed is not None and packed["image"].shape == (3, 1, CROP, CROP, CROP)
+    for j, (_, _, at, dtype, shape) in enumerate(places[:3]):
+        one = np.asarray(buf[at : at + int(np.prod(shape)) * np.dtype(dtype).itemsize]).view(dtype).reshape(shape)
+        np.testing.assert_array_equal(packed["image"][j].numpy(), one)
+    assert _packed(torch, flat, places[::-1], ["image", "label"], 3) is None  # not in batch order: per item
+    loader.close()

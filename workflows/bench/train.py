@@ -7,7 +7,8 @@ The data is made here (`prep synth nifti` + `prep cache`) with the pipeline Load
 ScaleIntensityd | RandSpatialCropd(crop), RandFlipd, RandScaleIntensityd. Every row trains a fresh
 UNet (channels 16-32-64-128, strides 2, DiceLoss, Adam, bf16 autocast on CUDA) for `epochs` epochs;
 the first fills caches and is not timed. Data wait = time in `next(batch)` and the copy to the device,
-with the device synchronised after every step so compute is not counted as waiting.
+with the training stream synchronised after every step (as `loss.item()` does) so compute is not counted
+as waiting; work a loader queued on its own stream for later batches is not waited for.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
 
     device = device or opts.device
     step = make_step(opts, device, ddp)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
+    # the training stream, as loss.item() syncs it; a loader's own stream (batches ahead) is not waited for
+    sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.startswith("cuda") else (lambda: None)
     row = TrainRow(name, kind, note=note)
     for epoch in range(opts.epochs):
         source = epochs(epoch)
