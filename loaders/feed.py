@@ -155,7 +155,8 @@ class _PreparedLoaderCore:
     tail_thread: upload, assemble and run the tail in the read thread (side CUDA stream, handed over with
     an event); False: the training thread does it between steps. switch_interval: seconds for
     `sys.setswitchinterval` while an epoch is iterated (restored after; None leaves it): how long a thread
-    waiting for the GIL waits before the holder is made to drop it.
+    waiting for the GIL waits before the holder is made to drop it. copy_threads: threads copying a warm
+    crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)).
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class _PreparedLoaderCore:
         verify: bool = False,
         tail_thread: bool = True,
         switch_interval: float | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         from loaders import chain
         from loaders.monai import check_fingerprint
@@ -193,7 +195,7 @@ class _PreparedLoaderCore:
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
-        self.tail_thread, self.switch_interval = tail_thread, switch_interval
+        self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
         _, tail = chain.split(transform)
         self.crop, rest = split_fold(tail, self.keys)
         from monai.transforms import Compose
@@ -490,7 +492,7 @@ class _PreparedLoaderCore:
             cursor[0] = at + align_up(nbytes)
             return buf[at : at + nbytes]
 
-        arrays = read_regions(backend, [r for _, r in reads], allocate=allocate)
+        arrays = read_regions(backend, [r for _, r in reads], allocate=allocate, groups=self.copy_threads)
         places, spare, end = [], total, 0
         for (item, r), a, size in zip(reads, arrays, sizes):
             at = a.ctypes.data - base

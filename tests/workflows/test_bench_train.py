@@ -54,11 +54,11 @@ def test_gpu_rows_say_why_they_cannot_run_on_cpu(out: Path, capsys: pytest.Captu
 
 
 def test_fast_path_variant_rows_pass_their_options(out: Path) -> None:
-    rows = "fast@tail_thread=False,fast-half@switch_interval=0.0005;prefetch=3"
+    rows = "fast@tail_thread=False,fast-half@copy_threads=1;prefetch=3"
     assert benchmark.main(["train", *TINY, "--rows", rows, "--out", str(out / "v")]) == 0
     names = [r["name"] for r in _rows(out / "v" / "bench.csv")]
     assert any(n.endswith("crop read, tail_thread=False") for n in names), names
-    assert any(n.endswith("half the dataset, switch_interval=0.0005;prefetch=3") for n in names), names
+    assert any(n.endswith("half the dataset, copy_threads=1;prefetch=3") for n in names), names
 
 
 def test_bad_options_exit_2() -> None:
