@@ -33,7 +33,7 @@ class MarkAndWait(MapTransform):  # a MONAI Transform: a plain function would en
     def __call__(self, d):
         name = Path(str(d["image"].meta["filename_or_obj"])).name
         (MARKS / f"{os.getpid()}-{name}").touch()
-        time.sleep(1.0)
+        time.sleep(2.0)  # the window in which the test kills the victim mid-item
         return d
 
 transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]),

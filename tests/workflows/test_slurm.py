@@ -90,14 +90,14 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "SHARED_CACHE": str(shared),
         "SCRATCH_DIR": str(scratch), "DEVICE": "cpu", "ITERS": "1", "BATCHSIZE": "1", "PYTHON": sys.executable,
-        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "both", "KEEP_SCRATCH": "1",
+        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "all", "KEEP_SCRATCH": "1",
     }  # fmt: skip
     proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], capture_output=True, text=True, env=env,
                           cwd=SLURM.parents[1], timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     local = scratch / "cache"
     assert (local / "manifest.json").is_file() and (scratch / "persistent").is_dir()
-    assert "blockprep: 1 steps" in proc.stdout and "persistent: 1 steps" in proc.stdout
+    assert all(f"{name}: 1 steps" in proc.stdout for name in ("fast", "drop-in", "persistent")), proc.stdout
     if "no block map on this scratch" not in proc.stdout:  # tmpfs scratch cannot be mapped
         from loaders.bmap import BlockMap
 

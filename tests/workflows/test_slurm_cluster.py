@@ -54,7 +54,7 @@ def test_train_sbatch_stages_remaps_and_trains(
     else:  # scratch is a folder of a larger filesystem: the cache folder itself is mapped
         scratch = tmp_path / "scratch"
     keep = "1" if scratch_kind == "mountpoint" else "0"
-    env = _job_env(slurm, tmp_path, SCRATCH_DIR=str(scratch), KEEP_SCRATCH=keep, VERIFY="1", LOADER="both")
+    env = _job_env(slurm, tmp_path, SCRATCH_DIR=str(scratch), KEEP_SCRATCH=keep, VERIFY="1", LOADER="all")
     job = slurm.sbatch(*CPU_NODE, f"--export=ALL,SHARED_CACHE={shared_cache},ITERS=1,BATCHSIZE=1",
                        str(SLURM / "train.sbatch"), env=env, cwd=tmp_path)  # fmt: skip
     state = slurm.wait([job])[job]
@@ -63,7 +63,7 @@ def test_train_sbatch_stages_remaps_and_trains(
     assert f"staging {shared_cache} -> {scratch / 'cache'}" in out
     assert re.search(r"\d+ files, \d+ bytes, \d+ extents", out) and "no block map on this scratch" not in out, out
     assert "every tensor verified" in out
-    assert "blockprep: 1 steps" in out and "persistent: 1 steps" in out, out
+    assert all(f"{name}: 1 steps" in out for name in ("fast", "drop-in", "persistent")), out
     local = scratch / "cache"
     if keep == "1":
         from loaders.bmap import BlockMap
@@ -87,10 +87,10 @@ def test_sweep_submits_one_job_per_setting_and_each_runs(
     assert len(jobs) == 2
     states = slurm.wait(jobs)
     for job, backend in zip(jobs, ("posix", "direct")):
-        out = _output(tmp_path, f"bp-blockprep-{backend}-b1", job)
+        out = _output(tmp_path, f"bp-fast-{backend}-b1", job)
         assert states[job] == "COMPLETED", out
-        assert f"loader=blockprep backend={backend} batchsize=1 iters=1 device=cpu" in out, out
-        assert "blockprep: 1 steps" in out, out
+        assert f"loader=fast backend={backend} batchsize=1 iters=1 device=cpu" in out, out
+        assert "fast: 1 steps" in out, out
 
 
 def test_jobqueue_recipe_prepares_the_local_cache_over_tls(

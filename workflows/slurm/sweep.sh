@@ -12,7 +12,7 @@ SCRIPT=${SCRIPT:-${here}/train.sbatch}
 SHARED_CACHE=${SHARED_CACHE:?set SHARED_CACHE to the prepared cache on shared storage}
 read -r -a backends <<< "${BACKENDS:-posix direct auto}"
 read -r -a batchsizes <<< "${BATCHSIZES:-2 4}"
-read -r -a loaders <<< "${LOADERS:-blockprep}"
+read -r -a loaders <<< "${LOADERS:-fast}"
 ITERS=${ITERS:-200}
 read -r -a sbatch_args <<< "${SBATCH_ARGS:-}"   # site options for every job (partition, account, gres)
 
