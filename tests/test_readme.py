@@ -132,3 +132,57 @@ def test_readme_block_runs(
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     where = f"README.md:{block.line} exited {done.returncode}"
     assert done.returncode == 0, f"{where}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def benchmark_lines(blocks: list[Block]) -> list[tuple[int, list[str]]]:
+    """Every `python -m workflows.benchmark ...` command of the shell blocks (run or not), as argv."""
+    import shlex
+
+    out = []
+    for block in blocks:
+        if block.lang != "bash":
+            continue
+        logical, start = "", 0
+        for k, line in enumerate(block.code.splitlines()):
+            logical, start = (logical + " " + line, start) if logical else (line, k)
+            if logical.endswith("\\"):  # a continued line: read on
+                logical = logical[:-1]
+                continue
+            words = shlex.split(logical, comments=True)
+            logical = ""
+            if words[:3] == ["python", "-m", "workflows.benchmark"]:
+                out.append((block.line + 1 + start, words[3:]))
+    return out
+
+
+@pytest.mark.parametrize(("line", "argv"), benchmark_lines(BLOCKS), ids=lambda v: str(v) if isinstance(v, int) else "")
+def test_readme_benchmark_lines_parse(line: int, argv: list[str]) -> None:
+    """Even a benchmark line that is not run here names a subcommand and options that exist."""
+    import typer
+
+    from workflows import benchmark
+    from workflows.bench import load_scenarios
+
+    benchmark._register()
+    names = set(load_scenarios())
+    args = benchmark.hoist_global_options(argv, names)
+    at = next((i for i, a in enumerate(args) if a in names), None)
+    assert at is not None, f"README.md:{line}: no known subcommand in {argv}"
+    group = typer.main.get_command(benchmark.app)
+    ctx = group.make_context("benchmark", args[: at + 1])  # raises click's usage error on a bad global option
+    command = group.get_command(ctx, args[at])  # type: ignore[attr-defined]
+    command.make_context(args[at], args[at + 1 :], parent=ctx)  # ... and on the subcommand's options
+
+
+@pytest.mark.parametrize("argv", [["cache", "--rounds", "4"], ["--batchsize", "x", "dali", "--datadir", "d"],
+                                  ["nope"], ["dali"]])  # fmt: skip
+def test_the_benchmark_line_check_refuses_drift(argv: list[str]) -> None:
+    with pytest.raises((AssertionError, click_error())):
+        test_readme_benchmark_lines_parse(0, argv)
+
+
+def click_error() -> type[Exception]:
+    """The base of the usage errors of typer's click (typer vendors it)."""
+    import typer
+
+    return typer.BadParameter.__mro__[1]  # UsageError
