@@ -499,5 +499,10 @@ def write_items(
                 )  # fmt: skip
     write_index(root, make_rows(rows))
     write_meta(root, metas if metas is not None else [{} for _ in items])
-    write_manifest(root, {**(manifest or {}), "keys": keys, "shards": [shard], "n_items": len(items)})
+    extra = dict(manifest or {})
+    if "fingerprint" in extra and "versions" not in extra:
+        from loaders.chain import versions
+
+        extra["versions"] = versions()  # a head's output, made under this process's libraries
+    write_manifest(root, {**extra, "keys": keys, "shards": [shard], "n_items": len(items)})
     return PreparedCache(root)

@@ -130,6 +130,8 @@ def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -
             f"this transform: {ours}; fingerprint {str(want)[:12]} != {got[:12]}); "
             "re-run `prep cache` with this pipeline or pass the pipeline the cache was made with"
         )
+    # the fingerprint holds no versions: a cache made on a CPU node (torch +cpu) is read on a GPU node (+cu130)
+    chain.check_versions(manifest.get("versions", {}) or {}, where)
 
 
 def _persistent_track_meta() -> bool:

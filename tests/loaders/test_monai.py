@@ -313,3 +313,34 @@ def test_track_meta_false_is_what_persistent_dataset_reads_back(prepared: dict[s
                 assert type(g[key]) is type(w[key]) and set(g[key].meta) == set(w[key].meta)
                 assert torch.equal(g[key].as_tensor(), w[key].as_tensor())
                 assert torch.equal(g[key].affine, w[key].affine)
+
+
+def test_drop_in_applies_the_version_rule(prepared: dict[str, Any], tmp_path: Path) -> None:
+    """Another MONAI minor is refused; another torch build of the same release is read with a warning."""
+    import shutil
+
+    import monai
+    import torch
+
+    from loaders.chain import VersionWarning
+    from loaders.checksums import doc_checksum
+    from loaders.monai import PreparedPersistentDataset
+
+    transform = _transform(prepared["pipeline"])
+    cache = tmp_path / "c"
+    shutil.copytree(prepared["cache"], cache)
+    doc = json.loads((cache / MANIFEST).read_text())
+    base = torch.__version__.split("+")[0]
+
+    def write(versions: dict[str, str]) -> None:
+        doc["versions"] = {**doc["versions"], **versions}
+        doc["checksum"] = doc_checksum(doc)
+        (cache / MANIFEST).write_text(json.dumps(doc))
+
+    write({"torch": base + "+cu130"})
+    with pytest.warns(VersionWarning, match="torch"):
+        PreparedPersistentDataset(prepared["data"], transform, cache)
+    major, minor = monai.__version__.split(".")[:2]
+    write({"monai": f"{major}.{int(minor) + 1}.0"})
+    with pytest.raises(StaleError, match="monai"):
+        PreparedPersistentDataset(prepared["data"], transform, cache)
