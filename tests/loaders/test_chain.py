@@ -151,7 +151,7 @@ def test_fingerprint_unchanged_by_use(tmp_path: Path) -> None:
         ]
         before = chain.fingerprint(head)
         Compose(head)({"image": str(path)})
-        if reader is not None:
+        if reader is not None and hasattr(reader, "filenames"):  # MONAI 1.4's reader keeps no file names
             assert reader.filenames  # the state the old fingerprint hashed is there
         assert chain.fingerprint(head) == before
     canonical = [LoadImaged(keys=["image"], reader=NibabelReader(as_closest_canonical=True))]

@@ -60,6 +60,17 @@ def _row(name: str, data: str, kind: str, make: Any, batch: int, workers: int, t
     return Result(name, data, items, seconds, nbytes, kind, note)
 
 
+def _persistent_options(track: bool) -> dict[str, Any]:
+    """track_meta (and weights_only) for MONAI's PersistentDataset where the installed MONAI has them: MONAI 1.4
+    (HPC containers with torch 2.3) has neither and always gives the head's meta back."""
+    import inspect
+
+    from monai.data import PersistentDataset
+
+    known = inspect.signature(PersistentDataset).parameters
+    return {k: v for k, v in {"track_meta": track, "weights_only": not track}.items() if k in known}
+
+
 @scenario("dropin", "PreparedPersistentDataset vs PersistentDataset under DataLoader workers and threads.")
 def dropin(
     opts: Options,
@@ -89,7 +100,7 @@ def dropin(
             pt = Path(opts.work) / f"dropin_pt_{size}_{count}_{int(track)}"
 
             def monai(track: bool = track, pt: Path = pt) -> Any:
-                return PersistentDataset(data, transform_of(pipeline, 0), pt, track_meta=track, weights_only=not track)
+                return PersistentDataset(data, transform_of(pipeline, 0), pt, **_persistent_options(track))
 
             def ours(track: bool = track) -> Any:
                 return PreparedPersistentDataset(data, transform_of(pipeline, 0), cache, track_meta=track)
