@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from loaders._deps import require
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
+from loaders.deps import require
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check
 from loaders.region import RegionRead, plan_read, read_regions

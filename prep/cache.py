@@ -447,9 +447,9 @@ def _summary_of(
 
 
 def _write_bmap(root: Path) -> tuple[Path | None, str]:
-    """Map the shards with prep.bmap when it is available and the filesystem supports it; else say why."""
+    """Map the shards with prep.mapping when it is available and the filesystem supports it; else say why."""
     try:
-        from prep.bmap import build_bmap
+        from prep.mapping import build_bmap
     except ImportError as exc:
         return None, f"block-map code unavailable ({exc})"
     try:

@@ -19,8 +19,8 @@ def step(title: str) -> None:
 
 def bmap_step(out: Path, train: Path) -> None:
     """Map the JPEG tree (bmap.json and the flat seed form), then verify it against the raw device if readable."""
-    from prep.bmap import build_bmap, seed_from_bmap, verify_bmap
     from prep.errors import PrepError
+    from prep.mapping import build_bmap, seed_from_bmap, verify_bmap
 
     step(f"block map of {train} (FIEMAP)")
     try:

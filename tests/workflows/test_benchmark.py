@@ -161,8 +161,8 @@ def test_raw_block_ways_on_a_loop_mounted_filesystem(
     """On ext4 through a loop device, the blockdev ways read the same bytes raw that the others read."""
     import shutil
 
-    from prep.bmap import build_bmap
     from prep.cache import prepare_cache
+    from prep.mapping import build_bmap
     from workflows.bench import ours, research
 
     fs = make_loopfs("ext4", size_mb=96)

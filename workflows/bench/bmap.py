@@ -100,7 +100,7 @@ def best(fn: Callable[[], float], repeat: int) -> float:
 
 def mapping_rows(rows: Rows, mnt: Path, keys: Sequence[str], workers: int, out: Path, repeat: int) -> None:
     """build_bmap (1 and W workers, writing the map included) vs filefrag (1 and W processes), metadata warm."""
-    from prep.bmap import build_bmap
+    from prep.mapping import build_bmap
 
     def bmap_seconds(w: int) -> float:
         s = build_bmap(mnt, out, workers=w)

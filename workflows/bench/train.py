@@ -322,7 +322,7 @@ def fast_path(pipeline: Path, cache: Path, opts: TrainOptions, budget: int, labe
 
 
 def _require_gpu(opts: TrainOptions, what: str) -> None:
-    from loaders._deps import cuda_available
+    from loaders.deps import cuda_available
 
     if not opts.gpu or not cuda_available():
         raise Unavailable(f"{what} needs a CUDA GPU (this run is on {opts.device})")

@@ -54,8 +54,8 @@ def run_all(data: Path, opts: Options, pipeline: Path = DEFAULT_PIPELINE) -> Row
     rows.add("python-file", lambda: research.python_file(train, opts))
     rows.add("xnvme-file", lambda: research.xnvme_file(train, opts))
     mem = "gpu" if opts.gpu else "cpu"
-    rows.add("xnvme-gds", lambda: ours.xnvme_gds(None, data / "bmap.json", mem, opts, datadir=train))
-    rows.add("xnvme-bam", lambda: ours.xnvme_bam(None, data / "bmap.json", opts))
+    rows.add("xnvme-gds", lambda: research.xnvme_gds(None, data / "bmap.json", mem, opts, datadir=train.parent))
+    rows.add("xnvme-bam", lambda: research.xnvme_bam(None, data / "bmap.json", opts, datadir=train.parent))
     return rows
 
 

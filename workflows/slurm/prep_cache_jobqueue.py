@@ -55,7 +55,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_cluster(args: argparse.Namespace) -> Any:
     """A dask-jobqueue SLURMCluster sized from the options (no job is submitted until it is scaled)."""
-    from loaders._deps import require
+    from loaders.deps import require
 
     jobqueue = require("dask_jobqueue", "prep cache on SLURM (pip install 'blockprep[slurm]')")
     if args.tls:
