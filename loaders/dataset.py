@@ -29,7 +29,7 @@ from loaders.buffers import BufferPool, torch_dtype
 from loaders.deps import has, require
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, unflatten
-from loaders.meta import from_template, key_meta, line_values, meta_template
+from loaders.meta import as_kind, key_meta, line_kinds, line_values, meta_template
 from loaders.region import RegionRead, plan_read, read_regions
 
 # Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
@@ -56,6 +56,7 @@ class _ItemPlan:
     views: list[tuple[str, int, int, Any, tuple[int, ...]]]  # key, offset, nbytes, torch dtype, shape
     templates: dict[str, Any] | None = None  # key -> MetaTensor template (built on first use)
     values: str | None = None  # JSON of the head's non-tensor outputs (parsed per item: each gets its own)
+    kinds: dict[str, str] | None = None  # key -> "ndarray" | "numpy" | "tensor": leaves that were no MetaTensor
 
 
 def shard_items(
@@ -115,6 +116,8 @@ class _DatasetCore(BatchReads):
     "direct", "kvikio", ...) or a Backend. device: "cpu" or "cuda:N" (kvikio reads into GPU memory; host
     backends stage through pinned memory). verify: check xxh3 of every tensor read. transform: applied to
     each item (or batch, in iter_batches). roi: read only a region (see README). meta: restore MetaTensors.
+    leaf_types (with meta): give each array back as the type the head gave it (numpy array with its
+    dtype, plain tensor, MetaTensor: MONAI 1.4's PersistentDataset); False: every one a MetaTensor.
     """
 
     # defaults for objects unpickled from before these existed (DataLoader workers of an older release)
@@ -132,6 +135,7 @@ class _DatasetCore(BatchReads):
         roi: Roi | None = None,
         meta: bool = True,
         backend_options: Mapping[str, Any] | None = None,
+        leaf_types: bool = False,
     ) -> None:
         self.root = Path(cache_dir)
         self.cache = PreparedCache(self.root)
@@ -146,6 +150,7 @@ class _DatasetCore(BatchReads):
         self.transform = transform
         self.roi = roi
         self.meta = meta and has("monai")
+        self.leaf_types = leaf_types
         self.items = np.arange(len(self.cache), dtype=np.int64)
         self._backend_spec = backend
         self._backend_options = dict(backend_options or {})
@@ -314,6 +319,7 @@ class _DatasetCore(BatchReads):
         line = self._item_meta(item)
         if self.meta and plan.templates is None:
             plan.templates = {key: meta_template(key_meta(line, key), len(shape)) for key, *_, shape in plan.views}
+            plan.kinds = line_kinds(line) if getattr(self, "leaf_types", False) else {}
         plan.values = json.dumps(line_values(line))
 
     def _assemble(self, item: int, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -323,7 +329,8 @@ class _DatasetCore(BatchReads):
             self._load_meta(item, plan)
         flat = tensors
         if self.meta and plan.templates:
-            flat = {k: from_template(t, plan.templates[k]) if k in plan.templates else t for k, t in tensors.items()}
+            kinds = plan.kinds or {}
+            flat = {k: as_kind(t, kinds.get(k), plan.templates.get(k)) for k, t in tensors.items()}
         if self._all_keys and plan.values != "{}":  # non-tensor outputs of the head come back as they were
             flat.update(json.loads(plan.values or "{}"))
         return unflatten(flat)

@@ -5,12 +5,15 @@ One meta line per item (JSON)::
 
     {"source": datalist entry, "section": datalist section,
      "meta": {key: MetaTensor meta}, "applied_operations": {key: [...]}, "values": {key: non-tensor output},
-     "typed": 1}
+     "typed": 1, "kinds": {key: "ndarray" | "numpy" | "tensor"}}
 
 With "typed", values keep their types through JSON (MONAI parity: a NIfTI header's int16/float32 fields,
 tensors in applied operations, tuples, MONAI enums): numpy arrays, numpy scalars, tensors, tuples and
 enums are written as small tagged objects ({"__nd__": dtype, "s": shape, "v": values}, ...) and come back
-as what they were. Lines without it (older caches) decode as before (numeric lists to numpy arrays).
+as what they were; lines without "typed" (older caches) decode as before (numeric lists to numpy arrays).
+"kinds" names the stored arrays that were no MetaTensor (a numpy array, a numpy scalar, a plain tensor:
+MONAI 1.4's CropForegroundd gives numpy coordinates); keys absent from it, and every key of a line written
+before it, come back as MetaTensors (with meta).
 The ids of applied operations are reset
 to MONAI's TraceKeys.NONE, as MONAI's PersistentDataset does: an object id means nothing in another
 process (and would make meta.jsonl differ between identical runs).
@@ -38,6 +41,7 @@ META = "meta"  # {flat key: MetaTensor meta (JSON)}
 OPS = "applied_operations"  # {flat key: MetaTensor applied_operations (JSON)}
 VALUES = "values"  # {flat key: non-tensor output of the head (JSON)}
 TYPED = "typed"  # 1: values are type-tagged (absent in caches written before)
+KINDS = "kinds"  # {flat key: "ndarray" | "numpy" | "tensor"}: stored arrays that were no MetaTensor
 
 _ID = "id"  # MONAI TraceKeys.ID
 _NONE_ID = "none"  # MONAI TraceKeys.NONE's value: "do not match this operation to a transform by id"
@@ -54,9 +58,12 @@ def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     meta: dict[str, Any] = {}
     ops: dict[str, Any] = {}
     values: dict[str, Any] = {}
+    kinds: dict[str, str] = {}
     for key, leaf in flatten(out).items():
         if hasattr(leaf, "detach"):  # torch.Tensor or MONAI MetaTensor
-            if hasattr(leaf, "meta"):
+            if not hasattr(leaf, "meta"):
+                kinds[key] = "tensor"
+            else:
                 meta[key] = encode(dict(leaf.meta))
                 if _strict_jsonable(getattr(leaf, "applied_operations", [])) is not None:
                     # tuples as lists: what MONAI's PersistentDataset gives back for a cached head's operations
@@ -64,6 +71,7 @@ def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
                 leaf = leaf.as_tensor()
             arrays[key] = np.ascontiguousarray(leaf.detach().cpu().numpy())
         elif isinstance(leaf, (np.ndarray, np.generic)):
+            kinds[key] = "ndarray" if isinstance(leaf, np.ndarray) else "numpy"
             arrays[key] = np.ascontiguousarray(leaf)
         else:
             values[key] = encode(leaf)
@@ -73,6 +81,8 @@ def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         except FormatError as exc:
             raise FormatError(f"output '{key}': {exc}") from None
     parts: dict[str, Any] = {META: meta, TYPED: 1}
+    if kinds:
+        parts[KINDS] = kinds
     if ops:
         parts[OPS] = ops
     if values:
@@ -214,6 +224,22 @@ def line_values(line: Mapping[str, Any] | None) -> dict[str, Any]:
     """The head's non-tensor outputs stored in a meta line."""
     values = dict((line or {}).get(VALUES) or {})
     return decode(values) if (line or {}).get(TYPED) else values  # type: ignore[no-any-return]
+
+
+def line_kinds(line: Mapping[str, Any] | None) -> dict[str, str]:
+    """{flat key: "ndarray" | "numpy" | "tensor"} of the stored arrays that were no MetaTensor."""
+    return dict((line or {}).get(KINDS) or {})
+
+
+def as_kind(tensor: Any, kind: str | None, template: Any = None) -> Any:
+    """A read tensor as the head gave it: a numpy array or scalar (on the host, dtype kept), a plain tensor,
+    else a MetaTensor stamped from `template` (`from_template`), or the tensor itself without one."""
+    if kind in ("ndarray", "numpy"):
+        array = tensor.detach().cpu().numpy()
+        return array.reshape(())[()] if kind == "numpy" else array  # a scalar was stored as shape (1,)
+    if kind == "tensor" or template is None:
+        return tensor
+    return from_template(tensor, template)
 
 
 def line_source(line: Mapping[str, Any] | None) -> Any:

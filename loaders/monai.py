@@ -134,6 +134,16 @@ def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -
     chain.check_versions(manifest.get("versions", {}) or {}, where)
 
 
+def _persistent_keeps_types() -> bool:
+    """True where MONAI's PersistentDataset saves the head's output as it is (MONAI 1.4: numpy arrays stay
+    numpy); from MONAI 1.5 it converts every array to a (Meta)Tensor before saving."""
+    import inspect
+
+    from monai.data import PersistentDataset
+
+    return "track_meta" not in inspect.signature(PersistentDataset).parameters
+
+
 def _persistent_track_meta() -> bool:
     """MONAI's PersistentDataset default for track_meta: its argument's default (False) from MONAI 1.5; MONAI
     1.4 (HPC containers with torch 2.3) has no such argument and gives the head's MetaTensors back."""
@@ -153,7 +163,8 @@ class _PersistentCore:
     PersistentDataset (default: the installed MONAI's, False; MONAI 1.4 has no such option and keeps meta):
     False gives the head's output as plain tensors, as
     PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
-    True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)).
+    True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)); its
+    numpy arrays come back as numpy arrays under MONAI 1.4 and as MetaTensors from 1.5, as there.
     backend, device, verify and other options: as for PreparedDataset; PersistentDataset's own options
     (hash_func, pickle_module, ...) are accepted and have nothing to do here. A `monai.data.Dataset`, so
     slicing, DataLoader and ThreadDataLoader work as with PersistentDataset.
@@ -181,7 +192,13 @@ class _PersistentCore:
         self.transform = transform
         self.track_meta = track_meta
         self.dataset = PreparedDataset(
-            cache_dir, backend=backend, device=device, verify=verify, meta=track_meta, **options
+            cache_dir,
+            backend=backend,
+            device=device,
+            verify=verify,
+            meta=track_meta,
+            leaf_types=_persistent_keeps_types(),
+            **options,
         )
         with keep_random_states(transform):  # splitting the chain re-seeds it
             check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
