@@ -35,6 +35,9 @@ from loaders.region import RegionRead, plan_read, read_regions
 # Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
 # tensors than the backend has threads: a warm read is a memory copy, and one core copies ~10 GB/s.
 SPLIT_BYTES = 2 << 20
+# An item read alone up to this size goes through `Backend.read_small` (on the calling thread for posix, and
+# for direct when warm): handing a few KB to the pool and waiting for it costs more than the copy itself.
+INLINE_BYTES = 256 << 10
 # Items whose read plan and meta are kept (immutable for a committed cache); beyond it the cache restarts.
 PLAN_CACHE = 1 << 16
 
@@ -52,6 +55,7 @@ class _ItemPlan:
     requests: list[ReadRequest]  # cut into pieces for the backend's threads
     places: list[tuple[int, int]]  # [start, end) of each request in the buffer
     whole: tuple[list[ReadRequest], list[tuple[int, int]]]  # requests and places, one per tensor
+    runs: tuple[list[ReadRequest], list[tuple[int, int]]]  # tensors adjacent in file and buffer, merged
     nbytes: int
     views: list[tuple[str, int, int, Any, tuple[int, ...]]]  # key, offset, nbytes, torch dtype, shape
     templates: dict[str, Any] | None = None  # key -> MetaTensor template (built on first use)
@@ -109,6 +113,34 @@ def _split(requests: list[ReadRequest], places: list[tuple[int, int]], pieces: i
     return out_r, out_p
 
 
+_DTYPES: dict[np.dtype, Any] = {}
+
+
+def _torch_dtype(dtype: np.dtype) -> Any:
+    """torch_dtype, memoised: plans are built per item, the dtypes are few."""
+    got = _DTYPES.get(dtype)
+    if got is None:
+        got = _DTYPES[dtype] = torch_dtype(dtype)
+    return got
+
+
+def _merge(requests: list[ReadRequest], places: list[tuple[int, int]]) -> tuple[list, list]:
+    """Merge requests whose file gap equals their buffer gap (the cache writes an item's tensors at aligned
+    offsets, as the buffer lays them out): one pread fills both, the gap's bytes land in the padding."""
+    out: list[ReadRequest] = []
+    at: list[tuple[int, int]] = []
+    for r, (a, b) in zip(requests, places):
+        if out:
+            last, (la, _) = out[-1], at[-1]
+            if r.path == last.path and r.offset - last.offset == a - la and a >= la + last.nbytes:
+                out[-1] = ReadRequest(last.path, last.offset, r.offset + r.nbytes - last.offset)
+                at[-1] = (la, b)
+                continue
+        out.append(r)
+        at.append((a, b))
+    return out, at
+
+
 class _DatasetCore(BatchReads):
     """Map-style dataset over a prepared cache: `ds[i]` is a dict of tensors (MetaTensors with MONAI).
 
@@ -142,6 +174,7 @@ class _DatasetCore(BatchReads):
         known = self.cache.keys
         self.keys = list(keys) if keys is not None else list(known)
         self._all_keys = keys is None
+        self._rank = {k: i for i, k in enumerate(self.keys)}
         missing = [k for k in self.keys if k not in known]
         if missing:
             raise KeyError(f"{self.root}: keys {missing} are not in the cache (it has {known})")
@@ -295,20 +328,21 @@ class _DatasetCore(BatchReads):
         plan = self._plans.get(item)
         if plan is not None:
             return plan
-        entries = [e for e in self.cache.entries(item) if e.key in self.keys]
-        entries.sort(key=lambda e: self.keys.index(e.key))  # key-major, as batches lay them out
-        offsets, requests, places, pos = [], [], [], 0
+        rank = self._rank
+        entries = sorted((e for e in self.cache.entries(item) if e.key in rank), key=lambda e: rank[e.key])
+        offsets, requests, places, pos = [], [], [], 0  # key-major, as batches lay them out
         for e in entries:
             offsets.append(pos)
             requests.append(ReadRequest(e.shard, e.offset, e.nbytes))
             places.append((pos, pos + e.nbytes))
             pos += align_up(e.nbytes)
-        threads = getattr(self.backend, "threads", 1)
-        whole = (requests, places)
-        if len(requests) < threads and not self.backend.gpu:
-            requests, places = _split(requests, places, threads)
-        views = [(e.key, o, e.nbytes, torch_dtype(e.dtype), tuple(e.shape)) for e, o in zip(entries, offsets)]
-        plan = _ItemPlan(entries, offsets, requests, places, whole, pos, views)
+        whole = runs = split = (requests, places)
+        if pos <= INLINE_BYTES:  # read alone through read_small: merged runs, never split
+            runs = _merge(requests, places)
+        elif len(requests) < getattr(self.backend, "threads", 1) and not self.backend.gpu:
+            split = _split(requests, places, self.backend.threads)
+        views = [(e.key, o, e.nbytes, _torch_dtype(e.dtype), e.shape) for e, o in zip(entries, offsets)]
+        plan = _ItemPlan(entries, offsets, *split, whole, runs, pos, views)
         if len(self._plans) >= PLAN_CACHE:
             self._plans.clear()
         self._plans[item] = plan
@@ -342,7 +376,10 @@ class _DatasetCore(BatchReads):
         plan = self._plan(item)
         buf = self._pool().get(plan.nbytes)
         try:
-            if torch.utils.data.get_worker_info() is None:  # many pieces in flight on the backend's threads
+            if plan.nbytes <= INLINE_BYTES:  # small: one pread per run, on this thread where the backend can
+                requests, places = plan.runs
+                self.backend.read_small(requests, [buf[a:b] for a, b in places])
+            elif torch.utils.data.get_worker_info() is None:  # many pieces in flight on the backend's threads
                 self.backend.read_into(plan.requests, [buf[a:b] for a, b in plan.places])
             else:
                 # In a DataLoader worker process the workers are the parallelism (torch gives each one

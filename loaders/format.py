@@ -382,6 +382,8 @@ class PreparedCache:
             raise FormatError(f"{index_path}: unexpected row layout {self.index.dtype}")
         self.keys: list[str] = list(self.manifest["keys"])
         self.shards: list[Path] = [self.root / s for s in self.manifest["shards"]]
+        self._shard_paths = [str(p) for p in self.shards]  # entries are built per item: no Path -> str each time
+        self._meta_path = str(self.root / META)
         self.n_items = int(self.manifest["n_items"])
         self._starts = np.searchsorted(self.index["item"], np.arange(self.n_items + 1))
 
@@ -426,7 +428,7 @@ class PreparedCache:
         return TensorEntry(
             item=int(row["item"]),
             key=self.keys[int(row["key"])],
-            shard=str(self.shards[int(row["shard"])]),
+            shard=self._shard_paths[int(row["shard"])],
             offset=int(row["offset"]),
             nbytes=int(row["nbytes"]),
             dtype=np.dtype(DTYPES[int(row["dtype"])]),
@@ -444,7 +446,7 @@ class PreparedCache:
         start = int(offsets[item])
         stop = int(offsets[item + 1]) if item + 1 < len(offsets) else self.files[META].size
         self.files[META].check(start, stop - start)
-        with open(self.root / META, "rb") as f:
+        with open(self._meta_path, "rb") as f:
             f.seek(start)
             return dict(json.loads(f.read(stop - start)))
 

@@ -163,6 +163,11 @@ class Backend(ABC):
         """The backend that reads small warm runs one request at a time (default: this one)."""
         return self
 
+    def read_small(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        """Read the few requests of one small item. Backends that can do it cheaply read them on the calling
+        thread (a pool hand-off costs more than copying a few warm KB); the default is `read_into`."""
+        self.read_into(requests, buffers)
+
     def allocate(self, nbytes: int) -> Any:
         """A buffer this backend reads into best (aligned host memory by default)."""
         return aligned_empty(nbytes)

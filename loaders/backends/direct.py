@@ -184,6 +184,14 @@ class DirectBackend(Backend):
             if job.copy_to is not None:
                 job.copy_to[: job.req.nbytes] = job.target[job.skip : job.skip + job.req.nbytes]
 
+    def read_small(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        """A small item wholly in the page cache: buffered preads on the calling thread (`warm_reader`, no
+        planning, no pool). Anything cold keeps the O_DIRECT path (alignment, bounce buffers, the pool)."""
+        if self.page_cache and all(self._warm(r) for r in requests):
+            self.warm_reader().read_small(requests, buffers)
+        else:
+            self.read_into(requests, buffers)
+
     def read_into(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
         self._run([job for r, b in zip(requests, buffers) for job in self._plan(r, b)])
 

@@ -37,6 +37,11 @@ class PosixBackend(Backend):
         for fut in [self.pool.submit(self._one, r, b) for r, b in zip(requests, buffers)]:
             fut.result()
 
+    def read_small(self, requests: Sequence[ReadRequest], buffers: Sequence[Any]) -> None:
+        """One pread per request on the calling thread: buffered reads of a small item need no pool."""
+        for req, buf in zip(requests, buffers):
+            self._one(req, buf)
+
     def close(self) -> None:
         super().close()
         self._fds.close()

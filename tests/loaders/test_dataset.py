@@ -145,12 +145,56 @@ def test_item_reads_split_into_pieces(cache: tuple[Path, list[dict]], monkeypatc
 
     root, items = cache
     monkeypatch.setattr(dataset, "SPLIT_BYTES", 4096)  # 16 KiB image: four pieces
+    monkeypatch.setattr(dataset, "INLINE_BYTES", 0)  # the pooled path, not the small-item one
     ds = PreparedDataset(root, keys=["image", "label"], backend=get_backend("posix", threads=8), meta=False)
     plan = ds._plan(2)
     assert len(plan.requests) == 4 + 1
     assert sum(r.nbytes for r in plan.requests) == sum(e.nbytes for e in plan.entries)
     for i in range(N):
         _same(ds[i], {k: items[i][k] for k in ("image", "label")})
+    ds.close()
+
+
+@pytest.mark.parametrize("name", ["posix", "direct"])
+def test_small_warm_item_reads_on_calling_thread(
+    cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A small warm item is read with one pread per merged run on the calling thread (the backend's pool is
+    never started) and gives the same tensors as the pooled path."""
+    import threading
+
+    from loaders import dataset
+    from loaders.backends.base import PageCacheProbe
+
+    if name == "direct" and not PageCacheProbe().available:
+        pytest.skip("no cachestat(2) here: direct cannot tell warm from cold")
+    root, items = cache
+    keys = ["image", "label"]
+    for shard in (root / "shards").glob("*.bin"):
+        shard.read_bytes()  # warm
+    pooled = PreparedDataset(root, keys=keys, backend=get_backend(name, threads=8), meta=False)
+    monkeypatch.setattr(dataset, "INLINE_BYTES", 0)
+    want = [{k: v.clone() for k, v in pooled[i].items()} for i in range(N)]
+    assert pooled.backend._pool is not None  # the pooled path did use the pool
+    pooled.close()
+    monkeypatch.undo()
+    ds = PreparedDataset(root, keys=keys, backend=get_backend(name, threads=8), meta=False, verify=True)
+    calls: list[int] = []
+    real = os.preadv
+
+    def spy(fd: int, bufs: list, offset: int) -> int:
+        calls.append(threading.get_ident())
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    for i in range(N):
+        calls.clear()
+        got = ds[i]
+        assert calls and set(calls) == {threading.get_ident()}, "read off the calling thread"
+        assert len(calls) == len(ds._plan(ds.items[i]).runs[0]) <= 2  # one pread per run (no short reads here)
+        _same(got, want[i])
+        _same(got, {k: items[i][k] for k in keys})
+    assert ds.backend._pool is None
     ds.close()
 
 
