@@ -29,7 +29,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,12 @@ INDEX_DTYPE = np.dtype(
         ("xxh3", "<u8"),  # xxh3_64 of the tensor bytes
     ]
 )
+
+
+@cache
+def _np_dtype(name: str) -> np.dtype:
+    """np.dtype(name), memoised (entries are built per item)."""
+    return np.dtype(name)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -421,19 +427,20 @@ class PreparedCache:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
         start, stop = int(self._starts[item]), int(self._starts[item + 1])
         self._rows_checked(start, stop)
-        return [self._entry(row) for row in self.index[start:stop]]
+        return [self._entry(row) for row in self.index[start:stop].tolist()]  # tuples of ints: one C call
 
-    def _entry(self, row: np.void) -> TensorEntry:
-        ndim = int(row["ndim"])
+    def _entry(self, row: Any) -> TensorEntry:
+        """A TensorEntry from one index row (a numpy record or its .tolist() tuple, fields in INDEX_DTYPE order)."""
+        item, key, shard, dtype, ndim, offset, nbytes, shape, xxh3 = row if isinstance(row, tuple) else row.tolist()
         return TensorEntry(
-            item=int(row["item"]),
-            key=self.keys[int(row["key"])],
-            shard=self._shard_paths[int(row["shard"])],
-            offset=int(row["offset"]),
-            nbytes=int(row["nbytes"]),
-            dtype=np.dtype(DTYPES[int(row["dtype"])]),
-            shape=tuple(int(s) for s in row["shape"][:ndim]),
-            xxh3=int(row["xxh3"]),
+            item=int(item),
+            key=self.keys[key],
+            shard=self._shard_paths[shard],
+            offset=int(offset),
+            nbytes=int(nbytes),
+            dtype=_np_dtype(DTYPES[dtype]),
+            shape=tuple(int(s) for s in shape[:ndim]),
+            xxh3=int(xxh3),
         )
 
     def meta(self, item: int) -> dict[str, Any]:
