@@ -61,9 +61,9 @@ def rand_scale_intensity(t: Any, batch: TailBatch) -> bool:
     drawn = _draw(t, batch, keys, t.scaler, "factor")
     if all(d is None for d in drawn):
         return True
+    one_plus = [None if d is None else [1 + f for f in d] if isinstance(d, list) else 1 + d for d in drawn]
     for k in keys:
         x = batch.data[k]
-        one_plus = [None if d is None else [1 + f for f in d] if isinstance(d, list) else 1 + d for d in drawn]
         out = x * _per_channel(one_plus, x, 1.0)
         batch.data[k] = out.to(_out_dtype(x, drawn, t.scaler.dtype))
     return True

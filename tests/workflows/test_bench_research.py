@@ -11,19 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from seedlines import SEED_LINES
 
 from loaders.dali import list_labeled_files
 
 pytest.importorskip("nvidia.dali")
 REPO = Path(__file__).resolve().parents[2]
-SEED_LINES = [  # verbatim after `python benchmark.py`
-    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem cpu --bmap imagenet_train_bmap.json",
-    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem gpu --bmap imagenet_train_bmap.json",
-    "--batchsize 64 --batches 1000 xnvme-bam --uri /dev/libnvm0 --bmap imagenet_train_bmap.json",
-    "--batchsize 64 --batches 1000 dali --datadir /data",
-    "--batchsize 64 --batches 1000 python-file --datadir /data",
-    "--batchsize 64 --batches 1000 xnvme-file --datadir /data",
-]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from seedlines import SEED_LINES
 
 from workflows import benchmark
 from workflows.bench import ceilings, report
@@ -203,16 +204,6 @@ def test_all_on_partial_data_measures_what_is_there(
     assert "unavailable: persistent: " in text and "datalist not found" in text
     assert "unavailable: dali-numpy: " in text and "unavailable: prepared --backend posix: " in text
     assert {r["data"] for r in _rows(tmp_path / "out").values()} == {"images"}
-
-
-SEED_LINES = [  # the research code's README (seed 004), verbatim after `python benchmark.py`
-    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem cpu --bmap imagenet_train_bmap.json",
-    "--batchsize 64 --batches 1000 xnvme-gds --uri /dev/libnvm0 --mem gpu --bmap imagenet_train_bmap.json",
-    "--batchsize 64 --batches 1000 xnvme-bam --uri /dev/libnvm0 --bmap imagenet_train_bmap.json",
-    "--batchsize 64 --batches 1000 dali --datadir /data",
-    "--batchsize 64 --batches 1000 python-file --datadir /data",
-    "--batchsize 64 --batches 1000 xnvme-file --datadir /data",
-]
 
 
 @pytest.mark.parametrize("line", SEED_LINES)
