@@ -6,6 +6,7 @@ Each command group keeps its options here and its work in its own module (synth,
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -15,16 +16,24 @@ from prep.errors import PrepError
 
 T = TypeVar("T")
 
+# Plain click help: flags show no `<bool>` type, choices read `<full|seed>`, required options say `[required]`
+# (typer's rich panels print a type after every flag, `--help` included).
+HELP_STYLE: dict[str, Any] = {
+    "rich_markup_mode": None,
+    "context_settings": {"max_content_width": 100, "help_option_names": ["-h", "--help"]},
+}
 app = typer.Typer(
     help="blockprep: block maps, prepared caches and fast loaders for GPU training.\n\n"
     "Example: prep synth nifti data/ --count 8 --size 64",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    **HELP_STYLE,
 )
 synth_app = typer.Typer(
     help="Make synthetic datasets for demos and tests.\n\nExample: prep synth nifti data/ --count 8",
     no_args_is_help=True,
+    **HELP_STYLE,
 )
 app.add_typer(synth_app, name="synth")
 
@@ -63,13 +72,15 @@ def guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise typer.Exit(130) from None
 
 
-@synth_app.command("nifti")
+@synth_app.command("nifti", short_help="3D image/label NIfTI pairs of random spheres + dataset.json.")
 def synth_nifti(
-    out: Annotated[Path, typer.Argument(help="Output folder (its parent must exist).")],
-    count: Annotated[int, typer.Option(help="Number of image/label pairs.")] = 8,
-    size: Annotated[int, typer.Option(help="Edge length of each cubic volume, in voxels.")] = 64,
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same files.")] = 0,
-    force: Annotated[bool, typer.Option(help="Replace a dataset already in OUT (refused otherwise).")] = False,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder (its parent must exist).")],
+    count: Annotated[int, typer.Option(metavar="N", help="Number of image/label pairs.")] = 8,
+    size: Annotated[int, typer.Option(metavar="VOXELS", help="Edge length of each cubic volume.")] = 64,
+    seed: Annotated[int, typer.Option(metavar="N", help="Random seed; the same seed gives the same files.")] = 0,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a dataset already in OUT (refused otherwise).")
+    ] = False,
 ) -> None:
     """3D image/label NIfTI pairs (.nii.gz) of random spheres, plus a decathlon-style dataset.json.
 
@@ -85,12 +96,14 @@ def synth_nifti(
 
 @synth_app.command("images")
 def synth_images(
-    out: Annotated[Path, typer.Argument(help="Output folder (its parent must exist).")],
-    classes: Annotated[int, typer.Option(help="Number of class folders.")] = 4,
-    per_class: Annotated[int, typer.Option(help="JPEG files per class.")] = 16,
-    size: Annotated[int, typer.Option(help="Edge length of each square image, in pixels.")] = 64,
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same files.")] = 0,
-    force: Annotated[bool, typer.Option(help="Replace an OUT/train tree already there (refused otherwise).")] = False,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder (its parent must exist).")],
+    classes: Annotated[int, typer.Option(metavar="N", help="Number of class folders.")] = 4,
+    per_class: Annotated[int, typer.Option(metavar="N", help="JPEG files per class.")] = 16,
+    size: Annotated[int, typer.Option(metavar="PIXELS", help="Edge length of each square image.")] = 64,
+    seed: Annotated[int, typer.Option(metavar="N", help="Random seed; the same seed gives the same files.")] = 0,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an OUT/train tree already there (refused otherwise).")
+    ] = False,
 ) -> None:
     """An ImageNet-style class-folder JPEG tree: OUT/train/<class>/<file>.JPEG.
 
@@ -109,25 +122,49 @@ def synth_images(
 bmap_app = typer.Typer(
     help="Block maps: where every file's bytes lie on the block device (FIEMAP), for raw-device readers.\n\n"
     "Example: prep bmap --mountpoint /mnt/scratch --output bmap.json --workers 8",
+    short_help="Block maps (FIEMAP) of every file under a mountpoint, for raw-device readers.",
+    **HELP_STYLE,
 )
 app.add_typer(bmap_app, name="bmap")
+
+
+class MapFormat(str, Enum):
+    """What `prep bmap --format` writes."""
+
+    full = "full"
+    seed = "seed"
 
 
 @bmap_app.callback(invoke_without_command=True)
 def bmap_map(
     ctx: typer.Context,
-    mountpoint: Annotated[Path | None, typer.Option(help="Mountpoint of the filesystem to map.")] = None,
-    output: Annotated[Path, typer.Option(help="Where to write the map (temp file + rename).")] = Path("bmap.json"),
+    mountpoint: Annotated[
+        Path | None,
+        typer.Option(metavar="DIR", help="Mountpoint of the filesystem to map.  [required, except for `bmap verify`]"),
+    ] = None,
+    output: Annotated[Path, typer.Option(metavar="FILE", help="Where to write the map (temp file + rename).")] = Path(
+        "bmap.json"
+    ),
     fmt: Annotated[
-        str, typer.Option("--format", help="full: bmap.json with all extents; seed: flat {key: startblock/endblock}.")
-    ] = "full",
-    workers: Annotated[int, typer.Option(help="Parallel workers (threads; processes for 20,000+ files).")] = 4,
-    include: Annotated[list[str] | None, typer.Option(help="Glob of files to map (repeatable; default all).")] = None,
-    exclude: Annotated[list[str] | None, typer.Option(help="Glob of files or folders to skip (repeatable).")] = None,
+        MapFormat,
+        typer.Option("--format", help="full: bmap.json with all extents; seed: flat {key: startblock/endblock}."),
+    ] = MapFormat.full,
+    workers: Annotated[
+        int, typer.Option(metavar="N", help="Parallel workers (threads; processes for 20,000+ files).")
+    ] = 4,
+    include: Annotated[
+        list[str] | None, typer.Option(metavar="GLOB", help="Files to map (repeatable; default all).")
+    ] = None,
+    exclude: Annotated[
+        list[str] | None, typer.Option(metavar="GLOB", help="Files or folders to skip (repeatable).")
+    ] = None,
     allow_subdir: Annotated[
-        bool, typer.Option(help="Map a folder that is not itself a mountpoint (keys stay relative to it).")
+        bool,
+        typer.Option("--allow-subdir", help="Map a folder that is not itself a mountpoint (keys stay relative to it)."),
     ] = False,
-    checksums: Annotated[bool, typer.Option(help="Also store an xxh3 of every file (reads all data).")] = False,
+    checksums: Annotated[
+        bool, typer.Option("--checksums", help="Also store an xxh3 of every file (reads all data).")
+    ] = False,
 ) -> None:
     """Map every regular file under MOUNTPOINT with FIEMAP and write a versioned, checksummed block map.
 
@@ -153,7 +190,7 @@ def bmap_map(
             include=include or (),
             exclude=exclude or (),
             workers=workers,
-            fmt=fmt,
+            fmt=fmt.value,
             require_mountpoint=not allow_subdir,
             progress=bar.update,
             checksums=checksums,
@@ -165,14 +202,17 @@ def bmap_map(
         typer.echo(f"files left out of the seed, with reasons: {summary.skipped_path}")
 
 
-@bmap_app.command("verify")
+@bmap_app.command("verify", short_help="Compare every mapped range read raw with the filesystem.")
 def bmap_verify(
-    bmap_path: Annotated[Path, typer.Argument(help="The bmap.json to check.")],
+    bmap_path: Annotated[Path, typer.Argument(metavar="BMAP", help="The bmap.json to check.")],
     device: Annotated[
         Path | None,
-        typer.Option(help="Read from this device, its whole disk, or the loop image file (default: the mapped one)."),
+        typer.Option(
+            metavar="PATH",
+            help="Read from this device, its whole disk, or the loop image file (default: the mapped one).",
+        ),
     ] = None,
-    workers: Annotated[int, typer.Option(help="Files verified in parallel.")] = 4,
+    workers: Annotated[int, typer.Option(metavar="N", help="Files verified in parallel.")] = 4,
 ) -> None:
     """Read every mapped range from the raw device and compare with the filesystem; exit 1 on any mismatch.
 
@@ -193,26 +233,50 @@ def bmap_verify(
 # --- cache and verify commands (work in prep/cache.py) ---
 
 
-@app.command("cache")
+@app.command("cache", short_help="Run a MONAI chain's deterministic head once, on dask, into a cache.")
 def cache_cmd(
-    datalist: Annotated[Path, typer.Argument(help="Decathlon-style datalist JSON (relative paths: its folder).")],
-    pipeline: Annotated[Path, typer.Option(help="PIPELINE.py with a `transform` Compose, or a bundle config.")],
-    output: Annotated[Path, typer.Option(help="Cache folder to create or resume.")],
-    workers: Annotated[int, typer.Option(help="Local dask workers (threads; cores shared among them).")] = 2,
-    processes: Annotated[bool, typer.Option(help="Local workers as processes (isolates crashing transforms).")] = False,
+    datalist: Annotated[
+        Path, typer.Argument(metavar="DATALIST", help="Decathlon-style datalist JSON (relative paths: its folder).")
+    ],
+    pipeline: Annotated[
+        Path, typer.Option(metavar="FILE", help="PIPELINE.py with a `transform` Compose, or a bundle config.")
+    ],
+    output: Annotated[Path, typer.Option(metavar="DIR", help="Cache folder to create or resume.")],
+    workers: Annotated[
+        int, typer.Option(metavar="N", help="Local dask workers (threads; cores shared among them).")
+    ] = 2,
+    processes: Annotated[
+        bool, typer.Option("--processes", help="Local workers as processes (isolates crashing transforms).")
+    ] = False,
     scheduler: Annotated[
-        str | None, typer.Option(help="Use an existing dask cluster: tcp://host:port, or tls://host:port (--tls-*).")
+        str | None,
+        typer.Option(
+            metavar="URL", help="Use an existing dask cluster: tcp://host:port, or tls://host:port (--tls-*)."
+        ),
     ] = None,
-    shard_size: Annotated[int, typer.Option(help="Start a new shard file after this many bytes.")] = 1 << 30,
-    force: Annotated[bool, typer.Option(help="Rebuild a cache made with another pipeline/datalist.")] = False,
-    verify: Annotated[bool, typer.Option(help="Re-read and check every tensor after writing.")] = False,
-    bundle_key: Annotated[str | None, typer.Option(help="Bundle config entry of the chain.")] = None,
-    section: Annotated[list[str] | None, typer.Option(help="Datalist section(s) to prepare.")] = None,
+    shard_size: Annotated[int, typer.Option(metavar="BYTES", help="Start a new shard file after this many bytes.")] = (
+        1 << 30
+    ),
+    force: Annotated[
+        bool, typer.Option("--force", help="Rebuild a cache made with another pipeline/datalist.")
+    ] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-read and check every tensor after writing.")] = False,
+    bundle_key: Annotated[
+        str | None, typer.Option(metavar="ID", help="Bundle config entry of the chain [default: preprocessing].")
+    ] = None,
+    section: Annotated[
+        list[str] | None,
+        typer.Option(metavar="NAME", help="Datalist section to prepare (repeatable) [default: training]."),
+    ] = None,
     tls_ca_file: Annotated[
-        Path | None, typer.Option(help="tls:// scheduler: the CA that signed its certificates.")
+        Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: the CA that signed its certificates.")
     ] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="tls:// scheduler: this client's certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="tls:// scheduler: this client's private key (PEM).")] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's certificate.")
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's private key.")
+    ] = None,
 ) -> None:
     """Run the deterministic head of a MONAI transform chain once, on dask, into a prepared cache.
 
@@ -245,9 +309,11 @@ def cache_cmd(
         raise fail(f"{len(summary.bad)} tensors failed verification (listed above)")
 
 
-@app.command("verify")
+@app.command("verify", short_help="Check a prepared cache: every file's checksum, every tensor.")
 def verify_cmd(
-    cache_dir: Annotated[Path, typer.Argument(help="Prepared cache folder (written by `prep cache`).")],
+    cache_dir: Annotated[
+        Path, typer.Argument(metavar="CACHE", help="Prepared cache folder (written by `prep cache`).")
+    ],
 ) -> None:
     """Check every file of a prepared cache against the manifest's checksums, then every tensor (checksum,
     shape, dtype) and shard length; exit 1 on any damage.
@@ -270,4 +336,4 @@ def verify_cmd(
 
 def main() -> None:
     """Entry point for `python -m prep`."""
-    app()
+    app(prog_name="prep")

@@ -16,14 +16,56 @@ def invoke(*args: str):  # type: ignore[no-untyped-def]
     return result
 
 
-@pytest.mark.parametrize(
-    "cmd",
-    [[], ["synth"], ["synth", "nifti"], ["synth", "images"], ["bmap"], ["bmap", "verify"], ["cache"], ["verify"]],
-)
-def test_help_has_examples(cmd: list[str]) -> None:
-    result = invoke(*cmd, "--help")
+COMMANDS = [[], ["synth"], ["synth", "nifti"], ["synth", "images"], ["bmap"], ["bmap", "verify"], ["cache"], ["verify"]]
+
+
+def help_text(*cmd: str) -> str:
+    result = runner.invoke(app, [*cmd, "--help"], terminal_width=100)
     assert result.exit_code == 0, result.output
-    assert "Example" in result.output
+    return result.output
+
+
+def option_line(text: str, option: str) -> str:
+    """The help line of one option (its first line: the option, its value placeholder, the start of its help)."""
+    return next(line for line in text.splitlines() if line.strip().startswith(option + " "))
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_has_examples(cmd: list[str]) -> None:
+    assert "Example: prep " in help_text(*cmd)
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help_has_no_type_placeholders(cmd: list[str]) -> None:
+    """Flags take no value, so nothing follows them; valued options name what they take (N, DIR, GLOB...)."""
+    text = help_text(*cmd)
+    for placeholder in ("<bool>", "<str>", "<int>", "list[", "--no-"):
+        assert placeholder not in text, (cmd, placeholder, text)
+
+
+def test_help_lists_choices_and_marks_required() -> None:
+    assert "--format <full|seed>" in option_line(help_text("bmap"), "--format")
+    assert "[required, except for `bmap verify`]" in option_line(help_text("bmap"), "--mountpoint")
+    cache = help_text("cache")
+    for option in ("--pipeline", "--output"):
+        assert "[required]" in option_line(cache, option), cache
+    assert "[required]" not in option_line(cache, "--workers")
+    assert option_line(help_text(), "--version").split() == ["--version", "Print", "the", "version", "and", "exit."]
+
+
+def test_bad_choice_names_the_choices(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["bmap", "--mountpoint", str(tmp_path), "--format", "xml"])
+    assert result.exit_code == 2
+    assert "'full'" in result.output and "'seed'" in result.output, result.output
+
+
+def test_mountpoint_missing_is_one_line(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["bmap", "--output", str(tmp_path / "b.json")])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        "error: --mountpoint is required (the folder the filesystem is mounted on); see `prep bmap --help`"
+    )
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_synth_nifti_writes_datalist(tmp_path: Path) -> None:
