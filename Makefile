@@ -13,6 +13,8 @@ BMAP ?= $(DEMO)/bmap.json
 # the demo folder is not a mountpoint; for a real one: make bmap MOUNTPOINT=/mnt/nvme BMAP_ARGS=
 BMAP_ARGS ?= --allow-subdir
 PYTEST_ARGS ?=
+# `make test`: the suite a developer runs before each commit; `make test-all` (CI) adds the slow and system tests
+TEST_MARKERS ?= not slow and not slurm
 BENCH_ARGS ?= --batchsize 4 --batches 4 --cold --out bench_out
 # CPU torch by default; pass TORCH_PIP_ARGS="--index-url <your CPU wheel index>" where needed.
 TORCH_SPEC ?= torch==2.13.0
@@ -21,7 +23,7 @@ TORCH_PIP_ARGS ?=
 # Into an existing Python whose torch must stay (HPC container): make install-keep-torch PY=/path/to/python
 KEEP_TORCH_ARGS ?= -e .
 
-.PHONY: install install-keep-torch demo test lint typecheck bench cache bmap clean
+.PHONY: install install-keep-torch demo test test-all lint typecheck bench cache bmap clean
 
 install: $(STAMP)
 
@@ -41,6 +43,10 @@ demo: install
 	$(BIN)/python -m workflows.demo --out $(DEMO)
 
 test: install
+	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+# + install, stress, dask-cluster, SLURM, DDP and README/docs-block tests: what .ci/run runs
+test-all: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install

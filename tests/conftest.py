@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -11,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fsutil import loop_reason
 from hypothesis import settings
 
 # Property tests check correctness, never speed: a loaded 2-core CI box must not fail them on time.
@@ -45,16 +44,6 @@ class LoopFS:
     offset: int
 
 
-def _loop_reason(fstype: str) -> str | None:
-    if os.geteuid() != 0:
-        return "loop mounts need root"
-    if shutil.which("losetup") is None or shutil.which(f"mkfs.{fstype}") is None:
-        return f"losetup or mkfs.{fstype} missing (apt-get install util-linux xfsprogs e2fsprogs)"
-    if not Path("/dev/loop-control").exists():
-        return "no /dev/loop-control: loop devices are not permitted in this container"
-    return None
-
-
 def _run(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
 
@@ -68,7 +57,7 @@ def make_loopfs(tmp_path: Path) -> Iterator[Callable[..., LoopFS]]:
     made: list[LoopFS] = []
 
     def make(fstype: str = "ext4", size_mb: int = 64, offset: int = 0, mkfs_args: tuple[str, ...] = ()) -> LoopFS:
-        reason = _loop_reason(fstype)
+        reason = loop_reason(fstype)
         if reason:
             pytest.skip(reason)
         if fstype == "xfs":

@@ -3,7 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
+# the Debian/Ubuntu package of each tool the loop-device tests run (losetup is in `mount`, not `util-linux`)
+LOOP_TOOLS = {"losetup": "mount", "mkfs.ext4": "e2fsprogs", "mkfs.xfs": "xfsprogs"}
+
+
+def loop_reason(*fstypes: str) -> str | None:
+    """Why loop-mounted `fstypes` images cannot be made here, naming exactly what is missing; None if they can."""
+    if os.geteuid() != 0:
+        return "loop mounts need root"
+    tools = ["losetup", *(f"mkfs.{t}" for t in fstypes)]
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        packages = " ".join(dict.fromkeys(LOOP_TOOLS.get(t, "?") for t in missing))
+        return f"{' and '.join(missing)} missing (apt-get install {packages})"
+    if not Path("/dev/loop-control").exists():
+        return "no /dev/loop-control: loop devices are not permitted in this container"
+    return None
 
 
 def interleaved_appends(mnt: Path, keys: list[str], rounds: int, piece: int = 5000) -> dict[str, bytes]:

@@ -69,7 +69,7 @@ def test_host_device_string_is_refused() -> None:
 
 
 def test_no_gpu_is_a_backend_error() -> None:
-    pytest.importorskip("kvikio", reason="kvikio is not installed")
+    pytest.importorskip("kvikio", reason="kvikio is not installed (pip install 'blockprep[gpu]')")
     from loaders.deps import cuda_available, has
 
     if cuda_available() or has("cupy"):
@@ -112,7 +112,7 @@ def payload_file(tmp_path: Path) -> tuple[Path, bytes]:
 @pytest.mark.parametrize("array", ["cupy", "torch"])
 def test_reads_into_gpu_memory(gpu_backend: Any, payload_file: tuple[Path, bytes], array: str) -> None:
     if array == "cupy":
-        pytest.importorskip("cupy")
+        pytest.importorskip("cupy", reason="cupy is not installed (pip install cupy-cuda12x)")
     path, payload = payload_file
     reqs = [ReadRequest(str(path), 0, len(payload)), ReadRequest(str(path), 4096 * 7, 1 << 20)]
     reqs += [ReadRequest(str(path), 4096 * i + 13, 50_000 + i) for i in range(32)]

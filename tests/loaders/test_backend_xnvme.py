@@ -41,7 +41,7 @@ def test_block_range_reader_is_registered_and_needs_libxnvme(monkeypatch: pytest
 
 
 def test_missing_library_is_a_clear_error() -> None:
-    pytest.importorskip("xnvme", reason="the xnvme bindings are not installed")
+    pytest.importorskip("xnvme", reason="the xnvme bindings are not installed (pip install 'blockprep[xnvme]')")
     code = (
         "from loaders.backends import get_backend\n"
         "from loaders.errors import MissingDependencyError\n"

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
+from fsutil import loop_reason
 
 from workflows import benchmark
 
 
 def _need_loop() -> None:
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4") or not Path("/dev/loop-control").exists():
-        pytest.skip("the bmap scenarios need root, mkfs.ext4 and loop devices")
+    reason = loop_reason("ext4")
+    if reason:
+        pytest.skip(f"the bmap scenarios need an ext4 loop image: {reason}")
 
 
 @pytest.mark.loopdev

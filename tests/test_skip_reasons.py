@@ -1,0 +1,40 @@
+"""Skip reasons name exactly what is missing, and the package that brings it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from fsutil import loop_reason
+
+
+def _path_with(tmp_path: Path, *tools: str) -> str:
+    """A PATH holding only executables named `tools` (shutil.which finds those and nothing else)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in tools:
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / tool).chmod(0o755)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize(
+    "present, fstypes, reason",
+    [
+        (("losetup", "mkfs.ext4"), ("xfs",), "mkfs.xfs missing (apt-get install xfsprogs)"),
+        (("mkfs.ext4", "mkfs.xfs"), ("ext4",), "losetup missing (apt-get install mount)"),
+        ((), ("ext4", "xfs"), "losetup and mkfs.ext4 and mkfs.xfs missing (apt-get install mount e2fsprogs xfsprogs)"),
+    ],
+)
+def test_loop_reason_names_only_the_missing_tools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, present: tuple[str, ...], fstypes: tuple[str, ...], reason: str
+) -> None:
+    monkeypatch.setenv("PATH", _path_with(tmp_path, *present))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # the root check comes first; this tests the tool check
+    assert loop_reason(*fstypes) == reason
+
+
+def test_loop_reason_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert loop_reason("ext4") == "loop mounts need root"
