@@ -1,9 +1,12 @@
-"""The README cannot drift: every ```bash/```sh and ```python block of README.md runs against `make demo`'s
-outputs, in README order, in a scratch folder that looks like the repository root (its top-level entries
-linked) with `demo/` a copy of the demo's outputs. Python blocks share one namespace (a block may use what an
-earlier one defined, as a reader would); shell blocks run with `bash -e -o pipefail`. A block whose last
-non-blank line before the fence is `<!-- not-run: <reason> -->` (GPU, cluster, root, minutes of work) is
-only syntax-checked.
+"""The README and the docs cannot drift: every ```bash/```sh and ```python block of README.md and docs/*.md
+runs against `make demo`'s outputs, page by page (README first) in page order, in one scratch folder that looks
+like the repository root (its top-level entries linked) with `demo/` made there. A page's Python blocks share
+one namespace (a block may use what an earlier one of the same page defined, as a reader would); pages do not
+share files they make (each names its own folders under `data/`). Shell blocks run with
+`bash -e -o pipefail`. A block whose last non-blank line before the fence is `<!-- not-run: <reason> -->`
+(GPU, cluster, root, minutes of work) is only syntax-checked. Every relative link of every page must name a
+file that exists and, with `#anchor`, a heading of that file; every `python -m workflows.benchmark` line must
+parse.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(\S.*?)\s*-->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
@@ -33,13 +37,14 @@ class Block:
     lang: str  # "bash" or "python"
     code: str
     not_run: str | None  # the reason, when marked
+    page: str = "README.md"  # relative to the repository root
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-{self.lang}"
+        return f"{self.page}:L{self.line}-{self.lang}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     """The bash/sh/python blocks of a markdown text, with their not-run reasons."""
     blocks: list[Block] = []
     lines = text.splitlines()
@@ -54,26 +59,34 @@ def readme_blocks(text: str) -> list[Block]:
         if lang in ("bash", "python"):
             before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             reason = NOT_RUN.match(before.strip())
-            blocks.append(Block(i + 1, lang, "\n".join(lines[i + 1 : end]) + "\n", reason and reason.group(1)))
+            code = "\n".join(lines[i + 1 : end]) + "\n"
+            blocks.append(Block(i + 1, lang, code, reason and reason.group(1), page))
         i = end + 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+def page_name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+BLOCKS = [b for page in PAGES for b in readme_blocks(page.read_text(), page_name(page))]
 
 
 def syntax_check(block: Block) -> None:
     """bash -n or compile(): the block at least parses."""
     if block.lang == "python":
-        compile(block.code, f"README.md:{block.line}", "exec")
+        compile(block.code, f"{block.page}:{block.line}", "exec")
         return
     done = subprocess.run(["bash", "-n"], input=block.code, capture_output=True, text=True)
-    assert done.returncode == 0, f"README.md:{block.line}: {done.stderr}"
+    assert done.returncode == 0, f"{block.page}:{block.line}: {done.stderr}"
 
 
 def test_readme_has_runnable_blocks() -> None:
+    assert len(PAGES) >= 10, PAGES  # the README and its docs pages
     assert sum(b.not_run is None for b in BLOCKS) >= 10, [b.id for b in BLOCKS]
     assert {b.lang for b in BLOCKS} == {"bash", "python"}
+    readme = [b for b in BLOCKS if b.page == "README.md" and b.not_run is None]
+    assert {b.lang for b in readme} == {"bash", "python"}, "the README's quick start runs"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
@@ -105,17 +118,17 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def namespace() -> dict[str, Any]:
-    """One namespace for every Python block, in README order."""
-    return {"__name__": "__readme__"}
+NAMESPACES: dict[str, dict[str, Any]] = {}
+
+
+def namespace(page: str) -> dict[str, Any]:
+    """One namespace per page for its Python blocks, in page order."""
+    return NAMESPACES.setdefault(page, {"__name__": "__readme__"})
 
 
 @pytest.mark.slow  # the demo first (about a minute on 2 cores), then every block
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_readme_block_runs(
-    block: Block, scratch: Path, namespace: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_readme_block_runs(block: Block, scratch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if block.not_run is not None:
         syntax_check(block)
         pytest.skip(f"not run here: {block.not_run}")
@@ -124,18 +137,18 @@ def test_readme_block_runs(
         monkeypatch.syspath_prepend(str(ROOT))
         with warnings.catch_warnings():  # shown, not fatal: e.g. "4 DataLoader workers on a 2-core machine"
             warnings.simplefilter("default")
-            exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)
+            exec(compile(block.code, f"{block.page}:{block.line}", "exec"), namespace(block.page))
         return
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(["bash", "-e", "-o", "pipefail"], input=block.code, cwd=scratch, env=env,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
-    where = f"README.md:{block.line} exited {done.returncode}"
+    where = f"{block.page}:{block.line} exited {done.returncode}"
     assert done.returncode == 0, f"{where}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
-def benchmark_lines(blocks: list[Block]) -> list[tuple[int, list[str]]]:
-    """Every `python -m workflows.benchmark ...` command of the shell blocks (run or not), as argv."""
+def benchmark_lines(blocks: list[Block]) -> list[tuple[str, list[str]]]:
+    """Every `python -m workflows.benchmark ...` command of the shell blocks (run or not), as (page:line, argv)."""
     import shlex
 
     out = []
@@ -151,12 +164,12 @@ def benchmark_lines(blocks: list[Block]) -> list[tuple[int, list[str]]]:
             words = shlex.split(logical, comments=True)
             logical = ""
             if words[:3] == ["python", "-m", "workflows.benchmark"]:
-                out.append((block.line + 1 + start, words[3:]))
+                out.append((f"{block.page}:{block.line + 1 + start}", words[3:]))
     return out
 
 
-@pytest.mark.parametrize(("line", "argv"), benchmark_lines(BLOCKS), ids=lambda v: str(v) if isinstance(v, int) else "")
-def test_readme_benchmark_lines_parse(line: int, argv: list[str]) -> None:
+@pytest.mark.parametrize(("line", "argv"), benchmark_lines(BLOCKS), ids=lambda v: v if isinstance(v, str) else "")
+def test_readme_benchmark_lines_parse(line: str, argv: list[str]) -> None:
     """Even a benchmark line that is not run here names a subcommand and options that exist."""
     import typer
 
@@ -167,7 +180,7 @@ def test_readme_benchmark_lines_parse(line: int, argv: list[str]) -> None:
     names = set(load_scenarios())
     args = benchmark.hoist_global_options(argv, names)
     at = next((i for i, a in enumerate(args) if a in names), None)
-    assert at is not None, f"README.md:{line}: no known subcommand in {argv}"
+    assert at is not None, f"{line}: no known subcommand in {argv}"
     group = typer.main.get_command(benchmark.app)
     ctx = group.make_context("benchmark", args[: at + 1])  # raises click's usage error on a bad global option
     command = group.get_command(ctx, args[at])  # type: ignore[attr-defined]
@@ -178,7 +191,7 @@ def test_readme_benchmark_lines_parse(line: int, argv: list[str]) -> None:
                                   ["nope"], ["dali"]])  # fmt: skip
 def test_the_benchmark_line_check_refuses_drift(argv: list[str]) -> None:
     with pytest.raises((AssertionError, click_error())):
-        test_readme_benchmark_lines_parse(0, argv)
+        test_readme_benchmark_lines_parse("test", argv)
 
 
 def click_error() -> type[Exception]:
@@ -186,3 +199,68 @@ def click_error() -> type[Exception]:
     import typer
 
     return typer.BadParameter.__mro__[1]  # UsageError
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose(text: str) -> str:
+    """The text with every fenced block blanked (line numbers kept): links and headings live outside them."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            out.append("")
+        else:
+            out.append("" if fenced else line)
+    return "\n".join(out)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a markdown text's headings: lower case, punctuation dropped, spaces to hyphens,
+    `-1`, `-2`... after a repeat."""
+    seen: dict[str, int] = {}
+    for line in prose(text).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if match:
+            base = re.sub(r"[^\w\- ]", "", match.group(1).lower()).replace(" ", "-")
+            seen[f"{base}-{seen[base]}" if base in seen else base] = 0
+            seen[base] = seen.get(base, 0) + 1
+    return set(seen)
+
+
+def broken_links(page: Path) -> list[str]:
+    """Every relative link of `page` whose file, or heading after `#`, does not exist."""
+    text = page.read_text()
+    bad = []
+    for match in LINK.finditer(prose(text)):
+        target = match.group(1)
+        if re.match(r"^[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path) if path else page
+        where = f"{page_name(page) if page.is_relative_to(ROOT) else page}:{text.count(chr(10), 0, match.start()) + 1}"
+        if not dest.exists():
+            bad.append(f"{where}: {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            bad.append(f"{where}: {target}: no heading with that anchor in {path or 'this page'}")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_links_resolve(page: Path) -> None:
+    assert not broken_links(page)
+
+
+def test_the_link_check_refuses_drift(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text("# Other page\n\n## `prep cache`: one, two\n\n## Twice\n\n## Twice\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Here\n[a](other.md#prep-cache-one-two) [b](other.md#twice-1) [c](#here) [d](https://x.org/#y)\n"
+        "[e](missing.md) [f](other.md#nope)\n```bash\n[g](inside-a-fence.md)\n```\n[h\nsplit](#nowhere)\n"
+    )
+    assert [line.split(": ", 1)[1] for line in broken_links(page)] == [
+        "missing.md: no such file",
+        "other.md#nope: no heading with that anchor in other.md",
+        "#nowhere: no heading with that anchor in this page",
+    ]
