@@ -247,7 +247,10 @@ def broken_links(page: Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_name)
+LINKED = [*PAGES, ROOT / "ARCHITECTURE.md", *sorted((ROOT / "workflows").glob("*/README.md"))]
+
+
+@pytest.mark.parametrize("page", LINKED, ids=page_name)
 def test_links_resolve(page: Path) -> None:
     assert not broken_links(page)
 

@@ -339,7 +339,7 @@ def xnvme_gds(uri: str | None, bmap: Path, mem: str, opts: Options, datadir: Pat
     try:
         load_capi()
     except PrepError as exc:
-        raise Unavailable(f"xnvme-gds: {str(exc).splitlines()[0]}; README: Getting libxnvme") from exc
+        raise Unavailable(f"xnvme-gds: {str(exc).splitlines()[0]}; building libxnvme: docs/xnvme.md") from exc
     tree = train_dir(datadir) if datadir is not None else None
     return blockprep_dali(run, tree, bmap, "xnvme", uri, name=f"xnvme-gds ({mem}) BmapSource")
 
@@ -356,7 +356,7 @@ def xnvme_bam(uri: str | None, bmap: Path, opts: Options, datadir: Path | None =
     try:
         api = load_capi()
     except PrepError as exc:
-        raise Unavailable(f"xnvme-bam: {str(exc).splitlines()[0]}; README: Getting libxnvme") from exc
+        raise Unavailable(f"xnvme-bam: {str(exc).splitlines()[0]}; building libxnvme: docs/xnvme.md") from exc
     if not hasattr(api, "xnvme_kernels_range_submit"):
         raise Unavailable("xnvme-bam: this libxnvme has no BaM backend (needs the BaM-enabled xNVMe fork)")
     if not glob.glob("/dev/libnvm*") or (uri is not None and not os.path.exists(uri)):
