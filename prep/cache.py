@@ -21,6 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from loaders import chain
 from loaders.format import (
     BMAP,
@@ -39,7 +41,16 @@ from loaders.format import (
     write_meta,
 )
 from prep.cache_verify import BadItem, verify_cache
-from prep.cluster import ClusterStarter, Progress, batch_size_for, check_security, run_tasks, torch_threads_for
+from prep.cluster import (
+    ClusterStarter,
+    Progress,
+    batch_size_for,
+    check_security,
+    choose_processes,
+    interrupt_scope,
+    run_tasks,
+    torch_threads_for,
+)
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, load_pipeline
@@ -69,6 +80,7 @@ class CacheSummary:
     head_reason: str = ""
     version_notes: list[str] = field(default_factory=list)
     verified: bool = False  # --verify ran
+    mode: str = ""  # how the local workers ran: "2 threads", "8 processes (auto)"
     checked_files: list[str] = field(default_factory=list)
     n_tensors: int = 0
 
@@ -84,8 +96,12 @@ class CacheSummary:
             counts += f", {len(self.quarantined)} quarantined"
         if self.up_to_date:
             state = "already complete and up to date"
+            if not self.verified:  # say what was and was not checked
+                state += (" (manifest, index and meta match their checksums, shards present at their sizes; "
+                          "tensor bytes not re-read: `prep verify` checks them)")  # fmt: skip
         else:
-            state = f"{self.n_new} processed in this run ({self.items_per_s:.1f} items/s)"
+            state = f"{self.n_new} processed in this run ({self.items_per_s:.1f} items/s"
+            state += f", {self.mode})" if self.mode else ")"
             if self.n_resumed:
                 state += f", {self.n_resumed} resumed from the journal"
         out = [
@@ -120,11 +136,31 @@ def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> 
     if missing:
         have = ", ".join(k for k, v in doc.items() if isinstance(v, list)) if isinstance(doc, dict) else ""
         raise UsageError(f"{path}: no section {', '.join(missing)} (lists here: {have}); choose with --section")
+    for section in sections:
+        _check_section(path, section, doc[section])
     out = []
     for section in sections:
         for entry in load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=section):
             out.append((section, dict(entry)))
     return out
+
+
+def _check_section(path: Path, section: str, value: Any) -> None:
+    """A section is a non-empty list of {"image": ..., "label": ...} objects (MONAI turns a "test" list of
+    path strings into such objects itself)."""
+    example = '[{"image": "imagesTr/a.nii.gz", "label": "labelsTr/a.nii.gz"}, ...]'
+    if not isinstance(value, list):
+        raise UsageError(f"{path}: section '{section}' is a {type(value).__name__}, not a list; write it as {example}")
+    if not value:
+        raise UsageError(f"{path}: section '{section}' is empty: nothing to prepare; add entries like {example}")
+    if section == "test" and all(isinstance(v, str) for v in value):
+        return
+    for n, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise UsageError(
+                f"{path}: entry {n} of '{section}' is a {type(entry).__name__} ({str(entry)[:60]!r}), not an "
+                f"object; write it as {example}"
+            )
 
 
 def datalist_hash(items: list[tuple[str, dict[str, Any]]]) -> str:
@@ -144,18 +180,21 @@ def prepare_cache(
     verify: bool = False,
     sections: Sequence[str] = ("training",),
     bundle_key: str | None = None,
-    processes: bool = False,
+    processes: bool | None = None,
     batch_size: int | None = None,
     progress: Progress | None = None,
     security: Any = None,
+    allow_empty_head: bool = False,
 ) -> CacheSummary:
     """Run the pipeline's deterministic head over the datalist on dask and commit a prepared cache.
 
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
-    The local cluster runs `workers` threads in this process (`processes=True`: one process per worker);
-    either way each task gets cores / workers torch threads. `security` (a distributed.security.Security) is
-    required for a tls:// `scheduler`.
+    The local cluster runs `workers` threads in this process (each task with cores / workers torch threads),
+    or (`processes=True`) one process per worker forked from this one (1 torch thread each, as a DataLoader's
+    workers); `processes=None` chooses by `prep.cluster.choose_processes` from the head's time on the first
+    item. A head that prepares nothing (the chain's first transform is random) is refused unless
+    `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
     """
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
@@ -170,6 +209,7 @@ def prepare_cache(
     early = force or not (root / MANIFEST).exists()
     if not early:  # complete and current: reported without the lock, as readers need none (read-only mounts)
         pipe = load_pipeline(pipeline, bundle_key)
+        _check_head(pipe, allow_empty_head)
         items = load_datalist(datalist, sections)
         plan = _plan(pipe, Path(datalist), items, sections)
         summary = _up_to_date(root, plan, pipe, len(items), t0)
@@ -181,11 +221,14 @@ def prepare_cache(
         if diffs:  # refused before taking the lock, so a read-only cache says what changed too
             raise StaleError(f"{root}: {'; '.join(diffs)} since this cache was made; re-run with --force to rebuild")
     with ExitStack() as stack:  # closes in reverse: the cluster is gone before the lock is released
+        stack.enter_context(interrupt_scope())
         stack.enter_context(CacheLock(root))
         starter = None
-        if early:
-            starter = stack.enter_context(ClusterStarter(workers, scheduler, processes, pipeline, bundle_key, security))
+        if early and (scheduler or processes is False or (processes is None and workers == 1)):
+            # threads start while the main thread plans; processes fork from it once it is idle (forked_workers)
+            starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
         pipe = load_pipeline(pipeline, bundle_key)
+        _check_head(pipe, allow_empty_head)
         items = load_datalist(datalist, sections)
         plan = _plan(pipe, Path(datalist), items, sections)
         stack.enter_context(_no_space(root))
@@ -204,6 +247,41 @@ def prepare_cache(
     return summary
 
 
+def _check_head(pipe: Pipeline, allow_empty_head: bool) -> None:
+    """Refuse a chain whose head is empty: the cache would hold no tensors, only the datalist's entries."""
+    if pipe.head or allow_empty_head:
+        return
+    raise UsageError(
+        f"{pipe.path}: nothing to prepare: the head is empty ({pipe.head_reason}); put the deterministic "
+        "transforms (LoadImaged, ...) first, or pass --allow-empty-head to cache the entries as they are"
+    )
+
+
+def _open_checked(root: Path) -> PreparedCache:
+    """Open a committed cache (layout files against their checksums) and check its shards are there at the
+    sizes the index needs, so a damaged cache is refused in one line, never reported up to date."""
+    cache = PreparedCache(root)
+    ends = np.zeros(len(cache.shards), np.int64)
+    if len(cache.index):
+        index = cache.index
+        if int(index["shard"].max()) >= len(ends):
+            raise StaleError(f"{root}: the index names a shard the manifest lacks; re-run with --force to rebuild")
+        np.maximum.at(ends, index["shard"].astype(np.int64), index["offset"].astype(np.int64) + index["nbytes"])
+    for shard, end in zip(cache.shards, ends, strict=True):
+        try:
+            size = os.stat(shard).st_size
+        except FileNotFoundError:
+            raise StaleError(
+                f"{root}: shard {Path(shard).name} is missing (the cache is damaged); re-run with --force to rebuild"
+            ) from None
+        if size < end:
+            raise StaleError(
+                f"{root}: shard {Path(shard).name} is {size} bytes, its tensors need {int(end)} (truncated); "
+                "re-run with --force to rebuild"
+            )
+    return cache
+
+
 def _verify(summary: CacheSummary, root: Path, verify: bool) -> None:
     """Run `prep verify`'s checks when asked; note in the summary what was checked."""
     if not verify:
@@ -218,7 +296,7 @@ def _up_to_date(root: Path, plan: dict[str, Any], pipe: Pipeline, n_planned: int
     manifest = _load_json(root / MANIFEST)
     if manifest is None or _differences(manifest, plan):
         return None
-    PreparedCache(root)  # damaged files: refused here, never reported as up to date
+    _open_checked(root)  # damaged files: refused here, never reported as up to date
     summary = _summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
     summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
     summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
@@ -235,7 +313,7 @@ class _Run:
     items: list[tuple[str, dict[str, Any]]]
     workers: int
     scheduler: str | None
-    processes: bool
+    processes: bool | None
     shard_size: int
     batch_size: int | None
     progress: Progress | None
@@ -250,16 +328,21 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     todo = [i for i in range(len(items)) if i not in before.finished]
     if run.progress:
         run.progress(0, len(todo))
+    processes = False
     if todo:
+        item_s = _probe(run, todo[0]) if len(todo) > run.workers and not run.scheduler else None
+        processes = bool(run.processes) if run.processes is not None else choose_processes(
+            run.workers, len(todo), item_s)  # fmt: skip
         starter = starter or stack.enter_context(
-            ClusterStarter(run.workers, run.scheduler, run.processes, security=run.security)
+            ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
         )
-        threads = torch_threads_for(run.workers, run.scheduler)
+        threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
                         run.shard_size, uuid.uuid4().hex[:8], threads)  # fmt: skip
-        size = batch_size_for(len(todo), run.workers, run.batch_size)
-        with _torch_threads_kept(in_process=not (run.processes or run.scheduler)):
-            run_tasks(starter.client(), spec, items, todo, size, run.progress)
+        size = batch_size_for(len(todo), run.workers, run.batch_size, item_s)
+        with _torch_threads_kept(in_process=not (processes or run.scheduler)):
+            client = starter.client()
+            run_tasks(client, spec, items, todo, size, run.progress, starter.pids)
     if starter is not None:
         starter.close()  # before the commit: no worker may still write
     state = read_journals(root)
@@ -269,7 +352,27 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     manifest, bmap_note = _commit(root, run.plan, run.pipe, items, state)
     summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
     summary.bmap_note = bmap_note or summary.bmap_note
+    if todo and not run.scheduler:
+        how = "processes" if processes else "threads"
+        summary.mode = f"{run.workers} {how}{' (auto)' if run.processes is None else ''}"
     return summary
+
+
+def _probe(run: _Run, item: int) -> float | None:
+    """Seconds the head takes on one item here, on one torch thread (None if it fails: the task will say why)."""
+    import torch
+
+    head = run.pipe.head_compose()
+    threads = torch.get_num_threads()
+    set_torch_threads(1)
+    try:
+        t0 = time.perf_counter()
+        head(dict(run.items[item][1]))
+        return time.perf_counter() - t0
+    except Exception:  # the item is quarantined by its task, with the reason
+        return None
+    finally:
+        set_torch_threads(threads)
 
 
 @contextmanager
@@ -339,7 +442,7 @@ def _reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] 
         _wipe(root)
         return None
     if manifest is not None:
-        PreparedCache(root)  # a complete cache is reported up to date only while its files pass their checksums
+        _open_checked(root)  # a complete cache is reported up to date only while its files pass their checksums
     return manifest
 
 

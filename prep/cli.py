@@ -5,6 +5,7 @@ Each command group keeps its options here and its work in its own module (synth,
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -68,6 +69,7 @@ def guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except PrepError as exc:
         raise fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting changes nothing
         typer.echo("interrupted: finished work is kept; run the same command again to resume", err=True)
         raise typer.Exit(130) from None
 
@@ -243,10 +245,19 @@ def cache_cmd(
     ],
     output: Annotated[Path, typer.Option(metavar="DIR", help="Cache folder to create or resume.")],
     workers: Annotated[
-        int, typer.Option(metavar="N", help="Local dask workers (threads; cores shared among them).")
+        int,
+        typer.Option(
+            metavar="N",
+            help="Local dask workers: threads or processes, chosen from the head's time on the first item and the "
+            "item count unless --threads or --processes.",
+        ),
     ] = 2,
     processes: Annotated[
-        bool, typer.Option("--processes", help="Local workers as processes (isolates crashing transforms).")
+        bool, typer.Option("--processes", help="Local workers as processes forked from this one (isolates crashes).")
+    ] = False,
+    threads: Annotated[bool, typer.Option("--threads", help="Local workers as threads of this process.")] = False,
+    allow_empty_head: Annotated[
+        bool, typer.Option("--allow-empty-head", help="Cache entries as they are if the first transform is random.")
     ] = False,
     scheduler: Annotated[
         str | None,
@@ -289,6 +300,8 @@ def cache_cmd(
     from prep.progress import Progress
 
     security = guarded(scheduler_security, scheduler, tls_ca_file, tls_cert, tls_key)
+    if processes and threads:
+        raise fail("--processes and --threads exclude each other; give one, or neither to let prep cache choose")
 
     with Progress(None, "prep cache", unit="items") as bar:
 
@@ -300,7 +313,8 @@ def cache_cmd(
         summary = guarded(
             prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
             force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
-            processes=processes, progress=progress, security=security,
+            processes=True if processes else False if threads else None, progress=progress, security=security,
+            allow_empty_head=allow_empty_head,
         )  # fmt: skip
     typer.echo("\n".join(summary.lines()))
     if summary.quarantined:

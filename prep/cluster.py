@@ -10,8 +10,11 @@ start and the warming of each worker with the pipeline run on a thread while the
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -20,10 +23,11 @@ from typing import Any
 
 from prep.errors import PrepError, UsageError
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
-from prep.worker import TaskSpec, run_batch, warm, warm_torch
+from prep.worker import TaskSpec, clear_stop, ignore_sigint, request_stop, run_batch, warm, warm_torch
 
 Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
 TLS_OPTIONS = "--tls-ca-file, --tls-cert and --tls-key"
+STOP_WAIT_S = 60.0  # after Ctrl-C, how long running tasks get to finish their current item
 
 
 def scheduler_security(
@@ -70,10 +74,13 @@ def local_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def torch_threads_for(workers: int, scheduler: str | None) -> int:
-    """Intra-op threads per task on a local cluster: its cores shared by the workers (0 on a remote cluster:
-    its workers keep their own setting)."""
-    return 0 if scheduler else max(1, local_cores() // workers)
+def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
+    """Intra-op threads per task on a local cluster: its cores shared by the worker threads, or 1 per worker
+    process as in a DataLoader's workers (forked: see forked_workers); 0 on a remote cluster: its workers keep
+    their own setting."""
+    if scheduler:
+        return 0
+    return 1 if processes else max(1, local_cores() // workers)
 
 
 @contextmanager
@@ -119,42 +126,21 @@ def _connect(scheduler: str, security: Any) -> Any:
         ) from None
 
 
-# imported once by the forkserver that local worker processes fork from (see preloaded_forkserver)
-FORKSERVER_PRELOAD = ("distributed", "numpy", "torch", "nibabel", "monai", "monai.transforms", "prep.worker")
-
-
 @contextmanager
-def preloaded_forkserver() -> Iterator[None]:
-    """Local worker processes fork from one server process that imported torch and MONAI once, instead of
-    each spawned worker importing them again: measured on the 2-core box, starting 2 spawned workers cost
-    ~4.7 CPU s each (the bare import of torch + MONAI + distributed), most of `--processes`' extra CPU.
+def forked_workers() -> Iterator[None]:
+    """Local worker processes fork from this process, which has already imported torch, MONAI and the
+    pipeline, as a torch DataLoader's workers do: starting them costs a fork, not an import. Measured on the
+    2-core box (2026-11-23): a 2-item run with 2 worker processes took 4.1 s wall / 4.5 CPU s forked from a
+    preloaded forkserver (which imports torch and MONAI first) and 0.9 s / 1.1 CPU s forked from here.
 
-    The server starts with the environment the nanny prepares for its first worker (worker_process_env);
-    a worker restarted after this block is spawned as dask does by default.
+    The fork runs on the cluster's event-loop thread while the caller waits for the cluster (`ClusterStarter`
+    is started after planning for processes, so no import or write of the main thread is under way); each
+    worker then gets 1 torch thread per task (`torch_threads_for`), so no OpenMP pool is used after the fork.
     """
-    import multiprocessing
-
     import dask
-    from distributed.utils import get_mp_context
 
-    with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
-        get_mp_context()  # dask sets its own preload list once; ours replaces it before the server starts
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    with dask.config.set({"distributed.worker.multiprocessing-method": "fork"}):
         yield
-
-
-def forkserver_cpu_seconds() -> float:
-    """CPU seconds of this process's multiprocessing forkserver and of the workers it forked and reaped
-    (0 without one): they are not our children, so RUSAGE_CHILDREN never counts them."""
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    # fields after the name: state is [0]; utime, stime, cutime, cstime are fields 14-17 of stat
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 class ClusterStarter:
@@ -169,6 +155,7 @@ class ClusterStarter:
         self._client: Any = None
         self._error: BaseException | None = None
         self._in_process = not (processes or scheduler)
+        self.pids: list[int] = []  # local worker processes
         target = None
         if pipeline is not None:
             path = Path(pipeline).resolve()
@@ -198,8 +185,8 @@ class ClusterStarter:
                 )
                 with ExitStack() as env:
                     if processes:
-                        env.enter_context(worker_process_env(torch_threads_for(workers, None)))
-                        env.enter_context(preloaded_forkserver())
+                        env.enter_context(worker_process_env(torch_threads_for(workers, None, processes)))
+                        env.enter_context(forked_workers())
                     cluster = self._stack.enter_context(
                         LocalCluster(**shape, processes=processes, dashboard_address=":0", silence_logs=logging.ERROR)
                     )  # fmt: skip
@@ -208,6 +195,9 @@ class ClusterStarter:
         except BaseException as exc:  # handed to the main thread by client()
             self._error = exc
             return
+        if processes and not scheduler:  # Ctrl-C reaches the whole process group: prep cache handles it
+            with suppress(Exception):
+                self.pids = list(self._client.run(ignore_sigint).values())
         # an in-process worker shares the main thread's imports: nothing to warm
         if target is not None and (processes or scheduler):
             # the tasks themselves report a pipeline that does not load, with its reason
@@ -235,10 +225,76 @@ class ClusterStarter:
         self.close()
 
 
-def batch_size_for(n_todo: int, workers: int, batch_size: int | None = None) -> int:
-    """Items per task: about 8 tasks per worker, so the last tasks leave workers idle for little time (a task
-    also costs a shard and a journal file, hence at most 32 items)."""
-    return batch_size or max(1, min(32, -(-n_todo // (workers * 8))))
+# the auto rule's constants (see choose_processes), measured on the 2-core box and the 16-core GPU box
+PROCESS_START_S = 1.0  # forking the local worker processes and warming them (0.5-0.9 s measured with 2)
+THREAD_SCALING = 4.0  # worker threads stop gaining past ~4 for heads that release the GIL (16-core box)
+SMALL_ITEM_S = 0.02  # below this per item, the head is mostly Python (2D images): threads share one GIL
+SMALL_THREAD_SCALING = 1.5
+TASK_S = 1.0  # a task of small items holds at least this much work, so dask's per-task cost stays small
+
+
+def choose_processes(workers: int, n_todo: int, item_s: float | None) -> bool:
+    """The `--workers` mode auto: processes when they are expected to finish first, else threads.
+
+    Threads start at once but share the GIL: heads that release it (zlib, torch resampling) scale to about
+    THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING. Processes scale
+    with the workers and cost PROCESS_START_S to start. `item_s` is the head's time on one item, measured
+    on this process before the run (None: not measured, threads).
+    """
+    if workers < 2 or item_s is None or n_todo <= workers:
+        return False
+    scaling = THREAD_SCALING if item_s >= SMALL_ITEM_S else SMALL_THREAD_SCALING
+    threads_s = n_todo * item_s / min(workers, scaling)
+    processes_s = PROCESS_START_S + n_todo * item_s / workers
+    return processes_s < threads_s
+
+
+def batch_size_for(n_todo: int, workers: int, batch_size: int | None = None, item_s: float | None = None) -> int:
+    """Items per task: about 8 tasks per worker, so the last tasks leave workers idle for little time; at most
+    32 items (a task also costs a shard and a journal file), or as many as TASK_S of work for small items."""
+    if batch_size:
+        return batch_size
+    most = 32 if not item_s else max(32, math.ceil(TASK_S / item_s))
+    return max(1, min(most, -(-n_todo // (workers * 8))))
+
+
+@contextmanager
+def interrupt_scope() -> Iterator[None]:
+    """Restore this thread's Ctrl-C handler on the way out (run_tasks replaces it after a first Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+def _stop_after_interrupt(client: Any, futures: list[Any], pids: list[int]) -> None:
+    """After a first Ctrl-C: a second one exits at once; tasks stop after their current item and commit it."""
+    if threading.current_thread() is threading.main_thread():
+
+        def exit_now(signum: int, frame: Any) -> None:
+            sys.stderr.write(
+                "interrupted again: stopped now; finished items are kept; run the same command again to resume\n"
+            )
+            for pid in pids:  # the journals are crash-safe: this is the kill -9 that resumes bit-identical
+                with suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            os._exit(130)
+
+        signal.signal(signal.SIGINT, exit_now)
+    # closing the cluster under running tasks logs their cancellation (tracebacks) at ERROR level
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    request_stop()  # in-process worker threads
+    if pids:
+        with suppress(Exception):
+            client.run(request_stop)
+    from distributed import wait
+
+    with suppress(Exception):
+        wait(futures, timeout=STOP_WAIT_S)
 
 
 def run_tasks(
@@ -248,10 +304,13 @@ def run_tasks(
     todo: list[int],
     size: int,
     progress: Progress | None = None,
+    pids: list[int] | None = None,
 ) -> None:
-    """Submit one task per batch of `size` items and wait; a worker that keeps dying becomes a PrepError."""
+    """Submit one task per batch of `size` items and wait; a worker that keeps dying becomes a PrepError.
+    Ctrl-C stops the tasks after their current item (a second one exits at once); `pids`: local workers."""
     from distributed import as_completed
 
+    clear_stop()
     futures = [
         client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], pure=False,
                       key=f"blockprep-{spec.run_id}-{b}")
@@ -262,6 +321,9 @@ def run_tasks(
             statuses = future.result()
             if progress:
                 progress(len(statuses), len(todo))
+    except KeyboardInterrupt:
+        _stop_after_interrupt(client, futures, pids or [])
+        raise
     except (OSError, PrepError):
         client.cancel(futures)
         raise

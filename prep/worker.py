@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -34,6 +35,25 @@ _lock = threading.Lock()
 _pipelines: dict[tuple[str, str | None, str], tuple[Pipeline, Any]] = {}
 # one head per thread: MONAI transforms may keep state between calls, so threads never share instances
 _local = threading.local()
+# set on Ctrl-C: every task of this process stops after its current item and commits what it finished
+_stop = threading.Event()
+
+
+def request_stop() -> None:
+    """Make this process's running tasks stop after their current item (their finished items are committed)."""
+    _stop.set()
+
+
+def clear_stop() -> None:
+    """Let tasks run again (a new `prep cache` run in the same process)."""
+    _stop.clear()
+
+
+def ignore_sigint() -> int:
+    """In a local worker process (on its main thread): leave Ctrl-C to `prep cache`, which stops the tasks and
+    closes the cluster; a terminal sends SIGINT to the whole process group. Returns the process id."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return os.getpid()
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,8 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
             last = time.monotonic()
             written = 0
             for n, (item, entry, section) in enumerate(items, 1):
+                if _stop.is_set():
+                    break
                 pending.append(_prepare_one(head, shards, item, entry, section))
                 statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))

@@ -90,3 +90,109 @@ def test_non_image_file_quarantined_under_its_own_path(tmp_path: Path) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quarantined"][0]["path"] == str(tmp_path / "data" / "notes.txt")
     assert ": 3 items: 2 cached, 1 quarantined; 3 processed in this run (" in summary.lines()[0]
+
+
+@pytest.mark.parametrize(
+    ("training", "needle"),
+    [({"case": {"image": "a.nii.gz"}}, "is a dict, not a list"), (["a.nii.gz", "b.nii.gz"], "entry 0 of 'training'")],
+)
+def test_training_section_of_the_wrong_shape(tmp_path: Path, training: object, needle: str) -> None:
+    datalist = tmp_path / "dataset.json"
+    datalist.write_text(json.dumps({"training": training}))
+    _one_error_line(CliRunner().invoke(app, _cache_args(datalist, tmp_path / "cache")), needle, "write it as")
+    assert not (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_empty_training_list(tmp_path: Path) -> None:
+    datalist = tmp_path / "dataset.json"
+    datalist.write_text(json.dumps({"training": []}))
+    _one_error_line(CliRunner().invoke(app, _cache_args(datalist, tmp_path / "cache")), "'training' is empty")
+    assert not (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_rerun_with_a_shard_deleted(tmp_path: Path, nifti_dataset: Path) -> None:
+    out = tmp_path / "cache"
+    runner = CliRunner()
+    assert runner.invoke(app, _cache_args(nifti_dataset, out)).exit_code == 0
+    shard = sorted((out / "shards").iterdir())[0]
+    shard.unlink()
+    _one_error_line(runner.invoke(app, _cache_args(nifti_dataset, out)), f"shard {shard.name} is missing", "--force")
+    rebuilt = runner.invoke(app, _cache_args(nifti_dataset, out, "--force"))
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert PreparedCache(out).n_items == 6
+
+
+def test_first_transform_random_prepares_nothing(tmp_path: Path, nifti_dataset: Path) -> None:
+    pipe = tmp_path / "random_first.py"
+    pipe.write_text(
+        "from monai.transforms import Compose, LoadImaged, RandFlipd\n"
+        "transform = Compose([RandFlipd(keys=['image'], prob=0.5), LoadImaged(keys=['image', 'label'])])\n"
+    )
+    out = tmp_path / "cache"
+    runner = CliRunner()
+    _one_error_line(runner.invoke(app, _cache_args(nifti_dataset, out, pipeline=pipe)), "nothing to prepare",
+                    "RandFlipd", "--allow-empty-head")  # fmt: skip
+    assert not (out / "manifest.json").exists()
+    allowed = runner.invoke(app, _cache_args(nifti_dataset, out, "--allow-empty-head", pipeline=pipe))
+    assert allowed.exit_code == 0, allowed.output
+    assert PreparedCache(out).n_items == 6 and PreparedCache(out).manifest["keys"] == []
+
+
+def test_zeroed_shard_rerun_says_what_was_checked(tmp_path: Path, nifti_dataset: Path) -> None:
+    out = tmp_path / "cache"
+    runner = CliRunner()
+    assert runner.invoke(app, _cache_args(nifti_dataset, out)).exit_code == 0
+    shard = sorted((out / "shards").iterdir())[0]
+    shard.write_bytes(bytes(shard.stat().st_size))
+    rerun = runner.invoke(app, _cache_args(nifti_dataset, out))
+    assert rerun.exit_code == 0, rerun.output
+    assert "already complete and up to date" in rerun.output
+    assert "tensor bytes not re-read: `prep verify` checks them" in rerun.output, rerun.output
+    verify = runner.invoke(app, ["verify", str(out)])
+    assert verify.exit_code == 1 and "bad tensors" in verify.output, verify.output
+    checked = runner.invoke(app, _cache_args(nifti_dataset, out, "--verify"))
+    assert "not re-read" not in checked.output and "verify: " in checked.output, checked.output
+
+
+def _journaled(out: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in (out / "journal").glob("*.jsonl"))
+
+
+def _xxh3_per_item(root: Path) -> list[list[int]]:
+    cache = PreparedCache(root)
+    return [sorted(e.xxh3 for e in cache.entries(i)) for i in range(cache.n_items)]
+
+
+@pytest.mark.parametrize("mode", ["--threads", "--processes"])
+def test_double_ctrl_c_exits_at_once_with_one_line_and_resumes(tmp_path: Path, mode: str) -> None:
+    """Two SIGINTs to the process group (a terminal's Ctrl-C reaches the dask worker processes too)."""
+    import signal
+    import time
+
+    from prep.synth import nifti_dataset
+
+    datalist = nifti_dataset(tmp_path / "data", count=24, size=40, seed=5)
+    out = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "prep", *_cache_args(datalist, out, mode)]
+    cmd[cmd.index("--workers") + 1] = "2"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        while proc.poll() is None and not ((out / "journal").is_dir() and _journaled(out)):
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)  # a hang guard, not a timing
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr
+    assert len([line for line in stderr.splitlines() if line.startswith("interrupted")]) == 1, stderr
+    assert not (out / "manifest.json").exists()
+    summary = prepare_cache(datalist, SPHERES, out, workers=2, processes=False)
+    assert summary.n_resumed > 0 and summary.n_items == 24
+    clean = prepare_cache(datalist, SPHERES, tmp_path / "clean", workers=1, processes=False)
+    assert clean.n_items == 24 and _xxh3_per_item(out) == _xxh3_per_item(tmp_path / "clean")
