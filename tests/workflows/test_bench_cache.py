@@ -17,15 +17,18 @@ def _rows(out: Path) -> dict[str, dict]:  # type: ignore[type-arg]
 
 @pytest.mark.slow
 def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["cache", "--count", "3", "--size", "16", "--scaling", "1,2", "--out", str(tmp_path)]
+    argv = ["cache", "--workloads", "spheres,seg-ct,mednist", "--count", "3", "--size", "16", "--images", "40",
+            "--scaling", "2", "--modes", "auto,processes", "--out", str(tmp_path)]  # fmt: skip
     assert benchmark.main(argv) == 0, capsys.readouterr().out
     rows = _rows(tmp_path)
-    for name in ("PersistentDataset first pass", "PersistentDataset first pass, DataLoader 2 workers",
-                 "prep cache, 1 threads", "prep cache, 2 threads"):  # fmt: skip
-        assert rows[name]["items"] == 3 and rows[name]["extra"]["CPU ms/item"] > 0, rows
-    prep = rows["prep cache, 2 threads"]
-    assert prep["x_peer"] > 0 and 1.0 <= prep["extra"]["disk/tensor bytes"] < 1.5  # only alignment padding
-    assert "x peer: against PersistentDataset first pass (prepare)" in capsys.readouterr().out
+    for workload, n in (("spheres", 3), ("seg-ct", 3), ("mednist", 40)):
+        ways = ("CacheDataset(num_workers=2)", "PersistentDataset + DataLoader(2)", "prep cache, 2 threads (auto)",
+                "prep cache, 2 processes")  # fmt: skip
+        for name in (f"{workload} W2: {way}" for way in ways):
+            assert rows[name]["items"] == n and rows[name]["extra"]["CPU ms/item"] > 0, rows
+        prep = rows[f"{workload} W2: prep cache, 2 processes"]
+        assert prep["x_peer"] > 0 and 1.0 <= prep["extra"]["disk/tensor bytes"] < 2  # only alignment padding
+    assert "x peer: against " in capsys.readouterr().out
 
 
 def test_bench_cache_scale_smoke(tmp_path: Path) -> None:

@@ -1,20 +1,27 @@
-"""`cache`: `prep cache` against MONAI PersistentDataset's first pass over the same head, for 1..W workers;
-`cache-scale`: opening a cache of many tiny items, the per-item overhead of `ds[i]`, the index's memory.
+"""`cache`: `prep cache` against MONAI filling the same cache with the same workers, on three workloads, for
+1..W workers; `cache-scale`: opening a cache of many tiny items, the per-item overhead of `ds[i]`, the index's
+memory.
 
-    python -m workflows.benchmark cache --count 128 --size 96 --scaling 1,2,4,8,16
+    python -m workflows.benchmark cache --workloads spheres,seg-ct,mednist --scaling 1,4,8,16
     python -m workflows.benchmark cache-scale --items 100000
 
-Both preparations run the deterministic head over the same synthetic datalist, inputs already in the page
-cache, outputs on the same filesystem, in the same run. Peers: PersistentDataset iterated in this process
-(torch's default threads), and through a MONAI DataLoader with W worker processes. `prep cache`'s time
-includes starting its cluster and committing the cache. CPU ms/item counts this process and its children.
+Workloads: `spheres` (`--count` pairs of `--size`^3 NIfTI volumes, spacings 0.8-1.5 mm), `seg-ct` (volumes
+of different shapes, edges 0.6-1.4 x `--size`, and spacings), `mednist` (`--images` 64x64 grayscale JPEGs
+with a class label, the MedNIST tutorial's head). For each worker count W, in the same run: MONAI
+`CacheDataset(num_workers=W)` (fills its in-memory cache on W threads), `PersistentDataset` iterated once by
+a `DataLoader(num_workers=W)` (W forked processes, each item pickled to disk), and `prep cache --workers W`
+(auto mode unless `--modes` adds threads/processes; its time includes starting its cluster and committing
+the cache). `x peer` compares with the faster MONAI way at the same W. Inputs are read once beforehand (page
+cache warm for every contender). CPU ms/item counts this process and its finished children.
 """
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,17 +31,15 @@ import typer
 from workflows.bench import scenario
 from workflows.bench.core import Options, Result, Rows
 
-DEFAULT_PIPELINE = Path(__file__).parents[1] / "pipelines" / "spheres.py"
-PEER = "PersistentDataset first pass"
+PIPELINES = Path(__file__).parents[1] / "pipelines"
+WORKLOADS = ("spheres", "seg-ct", "mednist")
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its finished children: a measure of work that other load barely moves.
-    `prep cache --processes` workers are children of a forkserver, counted through it."""
-    from prep.cluster import forkserver_cpu_seconds
-
+    """CPU time of this process and its finished children (DataLoader workers, `prep cache` worker
+    processes): a measure of work that other load barely moves."""
     me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + forkserver_cpu_seconds()
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _tree_bytes(root: Path) -> int:
@@ -46,73 +51,162 @@ def _first(batch: list[Any]) -> Any:
     return batch[0]
 
 
-def persistent(datalist: Path, pipeline: Path, out: Path, loader_workers: int = 0) -> Result:
-    """MONAI PersistentDataset's first pass (runs the head, pickles each item): plain iteration in this
-    process, or a MONAI DataLoader with `loader_workers` worker processes."""
+def _entries(datalist: Path) -> list[dict[str, Any]]:
+    from prep.cache import load_datalist
+
+    return [entry for _, entry in load_datalist(datalist)]
+
+
+def persistent(data: str, datalist: Path, pipeline: Path, out: Path, workers: int) -> Result:
+    """MONAI PersistentDataset's first pass (runs the head, pickles each item) through a DataLoader with
+    `workers` worker processes."""
     from monai.data import DataLoader, PersistentDataset
 
-    from prep.cache import load_datalist
     from prep.pipeline import load_pipeline
 
-    entries = [entry for _, entry in load_datalist(datalist)]
+    entries = _entries(datalist)
+    out = _fresh(out)
     t0, c0 = time.perf_counter(), cpu_seconds()
     dataset = PersistentDataset(data=entries, transform=load_pipeline(pipeline).head_compose(), cache_dir=out)
-    if loader_workers:
-        for _ in DataLoader(dataset, batch_size=1, num_workers=loader_workers, collate_fn=_first):
-            pass
-    else:
-        for i in range(len(dataset)):
-            dataset[i]
+    for _ in DataLoader(dataset, batch_size=1, num_workers=workers, collate_fn=_first):
+        pass
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    name = f"{PEER}, DataLoader {loader_workers} workers" if loader_workers else PEER
     extra = {"CPU ms/item": cpu / len(entries) * 1e3, "disk MB": _tree_bytes(out) / 1e6}
-    return Result(name, "prepare", len(entries), seconds, 0, "peer", "", extra)
+    return Result(f"{data}: PersistentDataset + DataLoader({workers})", data, len(entries), seconds, 0, "peer", "",
+                  extra)  # fmt: skip
 
 
-def prep(datalist: Path, pipeline: Path, out: Path, workers: int, processes: bool) -> Result:
+def cache_dataset(data: str, datalist: Path, pipeline: Path, workers: int) -> Result:
+    """MONAI CacheDataset filling its in-memory cache with `workers` threads (its constructor)."""
+    from monai.data import CacheDataset
+
+    from prep.pipeline import load_pipeline
+
+    entries = _entries(datalist)
+    head = load_pipeline(pipeline).head_compose()
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    dataset = CacheDataset(data=entries, transform=head, num_workers=workers, progress=False)
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    del dataset
+    return Result(f"{data}: CacheDataset(num_workers={workers})", data, len(entries), seconds, 0, "peer",
+                  "in memory", {"CPU ms/item": cpu / len(entries) * 1e3})  # fmt: skip
+
+
+def prep(data: str, datalist: Path, pipeline: Path, out: Path, workers: int, processes: bool | None) -> Result:
     """`prep cache` on a local dask cluster (its start-up and the commit included in the time)."""
     from prep.cache import prepare_cache
 
+    out = _fresh(out)
     t0, c0 = time.perf_counter(), cpu_seconds()
     summary = prepare_cache(datalist, pipeline, out, workers=workers, processes=processes)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    mode = "processes" if processes else "threads"
-    extra = {
-        "CPU ms/item": cpu / summary.n_items * 1e3,
-        "disk/tensor bytes": summary.bytes_on_disk / summary.tensor_bytes,
-    }
-    return Result(f"prep cache, {workers} {mode}", "prepare", summary.n_items, seconds, summary.tensor_bytes, "ours",
-                  "start-up and commit included", extra)  # fmt: skip
+    extra = {"CPU ms/item": cpu / summary.n_items * 1e3,
+             "disk/tensor bytes": summary.bytes_on_disk / max(1, summary.tensor_bytes)}  # fmt: skip
+    return Result(f"{data}: prep cache, {summary.mode}", data, summary.n_items, seconds, summary.tensor_bytes,
+                  "ours", "start-up and commit included", extra)  # fmt: skip
 
 
-@scenario("cache", "prep cache vs MONAI PersistentDataset's first pass (plain and DataLoader), 1..W workers.")
-def cache_scenario(
-    opts: Options,
-    count: Annotated[int, typer.Option(min=1, help="image/label pairs to prepare")] = 128,
-    size: Annotated[int, typer.Option(min=8, help="volume edge in voxels")] = 96,
-    scaling: Annotated[str, typer.Option(help="worker counts, e.g. 1,2,4,8,16 (default: --workers or 2)")] = "",
-    processes: Annotated[bool, typer.Option(help="prep cache workers as processes, not threads")] = False,
-    pipeline: Annotated[Path, typer.Option(help="PIPELINE.py (its head is timed)")] = DEFAULT_PIPELINE,
-) -> Rows:
-    from prep.cache import load_datalist
-    from prep.quarantine import input_paths
+def mixed_volumes(out: Path, count: int, size: int) -> Path:
+    """A seg-ct-like datalist: `count` image/label pairs whose edges (0.6-1.4 x `size`) and spacings differ."""
     from prep.synth import nifti_dataset
 
-    work = opts.work / "cache"
-    work.mkdir(parents=True, exist_ok=True)
-    datalist = work / f"data-{count}x{size}" / "dataset.json"
-    if not datalist.is_file():  # same spec as an earlier run: the same data, kept
-        datalist = nifti_dataset(datalist.parent, count=count, size=size, seed=0)
-    for _, entry in load_datalist(datalist):  # inputs warm for every contender
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    training = []
+    for i in range(count):
+        edge = int(size * rng.uniform(0.6, 1.4))
+        nifti_dataset(out / f"v{i:04d}", count=1, size=max(8, edge), seed=i)
+        training += [{k: f"v{i:04d}/{v}" for k, v in e.items()}
+                     for e in json.loads((out / f"v{i:04d}" / "dataset.json").read_text())["training"]]  # fmt: skip
+    (out / "dataset.json").write_text(json.dumps({"training": training}, indent=1))
+    return out / "dataset.json"
+
+
+def mednist_like(out: Path, count: int, size: int = 64, classes: int = 6) -> Path:
+    """A MedNIST-like datalist: `count` grayscale `size`^2 JPEGs of noisy blobs, {"image": path, "label": class}."""
+    from PIL import Image
+
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    training = []
+    grid = np.indices((size, size), dtype=np.float32)
+    for i in range(count):
+        rng = np.random.default_rng([1, i])
+        label = i % classes
+        centre = rng.uniform(0.3 * size, 0.7 * size, 2)
+        blob = np.exp(-((grid[0] - centre[0]) ** 2 + (grid[1] - centre[1]) ** 2) / (2 * (4 + 3 * label) ** 2))
+        pixels = np.clip(200 * blob + rng.normal(30, 15, (size, size)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels, mode="L").save(out / "images" / f"{i:06d}.jpeg", quality=90)
+        training.append({"image": f"images/{i:06d}.jpeg", "label": label})
+    (out / "dataset.json").write_text(json.dumps({"training": training}))
+    return out / "dataset.json"
+
+
+def _workload(work: Path, name: str, count: int, size: int, images: int) -> tuple[Path, Path, str]:
+    """(datalist, pipeline, description) of a workload, made once per spec and kept."""
+    from prep.synth import nifti_dataset
+
+    if name == "spheres":
+        folder, make = work / f"spheres-{count}x{size}", lambda d: nifti_dataset(d, count=count, size=size, seed=0)
+        what = f"{count} pairs of {size}^3"
+    elif name == "seg-ct":
+        folder, make = work / f"segct-{count}x{size}", lambda d: mixed_volumes(d, count, size)
+        what = f"{count} pairs of ~{size}^3, shapes and spacings differ"
+    else:
+        folder, make = work / f"mednist-{images}", lambda d: mednist_like(d, images)
+        what = f"{images} 64x64 JPEGs"
+    if not (folder / "dataset.json").is_file():
+        make(folder)
+    pipeline = PIPELINES / ("mednist.py" if name == "mednist" else "spheres.py")
+    return folder / "dataset.json", pipeline, what
+
+
+def _warm_inputs(datalist: Path) -> None:
+    from prep.quarantine import input_paths
+
+    for entry in _entries(datalist):
         for path in input_paths(entry):
             Path(path).read_bytes()
+
+
+@scenario("cache", "prep cache vs MONAI CacheDataset and PersistentDataset + DataLoader, same workers, 3 workloads.")
+def cache_scenario(
+    opts: Options,
+    workloads: Annotated[str, typer.Option(help="comma-separated: spheres, seg-ct, mednist")] = "spheres,mednist",
+    count: Annotated[int, typer.Option(min=1, help="3D workloads: image/label pairs")] = 64,
+    size: Annotated[int, typer.Option(min=8, help="3D workloads: volume edge in voxels")] = 64,
+    images: Annotated[int, typer.Option(min=1, help="mednist: 64x64 JPEGs")] = 2000,
+    scaling: Annotated[str, typer.Option(help="worker counts, e.g. 1,4,8,16 (default: --workers or 2)")] = "",
+    modes: Annotated[str, typer.Option(help="prep cache modes: auto, threads, processes (comma-separated)")] = "auto",
+) -> Rows:
+    names = [w for w in workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        raise typer.BadParameter(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    chosen = {"auto": None, "threads": False, "processes": True}
+    picked = [m for m in modes.split(",") if m]
+    if not picked or any(m not in chosen for m in picked):
+        raise typer.BadParameter(f"--modes takes {', '.join(chosen)} (got {modes!r})")
+    work = opts.work / "cache"
+    work.mkdir(parents=True, exist_ok=True)
     counts = [int(w) for w in scaling.split(",") if w] or [opts.workers or 2]
-    rows = Rows(peers={"prepare": PEER}, title=f"prepare {count} x {size}^3 pairs")
-    rows.add(PEER, lambda: persistent(datalist, pipeline, _fresh(work / "pt")))
-    for w in counts:
-        rows.add(f"DataLoader {w}", lambda: persistent(datalist, pipeline, _fresh(work / f"pt-{w}"), w))  # noqa: B023
-        rows.add(f"prep cache {w}", lambda: prep(datalist, pipeline, _fresh(work / f"prep-{w}"), w, processes))  # noqa: B023
+    rows = Rows(title=f"prepare a cache: {', '.join(names)} at {', '.join(map(str, counts))} workers")
+    for name in names:
+        datalist, pipeline, what = _workload(work, name, count, size, images)
+        _warm_inputs(datalist)
+        print(f" {name}: {what}", flush=True)
+        for w in counts:
+            _race(rows, work, f"{name} W{w}", datalist, pipeline, w, [chosen[m] for m in picked])
     return rows
+
+
+def _race(rows: Rows, work: Path, data: str, datalist: Path, pipeline: Path, w: int, modes: list[bool | None]) -> None:
+    """The MONAI ways and `prep cache` at `w` workers; the faster MONAI way is the data set's peer."""
+    monai = rows.add(f"{data} CacheDataset", partial(cache_dataset, data, datalist, pipeline, w))
+    monai += rows.add(f"{data} DataLoader", partial(persistent, data, datalist, pipeline, work / "pt", w))
+    if monai:
+        rows.peers[data] = max(monai, key=lambda r: r.items_per_s).name
+    for mode in modes:
+        rows.add(f"{data} prep cache", partial(prep, data, datalist, pipeline, work / "prep", w, mode))
 
 
 def _fresh(path: Path) -> Path:
