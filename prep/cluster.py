@@ -229,7 +229,7 @@ class ClusterStarter:
 PROCESS_START_S = 1.0  # forking the local worker processes and warming them (0.5-0.9 s measured with 2)
 THREAD_SCALING = 4.0  # worker threads stop gaining past ~4 for heads that release the GIL (16-core box)
 SMALL_ITEM_S = 0.02  # below this per item, the head is mostly Python (2D images): threads share one GIL
-SMALL_THREAD_SCALING = 1.5
+SMALL_THREAD_SCALING = 1.0  # 2000 MedNIST-like JPEGs, 2-core box: 1 thread 519/s, 2 threads 349-376/s
 TASK_S = 1.0  # a task of small items holds at least this much work, so dask's per-task cost stays small
 
 
@@ -237,7 +237,7 @@ def choose_processes(workers: int, n_todo: int, item_s: float | None) -> bool:
     """The `--workers` mode auto: processes when they are expected to finish first, else threads.
 
     Threads start at once but share the GIL: heads that release it (zlib, torch resampling) scale to about
-    THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING. Processes scale
+    THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING (no gain). Processes scale
     with the workers and cost PROCESS_START_S to start. `item_s` is the head's time on one item, measured
     on this process before the run (None: not measured, threads).
     """

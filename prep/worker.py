@@ -127,12 +127,26 @@ def warm_torch() -> None:
 
 
 def warm(pipeline: str, bundle_key: str | None) -> str:
-    """Load a pipeline into this worker's cache ahead of its tasks; returns its fingerprint."""
+    """Load a pipeline into this worker's cache ahead of its tasks (unless this process has it: forked from
+    `prep cache`, which did, see `keep_pipeline`); returns its fingerprint."""
     warm_torch()
-    pipe = load_pipeline(pipeline, bundle_key)
     with _lock:
-        _pipelines.setdefault((str(pipe.path), pipe.bundle_key, pipe.fingerprint), (pipe, pipe.head_compose()))
+        known = [key[2] for key in _pipelines if key[:2] == (pipeline, bundle_key)]
+    if known:
+        return known[-1]
+    pipe = load_pipeline(pipeline, bundle_key)
+    keep_pipeline(pipe)
     return pipe.fingerprint
+
+
+def keep_pipeline(pipe: Pipeline) -> None:
+    """Hand a pipeline loaded by this process to its tasks (in-process threads, and worker processes forked
+    from it afterwards), so they do not load and fingerprint it again."""
+    with _lock:
+        # a copy: the caller may go on calling its own transforms (prep cache times the head on one item)
+        _pipelines.setdefault(
+            (str(pipe.path), pipe.bundle_key, pipe.fingerprint), (pipe, copy.deepcopy(pipe.head_compose()))
+        )
 
 
 class _Shards:
