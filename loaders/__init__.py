@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from loaders._version import __version__ as __version__
 from loaders.backends import ReadRequest, backend_names, get_backend
 from loaders.errors import (
     BackendError,
@@ -22,7 +23,6 @@ from loaders.errors import (
 )
 from loaders.format import PreparedCache
 
-__version__ = "0.1.0"
 
 # Public names whose modules import torch (or MONAI): resolved on first access, so `import loaders` stays light.
 _LAZY = {

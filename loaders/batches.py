@@ -22,6 +22,7 @@ from loaders.deps import require
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check, unflatten
 from loaders.meta import line_meta
+from loaders.order import epoch_order
 
 
 @dataclass
@@ -151,6 +152,7 @@ class BatchReads:
         seed: int = 0,
         drop_last: bool = False,
         pad: bool = False,
+        epoch: int = 0,
     ) -> Iterator[dict[str, Any]]:
         """Batches of stacked tensors, `prefetch` batches read ahead (each one backend call, all in flight).
 
@@ -161,12 +163,11 @@ class BatchReads:
         holds the items' own shapes. With `roi`, only each item's region is read (one region read per
         batch, every request in flight). Inside a DataLoader worker, batches are split across workers
         (worker k takes batches k, k+n, ...). On a GPU without a GPU backend, batches go through
-        `prefetch + 1` pinned slots and async copies (double buffering)."""
+        `prefetch + 1` pinned slots and async copies (double buffering). shuffle orders the epoch as
+        `loaders.order.epoch_order(n, seed, epoch)` does (DistributedSampler's rule)."""
         import torch
 
-        order = np.arange(len(self.items))
-        if shuffle:
-            order = np.random.default_rng(seed).permutation(order)
+        order = epoch_order(len(self.items), seed, epoch, shuffle=shuffle)
         chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         if drop_last and chunks and len(chunks[-1]) < batch_size:
             chunks.pop()
@@ -317,7 +318,8 @@ class _BatchesCore:
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle differently each epoch (seed + epoch) when shuffle=True; a dataset made by
+        """Order the following passes as epoch `epoch` (`loaders.order.epoch_order`, DistributedSampler's
+        rule: the epoch changes only by set_epoch) when shuffle=True; a dataset made by
         `shard(..., shuffle=True)` takes that epoch's split too."""
         self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
@@ -325,7 +327,7 @@ class _BatchesCore:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         options = dict(self.options)
-        options["seed"] = options.get("seed", 0) + self.epoch
+        options["epoch"] = self.epoch
         return self.dataset.iter_batches(self.batch_size, **options)  # type: ignore[no-any-return]
 
     def __len__(self) -> int:

@@ -173,7 +173,7 @@ def versions() -> dict[str, str]:
     import numpy
     import torch
 
-    from loaders import __version__
+    from loaders._version import __version__
 
     return {
         "monai": monai.__version__,
@@ -325,3 +325,20 @@ def describe(transforms: Iterable[Any]) -> list[str]:
         keys = getattr(t, "keys", None)
         lines.append(f"{name}(keys={tuple(keys)!r})" if isinstance(keys, (list, tuple)) else f"{name}()")
     return lines
+
+
+def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -> None:
+    """StaleError unless the transform's head is the one the cache was prepared with."""
+    head, _ = split(transform)
+    want = manifest.get("fingerprint")
+    got = fingerprint(head)
+    if want != got:
+        cached = "; ".join(manifest.get("head", []) or []) or "unknown"
+        ours = "; ".join(describe(head)) or "empty"
+        raise StaleError(
+            f"{where}: the cache was prepared with a different pipeline head (cache: {cached} | "
+            f"this transform: {ours}; fingerprint {str(want)[:12]} != {got[:12]}); "
+            "re-run `prep cache` with this pipeline or pass the pipeline the cache was made with"
+        )
+    # the fingerprint holds no versions: a cache made on a CPU node (torch +cpu) is read on a GPU node (+cu130)
+    check_versions(manifest.get("versions", {}) or {}, where)

@@ -31,6 +31,7 @@ import numpy as np
 
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
 from loaders.errors import BackendError
+from loaders.order import epoch_order
 
 # fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
 DEFAULT_FILE_FILTERS = (
@@ -96,8 +97,7 @@ class _EpochSource:
     def __iter__(self) -> Any:
         self._settle()
         self.epoch += 1
-        rng = np.random.default_rng(self.seed + self.epoch)
-        self._order = rng.permutation(self.positions) if self.shuffle else self.positions
+        self._order = self.positions[epoch_order(len(self.positions), self.seed, self.epoch, shuffle=self.shuffle)]
         self._next = 0
         return self
 

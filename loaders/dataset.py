@@ -30,6 +30,7 @@ from loaders.deps import has, require
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, unflatten
 from loaders.meta import as_kind, key_meta, line_kinds, line_values, meta_template
+from loaders.order import epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
 
 # Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
@@ -73,16 +74,9 @@ def shard_items(
     seed: int,
     epoch: int = 0,
 ) -> np.ndarray:
-    """Rank `rank`'s items of `items` for `epoch`: the same (seed, epoch) permutation on every rank when
-    shuffled, padded by wrapping around when `even`, then cut strided or in contiguous blocks."""
-    if shuffle:
-        items = items[np.random.default_rng([seed, epoch]).permutation(len(items))]
-    per = -(-len(items) // world_size)
-    if even and len(items):
-        items = np.resize(items, per * world_size)  # np.resize repeats from the start
-    if contiguous:
-        return np.asarray(items[rank * per : (rank + 1) * per], dtype=np.int64)
-    return np.asarray(items[rank::world_size], dtype=np.int64)
+    """Rank `rank`'s items of `items` for `epoch`, in the one epoch order (`loaders.order.epoch_order`)."""
+    at = epoch_order(len(items), seed, epoch, rank, world_size, shuffle, pad=even, contiguous=contiguous)
+    return np.asarray(items[at], dtype=np.int64)
 
 
 def fits_in_memory(nbytes: int, share: float = 0.5) -> bool:

@@ -43,6 +43,7 @@ from loaders.backends.base import aligned_empty
 from loaders.deps import require
 from loaders.errors import BackendError
 from loaders.format import PreparedCache, TensorEntry, align_up, check
+from loaders.order import epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -180,11 +181,10 @@ class _PreparedLoaderCore:
         copy_threads: int | None = None,
     ) -> None:
         from loaders import chain
-        from loaders.monai import check_fingerprint
 
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
-        check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
+        chain.check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
         self.keys = list(keys) if keys is not None else list(self.cache.keys)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -207,7 +207,7 @@ class _PreparedLoaderCore:
         self._backend_spec, self._backend_options = backend, dict(backend_options or {})
         self.items = np.arange(len(self.cache), dtype=np.int64)
         self.rank, self.world = 0, 1
-        self.epoch, self._epoch_pinned = 0, False
+        self.epoch = 0
         self.tier: dict[int, dict[str, Any]] = {}  # item -> whole tensors on the device
         self.tier_bytes = 0
         self._reserved = 0  # bytes promised to the tier by reads in flight
@@ -226,8 +226,11 @@ class _PreparedLoaderCore:
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Order the next iteration as epoch `epoch` (seed + epoch); without it, each iteration is the next."""
-        self.epoch, self._epoch_pinned = epoch, True
+        """Order the next pass as epoch `epoch` (`loaders.order.epoch_order`: DistributedSampler's rule, seed +
+        epoch). Each pass then moves on by one: without set_epoch the passes are epochs 0, 1, 2, ...; after
+        set_epoch(5) they are 5, 6, 7, ... (calling set_epoch(e) before every pass, as with a
+        DistributedSampler, gives exactly epoch e each time)."""
+        self.epoch = epoch
 
     def set_random_state(self, seed: int) -> _PreparedLoaderCore:
         """Seed the tail's random transforms as `Compose(tail).set_random_state(seed)` seeds them."""
@@ -236,14 +239,10 @@ class _PreparedLoaderCore:
         return self
 
     def epoch_items(self, epoch: int) -> np.ndarray:
-        """Items this rank reads in `epoch`: all ranks' lists together hold every item once (padded by
-        wrapping so every rank steps equally, as DistributedSampler does)."""
-        order = self.items
-        if self.shuffle:
-            order = order[np.random.default_rng(self.seed + epoch).permutation(len(order))]
-        if self.world > 1:
-            order = np.resize(order, -(-len(order) // self.world) * self.world)[self.rank :: self.world]
-        return order
+        """Items this rank reads in `epoch` (`loaders.order.epoch_order`): all ranks' lists together hold every
+        item once, padded by wrapping so every rank steps equally, as DistributedSampler does."""
+        at = epoch_order(len(self.items), self.seed, epoch, self.rank, self.world, self.shuffle)
+        return self.items[at]
 
     def __len__(self) -> int:
         n = len(self.epoch_items(0))
@@ -252,9 +251,7 @@ class _PreparedLoaderCore:
     # --- iteration ---
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self.epoch
-        if not self._epoch_pinned:
-            self.epoch += 1
-        self._epoch_pinned = False
+        self.epoch = epoch + 1
         order = self.epoch_items(epoch)
         chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if self.drop_last and chunks and len(chunks[-1]) < self.batch_size:

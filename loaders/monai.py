@@ -29,7 +29,6 @@ from loaders.meta import from_template, line_source, meta_template, restore_meta
 # restore_meta, meta_template, from_template: defined in loaders.meta, re-exported for old imports
 __all__ = [
     "PreparedPersistentDataset",
-    "check_fingerprint",
     "from_template",
     "meta_template",
     "restore_meta",
@@ -117,23 +116,6 @@ def tail_compose(transform: Any) -> Any:
         return Compose(tail, **options)
 
 
-def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -> None:
-    """StaleError unless the transform's head is the one the cache was prepared with."""
-    head, _ = chain.split(transform)
-    want = manifest.get("fingerprint")
-    got = chain.fingerprint(head)
-    if want != got:
-        cached = "; ".join(manifest.get("head", []) or []) or "unknown"
-        ours = "; ".join(chain.describe(head)) or "empty"
-        raise StaleError(
-            f"{where}: the cache was prepared with a different pipeline head (cache: {cached} | "
-            f"this transform: {ours}; fingerprint {str(want)[:12]} != {got[:12]}); "
-            "re-run `prep cache` with this pipeline or pass the pipeline the cache was made with"
-        )
-    # the fingerprint holds no versions: a cache made on a CPU node (torch +cpu) is read on a GPU node (+cu130)
-    chain.check_versions(manifest.get("versions", {}) or {}, where)
-
-
 def _persistent_keeps_types() -> bool:
     """True where MONAI's PersistentDataset saves the head's output as it is (MONAI 1.4: numpy arrays stay
     numpy); from MONAI 1.5 it converts every array to a (Meta)Tensor before saving."""
@@ -201,7 +183,7 @@ class _PersistentCore:
             **options,
         )
         with keep_random_states(transform):  # splitting the chain re-seeds it
-            check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
+            chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
             self.tail = tail_compose(transform)
         self._items: dict[str, int] | None = None
 
