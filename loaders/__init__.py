@@ -23,7 +23,6 @@ from loaders.errors import (
 )
 from loaders.format import PreparedCache
 
-
 # Public names whose modules import torch (or MONAI): resolved on first access, so `import loaders` stays light.
 _LAZY = {
     "BmapSource": "loaders.dali",

@@ -13,8 +13,9 @@ from loaders.order import epoch_order
 def _sampler(n: int, seed: int, epoch: int, rank: int, world: int, shuffle: bool, drop_last: bool) -> list[int]:
     from torch.utils.data import DistributedSampler
 
-    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
+    sampler = DistributedSampler(
+        range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     sampler.set_epoch(epoch)
     return list(sampler)
 
