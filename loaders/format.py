@@ -455,7 +455,18 @@ class PreparedCache:
         self.files[META].check(start, stop - start)
         with open(self._meta_path, "rb") as f:
             f.seek(start)
-            return dict(json.loads(f.read(stop - start)))
+            raw = f.read(stop - start)
+        try:
+            line = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:80]
+            raise FormatError(f"{self._meta_path}: item {item}'s meta line is not valid JSON ({why}); "
+                              "re-run `prep cache --force` to rebuild") from None  # fmt: skip
+        if not isinstance(line, dict):
+            raise FormatError(
+                f"{self._meta_path}: item {item}'s meta line is not an object; re-run `prep cache --force`"
+            )
+        return line
 
     def check_files(self) -> None:
         """Check every byte of every layout file against the manifest (`prep verify`); ChecksumError if not."""

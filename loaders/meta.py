@@ -168,40 +168,93 @@ def item_metas(line: Mapping[str, Any] | None) -> dict[str, Any]:
     return metas
 
 
-def decode(doc: Any) -> Any:
-    """The value `encode` wrote (plain JSON passes through)."""
+# What a meta line may name: a cache is untrusted input, so decoding builds only these types and never imports
+# or calls what a file names (a tag naming any other type, or a nesting deeper than MAX_DEPTH, is a FormatError).
+NUMERIC_DTYPES = frozenset(
+    np.dtype(t).name
+    for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+              "float16", "float32", "float64", "complex64", "complex128")
+)  # fmt: skip
+ENUM_MODULE = "monai.utils.enums"  # the enums MONAI keeps in meta (SpaceKeys, TraceKeys, GridSampleMode, ...)
+MAX_DEPTH = 64
+
+
+def decode(doc: Any, depth: int = 0) -> Any:
+    """The value `encode` wrote (plain JSON passes through); FormatError for a tag outside the allow-list."""
+    if depth > MAX_DEPTH:
+        raise FormatError(f"meta nested deeper than {MAX_DEPTH} levels (a damaged or crafted cache)")
     if isinstance(doc, list):
-        return [decode(v) for v in doc]
+        return [decode(v, depth + 1) for v in doc]
     if not isinstance(doc, dict):
         return doc
     if "__nd__" in doc:
-        return np.asarray(doc["v"], dtype=doc["__nd__"]).reshape(doc["s"])
+        return _array(doc, "__nd__")
     if "__np__" in doc:
-        return np.dtype(doc["__np__"]).type(doc["v"])
+        value = doc.get("v")
+        if isinstance(value, (list, dict)):
+            raise FormatError("meta: a numpy scalar tag holds no scalar (a damaged or crafted cache)")
+        return np.dtype(_dtype(doc["__np__"])).type(value)
     if "__pt__" in doc:
         import torch
 
-        return torch.as_tensor(np.asarray(doc["v"], dtype=doc["__pt__"]).reshape(doc["s"]))
+        return torch.as_tensor(_array(doc, "__pt__"))
     if "__tuple__" in doc:
-        return tuple(decode(v) for v in doc["__tuple__"])
+        return tuple(decode(v, depth + 1) for v in _list(doc["__tuple__"], "__tuple__"))
     if "__enum__" in doc:
-        return _enum(doc["__enum__"], doc["v"])
-    return {k: decode(v) for k, v in doc.items()}
+        return _enum(doc["__enum__"], doc.get("v"))
+    return {k: decode(v, depth + 1) for k, v in doc.items()}
 
 
-def _enum(name: str, value: Any) -> Any:
-    """The enum member `value` of class "module:qualname" (MONAI's only; others come back as the value)."""
-    import importlib
+def _dtype(name: Any) -> str:
+    if not isinstance(name, str) or name not in NUMERIC_DTYPES:
+        raise FormatError(f"meta: dtype {str(name)[:40]!r} is not a numeric dtype (a damaged or crafted cache)")
+    return name
 
+
+def _list(value: Any, tag: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise FormatError(f"meta: {tag} holds no list (a damaged or crafted cache)")
+    return value
+
+
+def _array(doc: Mapping[str, Any], tag: str) -> np.ndarray:
+    """A tagged array, only from the values the line holds: the shape must account for them exactly."""
+    dtype, shape = _dtype(doc[tag]), doc.get("s")
+    if not isinstance(shape, list) or len(shape) > 32 or not all(type(d) is int and d >= 0 for d in shape):
+        raise FormatError(f"meta: {tag} shape {str(shape)[:40]} is not a list of sizes (a damaged or crafted cache)")
+    try:
+        array = np.asarray(doc.get("v"), dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(f"meta: {tag} values do not fit {dtype} ({exc}) (a damaged or crafted cache)") from exc
+    count = 1
+    for d in shape:  # Python ints: no wrap-around
+        count *= d
+    if count != array.size:
+        raise FormatError(
+            f"meta: {tag} shape {shape} does not hold its {array.size} values (a damaged or crafted cache)"
+        )
+    return array.reshape(shape)
+
+
+def _enum(name: Any, value: Any) -> Any:
+    """The member `value` of MONAI's enum class "monai.utils.enums:Name"; any other name gives the plain value
+    back. Only a class of that one module that is an Enum is looked up: nothing a file names is imported
+    or called."""
+    if not isinstance(name, str):
+        return value
     module, _, qualname = name.partition(":")
-    if module.split(".")[0] != "monai":
+    if module != ENUM_MODULE or not qualname.isidentifier() or qualname.startswith("_"):
         return value
     try:
-        kind: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            kind = getattr(kind, part)
+        from monai.utils import enums
+    except ImportError:
+        return value
+    kind = vars(enums).get(qualname)
+    if not (isinstance(kind, type) and issubclass(kind, enum.Enum) and len(kind.__members__)):
+        return value
+    try:
         return kind(value)
-    except (ImportError, AttributeError, ValueError):
+    except (ValueError, TypeError):
         return value
 
 
