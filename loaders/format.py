@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders import layout
 from loaders.checksums import FileCheck, checksum, doc_checksum, file_record
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
@@ -374,7 +375,12 @@ class PreparedCache:
     million items opens in milliseconds.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, cache_dir: str | os.PathLike[str], allow_outside: bool = False, shard_sizes: bool = True
+    ) -> None:
+        """allow_outside=True reads shards that resolve outside the cache directory (refused by default: a cache
+        is untrusted input, see loaders.layout). shard_sizes=False leaves extents past a shard's end to the
+        caller (`prep verify` lists each such tensor)."""
         # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
         self.root = Path(cache_dir).absolute()
         self.manifest = read_manifest(self.root)
@@ -386,11 +392,19 @@ class PreparedCache:
             raise FormatError(f"{index_path}: unreadable index ({exc}); re-run `prep cache --force`") from exc
         if self.index.dtype != INDEX_DTYPE:
             raise FormatError(f"{index_path}: unexpected row layout {self.index.dtype}")
+        self.n_items = layout.check_counts(self.root, self.manifest, len(self._meta_offsets))
         self.keys: list[str] = list(self.manifest["keys"])
-        self.shards: list[Path] = [self.root / s for s in self.manifest["shards"]]
+        self.shards: list[Path] = layout.shard_paths(self.root, self.manifest.get("shards"), allow_outside)
+        layout.check_index(
+            index_path,
+            self.index,
+            self.n_items,
+            len(self.keys),
+            DTYPES,
+            [layout.file_size(p) if shard_sizes else -1 for p in self.shards],
+        )
         self._shard_paths = [str(p) for p in self.shards]  # entries are built per item: no Path -> str each time
         self._meta_path = str(self.root / META)
-        self.n_items = int(self.manifest["n_items"])
         self._starts = np.searchsorted(self.index["item"], np.arange(self.n_items + 1))
 
     def _file_checks(self) -> dict[str, FileCheck]:

@@ -33,7 +33,7 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
     Raises FormatError (IncompleteCacheError, ChecksumError, ...) when a layout file is missing or fails its
     checksum: then nothing the index says can be trusted.
     """
-    cache = PreparedCache(cache_dir)
+    cache = PreparedCache(cache_dir, shard_sizes=False)  # short shards: listed tensor by tensor below
     cache.check_files()
     bad: list[BadItem] = []
     sizes: dict[str, int] = {}

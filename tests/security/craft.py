@@ -45,3 +45,11 @@ def rewrite_meta(root: Path, edit: Callable[[int, dict[str, Any]], dict[str, Any
     (root / "meta.jsonl").write_bytes(b"".join(out))
     np.save(root / "meta_offsets.npy", np.asarray(offsets, dtype=np.uint64))
     reseal(root)
+
+
+def edit_index(root: Path, edit: Callable[[np.ndarray], None]) -> None:
+    """Edit index.npy's rows in place (edit(rows)), then reseal."""
+    rows = np.load(root / "index.npy", allow_pickle=False).copy()
+    edit(rows)
+    np.save(root / "index.npy", rows, allow_pickle=False)
+    reseal(root)

@@ -1,0 +1,120 @@
+"""Checks of a cache's layout before anything it says is used: a cache someone else made is untrusted input.
+
+Checksums in the manifest catch accidents; anyone who edits a cache can recompute them. So on open (and in
+`prep verify`) every path the manifest names must resolve to a regular file inside the cache directory, and
+every count, size, shape and offset of the index must agree with the real sizes of the files, before a byte
+is allocated or read on their word. All index checks are vectorised (a million-row index in well under a
+second). Each failure is one FormatError line naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders.errors import FormatError
+
+_FIX = "rebuild it with `prep cache --force` (or ask whoever made it)"
+
+
+def shard_paths(root: Path, names: Any, allow_outside: bool = False) -> list[Path]:
+    """The manifest's shard names as paths: relative, inside `root` once symlinks are resolved, regular files.
+
+    allow_outside=True accepts shards that resolve elsewhere (a cache whose shards were moved on purpose);
+    they must still be regular files."""
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise FormatError(f"{root}/manifest.json: 'shards' is not a list of names; {_FIX}")
+    real_root = os.path.realpath(root)
+    out = []
+    for name in names:
+        path = root / name
+        real = os.path.realpath(path)
+        outside = os.path.isabs(name) or ".." in Path(name).parts or os.path.commonpath([real_root, real]) != real_root
+        if outside and not allow_outside:
+            raise FormatError(
+                f"{path}: shard {name!r} resolves outside the cache directory ({real}); refused "
+                "(pass allow_outside=True only for a cache you made yourself)"
+            )
+        try:
+            mode = os.stat(real).st_mode
+        except OSError:
+            mode = 0  # missing: said when it is read (prep verify lists it)
+        if mode and not stat.S_ISREG(mode):
+            raise FormatError(f"{path}: shard {name!r} is not a regular file (a device, FIFO or folder); refused")
+        out.append(path)
+    return out
+
+
+def check_counts(root: Path, manifest: Mapping[str, Any], meta_lines: int) -> int:
+    """n_items from the manifest, checked against the meta offsets on disk (one line per item; an item may
+    have no tensors, so the index bounds nothing here)."""
+    n = manifest.get("n_items")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise FormatError(f"{root}/manifest.json: n_items {str(n)[:40]!r} is not a count; {_FIX}")
+    if n != meta_lines:
+        raise FormatError(f"{root}/manifest.json: n_items {n} but meta_offsets.npy has {meta_lines} lines; {_FIX}")
+    keys = manifest.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise FormatError(f"{root}/manifest.json: 'keys' is not a list of names; {_FIX}")
+    return n
+
+
+def check_index(
+    where: Path, index: np.ndarray, n_items: int, n_keys: int, dtypes: Sequence[str], shard_sizes: Sequence[int]
+) -> None:
+    """The index agrees with itself and with the shards: items in order and below n, each key once per item, known
+    dtypes, shapes whose byte count (no wrap-around) is nbytes, aligned extents inside their shard's real
+    size (a missing shard: size -1, extents not checked), no two extents overlapping."""
+    if not len(index):  # a head with no tensor outputs
+        return
+    item, key, shard = index["item"], index["key"], index["shard"]  # views: each check is one pass, no copies
+    if np.any(item[1:] < item[:-1]) or int(item[-1]) >= n_items:
+        raise FormatError(f"{where}: index rows are not items 0..{n_items - 1} in order (edited?); {_FIX}")
+    if int(key.max()) >= n_keys or np.any((item[1:] == item[:-1]) & (key[1:] <= key[:-1])):
+        raise FormatError(f"{where}: index keys are not each key once per item, in order; {_FIX}")
+    if int(shard.max()) >= len(shard_sizes) or int(index["dtype"].max()) >= len(dtypes):
+        raise FormatError(f"{where}: index names a shard or dtype the manifest does not have; {_FIX}")
+    _check_sizes(where, index, dtypes)
+    _check_extents(where, index, shard, shard_sizes)
+
+
+def _check_sizes(where: Path, index: np.ndarray, dtypes: Sequence[str]) -> None:
+    ndim = index["ndim"]
+    shape = index["shape"].astype(np.float64)  # float: a product past 2^64 shows as large, never wraps
+    if int(ndim.max()) > shape.shape[1]:
+        raise FormatError(f"{where}: an index row has more dims than the layout holds; {_FIX}")
+    used = np.arange(shape.shape[1], dtype=np.uint8)[None, :] < ndim[:, None]
+    if np.any(np.where(used, 0.0, shape)):
+        raise FormatError(f"{where}: an index row has sizes past its ndim (edited?); {_FIX}")
+    itemsize = np.array([np.dtype(d).itemsize for d in dtypes], dtype=np.float64)[index["dtype"]]
+    exact = np.where(used, shape, 1.0).prod(axis=1) * itemsize
+    if np.any(exact >= 2.0**62) or np.any(exact != index["nbytes"]):
+        raise FormatError(f"{where}: an index row's shape and dtype do not make its nbytes (edited?); {_FIX}")
+
+
+def _check_extents(where: Path, index: np.ndarray, shard: np.ndarray, shard_sizes: Sequence[int]) -> None:
+    offset, nbytes = index["offset"], index["nbytes"]
+    if np.any(offset & np.uint64(4095)) or int(offset.max()) >= 1 << 62:
+        raise FormatError(f"{where}: an index offset is not 4 KiB-aligned or out of range; {_FIX}")
+    end = offset + nbytes  # both below 2^62 (checked): no wrap-around
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    limit = np.where(sizes >= 0, sizes, np.iinfo(np.int64).max).astype(np.uint64)[shard]
+    if np.any(end > limit):
+        raise FormatError(f"{where}: an index extent runs past the end of its shard (edited or truncated); {_FIX}")
+    order = np.argsort(offset, kind="stable") if len(sizes) == 1 else np.lexsort((offset, shard))
+    s, o, e = shard[order], offset[order], end[order]
+    if np.any((s[1:] == s[:-1]) & (o[1:] < e[:-1])):
+        raise FormatError(f"{where}: two index extents overlap in one shard (edited?); {_FIX}")
+
+
+def file_size(path: Path) -> int:
+    """A regular file's size, -1 when it is missing."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
