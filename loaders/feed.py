@@ -203,6 +203,8 @@ class _PreparedLoaderCore:
         self._tail_compose = Compose(tail) if tail else None  # seeds crop and rest as MONAI would
         self.tail = batched_tail(rest, self.device)
         self._ragged_tail = _PerItemTail(rest)  # items of unequal shapes (no folded crop): MONAI per item
+        self.value_keys = self._value_keys(keys, tail)
+        self._values: dict[int, dict[str, Any]] = {}  # item -> its non-tensor head outputs (class labels, ...)
         self._backend = backend if isinstance(backend, Backend) else None
         self._backend_spec, self._backend_options = backend, dict(backend_options or {})
         self.items = np.arange(len(self.cache), dtype=np.int64)
@@ -366,11 +368,46 @@ class _PreparedLoaderCore:
             batch = self._assemble(plan, got)
         if any(isinstance(v, list) for v in batch.values()):
             batch["_items"] = torch.as_tensor(plan.items)
-            return self._ragged_tail(batch)
+            return self._with_values(self._ragged_tail(batch))
         batch["_items"] = list(plan.items)  # a per-item list: multi-sample crops repeat it as they repeat items
         out = self.tail(batch)
         out["_items"] = torch.as_tensor(out["_items"])
-        return out  # type: ignore[no-any-return]
+        return self._with_values(out)
+
+    # --- non-tensor outputs of the head (class labels, names): batched as MONAI's list_data_collate does ---
+    def _value_keys(self, keys: Sequence[str] | None, tail: Sequence[Any]) -> list[str]:
+        """The head's non-tensor output keys (from item 0's meta line) the batches carry."""
+        from loaders.meta import line_values
+
+        if not len(self.cache):
+            return []
+        names = [k for k in line_values(self.cache.meta(0)) if keys is None or k in keys]
+        for t in tail:
+            used = [k for k in names if k in (getattr(t, "keys", None) or ())]
+            if used:
+                raise ValueError(
+                    f"PreparedLoader: tail transform {type(t).__name__} reads the non-tensor key(s) {used}, which the "
+                    "loader batches after the tail; use PreparedPersistentDataset for this chain"
+                )
+        return names
+
+    def _with_values(self, out: dict[str, Any]) -> dict[str, Any]:
+        """`out` with each value key collated over its outputs' items (a multi-sample crop repeats its item's)."""
+        if not self.value_keys:
+            return out
+        from monai.data.utils import list_data_collate
+
+        from loaders.meta import line_values
+
+        rows = []
+        for item in out["_items"].tolist():
+            got = self._values.get(item)
+            if got is None:
+                values = line_values(self.cache.meta(item))
+                got = self._values[item] = {k: values[k] for k in self.value_keys if k in values}
+            rows.append(got)
+        out.update(list_data_collate(rows))
+        return out
 
     def _assemble(self, plan: _Plan, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """Per key, the batch's items (resident, whole or crop reads) cropped and stacked (a list if ragged)."""

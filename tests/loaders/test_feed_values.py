@@ -1,0 +1,57 @@
+"""Non-tensor head outputs (class labels) come through PreparedLoader batched as MONAI batches them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("monai")
+
+MEDNIST = Path(__file__).parents[2] / "workflows" / "pipelines" / "mednist.py"
+
+
+@pytest.fixture(scope="module")
+def mednist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from prep.cache import prepare_cache
+    from workflows.bench.cache import mednist_like
+
+    root = tmp_path_factory.mktemp("mednist")
+    prepare_cache(mednist_like(root / "data", 10, size=16), MEDNIST, root / "cache", workers=1)
+    return root / "cache"
+
+
+def test_int_labels_batched_as_monai_collates_them(mednist: Path) -> None:
+    from monai.data.utils import list_data_collate
+
+    from loaders import PreparedDataset, PreparedLoader
+    from loaders.monai import tail_compose
+    from prep.pipeline import load_pipeline
+
+    transform = load_pipeline(MEDNIST).transform
+    loader = PreparedLoader(mednist, transform, batch_size=4, device="cpu", shuffle=False, drop_last=False)
+    loader.set_random_state(5)
+    got = list(loader)
+    tail = tail_compose(load_pipeline(MEDNIST).transform)
+    tail.set_random_state(seed=5)
+    ds = PreparedDataset(mednist)
+    want = [list_data_collate([tail(ds[i]) for i in range(s, min(s + 4, 10))]) for s in range(0, 10, 4)]
+    assert [len(b["_items"]) for b in got] == [4, 4, 2]
+    for g, w in zip(got, want):
+        assert g["label"].dtype == w["label"].dtype == torch.int64
+        assert g["label"].tolist() == w["label"].tolist() == [i % 6 for i in g["_items"].tolist()]
+        np.testing.assert_allclose(g["image"].numpy(), w["image"].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_tail_reading_a_value_key_is_refused(mednist: Path) -> None:
+    from monai.transforms import Compose, RandLambdad
+
+    from loaders import PreparedLoader
+    from prep.pipeline import load_pipeline
+
+    head = load_pipeline(MEDNIST).transform.transforms[:3]
+    transform = Compose([*head, RandLambdad(keys="label", func=lambda x: x + 1)])
+    with pytest.raises(ValueError, match="non-tensor key"):
+        PreparedLoader(mednist, transform, batch_size=2, device="cpu")
