@@ -170,6 +170,7 @@ class ClusterStarter:
         self._thread.start()
 
     def _start(self, workers: int, scheduler: str | None, processes: bool, target: tuple | None, security: Any) -> None:
+        import dask
         from distributed import Client, LocalCluster
 
         try:
@@ -184,6 +185,8 @@ class ClusterStarter:
                     else {"n_workers": 1, "threads_per_worker": workers, "memory_limit": 0}
                 )
                 with ExitStack() as env:
+                    # dask's profiler samples every worker thread's stack each 10 ms, for a dashboard nobody opens
+                    env.enter_context(dask.config.set({"distributed.worker.profile.enabled": False}))
                     if processes:
                         env.enter_context(worker_process_env(torch_threads_for(workers, None, processes)))
                         env.enter_context(forked_workers())

@@ -142,3 +142,19 @@ def test_worker_processes_fork_from_this_process_with_torch_and_monai_imported()
     assert len(origins) == 2 and all(torch and monai for torch, monai, _ in origins), origins
     assert {ppid for _, _, ppid in origins} == {os.getpid()} and len(starter.pids) == 2
     assert handlers == {signal.SIG_IGN}
+
+
+def _profiling(dask_worker: Any) -> bool:
+    return "profile" in dask_worker.periodic_callbacks
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_local_workers_run_without_dask_profiler(processes: bool) -> None:
+    """dask's profiler samples every worker thread's stack each 10 ms (CPU taken from the head)."""
+    import dask
+
+    from prep.cluster import ClusterStarter
+
+    with ClusterStarter(2, None, processes=processes) as starter:
+        assert set(starter.client().run(_profiling).values()) == {False}
+    assert dask.config.get("distributed.worker.profile.enabled")  # the caller's dask config is left as it was
