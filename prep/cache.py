@@ -21,9 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from loaders import chain
+from loaders import chain, layout
 from loaders.format import (
     BMAP,
     INDEX,
@@ -258,26 +256,14 @@ def _check_head(pipe: Pipeline, allow_empty_head: bool) -> None:
 
 
 def _open_checked(root: Path) -> PreparedCache:
-    """Open a committed cache (layout files against their checksums) and check its shards are there at the
-    sizes the index needs, so a damaged cache is refused in one line, never reported up to date."""
+    """Open a committed cache (layout files against their checksums, extents inside the shards present: see
+    loaders.layout) and check that no shard is missing, so a damaged cache is refused in one line, never
+    reported up to date."""
     cache = PreparedCache(root)
-    ends = np.zeros(len(cache.shards), np.int64)
-    if len(cache.index):
-        index = cache.index
-        if int(index["shard"].max()) >= len(ends):
-            raise StaleError(f"{root}: the index names a shard the manifest lacks; re-run with --force to rebuild")
-        np.maximum.at(ends, index["shard"].astype(np.int64), index["offset"].astype(np.int64) + index["nbytes"])
-    for shard, end in zip(cache.shards, ends, strict=True):
-        try:
-            size = os.stat(shard).st_size
-        except FileNotFoundError:
+    for shard in cache.shards:
+        if layout.file_size(shard) < 0:
             raise StaleError(
-                f"{root}: shard {Path(shard).name} is missing (the cache is damaged); re-run with --force to rebuild"
-            ) from None
-        if size < end:
-            raise StaleError(
-                f"{root}: shard {Path(shard).name} is {size} bytes, its tensors need {int(end)} (truncated); "
-                "re-run with --force to rebuild"
+                f"{root}: shard {shard.name} is missing (the cache is damaged); re-run with --force to rebuild"
             )
     return cache
 
