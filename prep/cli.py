@@ -74,26 +74,50 @@ def guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise typer.Exit(130) from None
 
 
-@synth_app.command("nifti", short_help="3D image/label NIfTI pairs of random spheres + dataset.json.")
+@synth_app.command("nifti", short_help="3D image/label NIfTI pairs (spheres, CT-like, MR-like) + dataset.json.")
 def synth_nifti(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Output folder (its parent must exist).")],
     count: Annotated[int, typer.Option(metavar="N", help="Number of image/label pairs.")] = 8,
-    size: Annotated[int, typer.Option(metavar="VOXELS", help="Edge length of each cubic volume.")] = 64,
+    size: Annotated[int, typer.Option(metavar="VOXELS", help="Edge length of each volume (see --shape-range).")] = 64,
     seed: Annotated[int, typer.Option(metavar="N", help="Random seed; the same seed gives the same files.")] = 0,
+    kind: Annotated[
+        str,
+        typer.Option(
+            metavar="spheres|ct|mr",
+            help="spheres (float32 spheres), ct (int16 Hounsfield units, an organ label) or mr "
+            "(4 contrasts, BraTS label classes 0/1/2/4).",
+        ),
+    ] = "spheres",
+    shape_range: Annotated[
+        float, typer.Option(metavar="R", help="Each edge of each volume is VOXELS x U(1-R, 1+R): shapes differ.")
+    ] = 0.0,
+    spacing_range: Annotated[
+        str | None,
+        typer.Option(metavar="LO,HI", help="Voxel spacing per axis drawn from U(LO, HI) mm: spacings differ."),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Replace a dataset already in OUT (refused otherwise).")
     ] = False,
 ) -> None:
-    """3D image/label NIfTI pairs (.nii.gz) of random spheres, plus a decathlon-style dataset.json.
+    """3D image/label NIfTI pairs (.nii.gz) of random spheres, CT-like or MR-like volumes, plus a
+    decathlon-style dataset.json.
 
-    Example: prep synth nifti data/spheres --count 16 --size 96 --seed 1
+    Example: prep synth nifti data/ct --kind ct --count 32 --size 160 --shape-range 0.3 --spacing-range 0.7,2.5
     """
     from prep import synth
     from prep.progress import Progress
 
+    spacing = None
+    if spacing_range is not None:
+        try:
+            lo, hi = (float(v) for v in spacing_range.split(","))
+        except ValueError:
+            raise fail(f"--spacing-range takes LO,HI in mm, not {spacing_range!r}") from None
+        spacing = (lo, hi)
     with Progress(count, "synth nifti", unit="pairs") as bar:
-        datalist = guarded(synth.nifti_dataset, out, count, size, seed, progress=bar.update, force=force)
-    typer.echo(f"wrote {count} image/label pairs of {size}^3 voxels; datalist: {datalist}")
+        datalist = guarded(synth.nifti_dataset, out, count, size, seed, progress=bar.update, force=force,
+                           kind=kind, shape_range=shape_range, spacing_range=spacing)  # fmt: skip
+    typer.echo(f"wrote {count} {kind} image/label pairs of about {size}^3 voxels; datalist: {datalist}")
 
 
 @synth_app.command("images")

@@ -62,18 +62,73 @@ def sphere_volume(size: int, rng: np.random.Generator, n_spheres: int = 3) -> tu
     return image, label
 
 
-def nifti_dataset(
-    out: Path, count: int, size: int, seed: int = 0, progress: Progress | None = None, force: bool = False
-) -> Path:
-    """Write `count` image/label .nii.gz pairs of `size`^3 voxels and a decathlon datalist; return its path.
+KINDS = ("spheres", "ct", "mr")
 
-    An existing dataset in `out` is refused (UsageError), or replaced with `force`."""
+
+def ct_volume(shape: tuple[int, int, int], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A CT-like int16 volume in Hounsfield units (air -1000 around an ellipsoid body of soft tissue, an organ
+    blob brighter than it) and its uint8 organ label."""
+    grid = np.indices(shape, dtype=np.float32)
+    centre = [(n - 1) / 2 for n in shape]
+    body = sum(((grid[d] - centre[d]) / (0.45 * shape[d])) ** 2 for d in range(3)) <= 1.0
+    organ_c = [c + rng.uniform(-0.15, 0.15) * n for c, n in zip(centre, shape)]
+    organ_r = [rng.uniform(0.08, 0.16) * n for n in shape]
+    organ = body & (sum(((grid[d] - organ_c[d]) / organ_r[d]) ** 2 for d in range(3)) <= 1.0)
+    image = np.where(body, rng.normal(40.0, 20.0, shape), rng.normal(-1000.0, 10.0, shape))
+    image[organ] = rng.normal(110.0, 15.0, int(organ.sum()))
+    return image.astype(np.int16), organ.astype(np.uint8)
+
+
+def mr_volume(shape: tuple[int, int, int], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A 4-channel MR-like float32 volume (X, Y, Z, 4: four contrasts of one head, zero outside it) and a tumour
+    label in BraTS's classes (0 background, 1 necrosis, 2 oedema, 4 enhancing)."""
+    grid = np.indices(shape, dtype=np.float32)
+    centre = [(n - 1) / 2 for n in shape]
+    head = sum(((grid[d] - centre[d]) / (0.42 * shape[d])) ** 2 for d in range(3)) <= 1.0
+    tc = [c + rng.uniform(-0.12, 0.12) * n for c, n in zip(centre, shape)]
+    dist = np.sqrt(sum(((grid[d] - tc[d]) / (0.2 * shape[d])) ** 2 for d in range(3)))
+    label = np.zeros(shape, dtype=np.uint8)
+    label[head & (dist <= 1.0)] = 2
+    label[head & (dist <= 0.6)] = 4
+    label[head & (dist <= 0.3)] = 1
+    channels = []
+    for c in range(4):
+        base = rng.normal(300.0 + 100 * c, 40.0, shape) + 150.0 * (label > 0) * (c % 2 * 2 - 1)
+        channels.append(np.where(head, np.clip(base, 1.0, None), 0.0))
+    return np.stack(channels, axis=-1).astype(np.float32), label
+
+
+def _item_geometry(
+    rng: np.random.Generator, size: int, shape_range: float, spacing_range: tuple[float, float] | None
+) -> tuple[tuple[int, int, int], np.ndarray]:
+    """An item's shape (edges size x U(1 - r, 1 + r)) and voxel spacing (per axis U(lo, hi) mm)."""
+    r = shape_range
+    shape = tuple(max(8, int(round(size * rng.uniform(1 - r, 1 + r)))) for _ in range(3))
+    spacing = rng.uniform(*spacing_range, 3) if spacing_range else rng.choice([0.8, 1.0, 1.5], 3)
+    return shape, spacing  # type: ignore[return-value]
+
+
+def nifti_dataset(
+    out: Path,
+    count: int,
+    size: int,
+    seed: int = 0,
+    progress: Progress | None = None,
+    force: bool = False,
+    kind: str = "spheres",
+    shape_range: float = 0.0,
+    spacing_range: tuple[float, float] | None = None,
+) -> Path:
+    """Write `count` image/label .nii.gz pairs of about `size`^3 voxels and a decathlon datalist; return its path.
+
+    kind: "spheres" (bright spheres, float32), "ct" (int16 Hounsfield units: air around a body, an organ
+    label) or "mr" (4 float32 contrasts in the last dim, BraTS label classes 0/1/2/4). shape_range r: each
+    edge of each volume is size x U(1 - r, 1 + r) (0: all size^3). spacing_range (lo, hi): each axis's voxel
+    spacing in mm drawn from U(lo, hi) (None: 0.8, 1.0 or 1.5). An existing dataset in `out` is refused
+    (UsageError), or replaced with `force`."""
     import nibabel as nib
 
-    if count < 1:
-        raise UsageError(f"--count must be at least 1 (got {count})")
-    if size < 8:
-        raise UsageError(f"--size must be at least 8 voxels (got {size})")
+    _check_nifti_args(count, size, kind, shape_range, spacing_range)
     out = Path(out)
     check_output_dir(out)
     refuse_overwrite(out, [out / "dataset.json", out / "imagesTr", out / "labelsTr"], force)
@@ -82,8 +137,13 @@ def nifti_dataset(
     training = []
     for i in range(count):
         rng = np.random.default_rng([seed, i])
-        image, label = sphere_volume(size, rng)
-        spacing = rng.choice([0.8, 1.0, 1.5], 3)
+        if kind == "spheres" and not shape_range and spacing_range is None:  # the original datasets, unchanged
+            image, label = sphere_volume(size, rng)
+            spacing = rng.choice([0.8, 1.0, 1.5], 3)
+        else:
+            shape, spacing = _item_geometry(rng, size, shape_range, spacing_range)
+            make = {"spheres": lambda sh, g: sphere_volume(sh[0], g), "ct": ct_volume, "mr": mr_volume}[kind]
+            image, label = make(shape if kind != "spheres" else (shape[0],) * 3, rng)
         affine = np.diag([*spacing, 1.0])
         name = f"case_{i:05d}.nii.gz"
         nib.save(nib.Nifti1Image(image, affine), out / "imagesTr" / name)
@@ -92,9 +152,43 @@ def nifti_dataset(
         if progress:
             progress(1)
     datalist = out / "dataset.json"
-    doc = {"name": "blockprep-synthetic", "numTraining": count, "training": training}
+    doc = {"name": f"blockprep-synthetic-{kind}", "numTraining": count, "training": training}
     datalist.write_text(json.dumps(doc, indent=1))
     return datalist
+
+
+def _check_nifti_args(
+    count: int, size: int, kind: str, shape_range: float, spacing_range: tuple[float, float] | None
+) -> None:
+    if count < 1:
+        raise UsageError(f"--count must be at least 1 (got {count})")
+    if size < 8:
+        raise UsageError(f"--size must be at least 8 voxels (got {size})")
+    if kind not in KINDS:
+        raise UsageError(f"--kind must be one of {', '.join(KINDS)} (got {kind!r})")
+    if not 0.0 <= shape_range < 1.0:
+        raise UsageError(f"--shape-range must be in [0, 1) (got {shape_range})")
+    if spacing_range is not None and not 0 < spacing_range[0] <= spacing_range[1]:
+        raise UsageError(f"--spacing-range must be two spacings 0 < LO <= HI in mm (got {spacing_range})")
+
+
+def mednist_like(out: Path, count: int, size: int = 64, classes: int = 6, seed: int = 1) -> Path:
+    """A MedNIST-like datalist: `count` grayscale `size`^2 JPEGs of noisy blobs, {"image": path, "label": class}."""
+    from PIL import Image
+
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    training = []
+    grid = np.indices((size, size), dtype=np.float32)
+    for i in range(count):
+        rng = np.random.default_rng([seed, i])
+        label = i % classes
+        centre = rng.uniform(0.3 * size, 0.7 * size, 2)
+        blob = np.exp(-((grid[0] - centre[0]) ** 2 + (grid[1] - centre[1]) ** 2) / (2 * (4 + 3 * label) ** 2))
+        pixels = np.clip(200 * blob + rng.normal(30, 15, (size, size)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels, mode="L").save(out / "images" / f"{i:06d}.jpeg", quality=90)
+        training.append({"image": f"images/{i:06d}.jpeg", "label": label})
+    (out / "dataset.json").write_text(json.dumps({"training": training}))
+    return out / "dataset.json"
 
 
 def image_tree(

@@ -16,7 +16,7 @@ MEDNIST = Path(__file__).parents[2] / "workflows" / "pipelines" / "mednist.py"
 @pytest.fixture(scope="module")
 def mednist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from prep.cache import prepare_cache
-    from workflows.bench.cache import mednist_like
+    from prep.synth import mednist_like
 
     root = tmp_path_factory.mktemp("mednist")
     prepare_cache(mednist_like(root / "data", 10, size=16), MEDNIST, root / "cache", workers=1)

@@ -78,3 +78,30 @@ def test_ddp_row_on_cpu_with_gloo(out: Path) -> None:
     assert got["every_item_once"] is True and got["world"] == 2 and got["x_one_gpu"] > 0
     rows = _rows(out / "ddp" / "bench.csv")
     assert [r["name"] for r in rows] == ["blockprep PreparedLoader, 1 GPU", "blockprep PreparedLoader, DDP x2"]
+
+
+WORKLOAD_TINY = {
+    "seg-ct": ["--size", "40", "--crop", "16", "--count", "4"],
+    "brats": ["--size", "24", "--crop", "16", "--count", "4"],
+    "gds-seed": ["--size", "24", "--crop", "16", "--count", "3"],
+    "mednist": ["--size", "32", "--count", "16", "--batchsize", "8"],
+}
+
+
+@pytest.mark.parametrize(
+    "workload",
+    ["seg-ct", pytest.param("brats", marks=pytest.mark.slow), pytest.param("gds-seed", marks=pytest.mark.slow),
+     pytest.param("mednist", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_tutorial_workloads_run_every_loader(workload: str, out: Path) -> None:
+    """Each tutorial workload trains end to end on CPU through MONAI's way, the drop-in and PreparedLoader."""
+    args = ["train", "--workload", workload, *WORKLOAD_TINY[workload], "--epochs", "2", "--workers", "1",
+            "--device", "cpu", "--rows", "persistent,drop-in,fast", "--out", str(out / workload)]  # fmt: skip
+    assert benchmark.main(args) == 0
+    rows = _rows(out / workload / "bench.csv")
+    assert {r["data"] for r in rows} == {workload}
+    names = [r["name"] for r in rows]
+    assert any(n.startswith("blockprep PreparedLoader") for n in names), names
+    assert any(n.startswith("blockprep PreparedPersistentDataset") for n in names), names
+    assert any(n.startswith("monai PersistentDataset") for n in names), names
+    assert all(float(r["items_per_s"]) > 0 for r in rows)

@@ -123,28 +123,9 @@ def mixed_volumes(out: Path, count: int, size: int) -> Path:
     return out / "dataset.json"
 
 
-def mednist_like(out: Path, count: int, size: int = 64, classes: int = 6) -> Path:
-    """A MedNIST-like datalist: `count` grayscale `size`^2 JPEGs of noisy blobs, {"image": path, "label": class}."""
-    from PIL import Image
-
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    training = []
-    grid = np.indices((size, size), dtype=np.float32)
-    for i in range(count):
-        rng = np.random.default_rng([1, i])
-        label = i % classes
-        centre = rng.uniform(0.3 * size, 0.7 * size, 2)
-        blob = np.exp(-((grid[0] - centre[0]) ** 2 + (grid[1] - centre[1]) ** 2) / (2 * (4 + 3 * label) ** 2))
-        pixels = np.clip(200 * blob + rng.normal(30, 15, (size, size)), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels, mode="L").save(out / "images" / f"{i:06d}.jpeg", quality=90)
-        training.append({"image": f"images/{i:06d}.jpeg", "label": label})
-    (out / "dataset.json").write_text(json.dumps({"training": training}))
-    return out / "dataset.json"
-
-
 def _workload(work: Path, name: str, count: int, size: int, images: int) -> tuple[Path, Path, str]:
     """(datalist, pipeline, description) of a workload, made once per spec and kept."""
-    from prep.synth import nifti_dataset
+    from prep.synth import mednist_like, nifti_dataset
 
     if name == "spheres":
         folder, make = work / f"spheres-{count}x{size}", lambda d: nifti_dataset(d, count=count, size=size, seed=0)

@@ -26,6 +26,7 @@ import typer
 from workflows.bench import scenario
 from workflows.bench.core import Options, Result, Rows, Unavailable
 from workflows.bench.report import PERSISTENT as MONAI_PERSISTENT
+from workflows.bench.workloads import NAMES, WORKLOADS, model_and_loss
 
 KEYS = ("image", "label")
 CEILING = "compute only (one batch resident, no transforms)"
@@ -48,6 +49,7 @@ class TrainOptions:
     out: Path = Path("bench_out")
     seed: int = 0
     rows: tuple[str, ...] = ()  # only these rows (names as in ROWS); empty: all
+    workload: str = "spheres"  # a name of workflows.bench.workloads.WORKLOADS
 
     @property
     def gpu(self) -> bool:
@@ -79,35 +81,23 @@ class TrainRow:
 
 
 def pipeline_source(crop: int) -> str:
-    """PIPELINE.py text of the benchmark's pipeline with a `crop`^3 random crop."""
-    return f'''"""Training benchmark pipeline: deterministic head | random tail ({crop}^3 crop, flip, intensity)."""
-from monai.transforms import (Compose, EnsureChannelFirstd, LoadImaged, RandFlipd, RandScaleIntensityd,
-                              RandSpatialCropd, ScaleIntensityd)
-
-KEYS = ["image", "label"]
-transform = Compose([
-    LoadImaged(keys=KEYS),
-    EnsureChannelFirstd(keys=KEYS),
-    ScaleIntensityd(keys="image"),
-    RandSpatialCropd(keys=KEYS, roi_size=({crop}, {crop}, {crop}), random_size=False),
-    RandFlipd(keys=KEYS, prob=0.5, spatial_axis=0),
-    RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
-])
-'''
+    """PIPELINE.py text of the spheres workload with a `crop`^3 random crop."""
+    return WORKLOADS["spheres"].pipeline(TrainOptions(crop=crop))
 
 
 def build_data(opts: TrainOptions, work: Path) -> tuple[Path, Path, Path]:
-    """(datalist, pipeline, cache): synthetic volumes and their prepared cache, reused when present."""
+    """(datalist, pipeline, cache): the workload's synthetic data and its prepared cache, reused when present."""
     from prep.cache import prepare_cache
-    from prep.synth import nifti_dataset
 
-    root = work / f"train_{opts.count}x{opts.size}_crop{opts.crop}"
+    load = WORKLOADS[opts.workload]
+    tag = "" if opts.workload == "spheres" else f"{opts.workload}_"
+    root = work / f"train_{tag}{opts.count}x{opts.size}_crop{opts.crop}"
     root.mkdir(parents=True, exist_ok=True)
     pipeline = root / "pipeline.py"
-    pipeline.write_text(pipeline_source(opts.crop))
+    pipeline.write_text(load.pipeline(opts))
     datalist = root / "nifti" / "dataset.json"
     if not datalist.is_file():
-        nifti_dataset(root / "nifti", count=opts.count, size=opts.size, seed=opts.seed)
+        load.data(opts, root / "nifti")
     cache = root / "cache"
     if not (cache / "manifest.json").is_file():
         prepare_cache(datalist, pipeline, cache, workers=max(1, min(opts.workers, os.cpu_count() or 1)))
@@ -124,18 +114,18 @@ def transform_of(pipeline: Path, seed: int) -> Any:
 
 
 def make_step(opts: TrainOptions, device: str, ddp: bool = False) -> Callable[[Any, Any], float]:
-    """One training step (forward, DiceLoss, backward, Adam) of a fresh UNet; returns nothing to sync on."""
+    """One training step (forward, the workload's loss, backward, Adam) of a fresh model; returns nothing to
+    sync on. The loading-only workload (gds-seed) has no model: its step does nothing."""
     import torch
-    from monai.losses import DiceLoss
-    from monai.networks.nets import UNet
 
     torch.manual_seed(opts.seed)
-    model: Any = UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=opts.channels,
-                      strides=(2,) * (len(opts.channels) - 1)).to(device)  # fmt: skip
+    model, loss_fn = model_and_loss(WORKLOADS[opts.workload].model, opts)
+    if model is None:
+        return lambda image, label: 0.0
+    model = model.to(device)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if opts.gpu else None)
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn = DiceLoss(to_onehot_y=True, softmax=True)
     cuda = device.startswith("cuda")
 
     def step(image: Any, label: Any) -> float:
@@ -203,10 +193,18 @@ def ceiling(opts: TrainOptions, steps: int) -> TrainRow:
     """One batch resident on the device, no transforms: the most the model can do."""
     import torch
 
+    shapes = WORKLOADS[opts.workload].ceiling(opts)
+    if not shapes:
+        raise Unavailable(f"{opts.workload} trains no model: no compute ceiling")
     g = torch.Generator().manual_seed(opts.seed)
-    shape = (opts.batch, 1, opts.crop, opts.crop, opts.crop)
-    batch = {"image": torch.rand(shape, generator=g).to(opts.device),
-             "label": (torch.rand(shape, generator=g) > 0.5).float().to(opts.device)}  # fmt: skip
+    batch = {}
+    for key, (shape, kind) in shapes.items():
+        if kind == "class":
+            value = torch.randint(0, 6, shape, generator=g)
+        else:
+            value = torch.rand(shape, generator=g)
+            value = (value > 0.5).float() if kind == "binary" else value
+        batch[key] = value.to(opts.device)
     return time_loop(CEILING, "ceiling", lambda e: (batch for _ in range(steps)), opts)
 
 
@@ -221,6 +219,8 @@ def _dataloader(dataset: Any, opts: TrainOptions, workers: int, threads: bool = 
     from monai.data import DataLoader, ThreadDataLoader
 
     g = torch.Generator().manual_seed(opts.seed)
+    if WORKLOADS[opts.workload].thread_loader:  # as the seed runs it: ThreadDataLoader, batch 1, no workers
+        return ThreadDataLoader(dataset, batch_size=opts.batch, shuffle=True, generator=g)
     if threads:
         return ThreadDataLoader(dataset, batch_size=opts.batch, shuffle=True, drop_last=True, generator=g,
                                 num_workers=workers, use_thread_workers=workers > 0)  # fmt: skip
@@ -232,8 +232,21 @@ def persistent(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -
     """MONAI PersistentDataset (.pt files) + DataLoader(W workers), tail on CPU."""
     from monai.data import PersistentDataset
 
-    ds = PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=work / "persistent")
-    return time_loop(f"{PERSISTENT}({opts.workers})", "peer", _loader_epochs(_dataloader(ds, opts, opts.workers)), opts)
+    where = work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
+    ds = PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
+    return time_loop(persistent_name(opts), "peer", _loader_epochs(_dataloader(ds, opts, opts.workers)), opts)
+
+
+def persistent_name(opts: TrainOptions) -> str:
+    """The reference peer's row name: PersistentDataset under the workload's DataLoader."""
+    if WORKLOADS[opts.workload].thread_loader:
+        return f"{MONAI_PERSISTENT} + ThreadDataLoader(batch {opts.batch})"
+    return f"{PERSISTENT}({opts.workers})"
+
+
+def data_name(opts: TrainOptions) -> str:
+    """The data column of a workload's rows (ratios are taken within it)."""
+    return "train" if opts.workload == "spheres" else opts.workload
 
 
 def cache_gpu(datalist: Path, pipeline: Path, opts: TrainOptions, budget: int, nbytes: int) -> TrainRow:
@@ -248,7 +261,8 @@ def cache_gpu(datalist: Path, pipeline: Path, opts: TrainOptions, budget: int, n
     if nbytes > budget:
         raise Unavailable(f"the dataset ({nbytes / 2**30:.1f} GiB) exceeds --gpu-budget ({budget / 2**30:.1f} GiB)")
     head, tail = chain.split(transform_of(pipeline, opts.seed))
-    to_gpu = EnsureTyped(keys=list(KEYS), device=torch.device(opts.device), track_meta=False)
+    keys = ["image"] if opts.workload == "mednist" else list(KEYS)
+    to_gpu = EnsureTyped(keys=keys, device=torch.device(opts.device), track_meta=False)
     transform = Compose([*head, to_gpu, *tail])
     transform.set_random_state(seed=opts.seed)
     ds = CacheDataset(_datalist(datalist), transform, cache_rate=1.0, num_workers=opts.workers, progress=False)
@@ -303,6 +317,10 @@ def drop_in(datalist: Path, pipeline: Path, cache: Path, opts: TrainOptions, thr
     ds = PreparedPersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache)
     loader = _dataloader(ds, opts, opts.workers, threads=threads)
     kind = f"ThreadDataLoader({opts.workers} threads)" if threads else f"DataLoader({opts.workers})"
+    if WORKLOADS[opts.workload].thread_loader:
+        if threads:
+            raise Unavailable(f"{opts.workload} runs its loaders as the seed does (ThreadDataLoader, batch 1): one row")
+        kind = f"ThreadDataLoader(batch {opts.batch})"
     return time_loop(f"blockprep PreparedPersistentDataset + {kind}", "ours", _loader_epochs(loader), opts)
 
 
@@ -351,9 +369,10 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     budget = gpu_budget(opts)
     steps = opts.count // opts.batch
     half = nbytes // 2
-    rows = Rows(title=f"training: {opts.count} x {opts.size}^3, crop {opts.crop}^3, batch {opts.batch}, "
-                f"{opts.epochs - 1} timed epochs, items/s = steps/s")  # fmt: skip
-    rows.peers["train"] = f"{PERSISTENT}({opts.workers})"
+    what = WORKLOADS[opts.workload].describe(opts)
+    rows = Rows(title=f"training {opts.workload}: {what}, batch {opts.batch}, {opts.epochs - 1} timed epochs, "
+                "items/s = steps/s")  # fmt: skip
+    rows.peers[data_name(opts)] = persistent_name(opts)
     jobs: list[tuple[str, Callable[[], TrainRow]]] = [
         ("ceiling", lambda: ceiling(opts, steps)),
         ("persistent", lambda: persistent(datalist, pipeline, opts, work)),
@@ -378,8 +397,12 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     for key, job in jobs:
         if opts.rows and key not in opts.rows and key != "ceiling":
             continue
-        rows.add(key, lambda job=job: as_result(job()))  # type: ignore[misc]
+        rows.add(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
     _best_ceiling(rows, opts, steps)
+    best = max((r.items_per_s for r in rows.results if r.kind == "peer"), default=0.0)
+    for r in rows.results:
+        if r.kind == "ours" and best > 0:
+            r.extra["x best MONAI"] = r.items_per_s / best
     return rows
 
 
@@ -389,27 +412,42 @@ def _best_ceiling(rows: Rows, opts: TrainOptions, steps: int) -> None:
     first = next((r for r in rows.results if r.kind == "ceiling"), None)
     if first is None:
         return
-    again = as_result(ceiling(opts, steps))
+    again = as_result(ceiling(opts, steps), data_name(opts))
     if again.items_per_s > first.items_per_s:
         first.seconds, first.items, first.extra = again.seconds, again.items, again.extra
     first.note = "best of the first and the last row"
 
 
-def as_result(row: TrainRow) -> Result:
+def as_result(row: TrainRow, data: str = "train") -> Result:
     """A harness row: items = timed steps (items/s is steps/s); the wait share goes with it."""
     extra = {"waiting %": 100 * row.wait_share, **row.extra}
-    return Result(row.name, "train", row.steps, row.seconds, 0, row.kind, row.note, extra)
+    return Result(row.name, data, row.steps, row.seconds, 0, row.kind, row.note, extra)
 
 
-@scenario("train", "MONAI 3D UNet training steps/s and data-wait share, every loader against the compute ceiling.")
+# Per workload: (size, crop, batch, count, workers) when the command line does not say (the GPU box's run).
+DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
+    "spheres": (160, 96, 4, 48, 8),
+    "seg-ct": (160, 96, 2, 24, 8),
+    "brats": (144, 128, 2, 16, 8),
+    "gds-seed": (250, 200, 1, 12, 0),
+    "mednist": (64, 64, 512, 10240, 4),
+}
+
+
+@scenario("train", "Training steps/s and data-wait share on the tutorial workloads, every loader against the ceiling.")
 def train(
     opts: Options,
-    size: Annotated[int, typer.Option(help="volume edge in voxels")] = 160,
-    crop: Annotated[int, typer.Option(help="random crop edge (RandSpatialCropd)")] = 96,
+    workload: Annotated[
+        str, typer.Option(metavar="NAME", help=f"{', '.join(NAMES)}, a comma-separated list, or all")
+    ] = "spheres",
+    size: Annotated[int | None, typer.Option(help="volume (image) edge in voxels; default per workload")] = None,
+    crop: Annotated[int | None, typer.Option(help="crop edge of the tail's crop; default per workload")] = None,
     epochs: Annotated[int, typer.Option(min=2, help="epochs per row; the first fills caches, untimed")] = 4,
-    count: Annotated[int, typer.Option(min=1, help="volumes in the dataset")] = 48,
+    count: Annotated[
+        int | None, typer.Option(min=1, help="volumes (images) in the dataset; default per workload")
+    ] = None,
     gpu_budget: Annotated[str | None, typer.Option(help="bytes GPU-resident rows may hold, e.g. 8GiB")] = None,
-    channels: Annotated[str, typer.Option(help="UNet channels per level, comma-separated")] = "16,32,64,128",
+    channels: Annotated[str, typer.Option(help="UNet channels per level (spheres), comma-separated")] = "16,32,64,128",
     rows: Annotated[
         str,
         typer.Option(
@@ -421,15 +459,30 @@ def train(
     ] = "",
     ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,
 ) -> Rows:
-    """`python -m workflows.benchmark train --device cuda:0` (global --batchsize is the batch, --workers the
-    DataLoader workers of the peers: default 8)."""
-    if crop > size or count < opts.batchsize:
-        raise typer.BadParameter("need --crop <= --size and --count >= --batchsize")
-    topts = TrainOptions(size, crop, opts.batchsize, epochs, opts.workers or 8, opts.device, count, gpu_budget,
-                         tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
-                         rows=tuple(r for r in rows.split(",") if r))  # fmt: skip
-    if ddp:
-        from workflows.bench.train_ddp import main_ddp
+    """`python -m workflows.benchmark train --workload all --device cuda:0` (global --batchsize is the batch,
+    --workers the DataLoader workers of the peers; left at 4 and 0 they are the workload's own)."""
+    names = list(NAMES) if workload == "all" else [w for w in workload.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown workload {unknown or workload!r}; choose from {', '.join(NAMES)} or all")
+    out = Rows()
+    for name in names:
+        d_size, d_crop, d_batch, d_count, d_workers = DEFAULTS[name]
+        batch = opts.batchsize if opts.batchsize != Options().batchsize else d_batch  # 4, the global default
+        topts = TrainOptions(size or d_size, crop or d_crop, batch, epochs, opts.workers or d_workers, opts.device,
+                             count or d_count, gpu_budget,
+                             tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
+                             rows=tuple(r for r in rows.split(",") if r), workload=name)  # fmt: skip
+        if name == "mednist":  # 2D classification: no crop
+            topts.crop = topts.size
+        if topts.crop > topts.size * 1.4 or topts.count < topts.batch:
+            raise typer.BadParameter(f"{name}: need --crop <= --size and --count >= the batch size")
+        if ddp:
+            from workflows.bench.train_ddp import main_ddp
 
-        return main_ddp(topts)
-    return run(topts, opts.work)
+            return main_ddp(topts)
+        print(f"workload {name}:", flush=True)
+        got = run(topts, opts.work)
+        out.extend(got)
+        out.title = got.title if len(names) == 1 else f"training, workloads {', '.join(names)}"
+    return out
