@@ -70,7 +70,7 @@ def ct_volume(shape: tuple[int, int, int], rng: np.random.Generator) -> tuple[np
     blob brighter than it) and its uint8 organ label."""
     grid = np.indices(shape, dtype=np.float32)
     centre = [(n - 1) / 2 for n in shape]
-    body = sum(((grid[d] - centre[d]) / (0.45 * shape[d])) ** 2 for d in range(3)) <= 1.0
+    body = sum(((grid[d] - centre[d]) / (0.49 * shape[d])) ** 2 for d in range(3)) <= 1.0
     organ_c = [c + rng.uniform(-0.15, 0.15) * n for c, n in zip(centre, shape)]
     organ_r = [rng.uniform(0.08, 0.16) * n for n in shape]
     organ = body & (sum(((grid[d] - organ_c[d]) / organ_r[d]) ** 2 for d in range(3)) <= 1.0)
@@ -124,7 +124,7 @@ def nifti_dataset(
     kind: "spheres" (bright spheres, float32), "ct" (int16 Hounsfield units: air around a body, an organ
     label) or "mr" (4 float32 contrasts in the last dim, BraTS label classes 0/1/2/4). shape_range r: each
     edge of each volume is size x U(1 - r, 1 + r) (0: all size^3). spacing_range (lo, hi): each axis's voxel
-    spacing in mm drawn from U(lo, hi) (None: 0.8, 1.0 or 1.5). An existing dataset in `out` is refused
+    spacing in mm drawn from U(lo, hi) (None: 0.8, 1.0 or 1.5); for "ct" the slice axis's is 1.6 times that. An existing dataset in `out` is refused
     (UsageError), or replaced with `force`."""
     import nibabel as nib
 
@@ -142,6 +142,8 @@ def nifti_dataset(
             spacing = rng.choice([0.8, 1.0, 1.5], 3)
         else:
             shape, spacing = _item_geometry(rng, size, shape_range, spacing_range)
+            if kind == "ct":  # CT slices are thicker than the in-plane pixels
+                spacing = spacing * np.array([1.0, 1.0, 1.6])
             make = {"spheres": lambda sh, g: sphere_volume(sh[0], g), "ct": ct_volume, "mr": mr_volume}[kind]
             image, label = make(shape if kind != "spheres" else (shape[0],) * 3, rng)
         affine = np.diag([*spacing, 1.0])

@@ -172,7 +172,7 @@ def _crop3(channels: int, label: str, samples: int = 1) -> Callable[[Any], dict[
 WORKLOADS: dict[str, Workload] = {
     "spheres": Workload("spheres", _spheres_pipeline, _nifti("spheres", 0.0, None), "unet-small", _crop3(1, "binary"),
                         describe=lambda o: f"{o.count} x {o.size}^3 spheres, crop {o.crop}^3"),
-    "seg-ct": Workload("seg-ct", _segct_pipeline, _nifti("ct", 0.3, (0.7, 2.5)), "unet-spleen",
+    "seg-ct": Workload("seg-ct", _segct_pipeline, _nifti("ct", 0.2, (1.4, 2.2)), "unet-spleen",
                        _crop3(1, "binary", 4), samples=4,
                        describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, shapes/spacings differ, "
                        f"4 pos/neg crops {o.crop}^3 per item"),
