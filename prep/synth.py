@@ -124,8 +124,8 @@ def nifti_dataset(
     kind: "spheres" (bright spheres, float32), "ct" (int16 Hounsfield units: air around a body, an organ
     label) or "mr" (4 float32 contrasts in the last dim, BraTS label classes 0/1/2/4). shape_range r: each
     edge of each volume is size x U(1 - r, 1 + r) (0: all size^3). spacing_range (lo, hi): each axis's voxel
-    spacing in mm drawn from U(lo, hi) (None: 0.8, 1.0 or 1.5); for "ct" the slice axis's is 1.6 times that. An existing dataset in `out` is refused
-    (UsageError), or replaced with `force`."""
+    spacing in mm drawn from U(lo, hi) (None: 0.8, 1.0 or 1.5); for "ct" the slice axis's is 1.6 times that.
+    An existing dataset in `out` is refused (UsageError), or replaced with `force`."""
     import nibabel as nib
 
     _check_nifti_args(count, size, kind, shape_range, spacing_range)
