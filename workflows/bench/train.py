@@ -428,7 +428,7 @@ def as_result(row: TrainRow, data: str = "train") -> Result:
 DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
     "spheres": (160, 96, 4, 48, 8),
     "seg-ct": (144, 96, 2, 24, 8),
-    "brats": (144, 128, 2, 16, 8),
+    "brats": (144, 112, 2, 16, 8),
     "gds-seed": (250, 200, 1, 12, 0),
     "mednist": (64, 64, 512, 10240, 4),
 }

@@ -176,7 +176,7 @@ WORKLOADS: dict[str, Workload] = {
                        _crop3(1, "binary", 4), samples=4,
                        describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, shapes/spacings differ, "
                        f"4 pos/neg crops {o.crop}^3 per item"),
-    "brats": Workload("brats", _brats_pipeline, _nifti("mr", 0.1, (0.9, 1.1)), "segresnet", _crop3(4, "multi"),
+    "brats": Workload("brats", _brats_pipeline, _nifti("mr", 0.1, (1.0, 1.2)), "segresnet", _crop3(4, "multi"),
                       describe=lambda o: f"{o.count} 4-contrast MR-like volumes ~{o.size}^3, crop {o.crop}^3"),
     "gds-seed": Workload("gds-seed", _gds_pipeline, _nifti("spheres", 0.2, (1.0, 2.0)), "none",
                          lambda o: {}, thread_loader=True,
