@@ -51,7 +51,7 @@ from prep.cluster import (
 )
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
-from prep.pipeline import Pipeline, load_pipeline
+from prep.pipeline import Pipeline, file_sha256, load_pipeline
 from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
@@ -392,6 +392,7 @@ def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]
         "n_datalist": len(items),
         "sections": list(sections),
         "pipeline": str(pipe.path),
+        "pipeline_sha256": file_sha256(pipe.path),  # what it was: a cache never picks the code a trainer runs
         "bundle_key": pipe.bundle_key,
     }
 

@@ -35,6 +35,7 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
     """
     cache = PreparedCache(cache_dir, shard_sizes=False)  # short shards: listed tensor by tensor below
     cache.check_files()
+    _check_meta(cache)
     bad: list[BadItem] = []
     sizes: dict[str, int] = {}
     for shard in cache.shards:
@@ -60,6 +61,24 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
     if len(cache.index) and int(cache.index["item"].max()) >= cache.n_items:
         bad.append(BadItem(int(cache.index["item"].max()), "", "", "index row beyond the manifest's n_items"))
     return bad
+
+
+def _check_meta(cache: PreparedCache) -> None:
+    """Every meta line parses and decodes to allowed values only (what readers will build); FormatError,
+    naming the item, for the first that does not."""
+    from loaders.errors import FormatError
+    from loaders.meta import META as META_PART
+    from loaders.meta import OPS, TYPED, VALUES, decode
+
+    for item in range(cache.n_items):
+        line = cache.meta(item)
+        if not line.get(TYPED):
+            continue
+        try:
+            for part in (META_PART, OPS, VALUES):
+                decode(line.get(part) or {})
+        except FormatError as exc:
+            raise FormatError(f"{cache.root / 'meta.jsonl'}: item {item}: {exc}") from None
 
 
 def _check_entry(entry: TensorEntry, shard_size: int, fds: dict[str, int]) -> str | None:

@@ -130,3 +130,8 @@ def _check_dictionary(path: Path, transform: Any) -> None:
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a pipeline file's bytes, as the manifest records it (`pipeline_sha256`)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

@@ -87,22 +87,41 @@ class TrainReport:
                 f"{self.first_loss:.3f} -> {self.last_loss:.3f}")  # fmt: skip
 
 
-def cache_sources(cache_dir: Path) -> tuple[list[dict[str, Any]], Path]:
-    """The datalist entries the cache was made from (in item order) and the pipeline it recorded."""
+def cache_sources(cache_dir: Path) -> list[dict[str, Any]]:
+    """The datalist entries the cache was made from (in item order)."""
     from loaders.format import PreparedCache
 
     cache = PreparedCache(cache_dir)
-    data = [cache.meta(i)["source"] for i in range(len(cache))]
-    recorded = cache.manifest.get("pipeline")
-    return data, Path(recorded) if recorded and Path(recorded).is_file() else DEFAULT_PIPELINE
+    return [cache.meta(i)["source"] for i in range(len(cache))]
+
+
+def choose_pipeline(cache_dir: Path, given: Path | None) -> Path:
+    """The pipeline file to run: the one the user names, else the shipped demo pipeline when the cache was
+    made with exactly that file (its recorded sha256 matches). Never a file because the cache names it: a
+    cache can come from anyone, and its checksums can be recomputed by whoever edits it."""
+    from loaders.format import read_manifest
+    from prep.errors import UsageError
+    from prep.pipeline import file_sha256
+
+    if given is not None:
+        return given
+    manifest = read_manifest(cache_dir)
+    recorded = manifest.get("pipeline")
+    if manifest.get("pipeline_sha256") == file_sha256(DEFAULT_PIPELINE):
+        print(f"pipeline: {DEFAULT_PIPELINE} (the shipped demo pipeline; the cache was made with the same file)")
+        return DEFAULT_PIPELINE
+    raise UsageError(
+        f"{cache_dir}: made with the pipeline {recorded!s:.200}, which is not the shipped demo pipeline; a cache "
+        f"never picks the code that runs: pass --pipeline PIPELINE.py (that file, if you trust it)"
+    )
 
 
 def make_dataset(args: Args, loader: str) -> Any:
     """The training dataset of one loader: both apply the full pipeline, only where the head comes from differs."""
     from prep.pipeline import load_pipeline
 
-    data, recorded = cache_sources(args.cache)
-    transform = load_pipeline(args.pipeline or recorded).transform
+    data = cache_sources(args.cache)
+    transform = load_pipeline(choose_pipeline(args.cache, args.pipeline)).transform
     transform.set_random_state(seed=args.seed)  # the loaders draw the same crops and flips
     if loader == "fast":
         from loaders.feed import PreparedLoader
@@ -221,7 +240,10 @@ def parse(argv: list[str] | None = None) -> Args:
 
     def command(
         cache: Annotated[Path, typer.Option(exists=True, file_okay=False, help="prepared cache (prep cache)")],
-        pipeline: Annotated[Path | None, typer.Option(help="PIPELINE.py (default: the one the cache recorded)")] = None,
+        pipeline: Annotated[
+            Path | None,
+            typer.Option(help="PIPELINE.py (default: the demo one, if the cache was made with it)"),
+        ] = None,
         loader: Annotated[
             Loader,
             typer.Option(
@@ -258,7 +280,14 @@ def parse(argv: list[str] | None = None) -> Args:
 
 def main(argv: list[str] | None = None) -> list[TrainReport]:
     """Train with the chosen loader(s) and print the share of step time spent waiting for data."""
+    from loaders.errors import PrepError
+
     args = parse(argv)
+    try:
+        args.pipeline = choose_pipeline(args.cache, args.pipeline)
+    except PrepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     loaders = ["fast", "drop-in", "persistent"] if args.loader == "all" else [args.loader]
     reports = []
     for loader in loaders:
