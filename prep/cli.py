@@ -320,10 +320,12 @@ def cache_cmd(
     On a cluster: --scheduler tls://HOST:8786 --tls-ca-file ca.pem --tls-cert me.pem --tls-key me.key
     """
     from prep.cache import prepare_cache
-    from prep.cluster import scheduler_security
+    from prep.cluster import plain_tcp_warning, scheduler_security
     from prep.progress import Progress
 
     security = guarded(scheduler_security, scheduler, tls_ca_file, tls_cert, tls_key)
+    if warning := plain_tcp_warning(scheduler):
+        typer.echo(f"warning: {warning}", err=True)
     if processes and threads:
         raise fail("--processes and --threads exclude each other; give one, or neither to let prep cache choose")
 

@@ -30,6 +30,27 @@ TLS_OPTIONS = "--tls-ca-file, --tls-cert and --tls-key"
 STOP_WAIT_S = 60.0  # after Ctrl-C, how long running tasks get to finish their current item
 
 
+def plain_tcp_warning(scheduler: str | None) -> str | None:
+    """One warning line for a plain tcp:// scheduler on a non-loopback address (anyone who reaches it can run
+    code as its workers' user), else None."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if not scheduler or not scheduler.startswith("tcp://"):
+        return None
+    host = urlsplit(scheduler).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not provably loopback
+        loopback = False
+    if loopback:
+        return None
+    return (
+        f"{scheduler} is plain tcp:// on a non-loopback address: any client that reaches it can run code as the "
+        f"workers' user; use a tls:// scheduler with {TLS_OPTIONS} (see docs/security.md)"
+    )
+
+
 def scheduler_security(
     scheduler: str | None, ca_file: str | Path | None = None, cert: str | Path | None = None,
     key: str | Path | None = None,

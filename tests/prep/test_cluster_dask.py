@@ -155,3 +155,18 @@ def test_tls_options_are_checked_before_connecting(tmp_path: Path, nifti_dataset
         result = runner.invoke(app, [*base, *extra])
         assert result.exit_code == 1 and expected in result.output, (expected, result.output)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "warned"),
+    [("tcp://10.1.2.3:8786", True), ("tcp://node7:8786", True), ("tcp://[2001:db8::1]:8786", True),
+     ("tcp://127.0.0.1:8786", False), ("tcp://localhost:8786", False), ("tcp://[::1]:8786", False),
+     ("tls://10.1.2.3:8786", False), (None, False)],
+)  # fmt: skip
+def test_plain_tcp_off_loopback_warns_in_one_line(scheduler: str | None, warned: bool) -> None:
+    from prep.cluster import plain_tcp_warning
+
+    line = plain_tcp_warning(scheduler)
+    assert (line is not None) == warned
+    if line:
+        assert "\n" not in line and "run code" in line and "tls://" in line and "--tls-ca-file" in line
