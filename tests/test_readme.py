@@ -267,3 +267,47 @@ def test_the_link_check_refuses_drift(tmp_path: Path) -> None:
         "other.md#nope: no heading with that anchor in other.md",
         "#nowhere: no heading with that anchor in this page",
     ]
+
+
+def stale_names(page: Path) -> list[str]:
+    """Backticked repository paths (`workflows/slurm/train.sbatch`, `.ci/run`) that do not exist, and dotted
+    names (`loaders.chain.compare_versions`) whose module is not there or does not mention the last name."""
+    text = prose(page.read_text())
+    bad = []
+    for token in re.findall(r"`([^`\s]+)`", text):
+        token = token.rstrip("()").split("(")[0]
+        if re.match(r"^(prep|loaders|workflows|tests|docs|\.ci)/[\w./-]+$", token):
+            if not (ROOT / token).exists():
+                bad.append(f"{token}: no such path")
+        elif re.match(r"^(prep|loaders|workflows)(\.\w+)+$", token):
+            parts, at = token.split("."), ROOT
+            for part in parts:
+                if (at / part).is_dir():
+                    at = at / part
+                elif (at / f"{part}.py").is_file():
+                    at = at / f"{part}.py"
+                else:
+                    source = (at / "__init__.py" if at.is_dir() else at).read_text()
+                    if not re.search(rf"\b{re.escape(part)}\b", source):
+                        bad.append(f"{token}: {part} is not in {at.relative_to(ROOT)}")
+                    break
+    return bad
+
+
+@pytest.mark.parametrize("page", LINKED, ids=page_name)
+def test_named_modules_and_paths_exist(page: Path) -> None:
+    assert not stale_names(page)
+
+
+def test_the_name_check_refuses_drift(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`loaders.chain.compare_versions` `loaders.PreparedLoader` `prep/cli.py` `loaders.tail.batched_names()`\n"
+        "`loaders.nope` `loaders.chain.no_such_name` `workflows/nothing.sh` `.ci/none`\n"
+    )
+    assert stale_names(page) == [
+        "loaders.nope: nope is not in loaders",
+        "loaders.chain.no_such_name: no_such_name is not in loaders/chain.py",
+        "workflows/nothing.sh: no such path",
+        ".ci/none: no such path",
+    ]
