@@ -54,9 +54,13 @@ def parse_bytes(value: int | str | None) -> int:
     """Bytes from an int or a string such as "8GiB", "500MB", "1.5g" (None -> 0)."""
     if value is None:
         return 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
     if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ValueError(f"{value!r} is not a size: sizes are >= 0 bytes")
         return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", str(value).lower())
     if m is None:
         raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
@@ -149,7 +153,9 @@ class _PreparedLoaderCore:
 
     cache_dir: a `prep cache` output made with this transform's head. transform: the full pipeline.
     batch_size, shuffle, seed, drop_last: as for a DataLoader (seed + epoch orders each epoch).
-    device: "cuda:N" or "cpu". gpu_budget: bytes (or "8GiB") of whole items kept on the device.
+    device: "cuda:N" or "cpu" (default: "cuda:0" when torch sees a GPU, else "cpu").
+    gpu_budget: bytes (or "8GiB") of whole items kept on the device; "auto" (the default): on a GPU, the
+    whole dataset when it fits in half the device's free memory, else that half; on the CPU none.
     crop_read: read only a folded crop's bytes ("auto"/True) or whole items cropped on the device (False).
     prefetch: batches prepared ahead. backend, backend_options, keys, verify: as for PreparedDataset
     (verify checks whole reads only: checksums cover whole tensors).
@@ -165,8 +171,8 @@ class _PreparedLoaderCore:
         cache_dir: str | Path,
         transform: Any,
         batch_size: int,
-        device: str = "cuda:0",
-        gpu_budget: int | str | None = 0,
+        device: str | None = None,
+        gpu_budget: int | str | None = "auto",
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
@@ -189,9 +195,13 @@ class _PreparedLoaderCore:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        if device is None:  # the default follows the machine: the first GPU, or the CPU on a box without one
+            device = "cuda:0" if self.torch.cuda.is_available() else "cpu"
+        elif str(device).startswith("cuda") and not self.torch.cuda.is_available():
+            raise ValueError(f"PreparedLoader: device={device!r} but this torch sees no CUDA GPU; pass device='cpu'")
         self.device = self.torch.device(device)
         self.gpu = self.device.type == "cuda"
-        self.budget = parse_bytes(gpu_budget)
+        self.budget = self._auto_budget() if gpu_budget == "auto" else parse_bytes(gpu_budget)
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
@@ -366,13 +376,21 @@ class _PreparedLoaderCore:
             self._admit(item, got[item])
         if batch is None:
             batch = self._assemble(plan, got)
-        if any(isinstance(v, list) for v in batch.values()):
+        if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
+            batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
             batch["_items"] = torch.as_tensor(plan.items)
             return self._with_values(self._ragged_tail(batch))
         batch["_items"] = list(plan.items)  # a per-item list: multi-sample crops repeat it as they repeat items
         out = self.tail(batch)
         out["_items"] = torch.as_tensor(out["_items"])
         return self._with_values(out)
+
+    def _auto_budget(self) -> int:
+        """gpu_budget="auto": the dataset when it fits in half the device's free memory, else that half."""
+        if not self.gpu:
+            return 0
+        free, _ = self.torch.cuda.mem_get_info(self.device)
+        return min(dataset_bytes(self.cache.root, self.keys), free // 2)
 
     # --- non-tensor outputs of the head (class labels, names): batched as MONAI's list_data_collate does ---
     def _value_keys(self, keys: Sequence[str] | None, tail: Sequence[Any]) -> list[str]:
@@ -584,7 +602,10 @@ PreparedLoader = _PreparedLoaderCore
 def dataset_bytes(cache_dir: str | Path, keys: Sequence[str] | None = None) -> int:
     """Bytes of every tensor (of `keys`) in a cache: what holding it whole on a device costs."""
     cache = PreparedCache(cache_dir)
-    return sum(e.nbytes for e in cache.iter_entries() if keys is None or e.key in keys)
+    if not len(cache.index):
+        return 0
+    wanted = [i for i, k in enumerate(cache.keys) if keys is None or k in keys]
+    return int(np.asarray(cache.index["nbytes"])[np.isin(cache.index["key"], wanted)].sum())
 
 
 __all__ = ["PreparedLoader", "dataset_bytes", "draw_crop", "parse_bytes", "split_fold"]
