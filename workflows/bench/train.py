@@ -324,7 +324,9 @@ def drop_in(datalist: Path, pipeline: Path, cache: Path, opts: TrainOptions, thr
     return time_loop(f"blockprep PreparedPersistentDataset + {kind}", "ours", _loader_epochs(loader), opts)
 
 
-def fast_path(pipeline: Path, cache: Path, opts: TrainOptions, budget: int, label: str, **options: Any) -> TrainRow:
+def fast_path(
+    pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, **options: Any
+) -> TrainRow:
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
     from loaders.feed import PreparedLoader
 
@@ -381,6 +383,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("smart-cache", lambda: smart_cache(datalist, pipeline, opts)),
         ("drop-in", lambda: drop_in(datalist, pipeline, cache, opts, threads=False)),
         ("drop-in-threads", lambda: drop_in(datalist, pipeline, cache, opts, threads=True)),
+        ("fast-auto", lambda: fast_path(pipeline, cache, opts, "auto", "defaults (gpu_budget=auto)")),
         ("fast", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier (page cache), crop read")),
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
         ("fast-half", lambda: fast_path(pipeline, cache, opts, half, "GPU tier = half the dataset")),
@@ -452,7 +455,7 @@ def train(
         str,
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
-            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,fast,"
+            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,fast-auto,fast,"
             "fast-whole,fast-half,fast-budget; fast or fast-half with PreparedLoader options: "
             "fast@tail_thread=False;switch_interval=0.0005"
         ),
