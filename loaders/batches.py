@@ -167,6 +167,7 @@ class BatchReads:
         `loaders.order.epoch_order(n, seed, epoch)` does (DistributedSampler's rule)."""
         import torch
 
+        self.cache.check_current()  # per epoch: a rebuilt cache is refused, not served from old descriptors
         order = epoch_order(len(self.items), seed, epoch, shuffle=shuffle)
         chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         if drop_last and chunks and len(chunks[-1]) < batch_size:

@@ -276,7 +276,9 @@ class _DatasetCore(BatchReads):
         return view
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch`: a shard made with shuffle=True takes that epoch's part of the split."""
+        """Start epoch `epoch`: a shard made with shuffle=True takes that epoch's part of the split. Refuses in
+        one line when the cache was rebuilt since it was opened."""
+        self.cache.check_current()
         self.epoch = epoch
         if self._shard is not None:
             self.items = shard_items(*self._shard, epoch=epoch)

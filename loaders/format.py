@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -326,7 +327,9 @@ def write_manifest(cache_dir: str | os.PathLike[str], manifest: dict[str, Any]) 
             raise FormatError(f"manifest is missing '{required}'")
     root = Path(cache_dir)
     files = {name: file_record(root / name) for name in LAYOUT_FILES}
-    doc = to_jsonable({"schema_version": SCHEMA_VERSION, "format": "blockprep-cache", **manifest, "files": files})
+    generation = secrets.token_hex(8)  # a rebuilt cache is a new one, for readers that still hold the old
+    doc = to_jsonable({"schema_version": SCHEMA_VERSION, "format": "blockprep-cache", "generation": generation,
+                       **manifest, "files": files})  # fmt: skip
     doc["checksum"] = doc_checksum(doc)
     atomic_write_bytes(root / MANIFEST, json.dumps(doc, indent=1).encode())
 
@@ -368,6 +371,15 @@ def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
+def _stat_key(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file, None when missing: manifest.json is replaced by rename on a rebuild."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class PreparedCache:
     """Read-only view of a committed cache: manifest, index (mmap), per-item metadata, shard paths.
 
@@ -383,7 +395,9 @@ class PreparedCache:
         caller (`prep verify` lists each such tensor)."""
         # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
         self.root = Path(cache_dir).absolute()
+        self._manifest_stat = _stat_key(self.root / MANIFEST)
         self.manifest = read_manifest(self.root)
+        self.generation = self.manifest.get("generation")
         self.files = self._file_checks()
         index_path = self.root / INDEX
         try:
@@ -435,8 +449,26 @@ class PreparedCache:
     def _meta_offsets(self) -> np.ndarray:
         return np.load(self.root / META_OFFSETS, mmap_mode="r", allow_pickle=False)
 
+    def check_current(self) -> None:
+        """FormatError in one line when the cache was rebuilt (or removed) since this reader opened it: a
+        stat of manifest.json when nothing changed, its generation compared when it did."""
+        path = self.root / MANIFEST
+        key = _stat_key(path)
+        if key == self._manifest_stat and key is not None:
+            return
+        try:
+            generation = json.loads(path.read_bytes()).get("generation")
+        except (OSError, ValueError, AttributeError):
+            generation = None
+        if key is None or generation is None or generation != self.generation:
+            raise FormatError(
+                f"the cache at {self.root} was rebuilt (or removed) since this reader opened it; reopen it"
+            )
+        self._manifest_stat = key
+
     def entries(self, item: int) -> list[TensorEntry]:
         """The tensors of one item, in key order."""
+        self.check_current()
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
         start, stop = int(self._starts[item]), int(self._starts[item + 1])
@@ -459,6 +491,7 @@ class PreparedCache:
 
     def meta(self, item: int) -> dict[str, Any]:
         """The item's metadata line: {"source": datalist entry, "meta": {key: MetaTensor meta}}."""
+        self.check_current()
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
         offsets = self._meta_offsets
