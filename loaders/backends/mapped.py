@@ -104,6 +104,13 @@ def current_extents(fd: int, name: str) -> list[tuple[int, int, int, int]]:
     return reader(fd, name)
 
 
+STALE_OFF_WARNING = (
+    "check_stale=False: raw reads go to the extents the map names without checking that each file still owns "
+    "them, so an edited map or a changed file can return another file's blocks or filesystem metadata; use it "
+    "only for a map you made of a read-only mount"
+)
+
+
 class MappedFiles:
     """Per-file verdicts for one backend: `why[key]` is None (read raw), a reason (read through the
     filesystem), or absent (not checked yet). `source` is where raw reads go; `self.source` is the same
@@ -114,6 +121,8 @@ class MappedFiles:
         self.bmap = bmap
         self.fallback = fallback
         self.check_stale = check_stale
+        if not check_stale:
+            warnings.warn(STALE_OFF_WARNING, RuntimeWarning, stacklevel=3)
         if bmap.flat and not bmap.doc["root"]:  # a flat map with nowhere to look: trusted as it is (it warned)
             self.window, self.check_stale = Window(source.base, None), False
         else:
