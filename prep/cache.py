@@ -189,8 +189,9 @@ def prepare_cache(
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
     The local cluster runs `workers` threads in this process (each task with cores / workers torch threads),
-    or (`processes=True`) one process per worker, forked from this one where `prep.cluster.start_method` allows (1 torch thread each, as a DataLoader's
-    workers); `processes=None` chooses by `prep.cluster.choose_processes` from the head's time on the first
+    or (`processes=True`) one process per worker (1 torch thread each, as a DataLoader's workers), forked from
+    this one where `prep.cluster.start_method` allows; `processes=None` chooses by `prep.cluster.worker_mode`
+    from the head (threads for a CUDA head) and its time on the first
     item. A head that prepares nothing (the chain's first transform is random) is refused unless
     `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
     """
@@ -321,8 +322,9 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         processes, method = worker_mode(
             run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)  # fmt: skip
         starter = starter or stack.enter_context(
-            ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security,
-                           method)  # fmt: skip
+            ClusterStarter(
+                run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security, method
+            )
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
