@@ -511,6 +511,7 @@ def _commit(
         **plan,
         "tail": pipe.tail_description,
         "head_length": len(pipe.head),
+        "head_device": chain.head_device(pipe.head),  # where the head left its tensors (None: the CPU)
         "keys": keys,
         "shards": shards,
         "n_items": len(records),
