@@ -236,9 +236,10 @@ class _PersistentCore:
         return apply_transform(self.tail, head)
 
     def set_random_state(self, seed: int | None = None) -> Any:
-        """Seed the tail's random transforms (the same objects as in `transform`)."""
-        if self.tail is not None:
-            self.tail.set_random_state(seed=seed)
+        """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is
+        then the one it draws under PersistentDataset, where MONAI's DataLoader (num_workers=0) seeds the
+        dataset's `transform` (seeding a Compose of the tail alone gave its members other seeds)."""
+        self.transform.set_random_state(seed=seed)
         return self
 
 
