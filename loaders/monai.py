@@ -166,6 +166,9 @@ class _PersistentCore:
     PersistentDataset.
     """
 
+    transform: Any  # a Compose, set by monai.data.Dataset.__init__
+    data: Sequence[Any]
+
     def __init__(
         self,
         data: Sequence[Any],
