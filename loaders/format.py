@@ -427,6 +427,12 @@ class PreparedCache:
         if not isinstance(records, dict):
             records = {}
         missing = [n for n in LAYOUT_FILES if n not in records]
+        unknown = [str(n)[:60] for n in records if n not in LAYOUT_FILES]
+        if unknown:  # any other name would be opened and hashed on the manifest's word (an oracle)
+            raise FormatError(
+                f"{self.root / MANIFEST}: 'files' names {unknown[0]!r}, not a file of the layout "
+                f"({', '.join(LAYOUT_FILES)}); rebuild with `prep cache --force`"
+            )
         if missing:
             raise FormatError(
                 f"{self.root / MANIFEST}: no checksum for {', '.join(missing)}; rebuild with `prep cache --force`"
