@@ -38,9 +38,17 @@ def shard_paths(root: Path, names: Any, allow_outside: bool = False) -> list[Pat
         raise FormatError(f"{root}/manifest.json: 'shards' is not a list of names; {_FIX}")
     real_root = os.path.realpath(root)
     out = []
+    seen: dict[str, str] = {}
     for name in names:
+        if "\x00" in name:
+            raise FormatError(f"{root}/manifest.json: shard name {name[:60]!r} holds a NUL; {_FIX}")
         path = root / name
         real = os.path.realpath(path)
+        if real in seen:  # a second name for one shard would let two index extents overlap unseen
+            raise FormatError(
+                f"{root}/manifest.json: shard {name[:60]!r} names the same file as {seen[real][:60]!r}; {_FIX}"
+            )
+        seen[real] = name
         outside = os.path.isabs(name) or ".." in Path(name).parts or os.path.commonpath([real_root, real]) != real_root
         if outside and not allow_outside:
             raise FormatError(
@@ -126,6 +134,9 @@ def check_counts(root: Path, manifest: Mapping[str, Any], meta_lines: int) -> in
     keys = manifest.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise FormatError(f"{root}/manifest.json: 'keys' is not a list of names; {_FIX}")
+    twice = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) != len(keys) else []
+    if twice:
+        raise FormatError(f"{root}/manifest.json: key {twice[0][:60]!r} is listed twice in 'keys'; {_FIX}")
     return n
 
 
