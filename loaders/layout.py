@@ -140,6 +140,27 @@ def check_counts(root: Path, manifest: Mapping[str, Any], meta_lines: int) -> in
     return n
 
 
+def load_offsets(path: Path, meta_size: int) -> np.ndarray:
+    """meta_offsets.npy, memory-mapped, after checking it is what `write_meta` writes: a 1-D integer array
+    (never pickled objects), starting at 0, never decreasing, every offset inside meta.jsonl; FormatError
+    in one line otherwise (checked whole: one vectorised pass, 8 bytes per item)."""
+    try:
+        offsets = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:  # pickled objects, an absurd header, a short file
+        raise FormatError(f"{path}: not an array of offsets ({str(exc)[:80]}); {_FIX}") from None
+    if not isinstance(offsets, np.ndarray) or offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        what = f"{getattr(offsets, 'ndim', '?')}-D {getattr(offsets, 'dtype', '?')}"
+        raise FormatError(f"{path}: offsets are a {what} array, not 1-D integers; {_FIX}")
+    if not len(offsets):
+        return offsets
+    wide = offsets.astype(np.float64)  # uint64 past 2^63 and negative int64 alike compare right
+    if wide[0] != 0 or np.any(wide[1:] < wide[:-1]):
+        raise FormatError(f"{path}: offsets do not start at 0 and rise (negative or decreasing); {_FIX}")
+    if wide[-1] >= meta_size:
+        raise FormatError(f"{path}: an offset points past the end of meta.jsonl ({meta_size} bytes); {_FIX}")
+    return offsets
+
+
 def check_index(
     where: Path, index: np.ndarray, n_items: int, n_keys: int, dtypes: Sequence[str], shard_sizes: Sequence[int]
 ) -> None:
@@ -162,6 +183,8 @@ def check_index(
 def _check_sizes(where: Path, index: np.ndarray, dtypes: Sequence[str]) -> None:
     ndim = index["ndim"]
     shape = index["shape"].astype(np.float64)  # float: a product past 2^64 shows as large, never wraps
+    if np.any(shape >= 2.0**62):
+        raise FormatError(f"{where}: an index row has a size of 2^62 or more (edited?); {_FIX}")
     if int(ndim.max()) > shape.shape[1]:
         raise FormatError(f"{where}: an index row has more dims than the layout holds; {_FIX}")
     used = np.arange(shape.shape[1], dtype=np.uint8)[None, :] < ndim[:, None]
