@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders import layout
+from loaders import args, layout
 from loaders.checksums import FileCheck, checksum, doc_checksum, file_record
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
@@ -399,6 +399,7 @@ class PreparedCache:
         """allow_outside=True reads shards that resolve outside the cache directory (refused by default: a cache
         is untrusted input, see loaders.layout). shard_sizes=False leaves extents past a shard's end to the
         caller (`prep verify` lists each such tensor)."""
+        args.cache_dir(cache_dir)
         # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
         self.root = Path(cache_dir).absolute()
         self._manifest_stat = _stat_key(self.root / MANIFEST)
