@@ -132,7 +132,7 @@ def interval(name: str, value: Any) -> None:
         return
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ArgumentTypeError(f"{name}={value!r} is not a number of seconds")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(float(value)) and float(value) > 0):
         raise ArgumentValueError(f"{name}={value!r} must be a positive, finite number of seconds")
 
 

@@ -62,7 +62,7 @@ def _record_fields(path: Path, record: Any) -> tuple[int, int, list[int]]:
         )
     ok = isinstance(digests, list) and all(isinstance(h, str) and len(h) == 16 for h in digests)
     try:
-        values = [int(h, 16) for h in digests] if ok else []
+        values = [int(h, 16) for h in digests] if ok and isinstance(digests, list) else []
     except ValueError:
         ok = False
     if not ok:
