@@ -183,6 +183,11 @@ class _PreparedLoaderCore:
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
         _, tail = chain.split(transform)
         self.fold, rest = split_fold(tail, self.keys, self.cache)
+        # keys the fold crops; the others (CropForegroundd's coordinates, ...) pass through whole, as MONAI's do
+        cropped = set(self.fold.transform.keys) if self.fold is not None else set(self.keys)
+        self.crop_keys = [k for k in self.keys if k in cropped]
+        self.pass_keys = [k for k in self.keys if k not in cropped]
+        self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
         from monai.transforms import Compose
 
         self._tail_compose = Compose(tail) if tail else None  # seeds crop and rest as MONAI would
@@ -307,8 +312,9 @@ class _PreparedLoaderCore:
             if self.fold is None:
                 rows.append((item, None))
                 continue
-            rows.extend((item, w) for w in self.fold.draw(item, self.entries(item)[0].shape[1:]))
-        return _Plan(items, rows, slot=2 * k)
+            spatial = next(e.shape[1:] for e in self.entries(item) if e.key == self._spatial_key)
+            rows.extend((item, w) for w in self.fold.draw(item, spatial))
+        return _Plan(items, rows, slot=len(_READS) * k)
 
     def _fetch(self, plan: _Plan) -> _Plan:
         """Read what the tier does not hold: whole items (those the tier will take, or all without a folded
@@ -333,26 +339,32 @@ class _PreparedLoaderCore:
             plan.reads["whole"] = self._read_whole(plan.whole, plan.slot)
         if regions:
             plan.reads["regions"] = self._read_regions(regions, plan.slot + 1)
+            if self.pass_keys:  # the keys the crop leaves alone, whole, for the items read as crops
+                cropped = list(dict.fromkeys(item for _, item, _ in regions))
+                plan.reads["pass"] = self._read_whole(cropped, plan.slot + 2, self.pass_keys)
         return plan
 
     def _finish(self, plan: _Plan) -> dict[str, Any]:
         """Upload, admit to the tier, crop, stack and run the rest of the tail, on the current stream."""
         torch = self.torch
-        got: dict[int, dict[str, Any]] = {}
+        got: dict[Any, dict[str, Any]] = {}
         batch: dict[str, Any] | None = None
         for what, (backend, buf, nbytes, places) in plan.reads.items():
-            flat = self._upload(backend, buf, plan.slot + (what == "regions"), nbytes)
+            flat = self._upload(backend, buf, plan.slot + _READS.index(what), nbytes)
             if what == "regions" and not plan.whole:
-                batch = _packed(torch, flat, places, self.keys, len(plan.rows))
+                batch = _packed(torch, flat, places, self.crop_keys, len(plan.rows))
                 if batch is not None:  # every row's crop, packed by key: no per-row views, no stack
-                    break
+                    continue
             for tag, key, at, dtype, shape in places:  # tag: the item (whole reads) or ("row", r) (crops)
                 nb = math.prod(shape) * np.dtype(dtype).itemsize
-                got.setdefault(tag, {})[key] = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
+                view = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
+                got.setdefault(("pass", tag) if what == "pass" else tag, {})[key] = view
         for item in plan.admit:
             self._admit(item, got[item])
         if batch is None:
             batch = self._assemble(plan, got)
+        elif self.pass_keys:
+            batch.update({k: _stack(torch, [got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
         if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
             batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
             batch["_items"] = torch.as_tensor([item for item, _ in plan.rows])
@@ -410,10 +422,16 @@ class _PreparedLoaderCore:
         for r, (item, window) in enumerate(plan.rows):
             resident = item in self.tier
             whole = resident or item in plan.whole
-            tensors = self.tier[item] if resident else got[item] if whole else got[("row", r)]
+            tensors = (
+                self.tier[item]
+                if resident
+                else got[item]
+                if whole
+                else {**got[("row", r)], **got.get(("pass", item), {})}
+            )
             for key in self.keys:
                 t = tensors[key]
-                if window is not None and whole:
+                if window is not None and whole and key not in self.pass_keys:
                     t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*window)))]
                 per_key[key].append(t)
         return {key: _stack(self.torch, ts) for key, ts in per_key.items()}
@@ -461,7 +479,7 @@ class _PreparedLoaderCore:
             if self._stager is None:
                 from loaders.gpu import PinnedStager
 
-                self._stager = PinnedStager(str(self.device), slots=2 * (self.prefetch + 2))
+                self._stager = PinnedStager(str(self.device), slots=len(_READS) * (self.prefetch + 2))
             return self._stager.host(slot % self._stager.slots, nbytes)  # type: ignore[no-any-return]
         return backend.allocate(max(nbytes, 1))  # type: ignore[no-any-return]
 
@@ -474,13 +492,18 @@ class _PreparedLoaderCore:
             return torch.as_tensor(buf[:nbytes], device=self.device)
         return torch.from_numpy(np.asarray(buf[:nbytes]))
 
-    def _read_whole(self, items: list[int], slot: int) -> tuple[Backend, Any, int, list[tuple]]:
-        """Whole items, every tensor in flight in one backend call, into one staging buffer."""
+    def _read_whole(
+        self, items: list[int], slot: int, keys: Sequence[str] | None = None
+    ) -> tuple[Backend, Any, int, list[tuple]]:
+        """Whole items (their `keys`, default all), every tensor in flight in one backend call, into one
+        staging buffer."""
         places: list[tuple[int, str, int, np.dtype, tuple[int, ...]]] = []
         entries: list[TensorEntry] = []
         pos = 0
         for item in items:
             for e in self.entries(item):
+                if keys is not None and e.key not in keys:
+                    continue
                 places.append((item, e.key, pos, e.dtype, tuple(e.shape)))
                 entries.append(e)
                 pos += align_up(e.nbytes)
@@ -501,11 +524,11 @@ class _PreparedLoaderCore:
         """The crops of a batch's rows: every region in one `read_regions` call, landing in one staging
         buffer (warm regions are copied straight into it)."""
         reads: list[tuple[Any, RegionRead]] = []
-        for j in range(len(self.keys)):  # key-major: each key's crops land side by side (one batch view)
+        for key in self.crop_keys:  # key-major: each key's crops land side by side (one batch view)
             for r, item, (start, shape) in crops:
-                entries = self.entries(item)
-                if j < len(entries):
-                    e = entries[j]
+                for e in self.entries(item):
+                    if e.key != key:
+                        continue
                     lead = len(e.shape) - len(start)
                     reads.append((("row", r), plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
         sizes = [align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in reads]
@@ -542,6 +565,7 @@ class _PreparedLoaderCore:
         self.tier_bytes = self._reserved = 0
 
 
+_READS = ("whole", "regions", "pass")  # a batch's reads, each into its own staging slot
 _TORCH_DTYPES: dict[np.dtype, Any] = {}
 
 

@@ -38,6 +38,10 @@ class Fold:
     def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
         raise NotImplementedError
 
+    def spatial_key(self, keys: Sequence[str]) -> str:
+        """The key whose spatial shape the draw takes (MONAI's: the first cropped key's)."""
+        return keys[0]
+
 
 class SpatialCropFold(Fold):
     """RandSpatialCropd: one window per item."""
@@ -76,6 +80,9 @@ class LabelCropFold(Fold):
     def __init__(self, transform: Any, store: sampling.SetStore, classes: bool) -> None:
         super().__init__(transform)
         self.store, self.classes = store, classes
+
+    def spatial_key(self, keys: Sequence[str]) -> str:
+        return str(self.transform.label_key)  # MONAI draws over the label's shape
 
     def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
         from monai.transforms import Crop
@@ -126,12 +133,15 @@ def _registry() -> dict[type, Callable[[Any, Any], Fold | None]]:
 
 def split_fold(tail: Sequence[Any], keys: Sequence[str], cache: Any = None) -> tuple[Fold | None, list[Any]]:
     """(the fold of the tail's first transform or None, the rest of the tail). Folded: an eager transform of
-    a registered class (exactly: no subclass) that crops every loaded key, whose draws need nothing the
-    cache lacks (label-driven crops need the cache's sampling sets)."""
+    a registered class (exactly: no subclass) that crops loaded keys (the others pass through whole, as
+    MONAI passes them), whose draws need nothing the cache lacks (label-driven crops: the sampling sets)."""
     first = tail[0] if tail else None
     build = _registry().get(type(first))
-    if first is None or build is None or getattr(first, "lazy", False) or not set(keys) <= set(first.keys):
+    if first is None or build is None or getattr(first, "lazy", False) or not set(keys) & set(first.keys):
         return None, list(tail)
+    label = getattr(first, "label_key", None)
+    if label is not None and (label not in keys or label not in first.keys):
+        return None, list(tail)  # the draw needs the label's shape, and a label it does not crop stays whole
     fold = build(first, cache)
     return (fold, list(tail[1:])) if fold is not None else (None, list(tail))
 
