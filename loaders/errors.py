@@ -42,3 +42,7 @@ class BackendError(PrepError):
 
 class UnsupportedFilesystemError(PrepError):
     """The filesystem or device cannot be mapped (no FIEMAP, btrfs, md/dm)."""
+
+
+class UnsupportedChainError(PrepError, ValueError):
+    """PreparedLoader cannot give MONAI's result for this chain; the message names the transform and what to do."""

@@ -41,11 +41,7 @@ class Pipeline:
         """The head as a MONAI Compose with the user's Compose settings (lazy, map_items, overrides)."""
         from monai.transforms import Compose
 
-        options = {}
-        for name in ("map_items", "unpack_items", "lazy", "overrides", "log_stats"):
-            if hasattr(self.transform, name):
-                options[name] = getattr(self.transform, name)
-        return Compose(self.head, **options)
+        return Compose(self.head, **chain.compose_options(self.transform))
 
 
 def load_pipeline(path: str | Path, bundle_key: str | None = None) -> Pipeline:
@@ -72,7 +68,7 @@ def load_pipeline(path: str | Path, bundle_key: str | None = None) -> Pipeline:
         transform=transform,
         head=head,
         tail=tail,
-        fingerprint=chain.fingerprint(head),
+        fingerprint=chain.fingerprint(head, chain.compose_options(transform)),
         head_description=chain.describe(head),
         tail_description=chain.describe(tail),
         head_reason=chain.split_reason(transform),

@@ -192,13 +192,18 @@ class TailBatch:
         as MONAI's collate would."""
         self.try_stack(promote=True)
         if self.items is not None:
-            shapes = sorted({tuple(v.shape) for it in self.items for v in it.values() if hasattr(v, "shape")})
-            raise PrepError(
-                f"BatchedTail: the items' shapes differ after the tail ({shapes[:4]}), so they cannot be "
-                "stacked (MONAI's list_data_collate fails too): use a fixed-size crop (random_size=False) "
-                "or end the tail with a resize"
+            raise ragged_error(
+                sorted({tuple(v.shape) for it in self.items for v in it.values() if hasattr(v, "shape")})
             )
         return dict(self.data)
+
+
+def ragged_error(shapes: Sequence[tuple[int, ...]]) -> PrepError:
+    """The one-line refusal of a batch whose items' shapes differ after the tail (MONAI's collate raises)."""
+    return PrepError(
+        f"the items' shapes differ after the tail ({list(shapes)[:4]}), so they cannot be stacked (MONAI's "
+        "list_data_collate fails too): use a fixed-size crop (random_size=False) or end the tail with a resize"
+    )
 
 
 def _stack(values: list[Any], promote: bool = True) -> Any:

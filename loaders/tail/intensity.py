@@ -71,6 +71,7 @@ def _mixes_dtypes(t: Any, batch: TailBatch, keys: list[Hashable], dtype: Any) ->
 def rand_scale_intensity(t: Any, batch: TailBatch) -> bool:
     """RandScaleIntensityd: v * (1 + factor), one multiply for the batch."""
     import torch
+
     keys = _ready(t, batch)
     if keys is None or _mixes_dtypes(t, batch, keys, t.scaler.dtype):
         return False

@@ -259,7 +259,10 @@ def tail_some_of() -> list[Any]:
 def tail_random_order() -> list[Any]:
     from monai.transforms import RandFlipd, RandomOrder, RandScaleIntensityd
 
-    return [crop3(), RandomOrder([RandFlipd(keys=K, prob=0.5), RandScaleIntensityd(keys="image", factors=0.2, prob=1.0)])]
+    return [
+        crop3(),
+        RandomOrder([RandFlipd(keys=K, prob=0.5), RandScaleIntensityd(keys="image", factors=0.2, prob=1.0)]),
+    ]
 
 
 def tail_lambda() -> list[Any]:
@@ -299,8 +302,13 @@ ROWS: dict[str, Row] = {
         Row("seed-set-determinism", "3d", head_3d, tail_flips, seeding="determinism"),
         Row("spacing-in-head-ragged", "3d-ragged", head_spacing, tail_flips),
         Row("lazy", "3d", head_spacing, tail_lazy, compose={"lazy": True}),
-        Row("lazy-overrides", "3d", head_3d, tail_affine, compose={"lazy": True,
-            "overrides": {"label": {"mode": "nearest", "padding_mode": "zeros"}}}),  # fmt: skip
+        Row(
+            "lazy-overrides",
+            "3d",
+            head_3d,
+            tail_affine,
+            compose={"lazy": True, "overrides": {"label": {"mode": "nearest", "padding_mode": "zeros"}}},
+        ),
         Row("map-items-false", "3d", head_3d, tail_lazy, compose={"map_items": False}),
         Row("select-items-at-end", "3d", head_3d, tail_select),
         Row("plain-function-over-dict", "3d", head_3d, tail_dict_fn),
@@ -310,10 +318,22 @@ ROWS: dict[str, Row] = {
         Row("lambda", "3d", head_3d, tail_lambda),
         Row("2d-class-label-0d", "2d", head_2d, tail_2d),
         Row("2d-batch-1-per-item", "2d", head_2d, tail_2d_unbatched, loader={"batch_size": 1}),
-        Row("normalize-nonzero", "3d", head_3d, tail_normalize, atol=1e-5,
-            note="NormalizeIntensityd: the batched mean/std sum in another order"),  # fmt: skip
-        Row("rand-affine", "3d", head_3d, tail_affine, atol=1e-5,
-            note="RandAffined: one batched grid_sample, whose interpolation rounds apart from MONAI's resampler"),  # fmt: skip
+        Row(
+            "normalize-nonzero",
+            "3d",
+            head_3d,
+            tail_normalize,
+            atol=1e-5,
+            note="NormalizeIntensityd: the batched mean/std sum in another order",
+        ),
+        Row(
+            "rand-affine",
+            "3d",
+            head_3d,
+            tail_affine,
+            atol=1e-5,
+            note="RandAffined: one batched grid_sample, whose interpolation rounds apart from MONAI's resampler",
+        ),
         Row("crop-subclass", "3d", head_3d, tail_subclass, xfail=LEAD_FOLDS),
         Row("function-ends-head", "3d", head_load, tail_after_fn, refused=r"Orientationd.*clip_image"),
         Row("ragged-no-crop", "3d-ragged", head_3d, tail_flip_only, raises=r"shapes differ|equal size"),
