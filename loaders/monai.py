@@ -217,9 +217,12 @@ class _PersistentCore:
         return apply_transform(self.tail, head)
 
     def set_random_state(self, seed: int | None = None) -> Any:
-        """Seed the tail's random transforms (the same objects as in `transform`)."""
+        """Seed the tail's random transforms (the same objects as in `transform`) as `transform.set_random_state`
+        seeds them, as MONAI's DataLoader seeds PersistentDataset's chain (a nested Compose seeds its own)."""
+        from loaders.exact import Seeder
+
         if self.tail is not None:
-            self.tail.set_random_state(seed=seed)
+            Seeder(self.transform).set_random_state(seed)
         return self
 
 

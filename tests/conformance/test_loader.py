@@ -60,10 +60,13 @@ def check_row(row: Row, caches: Any, options: dict[str, Any], epochs: int = 2) -
         return
     ref = Reference(row, caches.data(row), SEED)
     for epoch in range(epochs):
+        seen = []
         for j, batch in enumerate(loader):
             items = [int(i) for i in batch["_items"].reshape(-1)]
             assert batch["_items"].ndim == 1
             assert_batch_equal(batch, ref.batch(items), row.atol, where=f"{row.name} epoch {epoch} batch {j}")
+            seen += items
+        assert set(seen) == {int(i) for i in loader.epoch_items(epoch)}, (row.name, epoch, seen)
     loader.close()
 
 
