@@ -42,6 +42,7 @@ from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
 from loaders.deps import require
 from loaders.errors import BackendError
+from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache, TensorEntry, align_up, check
 from loaders.order import epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
@@ -64,34 +65,6 @@ def parse_bytes(value: int | str | None) -> int:
     if m is None:
         raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
-def split_fold(tail: Sequence[Any], keys: Sequence[str]) -> tuple[Any, list[Any]]:
-    """(crop to fold into the read or None, the rest of the tail): a leading eager `RandSpatialCropd`
-    (or subclass) that crops every loaded key is folded."""
-    from monai.transforms import RandSpatialCropd
-
-    first = tail[0] if tail else None
-    if isinstance(first, RandSpatialCropd) and not getattr(first, "lazy", False) and set(keys) <= set(first.keys):
-        return first, list(tail[1:])
-    return None, list(tail)
-
-
-def draw_crop(crop: Any, spatial: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(start, shape) over the spatial dims, drawn as MONAI's `RandSpatialCropd` draws it for one item."""
-    from monai.transforms import CenterSpatialCrop
-
-    crop.randomize(list(spatial))
-    cropper = crop.cropper
-    if getattr(cropper, "random_center", True):
-        slices = cropper._slices
-    else:
-        slices = CenterSpatialCrop(cropper._size).compute_slices(list(spatial))
-    start = [int(s.start or 0) for s in slices]
-    stop = [int(s.stop if s.stop is not None else n) for s, n in zip(slices, spatial)]
-    start += [0] * (len(spatial) - len(start))
-    stop += list(spatial[len(stop) :])
-    return start, [b - a for a, b in zip(start, stop)]
 
 
 class _PerItemTail:
@@ -147,11 +120,11 @@ def batched_tail(transforms: Sequence[Any], device: Any, options: dict[str, Any]
 
 @dataclass
 class _Plan:
-    """One batch: its items, their folded crops (start, shape over the spatial dims) and what the read
-    thread left in host (or device) memory for the consumer to upload and assemble."""
+    """One batch: its items, its output rows (item, folded window or None; a multi-sample crop gives an item
+    several rows) and what the read thread left in host (or device) memory for the consumer to assemble."""
 
     items: list[int]
-    crops: list[tuple[list[int], list[int]] | None]
+    rows: list[tuple[int, Window | None]]
     slot: int = 0
     whole: list[int] = field(default_factory=list)  # items read whole
     admit: set[int] = field(default_factory=set)  # of them, those the tier takes
@@ -242,10 +215,10 @@ class _PreparedLoaderCore:
         _, tail = chain.split(transform)
         exact.refuse_meta_readers(tail)
         options = chain.compose_options(transform)
-        self.crop: Any = None
+        self.fold: Any = None
         rest = list(tail)
         if exact.folds(tail, options):
-            self.crop, rest = split_fold(tail, self.keys)
+            self.fold, rest = split_fold(tail, self.keys, self.cache)
         self.tail = batched_tail(rest, self.device, options)
         self._ragged_tail = _PerItemTail(rest, options=options)  # unequal shapes (no folded crop): MONAI per item
         self.value_keys = self._value_keys(keys, tail)
@@ -347,21 +320,21 @@ class _PreparedLoaderCore:
             out.put(exc)
 
     def _plan(self, items: list[int], k: int) -> _Plan:
-        """Draw the folded crop per item, in batch order (as MONAI's per-item tail draws it)."""
-        crops: list[tuple[list[int], list[int]] | None] = []
+        """Draw the folded crop's windows per item, in batch order (as MONAI's per-item tail draws them)."""
+        rows: list[tuple[int, Window | None]] = []
         for item in items:
-            if self.crop is None:
-                crops.append(None)
+            if self.fold is None:
+                rows.append((item, None))
                 continue
-            crops.append(draw_crop(self.crop, self.entries(item)[0].shape[1:]))
-        return _Plan(items, crops, slot=2 * k)
+            rows.extend((item, w) for w in self.fold.draw(item, self.entries(item)[0].shape[1:]))
+        return _Plan(items, rows, slot=2 * k)
 
     def _fetch(self, plan: _Plan) -> _Plan:
         """Read what the tier does not hold: whole items (those the tier will take, or all without a folded
         crop or with crop_read=False) and the crops of the others, into staging memory."""
-        regions = []
-        for item, crop in zip(plan.items, plan.crops):
-            if item in self.tier or item in plan.whole:
+        regions: list[tuple[int, int, Window]] = []  # (row, item, window)
+        for item in dict.fromkeys(plan.items):
+            if item in self.tier:
                 continue
             nbytes = self._nbytes(item)
             if self._reserved + nbytes <= self.budget and item not in self._promised:
@@ -369,10 +342,12 @@ class _PreparedLoaderCore:
                 self._promised.add(item)
                 plan.admit.add(item)
                 plan.whole.append(item)
-            elif crop is None or self.crop_read is False:
+            elif self.fold is None or self.crop_read is False:
                 plan.whole.append(item)
-            else:
-                regions.append((item, crop))
+        whole = set(plan.whole)
+        for r, (item, window) in enumerate(plan.rows):
+            if window is not None and item not in whole and item not in self.tier:
+                regions.append((r, item, window))
         if plan.whole:
             plan.reads["whole"] = self._read_whole(plan.whole, plan.slot)
         if regions:
@@ -387,12 +362,12 @@ class _PreparedLoaderCore:
         for what, (backend, buf, nbytes, places) in plan.reads.items():
             flat = self._upload(backend, buf, plan.slot + (what == "regions"), nbytes)
             if what == "regions" and not plan.whole:
-                batch = _packed(torch, flat, places, self.keys, len(plan.items))
-                if batch is not None:  # every item's crop, packed by key: no per-item views, no stack
+                batch = _packed(torch, flat, places, self.keys, len(plan.rows))
+                if batch is not None:  # every row's crop, packed by key: no per-row views, no stack
                     break
-            for item, key, at, dtype, shape in places:
+            for tag, key, at, dtype, shape in places:  # tag: the item (whole reads) or ("row", r) (crops)
                 nb = math.prod(shape) * np.dtype(dtype).itemsize
-                got.setdefault(item, {})[key] = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
+                got.setdefault(tag, {})[key] = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
         for item in plan.admit:
             self._admit(item, got[item])
         if batch is None:
@@ -402,7 +377,7 @@ class _PreparedLoaderCore:
             out, origin = self._ragged_tail.run(batch)
         else:
             out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
-        out["_items"] = torch.as_tensor([plan.items[i] for i in origin], dtype=torch.int64)  # crops repeat items
+        out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         return self._with_values(out)
 
     def _auto_budget(self) -> int:
@@ -447,16 +422,17 @@ class _PreparedLoaderCore:
         out.update(list_data_collate(rows))
         return out
 
-    def _assemble(self, plan: _Plan, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        """Per key, the batch's items (resident, whole or crop reads) cropped and stacked (a list if ragged)."""
+    def _assemble(self, plan: _Plan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+        """Per key, the batch's rows (resident, whole or crop reads) cropped and stacked (a list if ragged)."""
         per_key: dict[str, list[Any]] = {key: [] for key in self.keys}
-        for item, crop in zip(plan.items, plan.crops):
+        for r, (item, window) in enumerate(plan.rows):
             resident = item in self.tier
-            tensors = self.tier[item] if resident else got[item]
+            whole = resident or item in plan.whole
+            tensors = self.tier[item] if resident else got[item] if whole else got[("row", r)]
             for key in self.keys:
                 t = tensors[key]
-                if crop is not None and (resident or item in plan.whole):
-                    t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*crop)))]
+                if window is not None and whole:
+                    t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*window)))]
                 per_key[key].append(t)
         return {key: _stack(self.torch, ts) for key, ts in per_key.items()}
 
@@ -539,17 +515,17 @@ class _PreparedLoaderCore:
                 check(e, np.asarray(data.get() if hasattr(data, "get") else data))
         return backend, buf, pos, places
 
-    def _read_regions(self, crops: list[tuple[int, Any]], slot: int) -> tuple[Backend, Any, int, list[tuple]]:
-        """The crops of several items: every region of the batch in one `read_regions` call, landing in one
-        staging buffer (warm regions are copied straight into it)."""
-        reads: list[tuple[int, RegionRead]] = []
+    def _read_regions(self, crops: list[tuple[int, int, Window]], slot: int) -> tuple[Backend, Any, int, list]:
+        """The crops of a batch's rows: every region in one `read_regions` call, landing in one staging
+        buffer (warm regions are copied straight into it)."""
+        reads: list[tuple[Any, RegionRead]] = []
         for j in range(len(self.keys)):  # key-major: each key's crops land side by side (one batch view)
-            for item, (start, shape) in crops:
+            for r, item, (start, shape) in crops:
                 entries = self.entries(item)
                 if j < len(entries):
                     e = entries[j]
                     lead = len(e.shape) - len(start)
-                    reads.append((item, plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
+                    reads.append((("row", r), plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
         sizes = [align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in reads]
         total = sum(sizes)
         backend = self.region_backend
@@ -566,12 +542,12 @@ class _PreparedLoaderCore:
 
         arrays = read_regions(backend, [r for _, r in reads], allocate=allocate, groups=self.copy_threads)
         places, spare, end = [], total, 0
-        for (item, r), a, size in zip(reads, arrays, sizes):
+        for (tag, read), a, size in zip(reads, arrays, sizes):
             at = a.ctypes.data - base
             if not (0 <= at < total and a.flags.c_contiguous):  # not in the buffer: one copy into it
                 at, spare = spare, spare + size
                 np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
-            places.append((item, r.entry.key, at, a.dtype, tuple(a.shape)))
+            places.append((tag, read.entry.key, at, a.dtype, tuple(a.shape)))
             end = max(end, at + a.nbytes)
         return backend, buf, end, places
 
@@ -628,4 +604,4 @@ def dataset_bytes(cache_dir: str | Path, keys: Sequence[str] | None = None) -> i
     return int(np.asarray(cache.index["nbytes"])[np.isin(cache.index["key"], wanted)].sum())
 
 
-__all__ = ["PreparedLoader", "dataset_bytes", "draw_crop", "parse_bytes", "split_fold"]
+__all__ = ["PreparedLoader", "dataset_bytes", "parse_bytes"]

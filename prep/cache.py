@@ -52,6 +52,7 @@ from prep.cluster import (
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
+from prep.sampling import ensure_sets
 from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
@@ -81,6 +82,7 @@ class CacheSummary:
     mode: str = ""  # how the local workers ran: "2 threads", "8 processes (auto)"
     checked_files: list[str] = field(default_factory=list)
     n_tensors: int = 0
+    sampling: str = ""  # the label-driven crop's sampling sets (prep.sampling), when the tail starts with one
 
     @property
     def items_per_s(self) -> float:
@@ -107,6 +109,7 @@ class CacheSummary:
             f"  head: {' -> '.join(self.head) or 'empty'}; {self.head_reason}" if self.head_reason else "",
             f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
             f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
+            f"  {self.sampling}" if self.sampling else "",
         ]
         out += [f"  note: made with {v} (does not change the tensors)" for v in self.version_notes]
         out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
@@ -212,6 +215,8 @@ def prepare_cache(
         plan = _plan(pipe, Path(datalist), items, sections)
         summary = _up_to_date(root, plan, pipe, len(items), t0)
         if summary is not None:
+            if summary.n_items:  # sets missing from a cache made before them are added (a read-only one: said)
+                summary.sampling = _sets_or_why(root, pipe.tail, workers)
             _verify(summary, root, verify)
             return summary
         manifest = _load_json(root / MANIFEST)
@@ -241,8 +246,18 @@ def prepare_cache(
             )
             summary = _prepare(run, stack, starter, t0)
         summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
+        if summary.n_items:
+            summary.sampling = ensure_sets(root, pipe.tail, workers)
         _verify(summary, root, verify)
     return summary
+
+
+def _sets_or_why(root: Path, tail: list[Any], workers: int) -> str:
+    """ensure_sets for an up-to-date cache, which may sit on a read-only mount: then say what is missing."""
+    try:
+        return ensure_sets(root, tail, workers)
+    except OSError as exc:
+        return f"sampling sets: not written ({exc.strerror}); crops are drawn from whole labels"
 
 
 def _check_head(pipe: Pipeline, allow_empty_head: bool) -> None:

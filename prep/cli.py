@@ -349,6 +349,42 @@ def cache_cmd(
         raise fail(f"{len(summary.bad)} tensors failed verification (listed above)")
 
 
+@app.command("sampling", short_help="Add a label-driven crop's sampling sets to an existing cache.")
+def sampling_cmd(
+    cache: Annotated[Path, typer.Argument(metavar="CACHE", help="A cache made by `prep cache`.")],
+    pipeline: Annotated[
+        Path, typer.Option(metavar="FILE", help="The PIPELINE.py (or bundle config) the cache was made with.")
+    ],
+    workers: Annotated[int, typer.Option(metavar="N", help="Threads computing the sets.")] = 2,
+    bundle_key: Annotated[
+        str | None, typer.Option(metavar="ID", help="Bundle config entry of the chain [default: preprocessing].")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Remake the sets even when current ones exist.")] = False,
+) -> None:
+    """Store what RandCropByPosNegLabeld / RandCropByLabelClassesd draw from, so loaders read only the crops.
+
+    Example: prep sampling demo/cache --pipeline workflows/pipelines/spleen.py
+
+    `prep cache` does this itself; this adds the sets to a cache made before, without running the head again.
+    """
+    from loaders import chain
+    from prep.pipeline import load_pipeline
+    from prep.sampling import ensure_sets
+
+    pipe = guarded(load_pipeline, pipeline, bundle_key)
+    guarded(chain.check_fingerprint, pipe.transform, guarded(_manifest_of, cache), str(cache / "manifest.json"))
+    line = guarded(ensure_sets, cache, pipe.tail, workers, force)
+    if not line:
+        raise fail(f"{pipeline}: its tail does not start with RandCropByPosNegLabeld or RandCropByLabelClassesd")
+    typer.echo(f"{cache}: {line}")
+
+
+def _manifest_of(cache: Path) -> Any:
+    from loaders.format import read_manifest
+
+    return read_manifest(cache)
+
+
 @app.command("verify", short_help="Check a prepared cache: every file's checksum, every tensor.")
 def verify_cmd(
     cache_dir: Annotated[

@@ -284,8 +284,6 @@ def tail_normalize() -> list[Any]:
     return [crop3(), RandFlipd(keys=K, prob=0.5), NormalizeIntensityd(keys="image", nonzero=True)]
 
 
-LEAD_FOLDS = "the lead's folds.py rewrite runs a crop subclass's own __call__"
-
 ROWS: dict[str, Row] = {
     r.name: r
     for r in [
@@ -334,7 +332,7 @@ ROWS: dict[str, Row] = {
             tail_affine,
             note="RandAffined: exact on the CPU (one batched grid_sample); tests/loaders/test_tail_affine.py: GPU",
         ),
-        Row("crop-subclass", "3d", head_3d, tail_subclass, xfail=LEAD_FOLDS),
+        Row("crop-subclass", "3d", head_3d, tail_subclass),  # folds.py folds exact classes only
         Row("function-ends-head", "3d", head_load, tail_after_fn, refused=r"Orientationd.*clip_image"),
         Row("ragged-no-crop", "3d-ragged", head_3d, tail_flip_only, raises=r"shapes differ|equal size"),
     ]

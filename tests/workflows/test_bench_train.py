@@ -82,6 +82,7 @@ def test_ddp_row_on_cpu_with_gloo(out: Path) -> None:
 
 WORKLOAD_TINY = {
     "seg-ct": ["--size", "40", "--crop", "16", "--count", "4"],
+    "seg-multiclass": ["--size", "40", "--crop", "32", "--count", "4"],
     "brats": ["--size", "24", "--crop", "16", "--count", "4"],
     "gds-seed": ["--size", "24", "--crop", "16", "--count", "3"],
     "mednist": ["--size", "32", "--count", "16", "--batchsize", "8"],
@@ -90,7 +91,8 @@ WORKLOAD_TINY = {
 
 @pytest.mark.parametrize(
     "workload",
-    ["seg-ct", pytest.param("brats", marks=pytest.mark.slow), pytest.param("gds-seed", marks=pytest.mark.slow),
+    ["seg-ct", pytest.param("seg-multiclass", marks=pytest.mark.slow), pytest.param("brats", marks=pytest.mark.slow),
+     pytest.param("gds-seed", marks=pytest.mark.slow),
      pytest.param("mednist", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_tutorial_workloads_run_every_loader(workload: str, out: Path) -> None:

@@ -50,6 +50,8 @@ class TrainOptions:
     seed: int = 0
     rows: tuple[str, ...] = ()  # only these rows (names as in ROWS); empty: all
     workload: str = "spheres"  # a name of workflows.bench.workloads.WORKLOADS
+    shape_range: float | None = None  # volumes' edges vary by +-this fraction; None: the workload's own
+    spacing_range: tuple[float, float] | None = None  # voxel spacings in mm drawn from this range; None: own
 
     @property
     def gpu(self) -> bool:
@@ -91,7 +93,8 @@ def build_data(opts: TrainOptions, work: Path) -> tuple[Path, Path, Path]:
 
     load = WORKLOADS[opts.workload]
     tag = "" if opts.workload == "spheres" else f"{opts.workload}_"
-    root = work / f"train_{tag}{opts.count}x{opts.size}_crop{opts.crop}"
+    vary = f"_r{opts.shape_range}_mm{opts.spacing_range}" if opts.shape_range or opts.spacing_range else ""
+    root = work / f"train_{tag}{opts.count}x{opts.size}_crop{opts.crop}{vary}".replace(" ", "")
     root.mkdir(parents=True, exist_ok=True)
     pipeline = root / "pipeline.py"
     pipeline.write_text(load.pipeline(opts))
@@ -430,11 +433,24 @@ def as_result(row: TrainRow, data: str = "train") -> Result:
 # Per workload: (size, crop, batch, count, workers) when the command line does not say (the GPU box's run).
 DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
     "spheres": (160, 96, 4, 48, 8),
-    "seg-ct": (144, 96, 2, 24, 8),
+    "seg-ct": (200, 96, 2, 24, 8),  # 160-240 voxels a side at 1.4-2.2 mm: 150-300 after the spleen Spacingd
+    "seg-multiclass": (144, 112, 2, 16, 8),
     "brats": (144, 112, 2, 16, 8),
     "gds-seed": (250, 200, 1, 12, 0),
     "mednist": (64, 64, 512, 10240, 4),
 }
+
+
+def _spacing(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"--spacing-range {text!r}: give LO,HI in mm, e.g. 1.0,2.0") from None
+    if not 0 < lo <= hi:
+        raise typer.BadParameter(f"--spacing-range {text!r}: need 0 < LO <= HI")
+    return lo, hi
 
 
 @scenario("train", "Training steps/s and data-wait share on the tutorial workloads, every loader against the ceiling.")
@@ -461,6 +477,12 @@ def train(
         ),
     ] = "",
     ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,
+    shape_range: Annotated[
+        float | None, typer.Option(help="volumes' edges vary by +- this fraction (NIfTI workloads); default own")
+    ] = None,
+    spacing_range: Annotated[
+        str | None, typer.Option(metavar="LO,HI", help="voxel spacings in mm drawn from LO-HI; default own")
+    ] = None,
 ) -> Rows:
     """`python -m workflows.benchmark train --workload all --device cuda:0` (global --batchsize is the batch,
     --workers the DataLoader workers of the peers; left at 4 and 0 they are the workload's own)."""
@@ -475,7 +497,8 @@ def train(
         topts = TrainOptions(size or d_size, crop or d_crop, batch, epochs, opts.workers or d_workers, opts.device,
                              count or d_count, gpu_budget,
                              tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
-                             rows=tuple(r for r in rows.split(",") if r), workload=name)  # fmt: skip
+                             rows=tuple(r for r in rows.split(",") if r), workload=name,
+                             shape_range=shape_range, spacing_range=_spacing(spacing_range))  # fmt: skip
         if name == "mednist":  # 2D classification: no crop
             topts.crop = topts.size
         if topts.crop > topts.size * 1.4 or topts.count < topts.batch:

@@ -4,6 +4,10 @@
 - `seg-ct`: CT-like volumes of different shapes and voxel spacings through MONAI's spleen tutorial chain
   (CropForegroundd, Orientationd, Spacingd | RandCropByPosNegLabeld(num_samples=4), flips, RandRotate90d,
   RandShiftIntensityd) and its UNet (16-256, residual units, batch norm).
+- `seg-multiclass`: 4-contrast MR-like volumes with 4 classes and thick slices (2 mm), MONAI's DynUNet (MSD) tutorial
+  chain with label-class crops (Orientationd, Spacingd, NormalizeIntensityd, SpatialPadd |
+  RandCropByLabelClassesd(112x112x64, 2 samples), RandZoomd, RandGaussianNoised, RandGaussianSmoothd,
+  RandScaleIntensityd, flips) and its DynUNet.
 - `brats`: 4-contrast MR-like volumes, a 3-class label, the BraTS tutorial chain (label to 3 channels, Orientation,
   Spacing | RandSpatialCropd, flips, NormalizeIntensityd(nonzero, channel_wise), RandScale/ShiftIntensityd) and
   its SegResNet.
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NAMES = ("spheres", "seg-ct", "brats", "gds-seed", "mednist")
+NAMES = ("spheres", "seg-ct", "seg-multiclass", "brats", "gds-seed", "mednist")
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class Workload:
     name: str
     pipeline: Callable[[Any], str]  # TrainOptions -> PIPELINE.py text
     data: Callable[[Any, Path], Path]  # (TrainOptions, folder) -> datalist
-    model: str  # "unet-small", "unet-spleen", "segresnet", "densenet", "none"
+    model: str  # "unet-small", "unet-spleen", "segresnet", "dynunet", "densenet", "none"
     ceiling: Callable[[Any], dict[str, tuple[tuple[int, ...], str]]]  # key -> (shape, "float" | "binary" | "class")
     samples: int = 1  # outputs per item (num_samples of a label-driven crop)
     thread_loader: bool = False  # the peers run as the seed does: ThreadDataLoader, no workers
@@ -79,6 +83,36 @@ transform = Compose([
     RandFlipd(keys=KEYS, spatial_axis=[2], prob=0.10),
     RandRotate90d(keys=KEYS, prob=0.10, max_k=3),
     RandShiftIntensityd(keys=["image"], offsets=0.10, prob=0.50),
+])
+'''
+
+
+def _multiclass_pipeline(o: Any) -> str:
+    x, z = o.crop, o.crop // 7 * 4
+    return f'''"""seg-multiclass: MONAI's DynUNet tutorial chain, label-class crops (head | crops, zoom, noise, ...)."""
+from monai.transforms import (Compose, EnsureChannelFirstd, LoadImaged, MapLabelValued, NormalizeIntensityd,
+                              Orientationd, RandCropByLabelClassesd, RandFlipd, RandGaussianNoised,
+                              RandGaussianSmoothd, RandScaleIntensityd, RandZoomd, Spacingd, SpatialPadd)
+
+KEYS = ["image", "label"]
+transform = Compose([
+    LoadImaged(keys=KEYS),
+    EnsureChannelFirstd(keys=KEYS),
+    MapLabelValued(keys="label", orig_labels=[0, 1, 2, 4], target_labels=[0, 1, 2, 3]),
+    Orientationd(keys=KEYS, axcodes="RAS"),
+    Spacingd(keys=KEYS, pixdim=(1.0, 1.0, 2.0), mode=("bilinear", "nearest")),
+    NormalizeIntensityd(keys="image", nonzero=True, channel_wise=True),
+    SpatialPadd(keys=KEYS, spatial_size=({x}, {x}, {z})),
+    RandCropByLabelClassesd(keys=KEYS, label_key="label", spatial_size=({x}, {x}, {z}), num_classes=4,
+                            ratios=[1, 1, 1, 1], num_samples=2, warn=False),
+    RandZoomd(keys=KEYS, min_zoom=0.9, max_zoom=1.2, mode=("trilinear", "nearest"), align_corners=(True, None),
+              prob=0.15),
+    RandGaussianNoised(keys="image", std=0.01, prob=0.15),
+    RandGaussianSmoothd(keys="image", sigma_x=(0.5, 1.15), sigma_y=(0.5, 1.15), sigma_z=(0.5, 1.15), prob=0.15),
+    RandScaleIntensityd(keys="image", factors=0.3, prob=0.15),
+    RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.5),
+    RandFlipd(keys=KEYS, spatial_axis=[1], prob=0.5),
+    RandFlipd(keys=KEYS, spatial_axis=[2], prob=0.5),
 ])
 '''
 
@@ -143,11 +177,15 @@ transform = Compose([
 
 
 def _nifti(kind: str, shape_range: float, spacing: tuple[float, float] | None) -> Callable[[Any, Path], Path]:
+    """The workload's volumes; `--shape-range` / `--spacing-range` (o.shape_range, o.spacing_range) override."""
+
     def make(o: Any, folder: Path) -> Path:
         from prep.synth import nifti_dataset
 
-        return nifti_dataset(folder, count=o.count, size=o.size, seed=o.seed, kind=kind, shape_range=shape_range,
-                             spacing_range=spacing)  # fmt: skip
+        r = shape_range if o.shape_range is None else o.shape_range
+        mm = spacing if o.spacing_range is None else o.spacing_range
+        return nifti_dataset(folder, count=o.count, size=o.size, seed=o.seed, kind=kind, shape_range=r,
+                             spacing_range=mm)  # fmt: skip
 
     return make
 
@@ -176,6 +214,12 @@ WORKLOADS: dict[str, Workload] = {
                        _crop3(1, "binary", 4), samples=4,
                        describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, shapes/spacings differ, "
                        f"4 pos/neg crops {o.crop}^3 per item"),
+    "seg-multiclass": Workload("seg-multiclass", _multiclass_pipeline, _nifti("mr", 0.1, (1.0, 1.2)), "dynunet",
+                               lambda o: {"image": ((2 * o.batch, 4, o.crop, o.crop, o.crop // 7 * 4), "float"),
+                                          "label": ((2 * o.batch, 1, o.crop, o.crop, o.crop // 7 * 4), "binary")},
+                               samples=2,
+                               describe=lambda o: f"{o.count} 4-contrast MR-like volumes ~{o.size}^3, 4 classes, "
+                               f"2 mm slices, 2 class crops {o.crop}x{o.crop}x{o.crop // 7 * 4} per item"),
     "brats": Workload("brats", _brats_pipeline, _nifti("mr", 0.1, (1.0, 1.2)), "segresnet", _crop3(4, "multi"),
                       describe=lambda o: f"{o.count} 4-contrast MR-like volumes ~{o.size}^3, crop {o.crop}^3"),
     "gds-seed": Workload("gds-seed", _gds_pipeline, _nifti("spheres", 0.2, (1.0, 2.0)), "none",
@@ -209,6 +253,14 @@ def model_and_loss(kind: str, o: Any) -> tuple[Any, Any]:
         net = SegResNet(blocks_down=(1, 2, 2, 4), blocks_up=(1, 1, 1), init_filters=16, in_channels=4, out_channels=3,
                         dropout_prob=0.2)  # fmt: skip
         return net, DiceLoss(smooth_nr=0, smooth_dr=1e-5, squared_pred=True, to_onehot_y=False, sigmoid=True)
+    if kind == "dynunet":
+        from monai.losses import DiceCELoss
+        from monai.networks.nets import DynUNet
+
+        strides = [[1, 1, 1], [2, 2, 1], [2, 2, 2], [2, 2, 2], [2, 2, 1]]
+        net = DynUNet(spatial_dims=3, in_channels=4, out_channels=4, kernel_size=[[3, 3, 3]] * 5, strides=strides,
+                      upsample_kernel_size=strides[1:], norm_name="instance")  # fmt: skip
+        return net, DiceCELoss(to_onehot_y=True, softmax=True)
     if kind == "densenet":
         from monai.networks.nets import DenseNet121
 

@@ -1,0 +1,144 @@
+"""Folds: random crops at the start of the tail drawn before the read, so only the crop's bytes are read.
+
+A fold stands for one MONAI crop transform. It draws each item's windows with the transform's own random
+state and MONAI's own draw functions, in batch order (MONAI's per-item chain draws the same), from what it
+knows without the tensors: the spatial shape from the cache's index, and for label-driven crops the sampling
+sets `prep cache` stored (`loaders.sampling`). The loader then reads the windows (or slices them from items
+resident on the device) and hands the rest of the tail crops of equal shape.
+
+The registry maps the exact MONAI class to its fold: a user's subclass may change what the transform does,
+so it is never folded (it runs through MONAI).
+
+    RandSpatialCropd          one window per item (random or centred, fixed or random size)
+    RandCropByPosNegLabeld    `num_samples` windows centred on foreground/background voxels (pos/neg ratio)
+    RandCropByLabelClassesd   `num_samples` windows centred on voxels of classes drawn by `ratios`
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from loaders import sampling
+
+Window = tuple[list[int], list[int]]  # (start, shape) over the spatial dims
+
+_log = logging.getLogger("loaders.folds")
+_said: set[str] = set()
+
+
+class Fold:
+    """One folded crop: `draw(item, spatial)` -> the item's windows, drawn as MONAI draws them."""
+
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
+        raise NotImplementedError
+
+
+class SpatialCropFold(Fold):
+    """RandSpatialCropd: one window per item."""
+
+    def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
+        return [draw_crop(self.transform, spatial)]
+
+
+def draw_crop(crop: Any, spatial: Sequence[int]) -> Window:
+    """(start, shape) over the spatial dims, drawn as MONAI's `RandSpatialCropd` draws it for one item."""
+    from monai.transforms import CenterSpatialCrop
+
+    crop.randomize(list(spatial))
+    cropper = crop.cropper
+    if getattr(cropper, "random_center", True):
+        slices = cropper._slices
+    else:
+        slices = CenterSpatialCrop(cropper._size).compute_slices(list(spatial))
+    return _window(slices, spatial)
+
+
+def _window(slices: Sequence[slice], spatial: Sequence[int]) -> Window:
+    """A window from crop slices (ends past the volume cut at it, as slicing does)."""
+    start = [min(int(s.start or 0), n) for s, n in zip(slices, spatial)]
+    stop = [min(int(s.stop if s.stop is not None else n), n) for s, n in zip(slices, spatial)]
+    start += [0] * (len(spatial) - len(start))
+    stop += list(spatial[len(stop) :])
+    return start, [max(b - a, 0) for a, b in zip(start, stop)]
+
+
+class LabelCropFold(Fold):
+    """RandCropByPosNegLabeld / RandCropByLabelClassesd: centres drawn by the transform's own `randomize`
+    from the stored sets (`loaders.sampling.MaskSet` stands in for MONAI's index lists), windows as MONAI's
+    `SpatialCrop` cuts them."""
+
+    def __init__(self, transform: Any, store: sampling.SetStore, classes: bool) -> None:
+        super().__init__(transform)
+        self.store, self.classes = store, classes
+
+    def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
+        from monai.transforms import Crop
+        from monai.utils import fall_back_tuple
+
+        t = self.transform
+        sets = self.store.sets(item, math.prod(spatial))
+        shape = sampling.shape_only((1, *spatial))
+        if self.classes:
+            cap = t.cropper.max_samples_per_class
+            picked = [sampling.MaskSet(s._bits, s._cum, s._count, sampling.subsample(len(s), cap)) for s in sets]
+            t.cropper.randomize(label=shape, indices=picked)
+        else:
+            t.cropper.randomize(label=shape, fg_indices=sets[0], bg_indices=sets[1])
+        roi = fall_back_tuple(t.cropper.spatial_size, default=tuple(spatial))
+        return [_window(Crop.compute_slices(roi_center=c, roi_size=roi), spatial) for c in t.cropper.centers]
+
+
+def _spatial_fold(t: Any, cache: Any) -> Fold | None:
+    return SpatialCropFold(t)
+
+
+def _label_fold(t: Any, cache: Any) -> Fold | None:
+    sig = sampling.signature(t)
+    if sig is None or cache is None:
+        return None
+    store = sampling.open_store(cache, sig)
+    if store is None:
+        said = f"{cache.root}:{sig}"
+        if said not in _said:  # the slow path, said once per cache and crop
+            _said.add(said)
+            _log.warning(
+                "%s: no sampling sets for %s, so its crops are drawn from whole labels (slow); add them with "
+                "`prep sampling %s --pipeline PIPELINE.py`",
+                cache.root,
+                type(t).__name__,
+                cache.root,
+            )
+        return None
+    return LabelCropFold(t, store, classes=sig["kind"] == "classes")
+
+
+def _registry() -> dict[type, Callable[[Any, Any], Fold | None]]:
+    from monai.transforms import RandCropByLabelClassesd, RandCropByPosNegLabeld, RandSpatialCropd
+
+    return {RandSpatialCropd: _spatial_fold, RandCropByPosNegLabeld: _label_fold, RandCropByLabelClassesd: _label_fold}
+
+
+def split_fold(tail: Sequence[Any], keys: Sequence[str], cache: Any = None) -> tuple[Fold | None, list[Any]]:
+    """(the fold of the tail's first transform or None, the rest of the tail). Folded: an eager transform of
+    a registered class (exactly: no subclass) that crops every loaded key, whose draws need nothing the
+    cache lacks (label-driven crops need the cache's sampling sets)."""
+    first = tail[0] if tail else None
+    build = _registry().get(type(first))
+    if first is None or build is None or getattr(first, "lazy", False) or not set(keys) <= set(first.keys):
+        return None, list(tail)
+    fold = build(first, cache)
+    return (fold, list(tail[1:])) if fold is not None else (None, list(tail))
+
+
+def crop_sets_of(tail: Sequence[Any]) -> dict[str, Any] | None:
+    """The sampling signature `prep cache` prepares sets for: the tail's first transform's, if label-driven."""
+    return sampling.signature(tail[0]) if tail else None
+
+
+__all__ = ["Fold", "LabelCropFold", "SpatialCropFold", "Window", "crop_sets_of", "draw_crop", "split_fold"]

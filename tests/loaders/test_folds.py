@@ -1,0 +1,249 @@
+"""Label-driven crops folded into the read: PreparedLoader's batches equal MONAI's own chain, run from the
+source files, item by item, over volumes of different shapes (3D, 2D, one-hot and multi-class labels)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loaders.errors import FormatError
+from loaders.feed import PreparedLoader
+
+HEAD = """
+from monai.transforms import (AsDiscreted, Compose, EnsureChannelFirstd, LoadImaged, RandCropByLabelClassesd,
+                              RandCropByPosNegLabeld, RandFlipd, RandScaleIntensityd, ScaleIntensityd)
+K = ["image", "label"]
+head = [LoadImaged(keys=K), EnsureChannelFirstd(keys=K), ScaleIntensityd(keys="image")]
+"""
+
+CHAINS = {
+    "posneg-3d": (
+        3,
+        "uint8",
+        HEAD
+        + """
+transform = Compose(head + [
+    RandCropByPosNegLabeld(keys=K, label_key="label", spatial_size=(8, 6, 8), pos=1, neg=2, num_samples=3),
+    RandFlipd(keys=K, prob=0.5, spatial_axis=0), RandScaleIntensityd(keys="image", factors=0.2, prob=1.0)])
+""",
+    ),
+    "posneg-image-threshold": (
+        3,
+        "float32",
+        HEAD
+        + """
+transform = Compose(head + [
+    RandCropByPosNegLabeld(keys=K, label_key="label", spatial_size=(6, 6, 6), pos=1, neg=1, num_samples=2,
+                           image_key="image", image_threshold=0.4),
+    RandFlipd(keys=K, prob=0.5, spatial_axis=1)])
+""",
+    ),
+    "posneg-2d": (
+        2,
+        "uint8",
+        HEAD
+        + """
+transform = Compose(head + [
+    RandCropByPosNegLabeld(keys=K, label_key="label", spatial_size=(10, 12), pos=3, neg=1, num_samples=4)])
+""",
+    ),
+    "posneg-onehot": (
+        3,
+        "uint8",
+        HEAD
+        + """
+transform = Compose(head + [AsDiscreted(keys="label", to_onehot=3),
+    RandCropByPosNegLabeld(keys=K, label_key="label", spatial_size=(8, 8, 6), num_samples=2)])
+""",
+    ),
+    "classes-argmax": (
+        3,
+        "uint8",
+        HEAD
+        + """
+transform = Compose(head + [
+    RandCropByLabelClassesd(keys=K, label_key="label", spatial_size=(6, 8, 8), ratios=[1, 2, 3], num_classes=3,
+                            num_samples=3, max_samples_per_class=40),
+    RandFlipd(keys=K, prob=0.5, spatial_axis=2)])
+""",
+    ),
+    "classes-onehot-image": (
+        3,
+        "uint8",
+        HEAD
+        + """
+transform = Compose(head + [AsDiscreted(keys="label", to_onehot=3),
+    RandCropByLabelClassesd(keys=K, label_key="label", spatial_size=(8, 6, 6), num_samples=2,
+                            image_key="image", image_threshold=0.3)])
+""",
+    ),
+}
+
+
+def _volumes(root: Path, ndim: int, dtype: str, n: int = 5) -> Path:
+    """n image/label pairs of different shapes: a noisy image, labels 0/1/2 in two blobs."""
+    import nibabel as nib
+
+    rng = np.random.default_rng(ndim)
+    root.mkdir(parents=True)
+    entries = []
+    for i in range(n):
+        shape = tuple(int(s) for s in rng.integers(14, 22, size=ndim))
+        grid = np.indices(shape).astype(np.float32)
+        centre = np.array(shape, dtype=np.float32)[(slice(None),) + (None,) * ndim] / 2
+        r = np.sqrt(((grid - centre) ** 2).sum(0))
+        label = (r < 4).astype(dtype) + (r < 2 + i % 2).astype(dtype)
+        image = (rng.random(shape) + label).astype(np.float32)
+        for name, data in (("image", image), ("label", label)):
+            nib.save(nib.Nifti1Image(data, np.eye(4)), root / f"{name}{i}.nii.gz")
+        entries.append({"image": f"image{i}.nii.gz", "label": f"label{i}.nii.gz"})
+    (root / "dataset.json").write_text(json.dumps({"training": entries}))
+    return root / "dataset.json"
+
+
+@pytest.fixture(scope="module", params=sorted(CHAINS))
+def chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, Path]:
+    """(name, datalist, pipeline, cache with its sampling sets)."""
+    from prep.cache import prepare_cache
+
+    name = request.param
+    ndim, dtype, source = CHAINS[name]
+    root = tmp_path_factory.mktemp(name)
+    datalist = _volumes(root / "data", ndim, dtype)
+    pipeline = root / "pipeline.py"
+    pipeline.write_text(source)
+    summary = prepare_cache(datalist, pipeline, root / "cache", workers=1)
+    assert "sampling sets: 5 items" in summary.sampling
+    return name, datalist, pipeline, root / "cache"
+
+
+def _transform(pipeline: Path) -> Any:
+    from prep.pipeline import load_pipeline
+
+    return load_pipeline(pipeline).transform
+
+
+def _monai_batches(datalist: Path, pipeline: Path, orders: list[list[int]], seed: int) -> list[dict[str, Any]]:
+    """MONAI itself: the head from the source files, then Compose(tail) seeded once, item by item in the
+    loader's order, each batch collated by list_data_collate."""
+    from monai.data import list_data_collate
+    from monai.transforms import Compose
+
+    from loaders import chain
+    from prep.cache import load_datalist
+
+    transform = _transform(pipeline)
+    head, tail = chain.split(transform)
+    entries = [e for _, e in load_datalist(datalist)]
+    heads = [Compose(head)(dict(e)) for e in entries]
+    tail_c = Compose(tail)
+    tail_c.set_random_state(seed=seed)
+    out = []
+    for order in orders:
+        samples: list[Any] = []
+        for i in order:
+            got = tail_c(dict(heads[i]))
+            samples.extend(got if isinstance(got, list) else [got])
+        out.append(list_data_collate(samples))
+    return out
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for key in ("image", "label"):
+        w = want[key].as_tensor() if hasattr(want[key], "as_tensor") else want[key]
+        assert got[key].shape == w.shape, key
+        assert got[key].dtype == w.dtype, key
+        assert np.array_equal(got[key].numpy(), w.numpy()), key
+
+
+@pytest.mark.parametrize(
+    ("crop_read", "budget", "tail_thread"),
+    [("auto", 0, True), ("auto", "1GiB", False), (False, 0, True), ("auto", 30000, True)],
+    ids=["crop-reads", "tier", "whole-reads", "part-tier"],
+)
+def test_label_crops_equal_monai(chain: tuple[str, Path, Path, Path], crop_read: Any, budget: Any, tail_thread: bool):
+    name, datalist, pipeline, cache = chain
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", seed=5, drop_last=False,
+                            crop_read=crop_read, gpu_budget=budget, tail_thread=tail_thread)  # fmt: skip
+    assert loader.fold is not None and type(loader.fold).__name__ == "LabelCropFold"
+    loader.set_random_state(9)
+    got = [b for _ in range(2) for b in loader]
+    orders = [[int(i) for i in loader.epoch_items(e)[k : k + 2]] for e in range(2) for k in range(0, 5, 2)]
+    want = _monai_batches(datalist, pipeline, orders, 9)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        _same(g, w)
+
+
+def test_another_seed_differs(chain: tuple[str, Path, Path, Path]) -> None:
+    """Negative control: the comparison above can fail."""
+    _, datalist, pipeline, cache = chain
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=5, device="cpu", shuffle=False)
+    loader.set_random_state(1)
+    got = next(iter(loader))
+    want = _monai_batches(datalist, pipeline, [[0, 1, 2, 3, 4]], 2)[0]
+    with pytest.raises(AssertionError):
+        _same(got, want)
+
+
+def test_fast_path_never_scans_a_label(chain: tuple[str, Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the sets prepared, no whole-label scan runs at training time (MONAI's index functions raise)."""
+    import monai.transforms.croppad.array as croppad
+    import monai.transforms.utils as utils
+
+    def scan(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a whole label was scanned")
+
+    for module in (utils, croppad):
+        monkeypatch.setattr(module, "map_binary_to_indices", scan)
+        monkeypatch.setattr(module, "map_classes_to_indices", scan)
+    _, _, pipeline, cache = chain
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", gpu_budget="1GiB")
+    assert sum(len(b["_items"]) for _ in range(2) for b in loader) > 0
+
+
+def test_cache_without_sets_is_slow_said_once_then_added(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cache made before the sets: the crop runs through MONAI (said once, with the command); `prep sampling`
+    adds the sets without running the head; a damaged set is refused in one line."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from loaders import sampling
+    from prep.cache import prepare_cache
+    from prep.cli import app
+
+    datalist = _volumes(tmp_path / "data", 3, "uint8", n=3)
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(CHAINS["posneg-3d"][2])
+    cache = tmp_path / "cache"
+    prepare_cache(datalist, pipeline, cache, workers=1)
+    shutil.rmtree(cache / sampling.DIR)
+    with caplog.at_level(logging.WARNING, logger="loaders.folds"):
+        slow = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
+        PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
+    assert slow.fold is None
+    said = [r.getMessage() for r in caplog.records if "prep sampling" in r.getMessage()]
+    assert len(said) == 1 and str(cache) in said[0]
+    slow.set_random_state(4)
+    want = next(iter(slow))
+
+    result = CliRunner().invoke(app, ["sampling", str(cache), "--pipeline", str(pipeline)])
+    assert result.exit_code == 0, result.output
+    fast = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
+    assert fast.fold is not None
+    fast.set_random_state(4)
+    _same(next(iter(fast)), want)
+
+    bits = next((cache / sampling.DIR).iterdir()) / sampling.BITS
+    data = bytearray(bits.read_bytes())
+    data[-8] ^= 0xFF  # the last item's last running count
+    bits.write_bytes(bytes(data))
+    broken = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
+    with pytest.raises(FormatError, match="checksum|counts"):
+        next(iter(broken))
