@@ -60,5 +60,5 @@ class Seeder:
         with keep_random_states(transform):
             self.compose = transform if isinstance(transform, Compose) else Compose(list(transform))
 
-    def set_random_state(self, seed: int) -> None:
+    def set_random_state(self, seed: int | None) -> None:
         self.compose.set_random_state(seed=seed)
