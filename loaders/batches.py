@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loaders.args import check_batches
 from loaders.backends import Backend, ReadRequest
 from loaders.buffers import BufferPool, torch_dtype
 from loaders.deps import require
@@ -167,6 +168,7 @@ class BatchReads:
         `loaders.order.epoch_order(n, seed, epoch)` does (DistributedSampler's rule)."""
         import torch
 
+        check_batches(batch_size, prefetch, shuffle, seed, drop_last, pad, epoch)
         self.cache.check_current()  # per epoch: a rebuilt cache is refused, not served from old descriptors
         order = epoch_order(len(self.items), seed, epoch, shuffle=shuffle)
         chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

@@ -87,6 +87,42 @@ def split_reason(transform: Any) -> str:
     return head_end(_flat_transforms(transform))[1]
 
 
+def _device_of(t: Any) -> str | None:
+    """The device a transform puts its outputs on (EnsureTyped, ToDeviced, ToTensord hold it in their array
+    converter; others may hold it themselves), or None where it leaves them where they are."""
+    for holder in (t, getattr(t, "converter", None)):
+        device = getattr(holder, "device", None)
+        if device is not None and not callable(device):
+            return str(device)
+    return None
+
+
+def head_device(head: Iterable[Any]) -> str | None:
+    """Where the head's output tensors live: the device of its last device-setting transform (None: where
+    the reader put them, the CPU). A head ending `EnsureTyped(device="cuda:0"), Spacingd(...)` gives
+    "cuda:0", as MONAI's PersistentDataset gives its tensors back on the device they were saved from."""
+    device = None
+    for t in _flat_transforms(list(head)):
+        device = _device_of(t) or device
+    return device
+
+
+def touches_cuda(head: Iterable[Any], depth: int = 3) -> bool:
+    """True when any transform of the head, or an object it holds (to `depth` levels), names a CUDA device:
+    running it initialises CUDA, so it must never run in a process forked after that."""
+
+    def names_cuda(obj: Any, level: int) -> bool:
+        device = getattr(obj, "device", None)
+        if device is not None and not callable(device) and str(device).startswith("cuda"):
+            return True
+        if level >= depth or not hasattr(obj, "__dict__"):
+            return False
+        held = [v for v in vars(obj).values() if hasattr(v, "__dict__") and not isinstance(v, type)]
+        return any(names_cuda(v, level + 1) for v in held)
+
+    return any(names_cuda(t, 0) for t in _flat_transforms(list(head)))
+
+
 # Code from these packages is named by module path; anything else (a class or function in the user's
 # PIPELINE.py) by its name and source hash, because prep runs that file under a generated module name while
 # training code imports it under its own.

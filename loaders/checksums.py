@@ -43,14 +43,39 @@ def doc_checksum(doc: Mapping[str, Any]) -> str:
     return f"{checksum(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):016x}"
 
 
+MIN_CHUNK, MAX_CHUNK = 1 << 10, 64 << 20  # a record's chunk: what a reader allocates per checksummed read
+_REBUILD = "rebuild with `prep cache --force`"
+
+
+def _record_fields(path: Path, record: Any) -> tuple[int, int, list[int]]:
+    """(size, chunk, digests) of a manifest file record, each checked before anything is allocated on it."""
+    where = f"{path}: the manifest's record of this file"
+    if not isinstance(record, Mapping):
+        raise FormatError(f"{where} is not an object; {_REBUILD}")
+    size, chunk, digests = record.get("size"), record.get("chunk", CHUNK), record.get("xxh3")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 62:
+        raise FormatError(f"{where} has size {str(size)[:40]!r}, not a byte count; {_REBUILD}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not MIN_CHUNK <= chunk <= MAX_CHUNK:
+        raise FormatError(
+            f"{where} has chunk {str(chunk)[:40]!r}, not a whole number of bytes in {MIN_CHUNK}..{MAX_CHUNK}; "
+            + _REBUILD
+        )
+    ok = isinstance(digests, list) and all(isinstance(h, str) and len(h) == 16 for h in digests)
+    try:
+        values = [int(h, 16) for h in digests] if ok and isinstance(digests, list) else []
+    except ValueError:
+        ok = False
+    if not ok:
+        raise FormatError(f"{where} has no list of 16-digit hex checksums ('xxh3'); {_REBUILD}")
+    return size, chunk, values
+
+
 class FileCheck:
     """One layout file against its manifest record: size checked at once, chunks checked once each, as read."""
 
     def __init__(self, path: Path, record: Mapping[str, Any]) -> None:
         self.path = path
-        self.size = int(record["size"])
-        self.chunk = int(record.get("chunk", CHUNK))
-        self.digests = [int(h, 16) for h in record["xxh3"]]
+        self.size, self.chunk, self.digests = _record_fields(path, record)
         self._ok: set[int] = set()
         self._lock = threading.Lock()
         try:

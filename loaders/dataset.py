@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loaders import args
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.batches import BatchReads, _Batch, name_short_read
 from loaders.buffers import BufferPool, torch_dtype
@@ -163,15 +164,13 @@ class _DatasetCore(BatchReads):
         backend_options: Mapping[str, Any] | None = None,
         leaf_types: bool = False,
     ) -> None:
+        args.cache_dir(cache_dir)
         self.root = Path(cache_dir)
         self.cache = PreparedCache(self.root)
-        known = self.cache.keys
-        self.keys = list(keys) if keys is not None else list(known)
+        chosen = args.check_dataset(self.cache, keys, backend, device, verify, meta)
+        self.keys = chosen if chosen is not None else list(self.cache.keys)
         self._all_keys = keys is None
         self._rank = {k: i for i, k in enumerate(self.keys)}
-        missing = [k for k in self.keys if k not in known]
-        if missing:
-            raise KeyError(f"{self.root}: keys {missing} are not in the cache (it has {known})")
         self.device = str(device)
         self.verify = verify
         self.transform = transform
@@ -268,8 +267,10 @@ class _DatasetCore(BatchReads):
         next one, as DistributedSampler does: every rank computes the same permutation (pass the same
         seed everywhere), so each epoch every item goes to exactly one rank (plus the padding), and the
         split differs from epoch to epoch."""
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        args.shard(rank, world_size)
+        args.seed(seed)
+        for name, value in (("contiguous", contiguous), ("even", even), ("shuffle", shuffle)):
+            args.flag(name, value)
         spec = (self.items, rank, world_size, contiguous, even, shuffle, seed)
         view = self._view(shard_items(*spec, epoch=0))
         view._shard, view.epoch = spec, 0
@@ -285,7 +286,7 @@ class _DatasetCore(BatchReads):
 
     def subset(self, indices: Sequence[int] | np.ndarray) -> Any:
         """A view over positions `indices` of this dataset."""
-        return self._view(self.items[np.asarray(indices, dtype=np.int64)])
+        return self._view(self.items[args.indices(indices, len(self.items))])
 
     # --- reading ---
     def _pool(self) -> BufferPool:
@@ -391,7 +392,7 @@ class _DatasetCore(BatchReads):
         return {k: flat[o : o + n].view(dt).reshape(shape) for k, o, n, dt, shape in plan.views}
 
     def __getitem__(self, index: int) -> Any:
-        item = int(self.items[index])
+        item = int(self.items[args.index(index, len(self.items))])
         if self.roi is not None:
             flat = self._read_roi(item)
         elif self._staged() or self.backend.gpu:

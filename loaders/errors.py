@@ -46,3 +46,26 @@ class UnsupportedFilesystemError(PrepError):
 
 class UnsupportedChainError(PrepError, ValueError):
     """PreparedLoader cannot give MONAI's result for this chain; the message names the transform and what to do."""
+
+
+class ArgumentError(PrepError):
+    """A bad argument to a reader, refused when the object is built: the message names it and what fits."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type (a string where a flag or a number belongs, a float index)."""
+
+
+class ArgumentValueError(ArgumentError, ValueError):
+    """An argument of the right type out of range (batch_size=0, seed=2**70, device='tpu')."""
+
+
+class ArgumentKeyError(ArgumentError, KeyError):
+    """A key the cache does not hold; the message lists the ones it does."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ArgumentIndexError(ArgumentError, IndexError):
+    """An item index outside the dataset."""

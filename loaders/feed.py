@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders.args import check_loader
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
 from loaders.deps import require
@@ -174,6 +175,7 @@ class _PreparedLoaderCore:
 
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
+        check_loader(locals())  # every argument, one line each (loaders/args.py)
         self.keys = list(keys) if keys is not None else list(self.cache.keys)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders import layout
+from loaders import args, layout
 from loaders.checksums import FileCheck, checksum, doc_checksum, file_record
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
@@ -45,6 +45,7 @@ SCHEMA_VERSION = "2.0"
 ALIGN = 4096
 SMALL = 16 << 20  # files up to this size are checked whole on open; larger ones chunk by chunk as read
 MAX_NDIM = 6
+MAX_META_LINE = 16 << 20  # bytes of one item's meta line, at write and at read
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -310,6 +311,10 @@ def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]]) -
     pos = 0
     for i, meta in enumerate(metas):
         line = (json.dumps(to_jsonable(meta), separators=(",", ":")) + "\n").encode()
+        if len(line) > MAX_META_LINE:  # readers refuse such a line: say so here, naming the item's source
+            source = str(meta.get("source", "?"))[:80] if isinstance(meta, Mapping) else "?"
+            raise FormatError(f"item {i} ({source}): its meta is {len(line)} bytes, over the {MAX_META_LINE >> 20} "
+                              "MiB limit; drop large values from the head's meta (keep them as tensors)")  # fmt: skip
         offsets[i] = pos
         pos += len(line)
         chunks.append(line)
@@ -353,8 +358,9 @@ def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
         )
     try:
         doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc}); re-run `prep cache --force` to rebuild") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:80]
+        raise FormatError(f"{path}: not valid JSON ({why}); re-run `prep cache --force` to rebuild") from None
     if not isinstance(doc, dict) or doc.get("format") != "blockprep-cache":
         raise FormatError(f"{path}: not a blockprep cache manifest")
     version = str(doc.get("schema_version", ""))
@@ -393,6 +399,7 @@ class PreparedCache:
         """allow_outside=True reads shards that resolve outside the cache directory (refused by default: a cache
         is untrusted input, see loaders.layout). shard_sizes=False leaves extents past a shard's end to the
         caller (`prep verify` lists each such tensor)."""
+        args.cache_dir(cache_dir)
         # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
         self.root = Path(cache_dir).absolute()
         self._manifest_stat = _stat_key(self.root / MANIFEST)
@@ -427,6 +434,12 @@ class PreparedCache:
         if not isinstance(records, dict):
             records = {}
         missing = [n for n in LAYOUT_FILES if n not in records]
+        unknown = [str(n)[:60] for n in records if n not in LAYOUT_FILES]
+        if unknown:  # any other name would be opened and hashed on the manifest's word (an oracle)
+            raise FormatError(
+                f"{self.root / MANIFEST}: 'files' names {unknown[0]!r}, not a file of the layout "
+                f"({', '.join(LAYOUT_FILES)}); rebuild with `prep cache --force`"
+            )
         if missing:
             raise FormatError(
                 f"{self.root / MANIFEST}: no checksum for {', '.join(missing)}; rebuild with `prep cache --force`"
@@ -447,7 +460,7 @@ class PreparedCache:
 
     @cached_property
     def _meta_offsets(self) -> np.ndarray:
-        return np.load(self.root / META_OFFSETS, mmap_mode="r", allow_pickle=False)
+        return layout.load_offsets(self.root / META_OFFSETS, self.files[META].size)
 
     def check_current(self) -> None:
         """FormatError in one line when the cache was rebuilt (or removed) since this reader opened it: a
@@ -458,7 +471,7 @@ class PreparedCache:
             return
         try:
             generation = json.loads(path.read_bytes()).get("generation")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             generation = None
         if key is None or generation is None or generation != self.generation:
             raise FormatError(
@@ -499,6 +512,9 @@ class PreparedCache:
         self.files[META_OFFSETS].check(base + item * 8, 16)
         start = int(offsets[item])
         stop = int(offsets[item + 1]) if item + 1 < len(offsets) else self.files[META].size
+        if stop - start > MAX_META_LINE:
+            raise FormatError(f"{self._meta_path}: item {item}'s meta line is {stop - start} bytes, over the "
+                              f"{MAX_META_LINE >> 20} MiB limit; re-run `prep cache --force`")  # fmt: skip
         self.files[META].check(start, stop - start)
         with open(self._meta_path, "rb") as f:
             f.seek(start)

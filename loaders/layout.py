@@ -9,9 +9,11 @@ second). Each failure is one FormatError line naming the file and the fix.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,11 @@ import numpy as np
 from loaders.errors import FormatError
 
 _FIX = "rebuild it with `prep cache --force` (or ask whoever made it)"
+_LINKS = "copy the cache with `cp -r` (or rebuild it) so no file outside it shares the shard's bytes"
+
+# Shards as checked when their cache was opened: path -> (st_dev, st_ino, follow). Every open of a cache shard
+# by path (backends, region reads, `prep verify`) goes through `open_read`, which refuses any other file.
+_PINS: dict[str, tuple[int, int, bool]] = {}
 
 
 def shard_paths(root: Path, names: Any, allow_outside: bool = False) -> list[Path]:
@@ -31,9 +38,17 @@ def shard_paths(root: Path, names: Any, allow_outside: bool = False) -> list[Pat
         raise FormatError(f"{root}/manifest.json: 'shards' is not a list of names; {_FIX}")
     real_root = os.path.realpath(root)
     out = []
+    seen: dict[str, str] = {}
     for name in names:
+        if "\x00" in name:
+            raise FormatError(f"{root}/manifest.json: shard name {name[:60]!r} holds a NUL; {_FIX}")
         path = root / name
         real = os.path.realpath(path)
+        if real in seen:  # a second name for one shard would let two index extents overlap unseen
+            raise FormatError(
+                f"{root}/manifest.json: shard {name[:60]!r} names the same file as {seen[real][:60]!r}; {_FIX}"
+            )
+        seen[real] = name
         outside = os.path.isabs(name) or ".." in Path(name).parts or os.path.commonpath([real_root, real]) != real_root
         if outside and not allow_outside:
             raise FormatError(
@@ -41,13 +56,71 @@ def shard_paths(root: Path, names: Any, allow_outside: bool = False) -> list[Pat
                 "(pass allow_outside=True only for a cache you made yourself)"
             )
         try:
-            mode = os.stat(real).st_mode
+            st = os.stat(real)
         except OSError:
-            mode = 0  # missing: said when it is read (prep verify lists it)
-        if mode and not stat.S_ISREG(mode):
-            raise FormatError(f"{path}: shard {name!r} is not a regular file (a device, FIFO or folder); refused")
+            out.append(path)  # missing: said when it is read (prep verify lists it)
+            continue
+        check_shard_stat(str(path), st)
+        pin(str(path), st, follow=os.path.islink(path))
         out.append(path)
     return out
+
+
+def check_shard_stat(path: str, st: os.stat_result) -> None:
+    """FormatError unless `st` is a regular file with one link (a hard link from outside the cache would let
+    whoever holds it change or read the cache's bytes behind every check)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{path}: shard is not a regular file (a device, FIFO or folder); refused")
+    if st.st_nlink > 1:
+        raise FormatError(f"{path}: shard has {st.st_nlink} links; {_LINKS}")
+
+
+def pin(path: str, st: os.stat_result, follow: bool = False) -> None:
+    """Record the file checked at `path`: later opens through `open_read` must find this very file."""
+    _PINS[path] = (st.st_dev, st.st_ino, follow)
+
+
+def open_read(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open a file to read. A pinned cache shard opens only as the file checked when its cache was opened:
+    no symlink put in its place (O_NOFOLLOW), no hang on a FIFO (O_NONBLOCK), a regular file with one link,
+    the same device and inode; anything else is one FormatError line. Other paths open plainly."""
+    pinned = _PINS.get(path)
+    if pinned is None:
+        return os.open(path, flags)
+    dev, ino, follow = pinned
+    extra = os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags | extra)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{path}: shard was replaced by a symlink after the cache was opened; {_SWAP}") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        check_shard_stat(path, st)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise FormatError(f"{path}: shard is another file than the one checked when the cache was opened; {_SWAP}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextmanager
+def checked_path(path: str) -> Iterator[str]:
+    """A name for exactly the file `open_read` checks, for libraries that open files by name (kvikio, xNVMe):
+    /proc/self/fd/N of a checked descriptor while the block runs; a path that is no cache shard as it is."""
+    if path not in _PINS:
+        yield path
+        return
+    fd = open_read(path)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+_SWAP = "refused (someone replaced it); reopen the cache, or rebuild it with `prep cache --force`"
 
 
 def check_counts(root: Path, manifest: Mapping[str, Any], meta_lines: int) -> int:
@@ -61,7 +134,31 @@ def check_counts(root: Path, manifest: Mapping[str, Any], meta_lines: int) -> in
     keys = manifest.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise FormatError(f"{root}/manifest.json: 'keys' is not a list of names; {_FIX}")
+    twice = sorted({k for k in keys if keys.count(k) > 1}) if len(set(keys)) != len(keys) else []
+    if twice:
+        raise FormatError(f"{root}/manifest.json: key {twice[0][:60]!r} is listed twice in 'keys'; {_FIX}")
     return n
+
+
+def load_offsets(path: Path, meta_size: int) -> np.ndarray:
+    """meta_offsets.npy, memory-mapped, after checking it is what `write_meta` writes: a 1-D integer array
+    (never pickled objects), starting at 0, never decreasing, every offset inside meta.jsonl; FormatError
+    in one line otherwise (checked whole: one vectorised pass, 8 bytes per item)."""
+    try:
+        offsets = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:  # pickled objects, an absurd header, a short file
+        raise FormatError(f"{path}: not an array of offsets ({str(exc)[:80]}); {_FIX}") from None
+    if not isinstance(offsets, np.ndarray) or offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        what = f"{getattr(offsets, 'ndim', '?')}-D {getattr(offsets, 'dtype', '?')}"
+        raise FormatError(f"{path}: offsets are a {what} array, not 1-D integers; {_FIX}")
+    if not len(offsets):
+        return offsets
+    wide = offsets.astype(np.float64)  # uint64 past 2^63 and negative int64 alike compare right
+    if wide[0] != 0 or np.any(wide[1:] < wide[:-1]):
+        raise FormatError(f"{path}: offsets do not start at 0 and rise (negative or decreasing); {_FIX}")
+    if wide[-1] >= meta_size:
+        raise FormatError(f"{path}: an offset points past the end of meta.jsonl ({meta_size} bytes); {_FIX}")
+    return offsets
 
 
 def check_index(
@@ -86,6 +183,8 @@ def check_index(
 def _check_sizes(where: Path, index: np.ndarray, dtypes: Sequence[str]) -> None:
     ndim = index["ndim"]
     shape = index["shape"].astype(np.float64)  # float: a product past 2^64 shows as large, never wraps
+    if np.any(shape >= 2.0**62):
+        raise FormatError(f"{where}: an index row has a size of 2^62 or more (edited?); {_FIX}")
     if int(ndim.max()) > shape.shape[1]:
         raise FormatError(f"{where}: an index row has more dims than the layout holds; {_FIX}")
     used = np.arange(shape.shape[1], dtype=np.uint8)[None, :] < ndim[:, None]

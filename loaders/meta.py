@@ -182,6 +182,7 @@ NUMERIC_DTYPES = frozenset(
 )  # fmt: skip
 ENUM_MODULE = "monai.utils.enums"  # the enums MONAI keeps in meta (SpaceKeys, TraceKeys, GridSampleMode, ...)
 MAX_DEPTH = 64
+_CRAFTED = "(a damaged or crafted cache; rebuild it with `prep cache --force`)"
 
 
 def decode(doc: Any, depth: int = 0) -> Any:
@@ -198,7 +199,12 @@ def decode(doc: Any, depth: int = 0) -> Any:
         value = doc.get("v")
         if isinstance(value, (list, dict)):
             raise FormatError("meta: a numpy scalar tag holds no scalar (a damaged or crafted cache)")
-        return np.dtype(_dtype(doc["__np__"])).type(value)
+        try:
+            return np.dtype(_dtype(doc["__np__"])).type(value)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise FormatError(
+                f"meta: numpy scalar {str(value)[:40]!r} does not fit {doc['__np__']} ({exc}) {_CRAFTED}"
+            ) from None
     if "__pt__" in doc:
         import torch
 
@@ -242,25 +248,23 @@ def _array(doc: Mapping[str, Any], tag: str) -> np.ndarray:
 
 
 def _enum(name: Any, value: Any) -> Any:
-    """The member `value` of MONAI's enum class "monai.utils.enums:Name"; any other name gives the plain value
-    back. Only a class of that one module that is an Enum is looked up: nothing a file names is imported
-    or called."""
-    if not isinstance(name, str):
-        return value
-    module, _, qualname = name.partition(":")
+    """The member `value` of MONAI's enum class "monai.utils.enums:Name"; FormatError for any other name or
+    member. Only a class of that one module that is an Enum is looked up: nothing a file names is imported
+    or called. Without MONAI installed the plain value comes back (nothing to check it against)."""
+    module, _, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
     if module != ENUM_MODULE or not qualname.isidentifier() or qualname.startswith("_"):
-        return value
+        raise FormatError(f"meta: enum tag {str(name)[:60]!r} is not a class of {ENUM_MODULE} {_CRAFTED}")
     try:
         from monai.utils import enums
     except ImportError:
         return value
     kind = vars(enums).get(qualname)
     if not (isinstance(kind, type) and issubclass(kind, enum.Enum) and len(kind.__members__)):
-        return value
+        raise FormatError(f"meta: enum tag {name[:60]!r} is not an enum of {ENUM_MODULE} {_CRAFTED}")
     try:
         return kind(value)
     except (ValueError, TypeError):
-        return value
+        raise FormatError(f"meta: {str(value)[:40]!r} is not a member of {qualname} {_CRAFTED}") from None
 
 
 def key_meta(line: Mapping[str, Any] | None, key: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from loaders.meta import from_template, line_source, meta_template, restore_meta
 # restore_meta, meta_template, from_template: defined in loaders.meta, re-exported for old imports
 __all__ = [
     "PreparedPersistentDataset",
+    "dropin_device",
     "from_template",
     "meta_template",
     "restore_meta",
@@ -116,6 +117,17 @@ def tail_compose(transform: Any) -> Any:
         return Compose(tail, **options)
 
 
+def dropin_device(transform: Any, device: str | None = None) -> str:
+    """Where the drop-in puts each output tensor: `device` when given, else where the head put it (its last
+    device-setting transform, `loaders.chain.head_device`: seed 000's `EnsureTypeD(device="cuda:0")` gives
+    "cuda:0", as MONAI's PersistentDataset gives its tensors back there), else "cpu"."""
+    if device is not None:
+        return str(device)
+    with keep_random_states(transform):  # splitting the chain re-seeds it
+        head, _ = chain.split(transform)
+    return chain.head_device(head) or "cpu"
+
+
 def _persistent_keeps_types() -> bool:
     """True where MONAI's PersistentDataset saves the head's output as it is (MONAI 1.4: numpy arrays stay
     numpy); from MONAI 1.5 it converts every array to a (Meta)Tensor before saving."""
@@ -147,10 +159,15 @@ class _PersistentCore:
     PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
     True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)); its
     numpy arrays come back as numpy arrays under MONAI 1.4 and as MetaTensors from 1.5, as there.
-    backend, device, verify and other options: as for PreparedDataset; PersistentDataset's own options
-    (hash_func, pickle_module, ...) are accepted and have nothing to do here. A `monai.data.Dataset`, so
-    slicing, DataLoader and ThreadDataLoader work as with PersistentDataset.
+    device: where the output tensors go; None: where the head put them (`dropin_device`). backend, verify and
+    other options: as for PreparedDataset; PersistentDataset's own options (hash_func, pickle_module, ...) are
+    accepted and have nothing to do here. A `monai.data.Dataset` built as MONAI builds one (a list
+    `transform` becomes a Compose), so slicing, DataLoader, ThreadDataLoader and `set_data` work as with
+    PersistentDataset.
     """
+
+    transform: Any  # a Compose, set by monai.data.Dataset.__init__
+    data: Sequence[Any]
 
     def __init__(
         self,
@@ -158,7 +175,7 @@ class _PersistentCore:
         transform: Any,
         cache_dir: str | os.PathLike[str],
         backend: str | Backend = "auto",
-        device: str = "cpu",
+        device: str | None = None,
         verify: bool = False,
         track_meta: bool | None = None,
         **options: Any,
@@ -170,13 +187,13 @@ class _PersistentCore:
 
         for name in _PERSISTENT_ONLY:
             options.pop(name, None)
-        self.data = data
-        self.transform = transform
+        super().__init__(data, transform)  # type: ignore[call-arg]  # monai.data.Dataset's: wraps a list in Compose
+        transform = self.transform
         self.track_meta = track_meta
         self.dataset = PreparedDataset(
             cache_dir,
             backend=backend,
-            device=device,
+            device=dropin_device(transform, device),
             verify=verify,
             meta=track_meta,
             leaf_types=_persistent_keeps_types(),
@@ -189,6 +206,11 @@ class _PersistentCore:
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def set_data(self, data: Sequence[Any]) -> None:
+        """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
+        cache is kept: it is read-only here, and items not in it are refused when read, in one line."""
+        self.data = data
 
     def _lookup(self, index: int) -> int:
         """The cache item holding data[index]: same position when the sources agree, else by source entry
@@ -217,12 +239,10 @@ class _PersistentCore:
         return apply_transform(self.tail, head)
 
     def set_random_state(self, seed: int | None = None) -> Any:
-        """Seed the tail's random transforms (the same objects as in `transform`) as `transform.set_random_state`
-        seeds them, as MONAI's DataLoader seeds PersistentDataset's chain (a nested Compose seeds its own)."""
-        from loaders.exact import Seeder
-
-        if self.tail is not None:
-            Seeder(self.transform).set_random_state(seed)
+        """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is
+        then the one it draws under PersistentDataset, where MONAI's DataLoader (num_workers=0) seeds the
+        dataset's `transform` (seeding a Compose of the tail alone gave its members other seeds)."""
+        self.transform.set_random_state(seed=seed)
         return self
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from loaders.backends.base import Backend, PageCacheProbe, ReadRequest
 from loaders.format import ALIGN, TensorEntry, align_up
+from loaders.layout import open_read
 
 # Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
 # queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
@@ -337,7 +338,7 @@ def _resident(reads: Sequence[RegionRead], samples: int = 3) -> bool:
         spans = r.plan.spans
         picks = {spans[k * (len(spans) - 1) // max(samples - 1, 1)] for k in range(samples)}
         try:
-            fd = os.open(r.entry.shard, os.O_RDONLY)
+            fd = open_read(r.entry.shard)
         except OSError:
             return True  # the backend names the missing file
         try:
@@ -370,7 +371,7 @@ def _mapping(path: str) -> np.ndarray | None:
     if st.st_size == 0:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_read(path)
         try:
             mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         finally:

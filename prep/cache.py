@@ -44,10 +44,10 @@ from prep.cluster import (
     Progress,
     batch_size_for,
     check_security,
-    choose_processes,
     interrupt_scope,
     run_tasks,
     torch_threads_for,
+    worker_mode,
 )
 from prep.errors import PrepError, StaleError, UsageError
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
@@ -192,8 +192,9 @@ def prepare_cache(
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
     The local cluster runs `workers` threads in this process (each task with cores / workers torch threads),
-    or (`processes=True`) one process per worker forked from this one (1 torch thread each, as a DataLoader's
-    workers); `processes=None` chooses by `prep.cluster.choose_processes` from the head's time on the first
+    or (`processes=True`) one process per worker (1 torch thread each, as a DataLoader's workers), forked from
+    this one where `prep.cluster.start_method` allows; `processes=None` chooses by `prep.cluster.worker_mode`
+    from the head (threads for a CUDA head) and its time on the first
     item. A head that prepares nothing (the chain's first transform is random) is refused unless
     `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
     """
@@ -228,7 +229,7 @@ def prepare_cache(
         stack.enter_context(CacheLock(root))
         starter = None
         if early and (scheduler or processes is False or (processes is None and workers == 1)):
-            # threads start while the main thread plans; processes fork from it once it is idle (forked_workers)
+            # threads start while the main thread plans; processes start once it is idle (start_method)
             starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
         pipe = load_pipeline(pipeline, bundle_key)
         _check_head(pipe, allow_empty_head)
@@ -333,10 +334,12 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if todo:
         keep_pipeline(run.pipe)
         item_s = _probe(run, todo[0]) if len(todo) > run.workers and not run.scheduler else None
-        processes = bool(run.processes) if run.processes is not None else choose_processes(
-            run.workers, len(todo), item_s)  # fmt: skip
+        processes, method = worker_mode(
+            run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)  # fmt: skip
         starter = starter or stack.enter_context(
-            ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
+            ClusterStarter(
+                run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security, method
+            )
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
@@ -358,6 +361,13 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         how = "processes" if processes else "threads"
         summary.mode = f"{run.workers} {how}{' (auto)' if run.processes is None else ''}"
     return summary
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (the probe of a CUDA head does): its forks could not use it."""
+    import torch
+
+    return bool(torch.cuda.is_initialized())
 
 
 def _probe(run: _Run, item: int) -> float | None:
@@ -516,6 +526,7 @@ def _commit(
         **plan,
         "tail": pipe.tail_description,
         "head_length": len(pipe.head),
+        "head_device": chain.head_device(pipe.head),  # where the head left its tensors (None: the CPU)
         "keys": keys,
         "shards": shards,
         "n_items": len(records),

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from loaders.format import DTYPES, PreparedCache, TensorEntry, align_up, checksum
+from loaders.layout import open_read
 
 _CHUNK_ITEMS = 4096
 
@@ -95,7 +96,7 @@ def _check_entry(entry: TensorEntry, shard_size: int, fds: dict[str, int]) -> st
     if entry.offset + entry.nbytes > shard_size:
         return f"shard ends at {shard_size}, tensor needs bytes up to {entry.offset + entry.nbytes}"
     if entry.shard not in fds:
-        fds[entry.shard] = os.open(entry.shard, os.O_RDONLY)
+        fds[entry.shard] = open_read(entry.shard)
     data = os.pread(fds[entry.shard], entry.nbytes, entry.offset)
     if len(data) != entry.nbytes:
         return f"short read: {len(data)} of {entry.nbytes} bytes"

@@ -21,6 +21,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from loaders import chain
 from prep.errors import PrepError, UsageError
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
 from prep.worker import TaskSpec, clear_stop, ignore_sigint, request_stop, run_batch, warm, warm_torch
@@ -97,7 +98,7 @@ def local_cores() -> int:
 
 def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
     """Intra-op threads per task on a local cluster: its cores shared by the worker threads, or 1 per worker
-    process as in a DataLoader's workers (forked: see forked_workers); 0 on a remote cluster: its workers keep
+    process as in a DataLoader's workers (see start_method); 0 on a remote cluster: its workers keep
     their own setting."""
     if scheduler:
         return 0
@@ -147,30 +148,42 @@ def _connect(scheduler: str, security: Any) -> Any:
         ) from None
 
 
-@contextmanager
-def forked_workers() -> Iterator[None]:
-    """Local worker processes fork from this process, which has already imported torch, MONAI and the
-    pipeline, as a torch DataLoader's workers do: starting them costs a fork, not an import. Measured on the
-    2-core box (2026-11-23): a 2-item run with 2 worker processes took 4.1 s wall / 4.5 CPU s forked from a
-    preloaded forkserver (which imports torch and MONAI first) and 0.9 s / 1.1 CPU s forked from here.
+def start_method(cuda: bool, python: tuple[int, ...] = sys.version_info[:2]) -> str:
+    """How local worker processes start: "fork" (from this process, which has already imported torch, MONAI
+    and the pipeline, as a torch DataLoader's workers do: a fork, not an import), else "forkserver".
 
-    The fork runs on the cluster's event-loop thread while the caller waits for the cluster (`ClusterStarter`
-    is started after planning for processes, so no import or write of the main thread is under way); each
-    worker then gets 1 torch thread per task (`torch_threads_for`), so no OpenMP pool is used after the fork.
+    `cuda`: the head touches CUDA (`loaders.chain.touches_cuda`) or CUDA is initialised here
+    (`torch.cuda.is_initialized()`, e.g. by the probe that ran such a head): a forked child cannot use CUDA
+    ("Cannot re-initialize CUDA in forked subprocess"). The forkserver is a fresh interpreter that never
+    touched CUDA. From Python 3.12 a fork from this multi-threaded process (distributed starts each worker
+    process on a thread of its own) is unsafe: CPython warns, and filelock's fork audit hook (4.2) raises
+    "os.fork is unsafe while filelock is changing descriptor ownership" when two of those threads fork at
+    once (seen at 16 workers). Measured on the 2-core box (2026-11-23): 2 workers started in 0.9 s forked
+    from here and 4.1 s through a forkserver that imports torch and MONAI first.
     """
+    return "forkserver" if cuda or tuple(python) >= (3, 12) else "fork"
+
+
+@contextmanager
+def worker_start(method: str) -> Iterator[None]:
+    """dask config: local worker processes start by `method` (see start_method). A forked start runs on the
+    cluster's event-loop thread while the caller waits for the cluster (`ClusterStarter` is started after
+    planning for processes, so no import or write of the main thread is under way); each worker then gets 1
+    torch thread per task (`torch_threads_for`), so no OpenMP pool is used after the fork."""
     import dask
 
-    with dask.config.set({"distributed.worker.multiprocessing-method": "fork"}):
+    with dask.config.set({"distributed.worker.multiprocessing-method": method}):
         yield
 
 
 class ClusterStarter:
-    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes), on a
-    thread; then loads `pipeline` on every worker process. `client()` waits for it; use as a context manager."""
+    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes started
+    by `method`, see start_method), on a thread; then loads `pipeline` on every worker process. `client()`
+    waits for it; use as a context manager."""
 
     def __init__(
         self, workers: int, scheduler: str | None, processes: bool = True, pipeline: str | Path | None = None,
-        bundle_key: str | None = None, security: Any = None,
+        bundle_key: str | None = None, security: Any = None, method: str | None = None,
     ) -> None:  # fmt: skip
         self._stack = ExitStack()
         self._client: Any = None
@@ -184,13 +197,15 @@ class ClusterStarter:
             target = (str(path), key)
         self._thread = threading.Thread(
             target=self._start,
-            args=(workers, scheduler, processes, target, security),
+            args=(workers, scheduler, processes, target, security, method or start_method(cuda=False)),
             name="blockprep-cluster",
             daemon=True,
         )
         self._thread.start()
 
-    def _start(self, workers: int, scheduler: str | None, processes: bool, target: tuple | None, security: Any) -> None:
+    def _start(
+        self, workers: int, scheduler: str | None, processes: bool, target: tuple | None, security: Any, method: str
+    ) -> None:  # fmt: skip
         import dask
         from distributed import Client, LocalCluster
 
@@ -210,7 +225,7 @@ class ClusterStarter:
                     env.enter_context(dask.config.set({"distributed.worker.profile.enabled": False}))
                     if processes:
                         env.enter_context(worker_process_env(torch_threads_for(workers, None, processes)))
-                        env.enter_context(forked_workers())
+                        env.enter_context(worker_start(method))
                     cluster = self._stack.enter_context(
                         LocalCluster(**shape, processes=processes, dashboard_address=":0", silence_logs=logging.ERROR)
                     )  # fmt: skip
@@ -251,25 +266,31 @@ class ClusterStarter:
 
 # the auto rule's constants (see choose_processes), measured on the 2-core box and the 16-core GPU box
 PROCESS_START_S = 1.0  # forking the local worker processes and warming them (0.5-0.9 s measured with 2)
+FORKSERVER_START_S = 4.0  # the same through a forkserver: each worker imports torch and MONAI (4.1 s with 2)
 THREAD_SCALING = 4.0  # worker threads stop gaining past ~4 for heads that release the GIL (16-core box)
 SMALL_ITEM_S = 0.02  # below this per item, the head is mostly Python (2D images): threads share one GIL
 SMALL_THREAD_SCALING = 1.0  # 2000 MedNIST-like JPEGs, 2-core box: 1 thread 519/s, 2 threads 349-376/s
 TASK_S = 1.0  # a task of small items holds at least this much work, so dask's per-task cost stays small
 
 
-def choose_processes(workers: int, n_todo: int, item_s: float | None) -> bool:
-    """The `--workers` mode auto: processes when they are expected to finish first, else threads.
+def choose_processes(
+    workers: int, n_todo: int, item_s: float | None, cuda: bool = False, start_s: float = PROCESS_START_S
+) -> bool:
+    """The `--workers` mode auto: processes when they are expected to finish first, else threads; always
+    threads for a head that touches CUDA (`cuda`): its work runs on the GPU outside the GIL, and each process
+    would start from scratch (see start_method) and hold a CUDA context of its own.
 
     Threads start at once but share the GIL: heads that release it (zlib, torch resampling) scale to about
-    THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING (no gain). Processes scale
-    with the workers and cost PROCESS_START_S to start. `item_s` is the head's time on one item, measured
-    on this process before the run (None: not measured, threads).
+    THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING (no gain).
+    Processes scale with the workers and cost `start_s` to start (FORKSERVER_START_S where start_method says
+    "forkserver"). `item_s` is the head's time on one item, measured on this process before the run (None:
+    not measured, threads).
     """
-    if workers < 2 or item_s is None or n_todo <= workers:
+    if cuda or workers < 2 or item_s is None or n_todo <= workers:
         return False
     scaling = THREAD_SCALING if item_s >= SMALL_ITEM_S else SMALL_THREAD_SCALING
     threads_s = n_todo * item_s / min(workers, scaling)
-    processes_s = PROCESS_START_S + n_todo * item_s / workers
+    processes_s = start_s + n_todo * item_s / workers
     return processes_s < threads_s
 
 
@@ -356,3 +377,18 @@ def run_tasks(
         if type(exc).__name__ == "KilledWorker":
             raise PrepError(f"{spec.output}: a dask worker died repeatedly ({exc}); re-run to resume") from None
         raise
+
+
+def worker_mode(
+    workers: int, n_todo: int, item_s: float | None, head: list[Any], cuda_initialized: bool,
+    processes: bool | None = None, python: tuple[int, ...] = sys.version_info[:2],
+) -> tuple[bool, str]:  # fmt: skip
+    """(processes?, start method) for a local run: `processes` as asked (None: choose_processes decides),
+    started as start_method says for a head that touches CUDA (`loaders.chain.touches_cuda(head)`) or a
+    process where CUDA is initialised (`cuda_initialized`: what `torch.cuda.is_initialized()` says)."""
+    cuda = cuda_initialized or chain.touches_cuda(head)
+    method = start_method(cuda, python)
+    if processes is None:
+        start_s = PROCESS_START_S if method == "fork" else FORKSERVER_START_S
+        processes = choose_processes(workers, n_todo, item_s, cuda, start_s)
+    return processes, method

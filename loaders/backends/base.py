@@ -20,6 +20,7 @@ import numpy as np
 
 from loaders.errors import BackendError
 from loaders.format import ALIGN
+from loaders.layout import open_read
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class FdCache:
                 self._fds.move_to_end(path)
                 return fd
         try:
-            fd = os.open(path, self.flags)
+            fd = open_read(path, self.flags)  # a cache shard: only the file checked when its cache opened
         except OSError as exc:
             raise BackendError(f"{path}: cannot open ({exc.strerror}); check the path and permissions") from exc
         with self._lock:

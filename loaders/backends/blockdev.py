@@ -288,6 +288,7 @@ class BlockdevBackend(Backend):
             keys = [self.bmap.key_for(r.path) for r in requests]
         except FormatError as exc:
             raise BackendError(str(exc)) from None
+        self.guard.refresh(dict.fromkeys(keys))  # changed since this backend checked it: check it again
         # what the record alone says (not raw-readable, outside the device) is settled before any raw read
         unchecked = [k for k in {k: None for k in keys if k not in self._why} if self.guard.precheck(k) is None]
         if not self.guard.check_stale:
@@ -299,7 +300,9 @@ class BlockdevBackend(Backend):
             self._stat_pool = ThreadPoolExecutor(self.stat_threads, thread_name_prefix="blockprep-stat")
         step = max(64, len(unchecked) // self.stat_threads + 1)
         chunks = [unchecked[i : i + step] for i in range(0, len(unchecked), step)]
-        return keys, [self._stat_pool.submit(self.guard.check_many, c) for c in chunks]
+        for fut in [self._stat_pool.submit(self.guard.check_many, c) for c in chunks]:
+            fut.result()  # no raw read before its file's check is in: a raw read must not outrun the open
+        return keys, []
 
     def _run_coalesced(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
         """Sort the data segments of the batch by device offset and read neighbours (at most `max_gap` apart)

@@ -22,6 +22,7 @@ from loaders.backends.direct import DirectBackend
 from loaders.deps import has, require
 from loaders.errors import BackendError, MissingDependencyError
 from loaders.format import ALIGN, align_up
+from loaders.layout import checked_path
 
 _INSTALL = "pip install 'blockprep[gpu]'"
 
@@ -193,7 +194,8 @@ class KvikioBackend(Backend):
                 self._files.move_to_end(path)
                 return f
             try:
-                f = self._kvikio.CuFile(path, "r")
+                with checked_path(path) as name:  # a cache shard: the very file checked when its cache opened
+                    f = self._kvikio.CuFile(name, "r")
             except (OSError, RuntimeError) as exc:
                 raise BackendError(f"{path}: cannot open ({exc}); check the path and permissions") from exc
             self._files[path] = f

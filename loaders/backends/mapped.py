@@ -136,10 +136,32 @@ class MappedFiles:
     def reason(self, key: str) -> str | None:
         """Why `key` must be read through the filesystem (None: raw), checked on first use."""
         why = self.why.get(key, UNCHECKED)
+        if why is None:
+            self.refresh([key])
+            why = self.why.get(key, UNCHECKED)
         if why == UNCHECKED:
             self.check_many([key])
             why = self.why[key]
         return why
+
+    def refresh(self, keys: Iterable[str]) -> None:
+        """Forget the raw verdict of each file whose inode, size or mtime differs now from its record (one
+        lstat per file per read call), so its next use checks it again (extents included): a file rewritten
+        or removed after its first read is noticed at the next call, not once per backend."""
+        if not self.check_stale:
+            return
+        files, root, why = self.bmap.files, self.bmap.root + "/", self.why
+        for k in keys:
+            if k not in why or why[k] is not None:
+                continue
+            r = files[k]
+            try:
+                st = os.lstat(root + k)
+                same = (st.st_ino, st.st_size, st.st_mtime_ns) == (r["inode"], r["size"], r["mtime_ns"])
+            except OSError:
+                same = False
+            if not same:
+                del why[k]
 
     def precheck(self, key: str) -> str | None:
         """What the record alone says against a raw read (not raw-readable; an extent outside the filesystem's

@@ -22,6 +22,7 @@ import numpy as np
 from loaders.backends.base import Backend, ReadRequest, aligned_empty, short_read
 from loaders.deps import require
 from loaders.errors import BackendError, MissingDependencyError
+from loaders.layout import checked_path
 
 _INSTALL = "install libxnvme (distro package, conda-forge or source) or set XNVME_LIBRARY_PATH to libxnvme.so"
 
@@ -99,7 +100,8 @@ class XnvmeBackend(Backend):
         with self._lock:
             dev = self._files.get(path)
             if dev is None:
-                dev = self._files[path] = self._open(path)
+                with checked_path(path) as name:  # a cache shard: the very file checked when its cache opened
+                    dev = self._files[path] = self._open(name)
                 while len(self._files) > 256:
                     self._capi.xnvme_dev_close(self._files.popitem(last=False)[1])
             return dev

@@ -54,9 +54,10 @@ def test_labels_match_dali_readers_file(image_tree: Path, tmp_path: Path) -> Non
     assert FileSource(tricky, backend="posix").files == _readers_file(tricky)
 
 
-def test_file_source_in_a_dali_pipeline(image_tree: Path) -> None:
+@pytest.mark.parametrize("backend", ["posix", "auto"])
+def test_file_source_in_a_dali_pipeline(image_tree: Path, backend: str) -> None:
     pairs = list_labeled_files(image_tree)
-    src = FileSource(image_tree, backend="posix", batch_size=4)
+    src = FileSource(image_tree, backend=backend, batch_size=4, threads=2)  # auto: 2 slices of 2 files
 
     @pipeline_def(batch_size=4, num_threads=1, device_id=None)
     def ours() -> Any:
@@ -79,6 +80,8 @@ def test_file_source_in_a_dali_pipeline(image_tree: Path) -> None:
             path, label = pairs[seen]
             assert np.array(raw[i]).tobytes() == (image_tree / path).read_bytes()
             assert int(np.array(labels[i]).item()) == label == int(np.array(ref_labels[i]).item())
+            got, want = np.array(labels[i]), np.array(ref_labels[i])
+            assert (got.dtype, got.shape) == (want.dtype, want.shape) == (np.dtype(np.int32), (1,))
             np.testing.assert_array_equal(np.array(images[i]), np.array(ref_images[i]))
             seen += 1
     assert seen == len(pairs)
@@ -307,3 +310,9 @@ def test_read_ahead_keeps_batches_and_epochs_exact(image_tree: Path) -> None:
     src.close()
     check(*next(iter(src)), src._order[:4].tolist())
     src.close()
+
+
+def test_read_threads_leave_half_the_cores_to_dali() -> None:
+    from loaders.dali import read_threads
+
+    assert [read_threads(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]

@@ -367,3 +367,62 @@ def test_leaf_kinds_round_trip_and_old_lines() -> None:
         assert type(as_kind(read, line_kinds(old).get(key), template)) is MetaTensor, key
         if key == "image":
             assert got.meta["filename_or_obj"] == "a.nii"
+
+
+def test_dropin_device_is_where_the_head_put_its_tensors() -> None:
+    """Issue 25.2: seed 000's head ends on the GPU (EnsureTypeD(device="cuda:0"), then SpacingD), and MONAI's
+    PersistentDataset gives its tensors back there; the decision needs no GPU to test."""
+    import monai.transforms as mt
+
+    from loaders.monai import dropin_device
+
+    keys = ("image", "label")
+    head = [mt.LoadImaged(keys=keys), mt.EnsureTyped(keys=keys, device="cuda:0"), mt.Spacingd(keys=keys, pixdim=1.5)]
+    tail = [mt.RandFlipd(keys=keys, prob=0.5)]
+    assert dropin_device(mt.Compose(head + tail)) == "cuda:0"
+    assert dropin_device(head + tail, device="cpu") == "cpu"  # an explicit device wins
+    assert dropin_device([*head, mt.ToDeviced(keys=keys, device="cuda:1"), *tail]) == "cuda:1"  # the last one
+    assert dropin_device([*head, mt.EnsureTyped(keys=keys), *tail]) == "cuda:0"  # no device: left where it was
+    assert dropin_device([head[0], *tail]) == "cpu"
+    assert dropin_device([head[0], *tail, mt.ToDeviced(keys=keys, device="cuda:0")]) == "cpu"  # a tail's device
+
+
+def test_list_transform_becomes_a_compose_and_worker_seeding_works(prepared: dict[str, Any]) -> None:
+    """MONAI wraps a list transform in Compose, so the tutorials' worker_init_fn calling
+    `dataset.transform.set_random_state` works; the draws then match PersistentDataset's."""
+    from monai.data import PersistentDataset
+    from monai.transforms import Compose
+
+    from loaders.monai import PreparedPersistentDataset
+
+    data = prepared["data"]
+    steps = list(_transform(prepared["pipeline"]).transforms)
+    ref = PersistentDataset(data, steps, prepared["tmp"] / "pt-list")
+    ours = PreparedPersistentDataset(data, steps, prepared["cache"], backend="posix", track_meta=True)
+    assert isinstance(ours.transform, Compose) and isinstance(ref.transform, Compose)
+    ref.transform.set_random_state(5)
+    want = [ref[i] for i in range(len(data))]
+    ours.transform.set_random_state(5)
+    _same_item(want, [ours[i] for i in range(len(data))])
+
+
+def test_set_data_swaps_the_fold_as_persistent_dataset_does(prepared: dict[str, Any]) -> None:
+    from monai.data import PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+
+    data = prepared["data"]
+    transform = _transform(prepared["pipeline"])
+    ref = PersistentDataset(data[:3], transform, prepared["tmp"] / "pt-fold")
+    ours = PreparedPersistentDataset(data[:3], transform, prepared["cache"], backend="posix", track_meta=True)
+    [ours[i] for i in range(3)]  # the lookup of the first fold is built
+    ref.set_data(data[3:])
+    ours.set_data(data[3:])
+    assert len(ours) == len(ref) == len(data) - 3
+    transform.set_random_state(3)
+    want = [ref[i] for i in range(len(ref))]
+    transform.set_random_state(3)
+    _same_item(want, [ours[i] for i in range(len(ours))])
+    ours.set_data([{"image": "elsewhere.nii.gz", "label": "elsewhere.nii.gz"}])
+    with pytest.raises(StaleError, match=r"data\[0\] is not in the cache"):
+        ours[0]

@@ -155,6 +155,7 @@ def test_large_files_checked_as_read(with_meta: Path, monkeypatch: pytest.Monkey
     import loaders.format as fmt
 
     monkeypatch.setattr(loaders.checksums, "CHUNK", 64)  # several chunks even in this small cache
+    monkeypatch.setattr(loaders.checksums, "MIN_CHUNK", 64)  # below the bound a crafted record may not go
     meta = [PreparedCache(with_meta).meta(i) for i in range(3)]
     write_items(with_meta, [{"image": np.zeros((1, 4, 5, 6), np.float32)}] * 3, meta)
     monkeypatch.setattr(fmt, "SMALL", 0)

@@ -1,8 +1,18 @@
-"""The pure rules of prep.cluster: the auto choice of threads or processes, and items per task."""
+"""The pure rules of prep.cluster: the auto choice of threads or processes, how processes start, items per task."""
 
 from __future__ import annotations
 
-from prep.cluster import PROCESS_START_S, TASK_S, batch_size_for, choose_processes
+from typing import Any
+
+from prep.cluster import (
+    FORKSERVER_START_S,
+    PROCESS_START_S,
+    TASK_S,
+    batch_size_for,
+    choose_processes,
+    start_method,
+    worker_mode,
+)
 
 
 def test_auto_mode_threads_for_one_worker_few_items_or_no_probe() -> None:
@@ -28,3 +38,42 @@ def test_items_per_task() -> None:
     small = batch_size_for(24_000, 16, item_s=0.001)  # 2D images: ~8 tasks per worker, not 750 of 32
     assert small == 24_000 // (16 * 8) + 1 and small * 0.001 <= 2 * TASK_S
     assert batch_size_for(24_000, 2, item_s=0.001) == int(TASK_S / 0.001)  # capped at TASK_S of work
+
+
+def _head(device: str) -> list[Any]:
+    """Seed 000's head (MONAI's GDS notebook) with its EnsureTypeD on `device`."""
+    import monai.transforms as mt
+
+    keys = ("image", "label")
+    return [
+        mt.LoadImageD(keys=keys, image_only=True, ensure_channel_first=True),
+        mt.EnsureTypeD(keys=keys, device=device),
+        mt.SpacingD(keys=keys, pixdim=1.5),
+    ]
+
+
+def test_a_cuda_head_never_forks() -> None:
+    """Issue 25.1: seed 000's head initialises CUDA; its workers must not be forked from this process."""
+    head = _head("cuda:0")
+    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, python=(3, 11)) == (False, "forkserver")
+    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, python=(3, 11)) == (False, "forkserver")
+    assert worker_mode(8, 10_000, 0.1, head, False, processes=True, python=(3, 11)) == (True, "forkserver")
+
+
+def test_cuda_initialised_here_never_forks_even_for_a_cpu_head() -> None:
+    head = _head("cpu")
+    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, python=(3, 11)) == (True, "fork")
+    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, python=(3, 11)) == (False, "forkserver")
+    assert worker_mode(8, 10_000, 0.1, head, True, processes=True, python=(3, 11)) == (True, "forkserver")
+    assert worker_mode(8, 10_000, 0.1, head, False, processes=False, python=(3, 11)) == (False, "fork")
+
+
+def test_no_fork_from_threads_from_python_3_12() -> None:
+    """filelock's fork audit hook (Python >= 3.12) raises when two of distributed's start threads fork at once."""
+    assert start_method(cuda=False, python=(3, 11)) == "fork"
+    assert start_method(cuda=False, python=(3, 12)) == start_method(cuda=True, python=(3, 11)) == "forkserver"
+    # the forkserver's start costs more, so the auto rule needs more work before it picks processes
+    assert worker_mode(8, 100, 0.1, _head("cpu"), False, python=(3, 11)) == (True, "fork")
+    assert worker_mode(8, 100, 0.1, _head("cpu"), False, python=(3, 12)) == (False, "forkserver")
+    assert choose_processes(8, 100, 0.1, start_s=PROCESS_START_S)
+    assert not choose_processes(8, 100, 0.1, start_s=FORKSERVER_START_S)

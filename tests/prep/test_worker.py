@@ -14,6 +14,7 @@ import torch
 from loaders.format import JOURNAL_DIR, PreparedCache
 from prep import worker
 from prep.cache import load_datalist, prepare_cache
+from prep.journal import read_journals
 from prep.pipeline import load_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,3 +159,19 @@ def test_local_workers_run_without_dask_profiler(processes: bool) -> None:
     with ClusterStarter(2, None, processes=processes) as starter:
         assert set(starter.client().run(_profiling).values()) == {False}
     assert dask.config.get("distributed.worker.profile.enabled")  # the caller's dask config is left as it was
+
+
+def test_forkserver_workers_are_not_children_of_this_process_and_prepare(nifti_dataset: Path, tmp_path: Path) -> None:
+    """How processes start for a CUDA head (prep.cluster.start_method): from a forkserver, a fresh interpreter
+    that never touched CUDA; the workers warm the pipeline and prepare items as forked ones do."""
+    from prep.cluster import ClusterStarter, run_tasks
+
+    items = load_datalist(nifti_dataset)
+    (tmp_path / JOURNAL_DIR).mkdir()
+    with ClusterStarter(2, None, processes=True, pipeline=SPHERES, method="forkserver") as starter:
+        client = starter.client()
+        origins = list(client.run(_worker_origin).values())
+        run_tasks(client, _spec(tmp_path), items, list(range(len(items))), 3, pids=starter.pids)
+    assert len(origins) == 2 and os.getpid() not in {ppid for _, _, ppid in origins}
+    state = read_journals(tmp_path)
+    assert sorted(state.done) == list(range(len(items))) and not state.quarantined

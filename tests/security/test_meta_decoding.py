@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 from craft import copy_cache, rewrite_meta
+from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedDataset
 from loaders.meta import decode
+from prep.cli import app
 
 pytest.importorskip("monai")
 
@@ -27,11 +29,31 @@ def test_an_enum_tag_naming_a_function_runs_nothing(good_cache: Path, tmp_path: 
     attack = {"__enum__": "monai.utils.misc:os.system", "v": f"touch {marker}"}
     rewrite_meta(cache, lambda i, line: _plant(line, attack))
     ds = PreparedDataset(cache, meta=False)
-    item = ds[0]
+    with pytest.raises(FormatError, match="is not a class of monai.utils.enums"):
+        ds[0]  # refused, never decoded to a string nor called
     assert not marker.exists()
-    assert item["planted"] == f"touch {marker}"  # the plain value, never a call
-    for name in ("os:system", "monai.utils.enums:os.system", "monai.utils.enums:_private", "builtins:eval"):
-        assert decode({"__enum__": name, "v": "x"}) == "x"
+    for name in ("os:system", "monai.utils.enums:os.system", "monai.utils.enums:_private", "builtins:eval", 5):
+        with pytest.raises(FormatError, match="enum tag"):
+            decode({"__enum__": name, "v": "x"})
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        ({"__enum__": "monai.utils.enums:SpaceKeys", "v": "XYZ"}, "is not a member of SpaceKeys"),
+        ({"__enum__": "monai.utils.enums:NoSuchEnum", "v": "RAS"}, "is not an enum of"),
+        ({"__enum__": "monai.utils.enums:annotations", "v": "RAS"}, "is not an enum of"),
+    ],
+)
+def test_unknown_enum_classes_and_members_are_refused(good_cache: Path, tmp_path: Path, doc: dict, says: str) -> None:
+    with pytest.raises(FormatError, match=says):
+        decode(doc)
+    cache = copy_cache(good_cache, tmp_path / "c")
+    rewrite_meta(cache, lambda i, line: _plant(line, doc))
+    with pytest.raises(FormatError, match=says):
+        PreparedDataset(cache, meta=False)[0]
+    result = CliRunner().invoke(app, ["verify", str(cache)])
+    assert result.exit_code == 1 and says in result.output, result.output
 
 
 def test_monai_enums_still_come_back() -> None:
@@ -51,6 +73,8 @@ def test_monai_enums_still_come_back() -> None:
         ({"__pt__": "float32", "s": [3], "v": [1.0]}, "does not hold"),
         ({"__np__": "V8", "v": 1}, "not a numeric dtype"),
         ({"__tuple__": "abc"}, "holds no list"),
+        ({"__np__": "int8", "v": 1000}, "does not fit int8"),
+        ({"__np__": "uint8", "v": -1}, "does not fit uint8"),
     ],
 )
 def test_tags_are_bounded(doc: dict, says: str) -> None:

@@ -84,3 +84,20 @@ def test_dali_readers_smoke(research_data: Path, tmp_path: Path, capsys: pytest.
         assert f"  {row}: " in out, out
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert {r["name"] for r in rows["results"]} >= {"blockprep FileSource", "dali readers.file"}
+
+
+def test_dali_readers_rounds_give_one_median_row_per_way(research_data: Path, tmp_path: Path) -> None:
+    """--rounds N: every way runs N times, interleaved; one row each (the median round), with the rounds'
+    range and the median of the per-round ratios to readers.file."""
+    from workflows import benchmark
+
+    argv = ["--batchsize", "4", "--batches", "2", "--warm", "--out", str(tmp_path), "dali-readers", "--rounds", "3"]
+    assert benchmark.main([*argv, "--datadir", str(research_data / "data")]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    ways = ("dali readers.file", "research Python iterator", "blockprep FileSource")
+    for name in ways:
+        row = rows[name]
+        assert row["extra"]["rounds"] == 3 and row["extra"]["min"] <= row["items_per_s"] <= row["extra"]["max"]
+    assert "x peer per round" not in rows["dali readers.file"]["extra"]
+    assert float(rows["blockprep FileSource"]["extra"]["x peer per round"]) > 0
+    assert rows["dali readers.file"]["x_peer"] == 1.0

@@ -92,6 +92,11 @@ class Rows:
 
     def add(self, label: str, job: Callable[[], Result | list[Result]]) -> list[Result]:
         """Run one way; keep its row(s), or print and keep the one-line reason it cannot run here."""
+        made = self._run(label, job)
+        self.results += made
+        return made
+
+    def _run(self, label: str, job: Callable[[], Result | list[Result]]) -> list[Result]:
         try:
             got = job()
         except (Unavailable, PrepError) as exc:  # PrepError: this data lacks what the way needs (one line)
@@ -99,9 +104,33 @@ class Rows:
             return []
         made = got if isinstance(got, list) else [got]
         for result in made:
-            self.results.append(result)
             print(f"  {result.name}: {result.items_per_s:.1f} items/s, {result.gb_per_s:.3f} GB/s", flush=True)
         return made
+
+    def add_rounds(self, jobs: Sequence[tuple[str, Callable[[], Result]]], rounds: int, peer: str = "") -> None:
+        """Run every way once per round, the ways interleaved (a load that comes and goes on a shared box
+        hits them alike); keep one row per way: the round of median time. With more than one round, its
+        `extra` holds the rounds, their items/s range and, against the row named `peer`, the median of the
+        per-round ratios (each against the peer's run of the same round)."""
+        runs: dict[str, list[Result]] = {}
+        for r in range(rounds):
+            if rounds > 1:
+                print(f"  round {r + 1}/{rounds}", flush=True)
+            for label, job in jobs:
+                if r and label not in runs:
+                    continue  # could not run here: said once
+                for result in self._run(label, job)[:1]:
+                    runs.setdefault(label, []).append(result)
+        base = next((v for v in runs.values() if v[0].name == peer), None)
+        for made in runs.values():
+            row = sorted(made, key=lambda x: x.seconds)[(len(made) - 1) // 2]
+            if len(made) > 1:
+                rates = [x.items_per_s for x in made]
+                row.extra.update(rounds=len(made), min=min(rates), max=max(rates))
+                if base is not None and row.name != peer and len(base) == len(made):
+                    per_round = [x.items_per_s / b.items_per_s for x, b in zip(made, base)]
+                    row.extra["x peer per round"] = f"{float(np.median(per_round)):.2f}"
+            self.results.append(row)
 
     def skip(self, label: str, why: str) -> None:
         """Keep (and print) that `label` cannot run here, and why."""

@@ -471,19 +471,24 @@ def dali_readers(
     datadir: Annotated[Path, _DATADIR],
     bmap: Annotated[Path | None, typer.Option(help="bmap.json of the tree's filesystem (adds BmapSource)")] = None,
     decode: Annotated[bool, typer.Option(help="decode the images (off: compare the reading alone)")] = False,
+    rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds of every way; rows are medians")] = 1,
 ) -> Rows:
-    """readers.file is the peer every other row is compared with (same files, same order, same batch)."""
+    """readers.file is the peer every other row is compared with (same files, same order, same batch); with
+    `rounds`, each row is its median round and notes the median of its per-round ratios to readers.file."""
     tree = train_dir(datadir)
     rows = Rows(title=f"DALI readers over {tree}")
-    rows.peers["images"] = "dali readers.file"
+    rows.peers["images"] = peer = "dali readers.file"
     token = DECODE.set(decode)
+    jobs: list[tuple[str, Callable[[], Result]]] = [
+        ("dali", lambda: dali_file(tree, opts)),
+        ("research iterator", lambda: research_iterator(tree, opts)),
+        ("FileSource", lambda: blockprep_dali(opts, tree, name="blockprep FileSource")),
+    ]
+    if bmap is not None:
+        jobs.append(("BmapSource", lambda: blockprep_dali(opts, tree, bmap, "blockdev", name="blockprep BmapSource")))
     try:
         ceilings.image_ceilings(rows, lambda: tree_files(tree)[0], opts)
-        rows.add("dali", lambda: dali_file(tree, opts))
-        rows.add("research iterator", lambda: research_iterator(tree, opts))
-        rows.add("FileSource", lambda: blockprep_dali(opts, tree, name="blockprep FileSource"))
-        if bmap is not None:
-            rows.add("BmapSource", lambda: blockprep_dali(opts, tree, bmap, "blockdev", name="blockprep BmapSource"))
+        rows.add_rounds(jobs, rounds, peer)
     finally:
         DECODE.reset(token)
     return rows

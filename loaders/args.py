@@ -1,0 +1,181 @@
+"""Argument checks of the readers (`PreparedLoader`, `PreparedDataset`, `PreparedPersistentDataset`, the DALI
+sources), run when the object is built: each bad value is one line of an `ArgumentError` subclass that is
+also the TypeError, ValueError, KeyError or IndexError Python code expects. Strings never mean yes."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from loaders.errors import (
+    ArgumentIndexError,
+    ArgumentKeyError,
+    ArgumentTypeError,
+    ArgumentValueError,
+)
+
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def count(name: str, value: Any, low: int = 1) -> int:
+    """A whole number >= low (bools, floats and strings refused)."""
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name}={value!r} is not a whole number; pass an int >= {low}")
+    if value < low:
+        raise ArgumentValueError(f"{name}={value!r} must be at least {low}")
+    return int(value)
+
+
+def flag(name: str, value: Any, also: tuple[str, ...] = ()) -> Any:
+    """True or False (or one of the named strings, e.g. 'auto'): 'no' and 'yes' are refused, not truthy."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, str) and value in also):
+        return value
+    allowed = " or ".join(["True", "False", *(repr(a) for a in also)])
+    raise ArgumentTypeError(f"{name}={value!r} is not a flag; pass {allowed}")
+
+
+def seed(value: Any, name: str = "seed") -> int:
+    """A seed in 0..2**63-1 (what torch and numpy both take)."""
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{name}={value!r} is not an integer seed; pass an int in 0..2**63-1")
+    if not 0 <= value <= MAX_SEED:
+        raise ArgumentValueError(f"{name}={value} is outside 0..2**63-1")
+    return int(value)
+
+
+def cache_dir(value: Any) -> None:
+    """A path (str or os.PathLike)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(f"cache_dir={value!r} is not a path; pass the folder `prep cache --output` wrote")
+
+
+def device(value: Any, allow_none: bool = False) -> None:
+    """'cpu', 'cuda' or 'cuda:N' (a torch.device too); a CUDA device only where torch sees a GPU."""
+    if value is None and allow_none:
+        return
+    if type(value).__name__ == "device":  # torch.device, without importing torch here
+        value = str(value)
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"device={value!r} is not a device name; pass 'cpu' or 'cuda:N'")
+    kind, _, index = value.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ArgumentValueError(f"device={value!r} is not 'cpu', 'cuda' or 'cuda:N'")
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ArgumentValueError(f"device={value!r} but this torch sees no CUDA GPU; pass device='cpu'")
+
+
+def keys(value: Any, known: Sequence[str], where: Any) -> list[str] | None:
+    """None (all keys) or a list of the cache's keys; the message lists them."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(k, str) for k in value):
+        raise ArgumentTypeError(f"keys={value!r} is not a list of key names; the cache has {list(known)}")
+    missing = [k for k in value if k not in known]
+    if missing:
+        raise ArgumentKeyError(f"{where}: keys {missing} are not in the cache (it has {list(known)})")
+    return list(value)
+
+
+def backend(value: Any) -> None:
+    """A backend name or a Backend object."""
+    from loaders.backends.base import Backend
+
+    if not isinstance(value, (str, Backend)):
+        raise ArgumentTypeError(f"backend={value!r} is not a backend name (e.g. 'auto', 'posix') or a Backend")
+
+
+def index(value: Any, n: int) -> int:
+    """An item index in -n..n-1."""
+    if not _is_int(value):
+        raise ArgumentTypeError(f"index {value!r} is not an integer item index")
+    if not -n <= value < n:
+        raise ArgumentIndexError(f"index {value} is outside a dataset of {n} items")
+    return int(value)
+
+
+def indices(value: Any, n: int) -> np.ndarray:
+    """Integer positions in -n..n-1, as an int64 array."""
+    array = np.asarray(value)
+    if array.size and array.dtype.kind not in "iu":
+        raise ArgumentTypeError(f"subset indices of dtype {array.dtype} are not integer positions")
+    if array.ndim != 1:
+        raise ArgumentValueError(f"subset indices must be a flat list of positions, not {array.ndim}-D")
+    if array.size and (int(array.min()) < -n or int(array.max()) >= n):
+        raise ArgumentIndexError(f"subset indices reach outside a dataset of {n} items")
+    return array.astype(np.int64)
+
+
+def shard(rank: Any, world_size: Any) -> None:
+    """DDP rank and world size: whole numbers, world_size >= 1, 0 <= rank < world_size."""
+    count("world_size", world_size, 1)
+    count("rank", rank, 0)
+    if rank >= world_size:
+        raise ArgumentValueError(f"rank {rank} is outside world size {world_size}")
+
+
+def interval(name: str, value: Any) -> None:
+    """None or a positive, finite number of seconds."""
+    if value is None:
+        return
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ArgumentTypeError(f"{name}={value!r} is not a number of seconds")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ArgumentValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+
+
+def check_loader(args: Mapping[str, Any]) -> None:
+    """Every argument of `PreparedLoader.__init__` (its locals(), the cache open as self.cache)."""
+    cache = args["self"].cache
+    count("batch_size", args["batch_size"])
+    seed(args["seed"])
+    device(args["device"], allow_none=True)
+    for name in ("shuffle", "drop_last", "verify", "tail_thread"):
+        flag(name, args[name])
+    flag("crop_read", args["crop_read"], also=("auto",))
+    count("prefetch", args["prefetch"], 0)
+    interval("switch_interval", args["switch_interval"])
+    backend(args["backend"])
+    keys(args["keys"], cache.keys, cache.root)
+    if args["copy_threads"] is not None:
+        count("copy_threads", args["copy_threads"])
+    if args["drop_last"] and args["batch_size"] > len(cache):
+        warnings.warn(
+            f"PreparedLoader: batch_size={args['batch_size']} is larger than the {len(cache)} items of "
+            f"{cache.root} and drop_last=True: every epoch is empty; lower batch_size or pass drop_last=False",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def check_dataset(cache: Any, keys_: Any, backend_: Any, device_: Any, verify: Any, meta: Any) -> list[str] | None:
+    """The arguments of `PreparedDataset` (and `PreparedPersistentDataset`) that the cache can judge."""
+    backend(backend_)
+    device(device_)
+    flag("verify", verify)
+    flag("meta", meta)
+    return keys(keys_, cache.keys, cache.root)
+
+
+def check_batches(
+    batch_size: Any, prefetch: Any, shuffle: Any, seed_: Any, drop_last: Any, pad: Any, epoch: Any
+) -> None:
+    """The arguments of `iter_batches` / `PreparedBatches`."""
+    count("batch_size", batch_size)
+    count("prefetch", prefetch, 0)
+    count("epoch", epoch, 0)
+    seed(seed_)
+    for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("pad", pad)):
+        flag(name, value)

@@ -1,0 +1,58 @@
+"""Where a training step's GPU time goes with PreparedLoader's defaults: torch.profiler's top entries.
+
+    python -m workflows.bench.profile_train --workload seg-ct --steps 12 --device cuda:0
+
+Builds (or reuses) the training benchmark's data and cache for the workload, runs one warm epoch, then profiles
+`--steps` training steps and prints the table sorted by device time (CPU time on a CPU run).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from workflows.bench.train import DEFAULTS, TrainOptions, build_data, make_step, transform_of
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="seg-ct", choices=sorted(DEFAULTS))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--work", type=Path, default=Path("bench_out/work"))
+    parser.add_argument("--rows", type=int, default=25, help="table rows")
+    a = parser.parse_args(argv)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from loaders.feed import PreparedLoader
+
+    size, crop, batch, count, workers = DEFAULTS[a.workload]
+    opts = TrainOptions(size, crop, batch, 2, workers, a.device, count, workload=a.workload)
+    _, pipeline, cache = build_data(opts, a.work)
+    loader = PreparedLoader(cache, transform_of(pipeline, 0), batch, device=a.device, seed=0)
+    loader.set_random_state(0)
+    step = make_step(opts, a.device)
+    for b in loader:  # warm: the tier fills, kernels compile
+        step(b["image"], b["label"])
+    gpu = a.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    done = 0
+    with profile(activities=activities) as prof:
+        while done < a.steps:
+            for b in loader:
+                step(b["image"], b["label"])
+                if gpu:
+                    torch.cuda.synchronize()
+                done += 1
+                if done >= a.steps:
+                    break
+    key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+    print(f"{a.workload}: {done} steps, PreparedLoader defaults, {a.device}")
+    print(prof.key_averages().table(sort_by=key, row_limit=a.rows))
+    loader.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
