@@ -264,9 +264,23 @@ def check_versions(recorded: Mapping[str, str], where: str) -> None:
         )
 
 
-def fingerprint(head: Iterable[Any]) -> str:
-    """Stable sha256 of each transform's class and configuration (not its run-time state, not versions)."""
-    doc = {"transforms": [{"class": _qualname(t), "config": _config(_attrs(t))} for t in head]}
+# A MONAI Compose's options, with their defaults: how it applies its transforms.
+COMPOSE_OPTIONS = {"map_items": True, "unpack_items": False, "log_stats": False, "lazy": False, "overrides": None}
+
+
+def compose_options(transform: Any) -> dict[str, Any]:
+    """The options of the user's Compose (map_items, unpack_items, log_stats, lazy, overrides); {} for a list."""
+    return {n: getattr(transform, n) for n in COMPOSE_OPTIONS if hasattr(transform, n)}
+
+
+def fingerprint(head: Iterable[Any], options: Mapping[str, Any] | None = None) -> str:
+    """Stable sha256 of each transform's class and configuration (not its run-time state, not versions), and of
+    the Compose's `lazy` and `overrides` where it resamples lazily (they change the head's output; left out
+    otherwise, so caches made before keep their fingerprint)."""
+    doc: dict[str, Any] = {"transforms": [{"class": _qualname(t), "config": _config(_attrs(t))} for t in head]}
+    options = options or {}
+    if options.get("lazy", False) is not False:
+        doc["lazy"] = {"lazy": options["lazy"], "overrides": _config(options.get("overrides"))}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -367,7 +381,7 @@ def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -
     """StaleError unless the transform's head is the one the cache was prepared with."""
     head, _ = split(transform)
     want = manifest.get("fingerprint")
-    got = fingerprint(head)
+    got = fingerprint(head, compose_options(transform))
     if want != got:
         cached = "; ".join(manifest.get("head", []) or []) or "unknown"
         ours = "; ".join(describe(head)) or "empty"

@@ -44,6 +44,10 @@ class UnsupportedFilesystemError(PrepError):
     """The filesystem or device cannot be mapped (no FIEMAP, btrfs, md/dm)."""
 
 
+class UnsupportedChainError(PrepError, ValueError):
+    """PreparedLoader cannot give MONAI's result for this chain; the message names the transform and what to do."""
+
+
 class ArgumentError(PrepError):
     """A bad argument to a reader, refused when the object is built: the message names it and what fits."""
 

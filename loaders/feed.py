@@ -69,44 +69,54 @@ def parse_bytes(value: int | str | None) -> int:
 
 
 class _PerItemTail:
-    """The tail through MONAI, item by item (used where `loaders.tail.BatchedTail` is not installed)."""
+    """The tail through MONAI, item by item (items of unequal shapes, or no `loaders.tail.BatchedTail`)."""
 
-    def __init__(self, transforms: Sequence[Any], device: Any = None) -> None:
+    def __init__(self, transforms: Sequence[Any], device: Any = None, options: dict[str, Any] | None = None) -> None:
         from monai.transforms import Compose
 
-        self.compose = Compose(list(transforms)) if transforms else None
+        self.compose = Compose(list(transforms), **(options or {})) if transforms else None
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def run(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """(the batch through the tail, the input item each output came from)."""
         import torch
 
-        if self.compose is None:
-            return batch
+        from loaders.tail.batched import ragged_error
+
         keys = [k for k in batch if not k.startswith("_")]
-        outs: list[dict[str, Any]] = []
-        sources: list[int] = []
-        for i in range(len(batch[keys[0]])):
-            out = self.compose({k: batch[k][i] for k in keys})
-            out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
-            outs.extend(out)
-            sources.extend([i] * len(out))
-        result = {k: _stack(torch, [_plain(o[k]) for o in outs]) for k in keys}
-        result["_items"] = batch["_items"][sources]  # the item each output came from
-        return result
+        n = len(batch[keys[0]])
+        if self.compose is None:
+            outs: list[dict[str, Any]] = [{k: batch[k][i] for k in keys} for i in range(n)]
+            sources = list(range(n))
+        else:
+            outs, sources = [], []
+            for i in range(n):
+                out = self.compose({k: batch[k][i] for k in keys})
+                out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
+                outs.extend(out)
+                sources.extend([i] * len(out))
+        result = {k: _stack(torch, [_plain(o[k]) for o in outs]) for k in outs[0]}
+        ragged = sorted({tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v})
+        if ragged:  # MONAI's list_data_collate raises here too
+            raise ragged_error(ragged)
+        return result, sources
 
 
 def _plain(t: Any) -> Any:
     return t.as_tensor() if hasattr(t, "as_tensor") else t
 
 
-def batched_tail(transforms: Sequence[Any], device: Any) -> Any:
-    """`loaders.tail.BatchedTail` over `transforms` when installed, else MONAI per item."""
+def batched_tail(transforms: Sequence[Any], device: Any, options: dict[str, Any] | None = None) -> Any:
+    """`loaders.tail.BatchedTail` over `transforms` (with the user's Compose options) when installed, else
+    MONAI per item."""
     try:
         from loaders.tail import BatchedTail  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
-        return _PerItemTail(transforms, device)
+        return _PerItemTail(transforms, device, options)
     from monai.transforms import Compose
 
-    return BatchedTail(Compose(list(transforms)), device=device) if transforms else _PerItemTail([], device)
+    if not transforms:
+        return _PerItemTail([], device)
+    return BatchedTail(Compose(list(transforms), **(options or {})), device=device)
 
 
 @dataclass
@@ -160,12 +170,12 @@ class _PreparedLoaderCore:
         switch_interval: float | None = None,
         copy_threads: int | None = None,
     ) -> None:
-        from loaders import chain
+        from loaders import exact
+        from loaders.monai import keep_random_states
 
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
         check_loader(locals())  # every argument, one line each (loaders/args.py)
-        chain.check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
         self.keys = list(keys) if keys is not None else list(self.cache.keys)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -181,19 +191,9 @@ class _PreparedLoaderCore:
         self.prefetch = max(1, prefetch)
         self.verify = verify
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
-        _, tail = chain.split(transform)
-        self.fold, rest = split_fold(tail, self.keys, self.cache)
-        # keys the fold crops; the others (CropForegroundd's coordinates, ...) pass through whole, as MONAI's do
-        cropped = set(self.fold.transform.keys) if self.fold is not None else set(self.keys)
-        self.crop_keys = [k for k in self.keys if k in cropped]
-        self.pass_keys = [k for k in self.keys if k not in cropped]
-        self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
-        from monai.transforms import Compose
-
-        self._tail_compose = Compose(tail) if tail else None  # seeds crop and rest as MONAI would
-        self.tail = batched_tail(rest, self.device)
-        self._ragged_tail = _PerItemTail(rest)  # items of unequal shapes (no folded crop): MONAI per item
-        self.value_keys = self._value_keys(keys, tail)
+        with keep_random_states(transform):  # the chain's split and the Composes built here would re-seed it
+            self._init_tail(transform, keys)
+        self._seeder = exact.Seeder(transform)
         self._values: dict[int, dict[str, Any]] = {}  # item -> its non-tensor head outputs (class labels, ...)
         self._backend = backend if isinstance(backend, Backend) else None
         self._backend_spec, self._backend_options = backend, dict(backend_options or {})
@@ -208,6 +208,27 @@ class _PreparedLoaderCore:
         self._region_backend: Backend | None = None
         self._stager: Any = None
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
+
+    def _init_tail(self, transform: Any, keys: Sequence[str] | None) -> None:
+        """Check the head, refuse what cannot equal MONAI (`loaders.exact`), split off the crop to fold."""
+        from loaders import chain, exact
+
+        chain.check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
+        _, tail = chain.split(transform)
+        exact.refuse_meta_readers(tail)
+        options = chain.compose_options(transform)
+        self.fold: Any = None
+        rest = list(tail)
+        if exact.folds(tail, options):
+            self.fold, rest = split_fold(tail, self.keys, self.cache)
+        # keys the fold crops; the others (CropForegroundd's coordinates, ...) pass through whole, as MONAI's do
+        cropped = set(self.fold.transform.keys) if self.fold is not None else set(self.keys)
+        self.crop_keys = [k for k in self.keys if k in cropped]
+        self.pass_keys = [k for k in self.keys if k not in cropped]
+        self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
+        self.tail = batched_tail(rest, self.device, options)
+        self._ragged_tail = _PerItemTail(rest, options=options)  # unequal shapes (no folded crop): MONAI per item
+        self.value_keys = self._value_keys(keys, tail)
 
     # --- order ---
     def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
@@ -225,9 +246,9 @@ class _PreparedLoaderCore:
         self.epoch = epoch
 
     def set_random_state(self, seed: int) -> _PreparedLoaderCore:
-        """Seed the tail's random transforms as `Compose(tail).set_random_state(seed)` seeds them."""
-        if self._tail_compose is not None:
-            self._tail_compose.set_random_state(seed=seed)
+        """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
+        nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
+        self._seeder.set_random_state(seed)
         return self
 
     def epoch_items(self, epoch: int) -> np.ndarray:
@@ -367,11 +388,10 @@ class _PreparedLoaderCore:
             batch.update({k: _stack(torch, [got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
         if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
             batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
-            batch["_items"] = torch.as_tensor([item for item, _ in plan.rows])
-            return self._with_values(self._ragged_tail(batch))
-        batch["_items"] = [item for item, _ in plan.rows]  # per row: a multi-sample crop repeats its item
-        out = self.tail(batch)
-        out["_items"] = torch.as_tensor(out["_items"])
+            out, origin = self._ragged_tail.run(batch)
+        else:
+            out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
+        out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         return self._with_values(out)
 
     def _auto_budget(self) -> int:

@@ -51,6 +51,11 @@ _LIST_META = (OPS, "crop_center")
 
 
 # --- encode (prep cache) ---
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    """C-contiguous with the same shape: np.ascontiguousarray makes a 0-d array (a class label) 1-d."""
+    return np.ascontiguousarray(array).reshape(array.shape)
+
+
 def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Head output -> ({flat key: array}, meta line parts: per-key meta, applied operations, plain values),
     values type-tagged (see the module docstring)."""
@@ -69,10 +74,10 @@ def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
                     # tuples as lists: what MONAI's PersistentDataset gives back for a cached head's operations
                     ops[key] = encode(_reset_ids(list(leaf.applied_operations), _trace_none()), tuples=False)
                 leaf = leaf.as_tensor()
-            arrays[key] = np.ascontiguousarray(leaf.detach().cpu().numpy())
+            arrays[key] = _contiguous(leaf.detach().cpu().numpy())
         elif isinstance(leaf, (np.ndarray, np.generic)):
             kinds[key] = "ndarray" if isinstance(leaf, np.ndarray) else "numpy"
-            arrays[key] = np.ascontiguousarray(leaf)
+            arrays[key] = _contiguous(np.asarray(leaf))
         else:
             values[key] = encode(leaf)
     for key, array in arrays.items():
@@ -293,7 +298,7 @@ def as_kind(tensor: Any, kind: str | None, template: Any = None) -> Any:
     else a MetaTensor stamped from `template` (`from_template`), or the tensor itself without one."""
     if kind in ("ndarray", "numpy"):
         array = tensor.detach().cpu().numpy()
-        return array.reshape(())[()] if kind == "numpy" else array  # a scalar was stored as shape (1,)
+        return array.reshape(())[()] if kind == "numpy" else array  # a scalar: shape (), or (1,) in older caches
     if kind == "tensor" or template is None:
         return tensor
     return from_template(tensor, template)

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from loaders import chain, layout
+from loaders import chain, layout, sampling
 from loaders.format import (
     BMAP,
     INDEX,
@@ -477,7 +477,7 @@ def _wipe(root: Path) -> None:
     """Remove every cache file; the manifest first, so a crash mid-wipe leaves nothing trusted."""
     for name in (MANIFEST, INDEX, META, META_OFFSETS, BMAP):
         (root / name).unlink(missing_ok=True)
-    for name in (SHARD_DIR, JOURNAL_DIR):
+    for name in (SHARD_DIR, JOURNAL_DIR, sampling.DIR):
         shutil.rmtree(root / name, ignore_errors=True)
 
 

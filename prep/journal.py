@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loaders import sampling
 from loaders.format import JOURNAL_DIR, atomic_write_bytes, checksum, fsync_dir
 from prep.errors import LockedError, UsageError
 
@@ -202,7 +203,17 @@ def check_output(cache_dir: Path) -> None:
         raise UsageError(
             f"{cache_dir}: cannot create the cache folder ({exc.strerror}); choose a writable --output"
         ) from None
-    ours = {LOCK, JOURNAL_DIR, "shards", "manifest.json", "index.npy", "meta.jsonl", "meta_offsets.npy", "bmap.json"}
+    ours = {
+        LOCK,
+        JOURNAL_DIR,
+        "shards",
+        "manifest.json",
+        "index.npy",
+        "meta.jsonl",
+        "meta_offsets.npy",
+        "bmap.json",
+        sampling.DIR,
+    }
     foreign = [p.name for p in cache_dir.iterdir() if p.name not in ours and not p.name.startswith(".")]
     if foreign:
         raise UsageError(

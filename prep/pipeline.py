@@ -41,11 +41,7 @@ class Pipeline:
         """The head as a MONAI Compose with the user's Compose settings (lazy, map_items, overrides)."""
         from monai.transforms import Compose
 
-        options = {}
-        for name in ("map_items", "unpack_items", "lazy", "overrides", "log_stats"):
-            if hasattr(self.transform, name):
-                options[name] = getattr(self.transform, name)
-        return Compose(self.head, **options)
+        return Compose(self.head, **chain.compose_options(self.transform))
 
 
 def load_pipeline(path: str | Path, bundle_key: str | None = None) -> Pipeline:
@@ -72,7 +68,7 @@ def load_pipeline(path: str | Path, bundle_key: str | None = None) -> Pipeline:
         transform=transform,
         head=head,
         tail=tail,
-        fingerprint=chain.fingerprint(head),
+        fingerprint=chain.fingerprint(head, chain.compose_options(transform)),
         head_description=chain.describe(head),
         tail_description=chain.describe(tail),
         head_reason=chain.split_reason(transform),
@@ -117,15 +113,22 @@ def _as_compose(path: Path, transform: Any) -> Any:
 
 
 def _check_dictionary(path: Path, transform: Any) -> None:
-    """Refuse array transforms: the cache stores dictionaries of named tensors."""
-    from monai.transforms import MapTransform, Transform
+    """Refuse array transforms: the cache stores dictionaries of named tensors. MONAI's own forms over a
+    whole dict are accepted: OneOf/SomeOf/RandomOrder of dictionary transforms (MONAI has no OneOfd; their
+    members are checked) and Lambda/RandLambda (the function gets the whole dict)."""
+    from monai.transforms import Compose, Lambda, MapTransform, RandLambda, Transform
 
-    for i, t in enumerate(chain._flat_transforms(transform)):
-        if isinstance(t, Transform) and not isinstance(t, MapTransform):
-            name = type(t).__name__
-            raise UsageError(
-                f"{path}: transform {i} ({name}) is an array transform; use dictionary transforms ({name}d)"
-            )
+    def check(transforms: list[Any], where: str) -> None:
+        for i, t in enumerate(transforms):
+            if isinstance(t, Compose):
+                check(list(t.transforms), f"{where}{i} ({type(t).__name__}) > ")
+            elif isinstance(t, Transform) and not isinstance(t, (MapTransform, Lambda, RandLambda)):
+                name = type(t).__name__
+                raise UsageError(
+                    f"{path}: transform {where}{i} ({name}) is an array transform; use dictionary transforms ({name}d)"
+                )
+
+    check(chain._flat_transforms(transform), "")
 
 
 def _digest(path: Path) -> str:

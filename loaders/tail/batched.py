@@ -73,6 +73,7 @@ class TailBatch:
     items: list[dict[Hashable, Any]] | None = None
     per_item: set[Hashable] = field(default_factory=set)  # passed-through lists with one entry per item
     inputs: set[int] = field(default_factory=set)  # storages of the caller's tensors (never written)
+    origin: list[int] = field(default_factory=list)  # the input item each current item came from
 
     @classmethod
     def from_batch(cls, batch: Mapping[Any, Any], device: Any = None) -> TailBatch:
@@ -87,7 +88,7 @@ class TailBatch:
             data = {k: v.to(device, non_blocking=True) if cls._batched(v, n) else v for k, v in data.items()}
         per_item = {k for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
         inputs = {v.untyped_storage().data_ptr() for v in data.values() if isinstance(v, torch.Tensor)}
-        return cls(data=data, n=n, per_item=per_item, inputs=inputs)
+        return cls(data=data, n=n, per_item=per_item, inputs=inputs, origin=list(range(n)))
 
     @staticmethod
     def _batched(value: Any, n: int) -> bool:
@@ -121,6 +122,7 @@ class TailBatch:
         item `sources[j]`, so every other per-item value is gathered from there (multi-sample crops)."""
 
         n_out = len(sources)
+        self.origin = [self.origin[s] for s in sources]
         identity = list(sources) == list(range(self.n))
         rest: dict[Hashable, Any] = {}
         for k, v in self.data.items():
@@ -152,14 +154,17 @@ class TailBatch:
     def _per(self, value: Any, key: Hashable) -> bool:
         return self._batched(value, self.n) or key in self.per_item
 
-    def set_items(self, items: list[dict[Hashable, Any]]) -> None:
-        """The per-item outputs of a MONAI transform: stacked again where shapes agree."""
+    def set_items(self, items: list[dict[Hashable, Any]], sources: Sequence[int]) -> None:
+        """The per-item outputs of a MONAI transform (output j from input item `sources[j]`): stacked again
+        where shapes and dtypes agree."""
+        self.origin = [self.origin[s] for s in sources]
         self.items, self.n = [{k: _plain(v) for k, v in it.items()} for it in items], len(items)
         self.data = {}
         self.try_stack()
 
-    def try_stack(self) -> None:
-        """Leave ragged mode if every per-item tensor now has one shape."""
+    def try_stack(self, promote: bool = False) -> None:
+        """Leave ragged mode if every per-item tensor now has one shape and (unless `promote`) one dtype: items
+        MONAI left in their own dtype (a transform with prob < 1 and dtype=) compute in it until collated."""
         import torch
 
         if self.items is None:
@@ -171,11 +176,11 @@ class TailBatch:
         for k in keys:
             vals = [it.get(k) for it in items]
             if all(isinstance(v, torch.Tensor) for v in vals):
-                stacked = _stack(vals)
+                stacked = _stack(vals, promote)
                 if stacked is None:
                     return
                 data[k] = stacked
-            elif all(v is vals[0] for v in vals):
+            elif k not in self.per_item and all(v is vals[0] for v in vals):
                 data[k] = vals[0]
             else:
                 data[k] = vals
@@ -183,23 +188,32 @@ class TailBatch:
         self.data, self.items, self.per_item = data, None, per_item
 
     def result(self) -> dict[Hashable, Any]:
-        """The batch as a dict of stacked tensors; ragged items raise, as MONAI's collate would."""
-        self.try_stack()
+        """The batch as a dict of stacked tensors (dtypes promoted, as MONAI's collate does); ragged items raise,
+        as MONAI's collate would."""
+        self.try_stack(promote=True)
         if self.items is not None:
-            shapes = sorted({tuple(v.shape) for it in self.items for v in it.values() if hasattr(v, "shape")})
-            raise PrepError(
-                f"BatchedTail: the items' shapes differ after the tail ({shapes[:4]}), so they cannot be "
-                "stacked (MONAI's list_data_collate fails too): use a fixed-size crop (random_size=False) "
-                "or end the tail with a resize"
+            raise ragged_error(
+                sorted({tuple(v.shape) for it in self.items for v in it.values() if hasattr(v, "shape")})
             )
         return dict(self.data)
 
 
-def _stack(values: list[Any]) -> Any:
-    """torch.stack of equal-shaped tensors (dtype promoted as MONAI's collate would see it), else None."""
+def ragged_error(shapes: Sequence[tuple[int, ...]]) -> PrepError:
+    """The one-line refusal of a batch whose items' shapes differ after the tail (MONAI's collate raises)."""
+    return PrepError(
+        f"the items' shapes differ after the tail ({list(shapes)[:4]}), so they cannot be stacked (MONAI's "
+        "list_data_collate fails too): use a fixed-size crop (random_size=False) or end the tail with a resize"
+    )
+
+
+def _stack(values: list[Any], promote: bool = True) -> Any:
+    """torch.stack of equal-shaped tensors (dtype promoted as MONAI's collate would see it), else None; None
+    also for unequal dtypes unless `promote`."""
     import torch
 
     if not values or any(tuple(v.shape) != tuple(values[0].shape) for v in values):
+        return None
+    if not promote and any(v.dtype != values[0].dtype for v in values):
         return None
     dtype = values[0].dtype
     for v in values[1:]:
@@ -232,10 +246,13 @@ def gather(x: Any, rows: Sequence[Any]) -> Any:
 def _per_item(transform: Any, batch: TailBatch) -> None:
     """Run a MONAI transform item by item (a list output, e.g. num_samples crops, becomes consecutive items)."""
     outs: list[dict[Hashable, Any]] = []
+    sources: list[int] = []
     for i in range(batch.n):
         out = transform(batch.item(i))
-        outs.extend(out if isinstance(out, list) else [out])
-    batch.set_items(outs)
+        out = out if isinstance(out, list) else [out]
+        outs.extend(out)
+        sources.extend([i] * len(out))
+    batch.set_items(outs, sources)
 
 
 def _walk(transforms: Sequence[Any], map_items: Any) -> list[Any]:
@@ -260,6 +277,27 @@ def _eager(compose: Any, flat: list[Any]) -> bool:
     return lazy is False and compose.map_items in (True, 1) and not compose.unpack_items
 
 
+def _repeats(transforms: Sequence[Any]) -> bool:
+    """Whether one transform object appears twice: MONAI draws its numbers item by item through the chain
+    (item 0's both uses, then item 1's), so the chain must run per item to draw them in that order."""
+    return len({id(t) for t in transforms}) < len(transforms)
+
+
+class _Sequence:
+    """Transforms applied one after the other to one item, list outputs mapped as Compose maps them (a
+    Compose is not built here: building one would re-seed the transforms)."""
+
+    def __init__(self, transforms: Sequence[Any]) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, data: Any) -> Any:
+        from monai.transforms import apply_transform
+
+        for t in self.transforms:
+            data = apply_transform(t, data, map_items=True)
+        return data
+
+
 class BatchedTail:
     """The random tail of a MONAI chain run over whole batches, on the batch's device.
 
@@ -275,12 +313,14 @@ class BatchedTail:
             flat = _walk(transform.transforms, transform.map_items)
             # OneOf / SomeOf / RandomOrder (one random choice per item), lazy resampling (MONAI fuses the
             # spatial transforms into one resample) or other item mapping: the whole chain runs per item
-            whole = type(transform) is not Compose or not _eager(transform, flat)
+            whole = type(transform) is not Compose or not _eager(transform, flat) or _repeats(flat)
             self.transforms = [transform] if whole else flat
         else:
             self._compose = None  # a list is seeded as Compose(list) would seed it, built only when seeding
             self._items = list(transform) if isinstance(transform, (list, tuple)) else [transform]
             self.transforms = _walk(self._items, True)
+            if _repeats(self.transforms):
+                self.transforms = [_Sequence(self.transforms)]
         self.device = device
         self._handlers = [_handler(t) for t in self.transforms]
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
@@ -301,6 +341,10 @@ class BatchedTail:
         return self
 
     def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:
+        return self.run(batch)[0]
+
+    def run(self, batch: Mapping[Any, Any]) -> tuple[dict[Hashable, Any], list[int]]:
+        """(the tail's batch, the input item each output item came from: num_samples crops repeat it)."""
         tb = TailBatch.from_batch(batch, self.device)
         for t, handler in zip(self.transforms, self._handlers):
             tb.try_stack()
@@ -309,7 +353,7 @@ class BatchedTail:
             if handler is not None:
                 self._note_fallback(t)
             _per_item(t, tb)
-        return tb.result()
+        return tb.result(), tb.origin
 
     def _note_fallback(self, transform: Any) -> None:
         name = type(transform).__name__

@@ -6,6 +6,7 @@ float32 first, as torch does), so the results are equal bit for bit on the same 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable
 from typing import Any
 
@@ -28,6 +29,17 @@ def _per_channel(values: list[Any], x: Any, neutral: float) -> Any:
     return to_device(table, x.device).view(len(rows), width, *([1] * (x.ndim - 2)))
 
 
+def _apply(op: Any, x: Any, values: list[Any], neutral: float) -> Any:
+    """op(x, per-item scalars) over the batch. Half types go item by item with python scalars, as MONAI
+    computes them: how torch rounds a scalar for a half tensor depends on the op and the device (add rounds
+    it to half on the CPU, mul keeps it in float32), and a tensor operand is rounded otherwise."""
+    import torch
+
+    if x.dtype in (torch.float16, torch.bfloat16) and not any(isinstance(v, (list, tuple)) for v in values):
+        return torch.stack([x[i] if v is None else op(x[i], v) for i, v in enumerate(values)])
+    return op(x, _per_channel(values, x, neutral))
+
+
 def _draw(t: Any, batch: TailBatch, keys: list[Hashable], inner: Any, attr: str) -> list[Any]:
     """Each item's draw of the dict transform (prob) and then of its inner array transform, as MONAI does."""
     first = keys[0] if keys else None
@@ -42,21 +54,26 @@ def _draw(t: Any, batch: TailBatch, keys: list[Hashable], inner: Any, attr: str)
     return drawn
 
 
-def _out_dtype(x: Any, drawn: list[Any], dtype: Any) -> Any:
-    """Items not transformed keep their dtype in MONAI, transformed ones get `dtype`: the stack promotes."""
+def _out_dtype(x: Any, dtype: Any) -> Any:
+    """The dtype MONAI gives a transformed item."""
     import torch
     from monai.utils import get_equivalent_dtype
 
-    if dtype is None or all(d is None for d in drawn):
-        return x.dtype
-    target = get_equivalent_dtype(dtype, torch.Tensor)
-    return target if all(d is not None for d in drawn) else torch.promote_types(target, x.dtype)
+    return x.dtype if dtype is None else get_equivalent_dtype(dtype, torch.Tensor)
+
+
+def _mixes_dtypes(t: Any, batch: TailBatch, keys: list[Hashable], dtype: Any) -> bool:
+    """Whether items could leave in two dtypes (prob < 1 and a dtype change): MONAI keeps a skipped item's
+    dtype and the next transform computes in it, which one batch tensor cannot hold, so it runs per item."""
+    return t.prob < 1 and any(_out_dtype(batch.data[k], dtype) != batch.data[k].dtype for k in keys)
 
 
 def rand_scale_intensity(t: Any, batch: TailBatch) -> bool:
     """RandScaleIntensityd: v * (1 + factor), one multiply for the batch."""
+    import torch
+
     keys = _ready(t, batch)
-    if keys is None:
+    if keys is None or _mixes_dtypes(t, batch, keys, t.scaler.dtype):
         return False
     drawn = _draw(t, batch, keys, t.scaler, "factor")
     if all(d is None for d in drawn):
@@ -64,8 +81,8 @@ def rand_scale_intensity(t: Any, batch: TailBatch) -> bool:
     one_plus = [None if d is None else [1 + f for f in d] if isinstance(d, list) else 1 + d for d in drawn]
     for k in keys:
         x = batch.data[k]
-        out = x * _per_channel(one_plus, x, 1.0)
-        batch.data[k] = out.to(_out_dtype(x, drawn, t.scaler.dtype))
+        out = _apply(operator.mul, x, one_plus, 1.0).to(torch.result_type(x, 1.0))  # as x * a python float
+        batch.data[k] = out.to(_out_dtype(x, t.scaler.dtype))
     return True
 
 
@@ -81,7 +98,7 @@ def rand_shift_intensity(t: Any, batch: TailBatch) -> bool:
         return True
     for k in keys:
         x = batch.data[k]
-        batch.data[k] = (x + _per_channel(drawn, x, 0.0)).to(x.dtype)
+        batch.data[k] = _apply(operator.add, x, drawn, 0.0).to(x.dtype)
     return True
 
 
@@ -97,7 +114,7 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
     import torch
 
     keys = _ready(t, batch)
-    if keys is None:
+    if keys is None or _mixes_dtypes(t, batch, keys, t.rand_gaussian_noise.dtype):
         return False
     drawn = _draw(t, batch, keys, t.rand_gaussian_noise, "noise")
     chosen = [i for i, d in enumerate(drawn) if d is not None]
@@ -106,7 +123,7 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
     noise = torch.from_numpy(np.stack([np.asarray(drawn[i]) for i in chosen]))
     for k in keys:
         x = batch.data[k]
-        dtype = _out_dtype(x, drawn, t.rand_gaussian_noise.dtype)
+        dtype = _out_dtype(x, t.rand_gaussian_noise.dtype)
         add = to_device(noise, x.device).to(dtype)
         if len(chosen) == batch.n:
             batch.data[k] = x.to(dtype) + add

@@ -234,3 +234,17 @@ def test_fingerprint_sees_partial_arguments() -> None:
 
     assert chain.fingerprint([clipped(1.0)]) != chain.fingerprint([clipped(2.0)])
     assert chain.fingerprint([clipped(1.0)]) == chain.fingerprint([clipped(1.0)])
+
+
+def test_fingerprint_holds_lazy_resampling_only_where_it_is_on() -> None:
+    """Compose(lazy=True) changes the head's output (one fused resample); eager chains keep old fingerprints."""
+    head = chain.split(_chain())[0]
+    eager = Compose(list(_chain().transforms))
+    lazy = Compose(list(_chain().transforms), lazy=True)
+    nearest = Compose(list(_chain().transforms), lazy=True, overrides={"image": {"mode": "nearest"}})
+    assert chain.fingerprint(head, chain.compose_options(eager)) == chain.fingerprint(head)
+    prints = {chain.fingerprint(head, chain.compose_options(c)) for c in (eager, lazy, nearest)}
+    assert len(prints) == 3
+    manifest = {"fingerprint": chain.fingerprint(head), "versions": chain.versions()}
+    with pytest.raises(StaleError, match="different pipeline head"):
+        chain.check_fingerprint(lazy, manifest, "cache/manifest.json")

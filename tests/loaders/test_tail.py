@@ -368,3 +368,26 @@ def test_normalize_intensity_with_given_values_runs_per_item() -> None:
     got, tail = batched(chain, batch, seed=2)
     assert tail.fallbacks == ["NormalizeIntensityd"]
     assert_same(got, reference(chain, batch, seed=2))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_per_item_lists_of_one_object_stay_lists(n: int) -> None:
+    """["CT", "CT"] (or ["CT"] for one item) through a per-item transform stays a list, as MONAI collates it."""
+    batch: dict[str, Any] = dict(make_batch(n=n))
+    batch["modality"] = ["CT"] * n
+    chain = [mt.RandAdjustContrastd("image", prob=1.0), mt.RandFlipd(K, prob=0.5)]  # the first runs per item
+    got, tail = batched(chain, batch, seed=3)
+    assert tail.fallbacks == ["RandAdjustContrastd"]
+    from monai.data import list_data_collate
+
+    assert got["modality"] == list_data_collate([{"modality": "CT"}] * n)["modality"] == ["CT"] * n
+    _, origin = tail.set_random_state(3).run(batch)
+    assert origin == list(range(n))
+
+
+def test_one_object_twice_draws_item_by_item_as_monai() -> None:
+    flip = mt.RandFlipd(K, prob=0.5, spatial_axis=0)
+    chain = [flip, mt.RandRotate90d(K, prob=0.5, spatial_axes=(0, 2)), flip]
+    batch = make_batch(n=6)
+    got, _ = batched(chain, batch, seed=4)
+    assert_same(got, reference(chain, batch, seed=4))

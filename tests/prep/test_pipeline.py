@@ -48,6 +48,11 @@ def test_changed_setting_changes_fingerprint(tmp_path: Path) -> None:
             "from monai.transforms import Compose, LoadImage\ntransform = Compose([LoadImage()])\n",
             r"LoadImage\) is an array transform; use dictionary transforms \(LoadImaged\)",
         ),
+        (
+            "from monai.transforms import Compose, OneOf, RandFlipd, ScaleIntensity\n"
+            "transform = Compose([RandFlipd(keys='x'), OneOf([RandFlipd(keys='x'), ScaleIntensity()])])\n",
+            r"transform 1 \(OneOf\) > 1 \(ScaleIntensity\) is an array transform",
+        ),
     ],
 )
 def test_bad_pipeline_files(tmp_path: Path, text: str, match: str) -> None:

@@ -1,0 +1,64 @@
+"""What keeps PreparedLoader equal to MONAI on the user's chain: its Compose options, its seeding, and the
+chains it refuses (one line naming the transform and what to do instead) rather than give other values.
+
+Light at import: MONAI is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from loaders.errors import UnsupportedChainError
+
+# Transforms that read an item's affine or meta (MONAI's MetaTensor): PreparedLoader's tail gets plain tensors.
+META_READERS = frozenset(
+    {"EnsureChannelFirstd", "Invertd", "Orientationd", "ResampleToMatchd", "SaveImaged", "Spacingd",
+     "SpatialResampled"}
+)  # fmt: skip
+
+
+def _name(t: Any) -> str:
+    return str(t.__name__) if inspect.isfunction(t) else type(t).__name__
+
+
+def refuse_meta_readers(tail: Sequence[Any]) -> None:
+    """UnsupportedChainError for a tail transform that needs the head's meta (the head ended before it)."""
+    from monai.transforms import Transform
+
+    for t in tail:
+        if _name(t) in META_READERS:
+            ender = _name(tail[0])
+            fix = f"move {ender} after {_name(t)}"
+            if not isinstance(tail[0], Transform):
+                fix += " or make it a MONAI Transform (subclass monai.transforms.MapTransform)"
+            raise UnsupportedChainError(
+                f"PreparedLoader: {_name(t)} runs in the tail (the cached head ends at {ender}) on plain tensors "
+                f"without the affine it needs; {fix}, or use PreparedPersistentDataset"
+            )
+
+
+def folds(tail: Sequence[Any], options: dict[str, Any]) -> bool:
+    """Whether the tail's leading crop may be drawn apart from the rest (folded into the read): not under
+    lazy resampling or other item mapping (MONAI applies the chain as one), nor when the crop object is
+    used again in the tail (MONAI draws its uses item by item)."""
+    eager = options.get("lazy", False) is not True and options.get("map_items", True) in (True, 1)
+    return eager and not options.get("unpack_items", False) and bool(tail) and tail[0] not in tail[1:]
+
+
+class Seeder:
+    """Seeds the tail as `transform.set_random_state(seed)` would: the user's nesting decides which seed
+    each random transform gets (a nested Compose draws its members' seeds from its own). Built without
+    re-seeding: the user's own seeding (set_random_state before building, set_determinism) is kept."""
+
+    def __init__(self, transform: Any) -> None:
+        from monai.transforms import Compose
+
+        from loaders.monai import keep_random_states
+
+        with keep_random_states(transform):
+            self.compose = transform if isinstance(transform, Compose) else Compose(list(transform))
+
+    def set_random_state(self, seed: int | None) -> None:
+        self.compose.set_random_state(seed=seed)

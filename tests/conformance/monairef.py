@@ -1,0 +1,100 @@
+"""MONAI itself as the reference: the head from the source files, then `Compose(tail, <the user's options>)`
+seeded as the row's user seeds it, item by item in the order a loader reports, then `list_data_collate`."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def seeded(row: Any, seed: int) -> Iterator[Any]:
+    """A fresh full transform seeded the row's way; "loader" seeding is applied to the loader by the caller."""
+    from monai.utils import set_determinism
+
+    if row.seeding == "determinism":
+        set_determinism(seed)
+    try:
+        transform = row.chain()
+        if row.seeding == "transform":
+            transform.set_random_state(seed)
+        yield transform
+    finally:
+        if row.seeding == "determinism":
+            set_determinism(None)
+
+
+def tail_of(row: Any, seed: int) -> Any:
+    """MONAI's tail Compose for this row, with the user's Compose options, seeded as the user seeds it."""
+    from monai.transforms import Compose
+    from monai.utils import set_determinism
+
+    if row.seeding == "determinism":
+        set_determinism(seed)  # Compose seeds itself from it when built
+        try:
+            return Compose(row.tail(), **row.compose)
+        finally:
+            set_determinism(None)
+    return Compose(row.tail(), **row.compose).set_random_state(seed)
+
+
+class Reference:
+    """MONAI's batches for a sequence of loader batches: it follows each batch's `_items`."""
+
+    def __init__(self, row: Any, data: list[dict[str, Any]], seed: int) -> None:
+        from monai.transforms import Compose
+
+        self.head = Compose(row.head(), **row.compose)
+        self.tail = tail_of(row, seed)
+        self.data = data
+
+    def item(self, i: int) -> list[dict[str, Any]]:
+        out = self.tail(self.head(copy.deepcopy(self.data[i])))
+        return out if isinstance(out, list) else [out]
+
+    def batch(self, items: list[int]) -> dict[str, Any]:
+        """MONAI's collated batch for the loader's `_items` (an item with num_samples outputs repeats)."""
+        from monai.data import list_data_collate
+
+        outs: list[dict[str, Any]] = []
+        at = 0
+        while at < len(items):
+            got = self.item(items[at])
+            outs += got
+            assert items[at : at + len(got)] == [items[at]] * len(got), ("outputs per item", items, at)
+            at += len(got)
+        return list_data_collate(outs)  # type: ignore[no-any-return]
+
+
+def plain(value: Any) -> Any:
+    return value.as_tensor() if hasattr(value, "as_tensor") else value
+
+
+def assert_batch_equal(got: dict[str, Any], want: dict[str, Any], atol: float = 0.0, where: str = "") -> None:
+    """Same keys (less the loader's `_items`), dtypes, shapes and values (bit for bit unless atol)."""
+    keys = set(want)
+    assert set(got) - {"_items"} == keys, (where, sorted(map(str, got)), sorted(map(str, keys)))
+    for k in sorted(keys, key=str):
+        g, w = plain(got[k]), plain(want[k])
+        if isinstance(w, torch.Tensor):
+            assert isinstance(g, torch.Tensor), (where, k, type(g))
+            g = g.cpu()
+            assert g.dtype == w.dtype and g.shape == w.shape, (where, k, g.dtype, w.dtype, g.shape, w.shape)
+            if atol == 0.0:
+                assert torch.equal(g, w), (where, k, (g.double() - w.double()).abs().max().item())
+            else:
+                torch.testing.assert_close(g.double(), w.double(), atol=atol, rtol=0, msg=f"{where} {k}")
+        else:
+            assert g == w, (where, k, g, w)
+
+
+def differs(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return any(
+        isinstance(plain(want[k]), torch.Tensor)
+        and (plain(got[k]).shape != plain(want[k]).shape or not torch.equal(plain(got[k]).cpu(), plain(want[k])))
+        for k in want
+    )

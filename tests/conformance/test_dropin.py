@@ -1,0 +1,68 @@
+"""PreparedPersistentDataset against MONAI's PersistentDataset, row by row (issue 26): the same data, the
+same chain built twice, seeded the row's way, under the same DataLoader; every batch equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from chaintable import ROWS, Row
+from monairef import assert_batch_equal, seeded
+
+SEED = 11
+LOADERS = ["dataloader-0", "dataloader-2", "thread"]
+
+
+def _param(row: Row, *marks: Any) -> Any:
+    return pytest.param(row, id=row.name, marks=list(marks))
+
+
+def _batches(ds: Any, transform: Any, row: Row, kind: str) -> list[Any]:
+    from monai.data import DataLoader, ThreadDataLoader
+
+    if row.seeding == "loader":
+        transform.set_random_state(SEED)  # the user's habit with MONAI: seed the chain, then iterate
+    torch.manual_seed(SEED)  # the workers' seeds (MONAI's worker_init_fn re-seeds each worker's chain)
+    if kind == "thread":
+        loader = ThreadDataLoader(ds, batch_size=2, num_workers=0)
+    else:
+        loader = DataLoader(ds, batch_size=2, num_workers=int(kind[-1]), timeout=120 if kind[-1] != "0" else 0)
+    return list(loader)
+
+
+def check_dropin(row: Row, caches: Any, tmp_path: Path, kind: str) -> None:
+    from monai.data import PersistentDataset
+
+    from loaders.monai import PreparedPersistentDataset
+
+    cache, data = caches(row), caches.data(row)
+    with seeded(row, SEED) as theirs:
+        ref = PersistentDataset(data, theirs, tmp_path / "pt")
+        for i in range(len(data)):  # fill its cache first: on the run that fills it, PersistentDataset hands
+            ref[i]  # the tail the head's MetaTensors; from its cache, plain tensors (track_meta=False), as we do
+    with seeded(row, SEED) as ours:
+        ds = PreparedPersistentDataset(data, ours, cache, backend="posix")
+    if row.raises:
+        for d, t in ((ref, theirs), (ds, ours)):
+            with pytest.raises(Exception, match=row.raises):
+                _batches(d, t, row, kind)
+        return
+    want = _batches(ref, theirs, row, kind)
+    got = _batches(ds, ours, row, kind)
+    assert len(got) == len(want) == -(-len(data) // 2)
+    for j, (g, w) in enumerate(zip(got, want)):
+        assert_batch_equal(g, w, where=f"{row.name} {kind} batch {j}")
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS.values() if not r.slow])
+def test_dropin_equals_persistent_dataset(row: Row, caches: Any, tmp_path: Path) -> None:
+    check_dropin(row, caches, tmp_path, "dataloader-0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", LOADERS[1:])
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS.values() if not r.raises])  # workers re-raise it wrapped
+def test_dropin_equals_persistent_dataset_under_each_loader(row: Row, kind: str, caches: Any, tmp_path: Path) -> None:
+    check_dropin(row, caches, tmp_path, kind)
