@@ -42,7 +42,10 @@ def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force:
         got = ds[item]
         return got[sig["label_key"]], got.get(sig["image_key"]) if sig["image_key"] else None
 
-    where = sampling.write_sets(cache.root, sig, read, len(cache), str(cache.generation), workers)
+    try:
+        where = sampling.write_sets(cache.root, sig, read, len(cache), str(cache.generation), workers)
+    finally:
+        ds.close()  # its backend's open shards would keep the cache's filesystem busy
     return (
         f"sampling sets: {len(cache)} items for {type(tail[0]).__name__} in {time.perf_counter() - t0:.1f} s "
         f"({where.relative_to(cache.root)})"
