@@ -200,7 +200,12 @@ def decode(doc: Any, depth: int = 0) -> Any:
         if isinstance(value, (list, dict)):
             raise FormatError("meta: a numpy scalar tag holds no scalar (a damaged or crafted cache)")
         try:
-            return np.dtype(_dtype(doc["__np__"])).type(value)
+            dtype = np.dtype(_dtype(doc["__np__"]))
+            if dtype.kind in "iu" and isinstance(value, int) and not isinstance(value, bool):
+                info = np.iinfo(dtype)  # older numpy wraps an out-of-range int (with a warning) instead of raising
+                if not info.min <= value <= info.max:
+                    raise OverflowError(f"outside {info.min}..{info.max}")
+            return dtype.type(value)
         except (OverflowError, ValueError, TypeError) as exc:
             raise FormatError(
                 f"meta: numpy scalar {str(value)[:40]!r} does not fit {doc['__np__']} ({exc}) {_CRAFTED}"

@@ -353,9 +353,47 @@ def run_tasks(
 ) -> None:
     """Submit one task per batch of `size` items and wait; a worker that keeps dying becomes a PrepError.
     Ctrl-C stops the tasks after their current item (a second one exits at once); `pids`: local workers."""
-    from distributed import as_completed
 
     clear_stop()
+    quiet = _QuietAfterInterrupt()
+    tornado_log = logging.getLogger("tornado.application")
+    tornado_log.addFilter(quiet)
+    if threading.current_thread() is threading.main_thread():  # interrupt_scope restores the handler
+        signal.signal(signal.SIGINT, quiet.interrupt)
+    try:
+        _wait_tasks(client, spec, items, todo, size, progress, pids)
+    finally:
+        tornado_log.removeFilter(quiet)
+
+
+class _QuietAfterInterrupt(logging.Filter):
+    """After a Ctrl-C, tornado's log of distributed's own cancellation callbacks (a NameError in some versions'
+    `sync`) is dropped: the user sees the one `interrupted` line. The flag is set in the signal handler, before
+    the interrupted wait schedules its callbacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = threading.Event()
+
+    def interrupt(self, signum: int, frame: Any) -> None:
+        self.interrupted.set()
+        raise KeyboardInterrupt
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.interrupted.is_set()
+
+
+def _wait_tasks(
+    client: Any,
+    spec: TaskSpec,
+    items: list[tuple[str, dict[str, Any]]],
+    todo: list[int],
+    size: int,
+    progress: Progress | None,
+    pids: list[int] | None,
+) -> None:
+    from distributed import as_completed
+
     futures = [
         client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], pure=False,
                       key=f"blockprep-{spec.run_id}-{b}")
