@@ -16,9 +16,10 @@ so it is never folded (it runs through MONAI).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from loaders import sampling
@@ -84,19 +85,35 @@ class LabelCropFold(Fold):
     def spatial_key(self, keys: Sequence[str]) -> str:
         return str(self.transform.label_key)  # MONAI draws over the label's shape
 
+    def given(self, item: int, spatial: Sequence[int]) -> dict[str, Any]:
+        """The item's sets as the index arguments of the cropper's `randomize` (what MONAI would list)."""
+        sets = self.store.sets(item, math.prod(spatial))
+        if self.classes:
+            cap = self.transform.cropper.max_samples_per_class
+            return {"indices": [sampling.MaskSet(s._bits, s._cum, s._count, sampling.subsample(len(s), cap))
+                                for s in sets]}  # fmt: skip
+        return {"fg_indices": sets[0], "bg_indices": sets[1]}
+
+    @contextlib.contextmanager
+    def precomputed(self, item: int, spatial: Sequence[int]) -> Iterator[None]:
+        """The transform itself, run by MONAI, draws from the item's sets: its cropper's own indices (used when
+        the call passes none) are set for the duration (callers hold a lock where threads share it)."""
+        cropper = self.transform.cropper
+        names = ("indices",) if self.classes else ("fg_indices", "bg_indices")
+        for name, value in self.given(item, spatial).items():
+            setattr(cropper, name, value)
+        try:
+            yield
+        finally:
+            for name in names:
+                setattr(cropper, name, None)
+
     def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
         from monai.transforms import Crop
         from monai.utils import fall_back_tuple
 
         t = self.transform
-        sets = self.store.sets(item, math.prod(spatial))
-        shape = sampling.shape_only((1, *spatial))
-        if self.classes:
-            cap = t.cropper.max_samples_per_class
-            picked = [sampling.MaskSet(s._bits, s._cum, s._count, sampling.subsample(len(s), cap)) for s in sets]
-            t.cropper.randomize(label=shape, indices=picked)
-        else:
-            t.cropper.randomize(label=shape, fg_indices=sets[0], bg_indices=sets[1])
+        t.cropper.randomize(label=sampling.shape_only((1, *spatial)), **self.given(item, spatial))
         roi = fall_back_tuple(t.cropper.spatial_size, default=tuple(spatial))
         return [_window(Crop.compute_slices(roi_center=c, roi_size=roi), spatial) for c in t.cropper.centers]
 
@@ -131,6 +148,15 @@ def _registry() -> dict[type, Callable[[Any, Any], Fold | None]]:
     return {RandSpatialCropd: _spatial_fold, RandCropByPosNegLabeld: _label_fold, RandCropByLabelClassesd: _label_fold}
 
 
+def label_fold(tail: Sequence[Any], cache: Any) -> LabelCropFold | None:
+    """The label-driven crop starting the tail, with its stored sets (None: no such crop, or no sets)."""
+    first = tail[0] if tail else None
+    if first is None or _registry().get(type(first)) is not _label_fold or getattr(first, "lazy", False):
+        return None
+    fold = _label_fold(first, cache)
+    return fold if isinstance(fold, LabelCropFold) else None
+
+
 def split_fold(tail: Sequence[Any], keys: Sequence[str], cache: Any = None) -> tuple[Fold | None, list[Any]]:
     """(the fold of the tail's first transform or None, the rest of the tail). Folded: an eager transform of
     a registered class (exactly: no subclass) that crops loaded keys (the others pass through whole, as
@@ -151,4 +177,6 @@ def crop_sets_of(tail: Sequence[Any]) -> dict[str, Any] | None:
     return sampling.signature(tail[0]) if tail else None
 
 
-__all__ = ["Fold", "LabelCropFold", "SpatialCropFold", "Window", "crop_sets_of", "draw_crop", "split_fold"]
+__all__ = [
+    "Fold", "LabelCropFold", "SpatialCropFold", "Window", "crop_sets_of", "draw_crop", "label_fold", "split_fold",
+]  # fmt: skip

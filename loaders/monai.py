@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,23 @@ def tail_compose(transform: Any) -> Any:
         return Compose(tail, **options)
 
 
+def _label_crop(tail: Any, cache: Any) -> tuple[Any, Any]:
+    """(the tail's leading label-driven crop with its sampling sets, a Compose of the rest with the tail's
+    options) or (None, None). Eager tails only: a lazy Compose runs whole, as MONAI runs it."""
+    from monai.transforms import Compose
+
+    from loaders.folds import label_fold
+
+    transforms = list(tail.transforms) if tail is not None else []
+    if tail is None or getattr(tail, "lazy", False) or not getattr(tail, "map_items", True):
+        return None, None
+    fold = label_fold(transforms, cache)
+    if fold is None:
+        return None, None
+    options = {n: getattr(tail, n) for n in _COMPOSE_OPTIONS if hasattr(tail, n)}
+    return fold, Compose(transforms[1:], **options) if transforms[1:] else None
+
+
 def dropin_device(transform: Any, device: str | None = None) -> str:
     """Where the drop-in puts each output tensor: `device` when given, else where the head put it (its last
     device-setting transform, `loaders.chain.head_device`: seed 000's `EnsureTypeD(device="cuda:0")` gives
@@ -202,6 +220,8 @@ class _PersistentCore:
         with keep_random_states(transform):  # splitting the chain re-seeds it
             chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
             self.tail = tail_compose(transform)
+            self._label, self._rest = _label_crop(self.tail, self.dataset.cache)
+        self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
 
     def __len__(self) -> int:
@@ -231,12 +251,20 @@ class _PersistentCore:
 
     def _transform(self, index: int) -> Any:
         # monai.data.Dataset.__getitem__ handles slices and index lists, then calls this per item
-        head = self.dataset[self._lookup(int(index))]
+        item = self._lookup(int(index))
+        head = self.dataset[item]
         if self.tail is None:
             return head
         from monai.transforms import apply_transform
 
-        return apply_transform(self.tail, head)
+        if self._label is None:
+            return apply_transform(self.tail, head)
+        # the label-driven crop draws from the cache's sampling sets (no scan of the label), MONAI does the rest
+        fold = self._label
+        spatial = next(e.shape[1:] for e in self.dataset.cache.entries(item) if e.key == fold.transform.label_key)
+        with self._crop_lock, fold.precomputed(item, spatial):
+            out = apply_transform(fold.transform, head)
+        return self._rest(out) if self._rest is not None else out
 
     def set_random_state(self, seed: int | None = None) -> Any:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is

@@ -248,3 +248,47 @@ def test_cache_without_sets_is_slow_said_once_then_added(tmp_path: Path, caplog:
     broken = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
     with pytest.raises(FormatError, match="checksum|counts"):
         next(iter(broken))
+
+
+@pytest.mark.parametrize("name", ["posneg-image-threshold", "classes-argmax"])
+def test_drop_in_draws_from_the_sets_as_persistent_dataset_draws(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PreparedPersistentDataset with a label-driven crop: the same samples as MONAI's PersistentDataset under
+    MONAI's DataLoader, and no scan of a label (MONAI's index functions raise while the drop-in runs)."""
+    import monai.transforms.croppad.array as croppad
+    import monai.transforms.utils as utils
+    from monai.data import DataLoader, PersistentDataset
+    from monai.utils import set_determinism
+
+    from loaders.monai import PreparedPersistentDataset
+    from prep.cache import load_datalist, prepare_cache
+
+    ndim, dtype, source = CHAINS[name]
+    datalist = _volumes(tmp_path / "data", ndim, dtype, n=4)
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(source)
+    prepare_cache(datalist, pipeline, tmp_path / "cache", workers=1)
+    data = [e for _, e in load_datalist(datalist)]
+
+    def batches(ds: Any) -> list[dict[str, Any]]:
+        set_determinism(seed=3)  # MONAI's DataLoader then seeds the dataset's transform
+        return [b for _ in range(2) for b in DataLoader(ds, batch_size=2, shuffle=False, num_workers=0)]
+
+    want = batches(PersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "pt"))
+
+    def scan(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a whole label was scanned")
+
+    for module in (utils, croppad):
+        monkeypatch.setattr(module, "map_binary_to_indices", scan)
+        monkeypatch.setattr(module, "map_classes_to_indices", scan)
+    ours = PreparedPersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "cache")
+    assert ours._label is not None
+    got = batches(ours)
+    set_determinism(seed=None)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for key in ("image", "label"):
+            assert np.array_equal(np.asarray(g[key]), np.asarray(w[key])), key
