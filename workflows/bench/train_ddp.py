@@ -63,6 +63,7 @@ def main_ddp(opts: TrainOptions) -> Rows:
                         ddp=True)  # fmt: skip
         loader.close()
         once = _every_item_once(seen, world, len(loader.items))
+        dist.barrier()  # every rank done with the group before any tears it down (gloo aborted a late rank)
         if rank == 0:
             row.steps *= world  # a DDP step trains `world` batches: count them as single-GPU steps
             x_one = row.steps_per_s / rows[0].steps_per_s
