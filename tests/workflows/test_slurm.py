@@ -95,7 +95,7 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], capture_output=True, text=True, env=env,
                           cwd=SLURM.parents[1], timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    local = scratch / "cache"
+    (local,) = scratch.glob("cache-*")  # one copy per job (the script's pid outside SLURM)
     assert (local / "manifest.json").is_file() and (scratch / "persistent").is_dir()
     assert all(f"{name}: 1 steps" in proc.stdout for name in ("fast", "drop-in", "persistent")), proc.stdout
     if "no block map on this scratch" not in proc.stdout:  # tmpfs scratch cannot be mapped

@@ -60,11 +60,11 @@ def test_train_sbatch_stages_remaps_and_trains(
     state = slurm.wait([job])[job]
     out = _output(tmp_path, "blockprep-train", job)
     assert state == "COMPLETED", out + slurm.logs()
-    assert f"staging {shared_cache} -> {scratch / 'cache'}" in out
+    assert f"staging {shared_cache} -> {scratch / f'cache-{job}'}" in out  # one copy per job
     assert re.search(r"\d+ files, \d+ bytes, \d+ extents", out) and "no block map on this scratch" not in out, out
     assert "every tensor verified" in out
     assert all(f"{name}: 1 steps" in out for name in ("fast", "drop-in", "persistent")), out
-    local = scratch / "cache"
+    local = scratch / f"cache-{job}"
     if keep == "1":
         from loaders.bmap import BlockMap
         from prep.cache_verify import verify_cache
