@@ -525,6 +525,7 @@ def _ddp_rank(rank: int, world: int, init: str, root: str, out: str) -> None:
             seen.setdefault(str(even), []).append(gathered)
     if rank == 0:
         Path(out).write_text(json.dumps(seen))
+    dist.barrier()  # both ranks done before either tears the group down (torch 2.3's gloo hung a lone rank)
     dist.destroy_process_group()
 
 
