@@ -3,6 +3,7 @@ source files, item by item, over volumes of different shapes (3D, 2D, one-hot an
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -73,6 +74,18 @@ transform = Compose(head + [
     RandFlipd(keys=K, prob=0.5, spatial_axis=2)])
 """,
     ),
+    "posneg-nested-inplace": (
+        3,
+        "uint8",
+        HEAD
+        + """
+from monai.transforms import Lambdad
+transform = Compose(head + [Compose([
+    RandCropByPosNegLabeld(keys=K, label_key="label", spatial_size=(6, 8, 6), pos=1, neg=1, num_samples=2),
+    Compose([RandFlipd(keys=K, prob=0.5, spatial_axis=0),
+             Lambdad(keys="image", func=lambda x: x.mul_(2.0))])])])  # nested, and writes its input in place
+""",
+    ),
     "classes-onehot-image": (
         3,
         "uint8",
@@ -130,8 +143,8 @@ def _transform(pipeline: Path) -> Any:
 
 
 def _monai_batches(datalist: Path, pipeline: Path, orders: list[list[int]], seed: int) -> list[dict[str, Any]]:
-    """MONAI itself: the head from the source files, then Compose(tail) seeded once, item by item in the
-    loader's order, each batch collated by list_data_collate."""
+    """MONAI itself: the head from the source files, then the tail (seeded by the user's transform), item by
+    item in the loader's order, each batch collated by list_data_collate."""
     from monai.data import list_data_collate
     from monai.transforms import Compose
 
@@ -142,13 +155,13 @@ def _monai_batches(datalist: Path, pipeline: Path, orders: list[list[int]], seed
     head, tail = chain.split(transform)
     entries = [e for _, e in load_datalist(datalist)]
     heads = [Compose(head)(dict(e)) for e in entries]
-    tail_c = Compose(tail)
-    tail_c.set_random_state(seed=seed)
+    tail_c = Compose(tail)  # built first: a Compose re-seeds its members
+    transform.set_random_state(seed=seed)  # as a MONAI user seeds it, through their own nesting
     out = []
     for order in orders:
         samples: list[Any] = []
         for i in order:
-            got = tail_c(dict(heads[i]))
+            got = tail_c(copy.deepcopy(heads[i]))  # a fresh head, as PersistentDataset/CacheDataset give it
             samples.extend(got if isinstance(got, list) else [got])
         out.append(list_data_collate(samples))
     return out
@@ -250,7 +263,7 @@ def test_cache_without_sets_is_slow_said_once_then_added(tmp_path: Path, caplog:
         next(iter(broken))
 
 
-@pytest.mark.parametrize("name", ["posneg-image-threshold", "classes-argmax"])
+@pytest.mark.parametrize("name", ["posneg-image-threshold", "classes-argmax", "posneg-nested-inplace"])
 def test_drop_in_draws_from_the_sets_as_persistent_dataset_draws(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
