@@ -90,8 +90,7 @@ class LabelCropFold(Fold):
         sets = self.store.sets(item, math.prod(spatial))
         if self.classes:
             cap = self.transform.cropper.max_samples_per_class
-            return {"indices": [sampling.MaskSet(s._bits, s._cum, s._count, sampling.subsample(len(s), cap))
-                                for s in sets]}  # fmt: skip
+            return {"indices": [s.keeping(cap) for s in sets]}
         return {"fg_indices": sets[0], "bg_indices": sets[1]}
 
     @contextlib.contextmanager

@@ -261,7 +261,7 @@ class _PersistentCore:
             return apply_transform(self.tail, head)
         # the label-driven crop draws from the cache's sampling sets (no scan of the label), MONAI does the rest
         fold = self._label
-        spatial = next(e.shape[1:] for e in self.dataset.cache.entries(item) if e.key == fold.transform.label_key)
+        spatial = tuple(head[fold.transform.label_key].shape[1:])  # the label MONAI draws over
         with self._crop_lock, fold.precomputed(item, spatial):
             out = apply_transform(fold.transform, head)
         return self._rest(out) if self._rest is not None else out

@@ -181,6 +181,10 @@ class MaskSet:
     def __len__(self) -> int:
         return self._count if self._picks is None else len(self._picks)
 
+    def keeping(self, max_samples: int | None) -> MaskSet:
+        """This set as `map_classes_to_indices(max_samples_per_class=max_samples)` keeps it."""
+        return MaskSet(self._bits, self._cum, self._count, subsample(self._count, max_samples))
+
     def __getitem__(self, k: Any) -> np.int64:
         k = int(k)
         if not 0 <= k < len(self):
