@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,21 +118,44 @@ def tail_compose(transform: Any) -> Any:
         return Compose(tail, **options)
 
 
-def _label_crop(tail: Any, cache: Any) -> tuple[Any, Any]:
-    """(the tail's leading label-driven crop with its sampling sets, a Compose of the rest with the tail's
-    options) or (None, None). Eager tails only: a lazy Compose runs whole, as MONAI runs it."""
-    from monai.transforms import Compose
-
+def _label_crop(tail: Any, cache: Any) -> Any:
+    """The tail's leading label-driven crop with its sampling sets (`loaders.folds.label_fold`), or None.
+    Eager tails only: a lazy Compose runs whole, as MONAI runs it."""
     from loaders.folds import label_fold
 
-    transforms = list(tail.transforms) if tail is not None else []
     if tail is None or getattr(tail, "lazy", False) or not getattr(tail, "map_items", True):
-        return None, None
-    fold = label_fold(transforms, cache)
-    if fold is None:
-        return None, None
-    options = {n: getattr(tail, n) for n in _COMPOSE_OPTIONS if hasattr(tail, n)}
-    return fold, Compose(transforms[1:], **options) if transforms[1:] else None
+        return None
+    return label_fold(list(tail.transforms), cache)
+
+
+def _leaves(t: Any) -> int:
+    """How many transforms `t` is in the flattened chain (`chain.split` flattens plain Composes only)."""
+    from monai.transforms import Compose
+
+    return sum(_leaves(c) for c in t.transforms) if type(t) is Compose else 1
+
+
+def run_from(node: Any, data: Any, start: int, first: Callable[[Any], Any] | None = None) -> Any:
+    """Apply the transforms of Compose `node` from flattened index `start` on, in the user's nesting, as
+    PersistentDataset applies them (each Compose maps its members over a list of samples member by member:
+    flattening the tail changes which sample sees another's in-place writes through shared crops).
+    `first(apply)`: runs the transform at `start` through `apply` (a label-driven crop under its sets)."""
+    from monai.transforms import Compose
+
+    pos = 0
+    for i, child in enumerate(node.transforms):
+        n = _leaves(child)
+        if pos + n <= start:
+            pos += n
+            continue
+        if type(child) is Compose and (pos < start or first is not None):
+            data = run_from(child, data, start - pos, first)
+        elif first is not None:  # pos == start: the transform `first` wraps
+            data = first(lambda d, i=i: node(d, start=i, end=i + 1))
+        else:
+            return node(data, start=i)
+        return node(data, start=i + 1) if i + 1 < len(node.transforms) else data
+    return data
 
 
 def dropin_device(transform: Any, device: str | None = None) -> str:
@@ -220,7 +243,8 @@ class _PersistentCore:
         with keep_random_states(transform):  # splitting the chain re-seeds it
             chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
             self.tail = tail_compose(transform)
-            self._label, self._rest = _label_crop(self.tail, self.dataset.cache)
+            self._label = _label_crop(self.tail, self.dataset.cache)
+            self._head_len = len(chain.split(transform)[0])
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
 
@@ -255,16 +279,17 @@ class _PersistentCore:
         head = self.dataset[item]
         if self.tail is None:
             return head
-        from monai.transforms import apply_transform
-
         if self._label is None:
-            return apply_transform(self.tail, head)
+            return run_from(self.transform, head, self._head_len)
         # the label-driven crop draws from the cache's sampling sets (no scan of the label), MONAI does the rest
         fold = self._label
         spatial = tuple(head[fold.transform.label_key].shape[1:])  # the label MONAI draws over
-        with self._crop_lock, fold.precomputed(item, spatial):
-            out = apply_transform(fold.transform, head)
-        return self._rest(out) if self._rest is not None else out
+
+        def crop(apply: Callable[[Any], Any]) -> Any:
+            with self._crop_lock, fold.precomputed(item, spatial):
+                return apply(head)
+
+        return run_from(self.transform, head, self._head_len, crop)
 
     def set_random_state(self, seed: int | None = None) -> Any:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is
