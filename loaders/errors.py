@@ -69,3 +69,7 @@ class ArgumentKeyError(ArgumentError, KeyError):
 
 class ArgumentIndexError(ArgumentError, IndexError):
     """An item index outside the dataset."""
+
+
+class LoaderStateError(PrepError, ValueError):
+    """A saved loader state that does not belong to this loader (another cache, transform or order)."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders import state
 from loaders.args import check_loader
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
@@ -127,6 +128,7 @@ class _Plan:
     items: list[int]
     rows: list[tuple[int, Window | None]]
     slot: int = 0
+    early: dict[int, Any] = field(default_factory=dict)  # random states right after the fold drew its windows
     whole: list[int] = field(default_factory=list)  # items read whole
     admit: set[int] = field(default_factory=set)  # of them, those the tier takes
     reads: dict[str, Any] = field(default_factory=dict)  # "whole" / "regions" -> (backend, buf, nbytes, places)
@@ -194,6 +196,9 @@ class _PreparedLoaderCore:
         with keep_random_states(transform):  # the chain's split and the Composes built here would re-seed it
             self._init_tail(transform, keys)
         self._seeder = exact.Seeder(transform)
+        self._draws = state.Draws(self._seeder.compose, self.fold.transform if self.fold is not None else None)
+        self._resume = 0  # batches of self.epoch already delivered before a load_state_dict
+        self._live: list[Any] | None = None  # [epoch, batches delivered, their draws] while an epoch runs
         self._values: dict[int, dict[str, Any]] = {}  # item -> its non-tensor head outputs (class labels, ...)
         self._backend = backend if isinstance(backend, Backend) else None
         self._backend_spec, self._backend_options = backend, dict(backend_options or {})
@@ -242,7 +247,10 @@ class _PreparedLoaderCore:
         """Order the next pass as epoch `epoch` (`loaders.order.epoch_order`: DistributedSampler's rule, seed +
         epoch). Each pass then moves on by one: without set_epoch the passes are epochs 0, 1, 2, ...; after
         set_epoch(5) they are 5, 6, 7, ... (calling set_epoch(e) before every pass, as with a
-        DistributedSampler, gives exactly epoch e each time)."""
+        DistributedSampler, gives exactly epoch e each time). After `load_state_dict`, set_epoch with the
+        saved epoch keeps the saved place in it."""
+        if epoch != self.epoch:
+            self._resume = 0
         self.epoch = epoch
 
     def set_random_state(self, seed: int) -> _PreparedLoaderCore:
@@ -250,6 +258,38 @@ class _PreparedLoaderCore:
         nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
         self._seeder.set_random_state(seed)
         return self
+
+    # --- state (loaders.state) ---
+    def _order(self) -> dict[str, Any]:
+        return {"fingerprint": state.fingerprint(self.cache.manifest, self._draws.names()), "seed": self.seed,
+                "shuffle": self.shuffle, "rank": self.rank, "world": self.world, "batch_size": self.batch_size,
+                "drop_last": self.drop_last, "n_items": len(self.items)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands, as of the last batch delivered: the epoch, the batches of it delivered and
+        the random state of every random transform (the folded crop's and the tail's), small JSON. A run
+        resumed from it with `load_state_dict` gives exactly the batches the uninterrupted run gives next."""
+        if self._live is not None:
+            epoch, batch, snap = self._live
+        else:
+            epoch, batch, snap = self.epoch, self._resume, self._draws.take()
+        if batch and batch >= len(self):  # the epoch was delivered whole: the next starts at its first batch
+            epoch, batch = epoch + 1, 0
+        return {"format": "blockprep-loader-state", "version": state.VERSION, **self._order(), "epoch": epoch,
+                "batch": batch, "transforms": self._draws.names(), "random": self._draws.encode(snap)}  # fmt: skip
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Go on from a `state_dict()`: the next pass is the saved epoch from the batch after the last one
+        delivered, with the random draws it had. Refused in one line (LoaderStateError) when the state
+        belongs to another cache, transform, order or rank/world size, or while an epoch is being iterated."""
+        if self._live is not None:
+            raise state.LoaderStateError("load_state_dict: an epoch of this loader is being iterated; load first")
+        state.check(saved, self._order())
+        if saved["batch"] > len(self):
+            raise state.LoaderStateError(f"load_state_dict: batch {saved['batch']} is past the epoch's {len(self)}")
+        snap = self._draws.decode(saved.get("random"), "load_state_dict")
+        self._draws.put(snap)
+        self.epoch, self._resume = saved["epoch"], saved["batch"]
 
     def epoch_items(self, epoch: int) -> np.ndarray:
         """Items this rank reads in `epoch` (`loaders.order.epoch_order`): all ranks' lists together hold every
@@ -269,22 +309,32 @@ class _PreparedLoaderCore:
         chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if self.drop_last and chunks and len(chunks[-1]) < self.batch_size:
             chunks.pop()
-        return self._run(chunks)
+        skip, self._resume = self._resume, 0
+        return self._run(chunks, epoch, skip)
 
-    def _run(self, chunks: list[np.ndarray]) -> Iterator[dict[str, Any]]:
+    def _run(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
         out: queue.Queue[Any] = queue.Queue(self.prefetch)
         stop = threading.Event()
-        worker = threading.Thread(target=self._produce, args=(chunks, out, stop), daemon=True, name="blockprep-feed")
+        args = (chunks[skip:], skip, out, stop)
+        worker = threading.Thread(target=self._produce, args=args, daemon=True, name="blockprep-feed")
         interval = sys.getswitchinterval()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
+        self._live = [epoch, skip, self._draws.take()]
         worker.start()
         try:
-            for _ in chunks:
+            for k in range(skip, len(chunks)):
                 got = out.get()
                 if isinstance(got, BaseException):
                     raise got
-                yield self._handover(*got) if self.tail_thread else self._finish(got)
+                if self.tail_thread:
+                    batch, event, snap = got
+                    batch = self._handover(batch, event)
+                else:
+                    batch = self._finish(got)
+                    snap = {**got.early, **self._draws.take(self._draws.late)}
+                self._live = [epoch, k + 1, snap]
+                yield batch
         finally:
             stop.set()
             while worker.is_alive():  # unblock a producer waiting on a full queue
@@ -292,6 +342,11 @@ class _PreparedLoaderCore:
                     out.get(timeout=0.05)
             worker.join()
             sys.setswitchinterval(interval)
+            # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved
+            # state) goes on from the last batch the user received, as MONAI's per-item chain would
+            self._draws.put(self._live[2])
+            self._live = None
+            self._promised, self._reserved = set(self.tier), self.tier_bytes
 
     def _handover(self, batch: dict[str, Any], event: Any) -> dict[str, Any]:
         """A batch finished on the read thread's stream, made safe to use on the caller's stream."""
@@ -304,25 +359,29 @@ class _PreparedLoaderCore:
                     v.record_stream(current)  # its memory is reused only after the caller's stream is done
         return batch
 
-    def _produce(self, chunks: list[np.ndarray], out: queue.Queue[Any], stop: threading.Event) -> None:
+    def _produce(self, chunks: list[np.ndarray], base: int, out: queue.Queue[Any], stop: threading.Event) -> None:
         torch = self.torch
         try:
             if self.tail_thread and self.gpu and self._side is None:
                 self._side = torch.cuda.Stream(device=self.device)
-            for k, chunk in enumerate(chunks):
+            for k, chunk in enumerate(chunks, start=base):
                 if stop.is_set():
                     return
-                plan = self._fetch(self._plan([int(i) for i in chunk], k))
+                plan = self._plan([int(i) for i in chunk], k)
+                plan.early = self._draws.take(self._draws.early)
+                plan = self._fetch(plan)
                 if not self.tail_thread:
                     out.put(plan)
-                elif self.gpu:
+                    continue
+                event = None
+                if self.gpu:
                     with torch.cuda.device(self.device), torch.cuda.stream(self._side):
                         batch = self._finish(plan)
                         event = torch.cuda.Event()
                         event.record(self._side)
-                    out.put((batch, event))
                 else:
-                    out.put((self._finish(plan), None))
+                    batch = self._finish(plan)
+                out.put((batch, event, {**plan.early, **self._draws.take(self._draws.late)}))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, raised there)
             out.put(exc)
 

@@ -1,0 +1,128 @@
+"""Loader state: where an epoch stands and every random draw made so far, as of the last batch delivered.
+
+The loader reads and transforms batches ahead of the training loop, so the random states of the user's
+transforms run ahead of what the user has received. `Draws` snapshots them after each batch's draws (the
+folded crop's on the read thread right after its windows, the rest after the tail ran) and puts them back
+to the snapshot of the last batch delivered when an epoch is left early or when a state is saved: a batch
+read ahead is neither lost nor drawn twice.
+
+A saved state is small JSON (no tensors): version, fingerprints of the cache and of the random transforms,
+the epoch's order (seed, shuffle, rank, world, batch size), the position in the epoch and one numpy
+random state per random transform.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from loaders.errors import LoaderStateError
+
+__all__ = ["VERSION", "Draws", "LoaderStateError", "check", "fingerprint", "randomizables"]
+
+VERSION = 1
+_ORDER = ("seed", "shuffle", "rank", "world", "batch_size", "drop_last", "n_items")
+
+
+def randomizables(root: Any) -> list[Any]:
+    """Every object under `root` with a numpy random state `R` (nested Composes and the transforms a random
+    transform holds, such as RandCropByPosNegLabeld's cropper), each once, in a fixed walk order."""
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "R", None), np.random.RandomState):
+            out.append(obj)
+        for child in list(getattr(obj, "transforms", None) or []):
+            walk(child)
+        for name, value in sorted(getattr(obj, "__dict__", {}).items()):
+            if name != "transforms" and hasattr(value, "set_random_state"):
+                walk(value)
+
+    walk(root)
+    return out
+
+
+def _encode(state: tuple[Any, ...]) -> list[Any]:
+    name, keys, pos, has_gauss, gauss = state
+    return [str(name), base64.b64encode(np.asarray(keys, dtype="<u4").tobytes()).decode(), int(pos),
+            int(has_gauss), float(gauss)]  # fmt: skip
+
+
+def _decode(value: Any, where: str) -> tuple[Any, ...]:
+    try:
+        name, keys, pos, has_gauss, gauss = value
+        words = np.frombuffer(base64.b64decode(str(keys), validate=True), dtype="<u4").astype(np.uint32)
+        state = (str(name), words, int(pos), int(has_gauss), float(gauss))
+        np.random.RandomState().set_state(state)  # refused here, not half-way through a restore
+    except (TypeError, ValueError) as exc:
+        raise LoaderStateError(f"{where}: a random state is damaged ({exc}); save the state again") from exc
+    return state
+
+
+class Draws:
+    """The random states of `root`'s random transforms, split into those the read thread draws while it
+    plans a batch (`early`: the folded crop) and the rest (drawn when the tail runs)."""
+
+    def __init__(self, root: Any, early: Any = None) -> None:
+        self.objs = randomizables(root)
+        early_ids = {id(o) for o in randomizables(early)} if early is not None else set()
+        self.early = [i for i, o in enumerate(self.objs) if id(o) in early_ids]
+        self.late = [i for i, o in enumerate(self.objs) if id(o) not in early_ids]
+
+    def take(self, which: Sequence[int] | None = None) -> dict[int, tuple[Any, ...]]:
+        """Snapshot of the objects at positions `which` (all by default)."""
+        at = range(len(self.objs)) if which is None else which
+        return {i: self.objs[i].R.get_state() for i in at}
+
+    def put(self, snap: Mapping[int, tuple[Any, ...]]) -> None:
+        """Set the random states back in place (objects sharing one RandomState stay sharing it)."""
+        for i, state in snap.items():
+            self.objs[i].R.set_state(state)
+
+    def names(self) -> list[str]:
+        return [type(o).__name__ for o in self.objs]
+
+    def encode(self, snap: Mapping[int, tuple[Any, ...]]) -> list[list[Any]]:
+        return [_encode(snap[i]) for i in range(len(self.objs))]
+
+    def decode(self, values: Any, where: str) -> dict[int, tuple[Any, ...]]:
+        if not isinstance(values, list) or len(values) != len(self.objs):
+            raise LoaderStateError(f"{where}: it holds another number of random transforms than this transform")
+        return {i: _decode(v, where) for i, v in enumerate(values)}
+
+
+def fingerprint(manifest: Mapping[str, Any], names: Sequence[str]) -> str:
+    """The cache (its head's fingerprint and generation) and the random transforms a state belongs to."""
+    text = "|".join([str(manifest.get("fingerprint")), str(manifest.get("generation")), *names])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check(state: Any, want: Mapping[str, Any], where: str = "load_state_dict") -> None:
+    """LoaderStateError in one line unless `state` is a state of a loader like `want` (same version, cache,
+    transforms and order)."""
+    if not isinstance(state, Mapping) or state.get("format") != "blockprep-loader-state":
+        raise LoaderStateError(f"{where}: not a blockprep loader state (save one with loader.state_dict())")
+    if state.get("version") != VERSION:
+        raise LoaderStateError(f"{where}: state version {state.get('version')!r}; this blockprep reads {VERSION}")
+    if state.get("fingerprint") != want["fingerprint"]:
+        raise LoaderStateError(
+            f"{where}: the state belongs to another cache or transform (rebuilt cache, or other random "
+            "transforms); resume with the loader it was saved from, or start the run afresh"
+        )
+    for name in _ORDER:
+        if state.get(name) != want[name]:
+            fix = "resume with the same world size (a state holds one rank's place)" if name in ("rank", "world") \
+                else f"build the loader with {name}={state.get(name)!r}"  # fmt: skip
+            raise LoaderStateError(f"{where}: the state was saved with {name}={state.get(name)!r}, this loader "
+                                   f"has {want[name]!r}; {fix}")  # fmt: skip
+    for name in ("epoch", "batch"):
+        if not isinstance(state.get(name), int) or isinstance(state.get(name), bool) or state[name] < 0:
+            raise LoaderStateError(f"{where}: {name} must be a non-negative integer, not {state.get(name)!r}")
