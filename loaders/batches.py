@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loaders.args import check_batches
+from loaders.args import check_batches, count
 from loaders.backends import Backend, ReadRequest
 from loaders.buffers import BufferPool, torch_dtype
 from loaders.deps import require
-from loaders.errors import BackendError
+from loaders.errors import ArgumentValueError, BackendError, LoaderStateError
 from loaders.format import PreparedCache, TensorEntry, align_up, check, unflatten
 from loaders.meta import line_meta
 from loaders.order import epoch_order
@@ -154,6 +154,7 @@ class BatchReads:
         drop_last: bool = False,
         pad: bool = False,
         epoch: int = 0,
+        start: int = 0,
     ) -> Iterator[dict[str, Any]]:
         """Batches of stacked tensors, `prefetch` batches read ahead (each one backend call, all in flight).
 
@@ -165,15 +166,18 @@ class BatchReads:
         batch, every request in flight). Inside a DataLoader worker, batches are split across workers
         (worker k takes batches k, k+n, ...). On a GPU without a GPU backend, batches go through
         `prefetch + 1` pinned slots and async copies (double buffering). shuffle orders the epoch as
-        `loaders.order.epoch_order(n, seed, epoch)` does (DistributedSampler's rule)."""
+        `loaders.order.epoch_order(n, seed, epoch)` does (DistributedSampler's rule). start: the epoch's
+        batches to leave out (those a stopped run delivered: `PreparedBatches.state_dict`)."""
         import torch
 
         check_batches(batch_size, prefetch, shuffle, seed, drop_last, pad, epoch)
+        count("start", start, 0)
         self.cache.check_current()  # per epoch: a rebuilt cache is refused, not served from old descriptors
         order = epoch_order(len(self.items), seed, epoch, shuffle=shuffle)
         chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         if drop_last and chunks and len(chunks[-1]) < batch_size:
             chunks.pop()
+        chunks = chunks[start:]
         info = torch.utils.data.get_worker_info()
         if info is not None:
             chunks = chunks[info.id :: info.num_workers]
@@ -319,19 +323,55 @@ class _BatchesCore:
         self.batch_size = batch_size
         self.options = options
         self.epoch = 0
+        self._start = 0  # batches of self.epoch a stopped run delivered (load_state_dict)
+        self._delivered: int | None = None  # counted while iterated in this process
+
+    def state_dict(self, batches_done: int | None = None) -> dict[str, Any]:
+        """The epoch and the batches of it delivered, small JSON (the reads draw nothing at random).
+        batches_done: the batches the training loop took this epoch, needed where a DataLoader's worker
+        processes iterate copies of this dataset; counted here when it is iterated in this process."""
+        done = self._delivered if batches_done is None else count("batches_done", batches_done, 0)
+        if done is None:
+            raise ArgumentValueError("PreparedBatches.state_dict: pass batches_done= (DataLoader workers iterate it)")
+        epoch, batch = self.epoch, done
+        if batch and batch >= len(self):
+            epoch, batch = epoch + 1, 0
+        return {"format": "blockprep-batches-state", "version": 1, "epoch": epoch, "batch": batch,
+                "batch_size": self.batch_size, "n_items": len(self.dataset),
+                "order": {k: self.options.get(k) for k in ("shuffle", "seed", "drop_last")}}  # fmt: skip
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Go on from `state_dict()`: the next pass is the saved epoch without the batches it delivered (in a
+        DataLoader with workers too: batches are left out before the workers split them)."""
+        want = self.state_dict(0)
+        for name in ("format", "version", "batch_size", "n_items", "order"):
+            if not isinstance(saved, dict) or saved.get(name) != want[name]:
+                got = saved.get(name) if isinstance(saved, dict) else saved
+                raise LoaderStateError(
+                    f"PreparedBatches.load_state_dict: the state has {name}={got!r}, this dataset "
+                    f"{want[name]!r}; resume with the dataset it was saved from"
+                )
+        self.set_epoch(count("epoch", saved.get("epoch"), 0))
+        self._start = count("batch", saved.get("batch"), 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Order the following passes as epoch `epoch` (`loaders.order.epoch_order`, DistributedSampler's
         rule: the epoch changes only by set_epoch) when shuffle=True; a dataset made by
-        `shard(..., shuffle=True)` takes that epoch's split too."""
+        `shard(..., shuffle=True)` takes that epoch's split too. After `load_state_dict`, the saved epoch
+        keeps its saved place."""
+        if epoch != self.epoch:
+            self._start = 0
         self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         options = dict(self.options)
-        options["epoch"] = self.epoch
-        return self.dataset.iter_batches(self.batch_size, **options)  # type: ignore[no-any-return]
+        options["epoch"], options["start"], self._start = self.epoch, self._start, 0
+        self._delivered = options["start"]
+        for batch in self.dataset.iter_batches(self.batch_size, **options):
+            self._delivered += 1
+            yield batch
 
     def __len__(self) -> int:
         n = len(self.dataset)

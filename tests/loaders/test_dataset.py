@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -268,6 +269,43 @@ def test_batches_split_across_workers(cache: tuple[Path, list[dict]]) -> None:
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2, timeout=60)
     seen = sorted(i for b in loader for i in b["_items"].tolist())
     assert seen == list(range(N))  # each item exactly once across the two workers
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_resume_where_a_stopped_run_left(cache: tuple[Path, list[dict]], workers: int) -> None:
+    """PreparedBatches.state_dict after batch k; a new dataset resumed from it gives the rest of the epoch
+    and the next epochs as a run that never stopped (DataLoader workers: the loop says how far it got)."""
+
+    from loaders.errors import LoaderStateError
+
+    root, _ = cache
+
+    def batches() -> Any:
+        ds = PreparedDataset(root, backend="posix", keys=["image"], meta=False)
+        return PreparedBatches(ds, 2, shuffle=True, seed=4)
+
+    def run(b: Any) -> list[list[int]]:
+        loader = torch.utils.data.DataLoader(b, batch_size=None, num_workers=workers, timeout=60 if workers else 0)
+        return [x["_items"].tolist() for x in loader]
+
+    whole = batches()
+    want = [run(whole)]
+    whole.set_epoch(1)
+    want.append(run(whole))
+    stopped = batches()
+    loader = torch.utils.data.DataLoader(stopped, batch_size=None, num_workers=workers, timeout=60 if workers else 0)
+    for k, _ in enumerate(loader, start=1):
+        if k == 3:
+            break
+    saved = json.loads(json.dumps(stopped.state_dict(None if workers == 0 else k)))
+    assert (saved["epoch"], saved["batch"]) == (0, 3)
+    resumed = batches()
+    resumed.load_state_dict(saved)
+    assert run(resumed) == want[0][3:]
+    resumed.set_epoch(1)
+    assert run(resumed) == want[1] != want[0]
+    with pytest.raises(LoaderStateError, match="batch_size=2"):
+        PreparedBatches(PreparedDataset(root, backend="posix", keys=["image"], meta=False), 3).load_state_dict(saved)
 
 
 def test_monai_thread_dataloader(cache: tuple[Path, list[dict]]) -> None:
