@@ -42,6 +42,8 @@ SPLIT_BYTES = 2 << 20
 INLINE_BYTES = 256 << 10
 # Items whose read plan and meta are kept (immutable for a committed cache); beyond it the cache restarts.
 PLAN_CACHE = 1 << 16
+# tensors up to this size get their own storage when read (`_own_storage`)
+SMALL_OWN = 1 << 20
 
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
 Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, ...]]], Any]
@@ -117,6 +119,14 @@ def _torch_dtype(dtype: np.dtype) -> Any:
     if got is None:
         got = _DTYPES[dtype] = torch_dtype(dtype)
     return got
+
+
+def _own_storage(t: Any) -> Any:
+    """A small tensor (a coordinate, a class label) as a copy with its own storage, not a view of the item's
+    read buffer: `copy.deepcopy` copies a view's whole storage, and MONAI deep-copies the keys a label-driven
+    crop leaves alone once per sample (CropForegroundd's two 24-byte coordinates cost 2 x 53 MB a sample)."""
+    nbytes = t.numel() * t.element_size()
+    return t.clone() if nbytes <= SMALL_OWN and t.untyped_storage().nbytes() > 2 * nbytes else t
 
 
 def _merge(requests: list[ReadRequest], places: list[tuple[int, int]]) -> tuple[list, list]:
@@ -358,7 +368,7 @@ class _DatasetCore(BatchReads):
         plan = self._plan(item)
         if plan.values is None or (self.meta and plan.templates is None):
             self._load_meta(item, plan)
-        flat = tensors
+        flat = {k: _own_storage(t) for k, t in tensors.items()}
         if self.meta and plan.templates:
             kinds = plan.kinds or {}
             flat = {k: as_kind(t, kinds.get(k), plan.templates.get(k)) for k, t in tensors.items()}

@@ -260,6 +260,18 @@ def test_torch_dataloader(cache: tuple[Path, list[dict]], workers: int) -> None:
     np.testing.assert_array_equal(got, np.stack([it["label"] for it in items]))
 
 
+def test_small_tensors_own_their_storage(cache: tuple[Path, list[dict]]) -> None:
+    """A deep copy of a small output copies that output, not the whole item's read buffer (MONAI deep-copies
+    the keys a label-driven crop leaves alone once per sample)."""
+    import copy
+
+    root, items = cache
+    item = PreparedDataset(root, backend="posix", meta=False)[2]
+    ints = item["extra"]["ints"]
+    assert ints.untyped_storage().nbytes() == ints.numel() * ints.element_size()
+    assert copy.deepcopy(item)["extra"]["ints"].tolist() == items[2]["extra"]["ints"].tolist()
+
+
 def test_batches_split_across_workers(cache: tuple[Path, list[dict]]) -> None:
     root, _ = cache
     ds = PreparedDataset(root, backend="posix", keys=["image"], meta=False)
