@@ -50,8 +50,10 @@ from prep.cluster import (
     worker_mode,
 )
 from prep.errors import PrepError, StaleError, UsageError
+from prep.item_size import available_memory, default_max_item_bytes
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
+from prep.quarantine import check_entry
 from prep.sampling import ensure_sets
 from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
 
@@ -186,6 +188,7 @@ def prepare_cache(
     progress: Progress | None = None,
     security: Any = None,
     allow_empty_head: bool = False,
+    max_item_bytes: int | None = None,
 ) -> CacheSummary:
     """Run the pipeline's deterministic head over the datalist on dask and commit a prepared cache.
 
@@ -197,10 +200,16 @@ def prepare_cache(
     from the head (threads for a CUDA head) and its time on the first
     item. A head that prepares nothing (the chain's first transform is random) is refused unless
     `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
+    An input whose header declares more than `max_item_bytes` decoded (default: a quarter of this machine's
+    available memory, `prep.item_size`) is quarantined before it is decoded.
     """
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
         raise UsageError(f"--workers must be >= 1 and --shard-size >= 4096 (got {workers}, {shard_size})")
+    if max_item_bytes is None:
+        max_item_bytes = default_max_item_bytes(available_memory())
+    elif max_item_bytes < 1:
+        raise UsageError(f"--max-item-bytes must be at least 1 (got {max_item_bytes})")
     for path, what in ((Path(datalist), "datalist"), (Path(pipeline), "pipeline file")):
         if not path.is_file():
             raise UsageError(f"{path}: {what} not found")
@@ -242,9 +251,8 @@ def prepare_cache(
                 root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True
             )
         else:
-            run = _Run(
-                root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress, security
-            )
+            run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress,
+                       security, max_item_bytes)  # fmt: skip
             summary = _prepare(run, stack, starter, t0)
         summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
         if summary.n_items:
@@ -320,6 +328,7 @@ class _Run:
     batch_size: int | None
     progress: Progress | None
     security: Any = None
+    max_item_bytes: int | None = None
 
 
 def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float) -> CacheSummary:
@@ -343,7 +352,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                        run.shard_size, uuid.uuid4().hex[:8], threads)  # fmt: skip
+                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes)  # fmt: skip
         size = batch_size_for(len(todo), run.workers, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
@@ -371,9 +380,12 @@ def _cuda_initialized() -> bool:
 
 
 def _probe(run: _Run, item: int) -> float | None:
-    """Seconds the head takes on one item here, on one torch thread (None if it fails: the task will say why)."""
+    """Seconds the head takes on one item here, on one torch thread (None if it fails, or its inputs would be
+    quarantined: the task will say why)."""
     import torch
 
+    if check_entry(run.items[item][1], run.max_item_bytes):
+        return None
     head = run.pipe.head_compose()
     threads = torch.get_num_threads()
     set_torch_threads(1)

@@ -67,6 +67,7 @@ class TaskSpec:
     shard_size: int
     run_id: str
     torch_threads: int = 0  # intra-op threads per task (cores / concurrent tasks); 0: leave the worker's setting
+    max_item_bytes: int | None = None  # an input whose header declares more is quarantined before decoding
 
 
 def _head(spec: TaskSpec) -> Any:
@@ -205,7 +206,7 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
             for n, (item, entry, section) in enumerate(items, 1):
                 if _stop.is_set():
                     break
-                pending.append(_prepare_one(head, shards, item, entry, section))
+                pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes))
                 statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
                 shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
@@ -241,9 +242,11 @@ def _commit_group(root: Path, journal: JournalWriter, group: list[dict[str, Any]
     journal.append_many(group)
 
 
-def _prepare_one(head: Any, shards: _Shards, item: int, entry: dict[str, Any], section: str) -> dict[str, Any]:
+def _prepare_one(
+    head: Any, shards: _Shards, item: int, entry: dict[str, Any], section: str, max_bytes: int | None = None
+) -> dict[str, Any]:
     """Check, transform and write one item; returns its journal record (prepared or quarantined)."""
-    bad = check_entry(entry)
+    bad = check_entry(entry, max_bytes)
     if bad:
         return {"item": item, "quarantined": bad[1], "path": bad[0]}
     try:
