@@ -8,7 +8,6 @@ Tasks run `prep.worker.run_batch`; the commit turns journals into the layout of 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -49,6 +48,7 @@ from prep.cluster import (
     torch_threads_for,
     worker_mode,
 )
+from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
 from prep.errors import PrepError, StaleError, UsageError
 from prep.item_size import available_memory, default_max_item_bytes
 from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
@@ -85,6 +85,7 @@ class CacheSummary:
     checked_files: list[str] = field(default_factory=list)
     n_tensors: int = 0
     sampling: str = ""  # the label-driven crop's sampling sets (prep.sampling), when the tail starts with one
+    repeats: str = ""  # repeated datalist entries, said once (prep.datalist.Repeats.note)
 
     @property
     def items_per_s(self) -> float:
@@ -112,6 +113,7 @@ class CacheSummary:
             f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
             f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
             f"  {self.sampling}" if self.sampling else "",
+            f"  warning: {self.repeats}" if self.repeats else "",
         ]
         out += [f"  note: made with {v} (does not change the tensors)" for v in self.version_notes]
         out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
@@ -122,53 +124,6 @@ class CacheSummary:
                 f"tensor re-read and matches its checksum ({self.n_tensors} tensors)"
             )
         return [line for line in out if line]
-
-
-def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> list[tuple[str, dict[str, Any]]]:
-    """(section, entry) pairs of a decathlon datalist; paths resolved against its folder exactly as MONAI does."""
-    from monai.data import load_decathlon_datalist
-
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: datalist not found; pass a decathlon-style dataset.json")
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: not valid JSON ({exc})") from exc
-    missing = [s for s in sections if s not in doc]
-    if missing:
-        have = ", ".join(k for k, v in doc.items() if isinstance(v, list)) if isinstance(doc, dict) else ""
-        raise UsageError(f"{path}: no section {', '.join(missing)} (lists here: {have}); choose with --section")
-    for section in sections:
-        _check_section(path, section, doc[section])
-    out = []
-    for section in sections:
-        for entry in load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=section):
-            out.append((section, dict(entry)))
-    return out
-
-
-def _check_section(path: Path, section: str, value: Any) -> None:
-    """A section is a non-empty list of {"image": ..., "label": ...} objects (MONAI turns a "test" list of
-    path strings into such objects itself)."""
-    example = '[{"image": "imagesTr/a.nii.gz", "label": "labelsTr/a.nii.gz"}, ...]'
-    if not isinstance(value, list):
-        raise UsageError(f"{path}: section '{section}' is a {type(value).__name__}, not a list; write it as {example}")
-    if not value:
-        raise UsageError(f"{path}: section '{section}' is empty: nothing to prepare; add entries like {example}")
-    if section == "test" and all(isinstance(v, str) for v in value):
-        return
-    for n, entry in enumerate(value):
-        if not isinstance(entry, dict):
-            raise UsageError(
-                f"{path}: entry {n} of '{section}' is a {type(entry).__name__} ({str(entry)[:60]!r}), not an "
-                f"object; write it as {example}"
-            )
-
-
-def datalist_hash(items: list[tuple[str, dict[str, Any]]]) -> str:
-    """sha256 of the resolved entries (what is prepared), independent of formatting of the JSON file."""
-    return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def prepare_cache(
@@ -189,6 +144,7 @@ def prepare_cache(
     security: Any = None,
     allow_empty_head: bool = False,
     max_item_bytes: int | None = None,
+    keep_repeats: bool = False,
 ) -> CacheSummary:
     """Run the pipeline's deterministic head over the datalist on dask and commit a prepared cache.
 
@@ -201,7 +157,8 @@ def prepare_cache(
     item. A head that prepares nothing (the chain's first transform is random) is refused unless
     `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
     An input whose header declares more than `max_item_bytes` decoded (default: a quarter of this machine's
-    available memory, `prep.item_size`) is quarantined before it is decoded.
+    available memory, `prep.item_size`) is quarantined before it is decoded. An entry listed again in its
+    section is prepared once (every copy with `keep_repeats`); the summary says how many repeat.
     """
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
@@ -221,10 +178,10 @@ def prepare_cache(
     if not early:  # complete and current: reported without the lock, as readers need none (read-only mounts)
         pipe = load_pipeline(pipeline, bundle_key)
         _check_head(pipe, allow_empty_head)
-        items = load_datalist(datalist, sections)
-        plan = _plan(pipe, Path(datalist), items, sections)
+        items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
         summary = _up_to_date(root, plan, pipe, len(items), t0)
         if summary is not None:
+            summary.repeats = repeats.note()
             if summary.n_items:  # sets missing from a cache made before them are added (a read-only one: said)
                 summary.sampling = _sets_or_why(root, pipe.tail, workers)
             _verify(summary, root, verify)
@@ -242,8 +199,7 @@ def prepare_cache(
             starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
         pipe = load_pipeline(pipeline, bundle_key)
         _check_head(pipe, allow_empty_head)
-        items = load_datalist(datalist, sections)
-        plan = _plan(pipe, Path(datalist), items, sections)
+        items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
         stack.enter_context(_no_space(root))
         manifest = _reconcile(root, plan, force)
         if manifest is not None:
@@ -255,6 +211,7 @@ def prepare_cache(
                        security, max_item_bytes)  # fmt: skip
             summary = _prepare(run, stack, starter, t0)
         summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
+        summary.repeats = repeats.note()
         if summary.n_items:
             summary.sampling = ensure_sets(root, pipe.tail, workers)
         _verify(summary, root, verify)
@@ -418,6 +375,18 @@ def _torch_threads_kept(in_process: bool) -> Iterator[None]:
         set_torch_threads(threads)
 
 
+def _load_plan(
+    pipe: Pipeline, datalist: Path, sections: Sequence[str], keep_repeats: bool
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any], Repeats]:
+    """The items to prepare (repeats once unless kept), the run's plan, and what repeated."""
+    listed = load_datalist(datalist, sections)
+    items, repeats = unique_items(listed, keep_repeats)
+    plan = _plan(pipe, datalist, listed, sections)
+    if repeats.count:
+        plan["repeats"] = "kept" if keep_repeats else "once"
+    return items, plan, repeats
+
+
 def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]], sections: Sequence[str]) -> dict:
     return {
         "fingerprint": pipe.fingerprint,
@@ -450,6 +419,8 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         diffs.append(f"library versions changed ({'; '.join(refuse)})")
     if old.get("datalist_hash") != new["datalist_hash"]:
         diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
+    if old.get("repeats", "kept") != new.get("repeats", "kept"):  # older caches prepared every copy
+        diffs.append(f"repeated datalist entries: {old.get('repeats', 'kept')} -> {new.get('repeats', 'kept')}")
     if old.get("sections") != new["sections"]:
         diffs.append(f"sections changed ({old.get('sections')} -> {new['sections']})")
     return diffs

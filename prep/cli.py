@@ -312,6 +312,10 @@ def cache_cmd(
     tls_key: Annotated[
         Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's private key.")
     ] = None,
+    keep_repeats: Annotated[
+        bool,
+        typer.Option("--keep-repeats", help="Prepare every copy of an entry listed more than once in its section."),
+    ] = False,
     max_item_bytes: Annotated[
         str | None,
         typer.Option(
@@ -350,7 +354,7 @@ def cache_cmd(
             prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
             force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
             processes=True if processes else False if threads else None, progress=progress, security=security,
-            allow_empty_head=allow_empty_head, max_item_bytes=limit,
+            allow_empty_head=allow_empty_head, max_item_bytes=limit, keep_repeats=keep_repeats,
         )  # fmt: skip
     typer.echo("\n".join(summary.lines()))
     if summary.quarantined:
