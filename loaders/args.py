@@ -16,6 +16,7 @@ import numpy as np
 from loaders.errors import (
     ArgumentIndexError,
     ArgumentKeyError,
+    ArgumentPathError,
     ArgumentTypeError,
     ArgumentValueError,
 )
@@ -57,6 +58,38 @@ def cache_dir(value: Any) -> None:
     """A path (str or os.PathLike)."""
     if not isinstance(value, (str, os.PathLike)):
         raise ArgumentTypeError(f"cache_dir={value!r} is not a path; pass the folder `prep cache --output` wrote")
+
+
+def path(name: str, value: Any, allow_none: bool = False) -> None:
+    """A path (str or os.PathLike), or None where allowed."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ArgumentTypeError(f"{name}={_short(value)} is not a path; pass a str or pathlib.Path")
+
+
+def folder(name: str, value: Any) -> None:
+    """A path naming a folder that exists."""
+    path(name, value)
+    if not os.path.isdir(value):
+        raise ArgumentPathError(f"{name}={os.fspath(value)!r}: no such folder")
+
+
+def patterns(name: str, value: Any) -> None:
+    """A list of glob patterns (a single string would be read as one pattern per character)."""
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise ArgumentTypeError(f"{name}={_short(value)} is not a list of patterns; pass e.g. ['*.jpg', '*.png']")
+
+
+def options(name: str, value: Any) -> None:
+    """None or a mapping of keyword arguments."""
+    if value is not None and not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"{name}={_short(value)} is not a dict of keyword arguments")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def device(value: Any, allow_none: bool = False) -> None:
@@ -118,12 +151,13 @@ def indices(value: Any, n: int) -> np.ndarray:
     return array.astype(np.int64)
 
 
-def shard(rank: Any, world_size: Any) -> None:
-    """DDP rank and world size: whole numbers, world_size >= 1, 0 <= rank < world_size."""
-    count("world_size", world_size, 1)
-    count("rank", rank, 0)
+def shard(rank: Any, world_size: Any, names: tuple[str, str] = ("rank", "world_size")) -> None:
+    """DDP rank and world size (a DALI source's shard_id and num_shards): whole numbers, world_size >= 1,
+    0 <= rank < world_size."""
+    count(names[1], world_size, 1)
+    count(names[0], rank, 0)
     if rank >= world_size:
-        raise ArgumentValueError(f"rank {rank} is outside world size {world_size}")
+        raise ArgumentValueError(f"{names[0]} {rank} is outside {names[1].replace('_', ' ')} {world_size}")
 
 
 def interval(name: str, value: Any) -> None:
@@ -179,3 +213,49 @@ def check_batches(
     seed(seed_)
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("pad", pad)):
         flag(name, value)
+
+
+def check_epoch_source(batch_size: Any, shuffle: Any, seed_: Any, shard_id: Any, num_shards: Any) -> None:
+    """The arguments every DALI source (`loaders.dali`) shares."""
+    count("batch_size", batch_size)
+    flag("shuffle", shuffle)
+    seed(seed_)
+    shard(shard_id, num_shards, ("shard_id", "num_shards"))
+
+
+def transform(value: Any) -> None:
+    """The drop-in's transform: the pipeline the cache was prepared with (a Compose, a transform, or a list
+    of them), never None or a path to it."""
+    if value is None:
+        raise ArgumentTypeError(
+            "transform=None: the drop-in needs the pipeline the cache was prepared with (`prep cache` ran its "
+            "head; its tail runs here); pass that Compose"
+        )
+    if isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"transform={os.fspath(value)!r} is a path, not a transform; pass the Compose it defines "
+            "(e.g. prep.pipeline.load_pipeline(path).transform)"
+        )
+    steps = value if isinstance(value, (list, tuple)) else [value]
+    bad = [t for t in steps if not callable(t)]
+    if bad:
+        raise ArgumentTypeError(f"transform {_short(bad[0])} is not a transform; pass the pipeline's Compose")
+
+
+def check_dropin(data: Any, transform_: Any, cache_dir_: Any, track_meta: Any, extra: Sequence[str]) -> None:
+    """The arguments of `PreparedPersistentDataset` checked before anything is built; `extra`: options
+    that neither PersistentDataset nor PreparedDataset takes."""
+    if isinstance(data, (str, bytes, Mapping)) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ArgumentTypeError(
+            f"data={_short(data)} is not a list of datalist entries; pass the list PersistentDataset takes "
+            "(e.g. monai.data.load_decathlon_datalist(...))"
+        )
+    transform(transform_)
+    cache_dir(cache_dir_)
+    if track_meta is not None:
+        flag("track_meta", track_meta)
+    if extra:
+        raise ArgumentTypeError(
+            f"PreparedPersistentDataset: unknown option(s) {sorted(extra)}; it takes PersistentDataset's "
+            "arguments and PreparedDataset's (backend, device, verify, keys, roi, backend_options)"
+        )

@@ -69,3 +69,7 @@ class ArgumentKeyError(ArgumentError, KeyError):
 
 class ArgumentIndexError(ArgumentError, IndexError):
     """An item index outside the dataset."""
+
+
+class ArgumentPathError(ArgumentError, FileNotFoundError):
+    """A path argument naming no folder there (a DALI source's class-folder root)."""

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loaders import chain
+from loaders import args, chain
 from loaders.backends import Backend
 from loaders.deps import require
 from loaders.errors import StaleError
@@ -39,6 +39,8 @@ __all__ = [
 
 # PersistentDataset options with no meaning over a prepared cache (accepted, so the one-line change works)
 _PERSISTENT_ONLY = ("hash_func", "pickle_module", "pickle_protocol", "hash_transform", "reset_ops_id", "weights_only")
+# PreparedDataset options the drop-in passes on (the others it sets itself)
+_DATASET_OPTIONS = ("keys", "roi", "backend_options")
 # Compose options that change how transforms are applied; the tail keeps the user's settings.
 _COMPOSE_OPTIONS = ("map_items", "unpack_items", "lazy", "overrides", "log_stats")
 
@@ -200,11 +202,11 @@ class _PersistentCore:
     ) -> None:
         from loaders.dataset import PreparedDataset
 
-        if track_meta is None:
-            track_meta = _persistent_track_meta()
-
         for name in _PERSISTENT_ONLY:
             options.pop(name, None)
+        args.check_dropin(data, transform, cache_dir, track_meta, [n for n in options if n not in _DATASET_OPTIONS])
+        if track_meta is None:
+            track_meta = _persistent_track_meta()
         super().__init__(data, transform)  # type: ignore[call-arg]  # monai.data.Dataset's: wraps a list in Compose
         transform = self.transform
         self.track_meta = track_meta
