@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from loaders.errors import (
 )
 
 MAX_SEED = 2**63 - 1
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
 
 
 def _is_int(value: Any) -> bool:
@@ -52,6 +55,24 @@ def seed(value: Any, name: str = "seed") -> int:
     if not 0 <= value <= MAX_SEED:
         raise ArgumentValueError(f"{name}={value} is outside 0..2**63-1")
     return int(value)
+
+
+def parse_bytes(value: int | str | None, name: str = "") -> int:
+    """Bytes from an int or a string such as "8GiB", "500MB", "1.5g" (k/M/G/T: powers of 1000, Ki/Mi/Gi/Ti:
+    of 1024; None -> 0). `name` (e.g. "--max-item-bytes") leads the message of a refusal."""
+    said = f"{name} {value!r}" if name else repr(value)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise ArgumentValueError(f"{said} is not a size; use bytes or e.g. '8GiB', '500MB'")
+    if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ArgumentValueError(f"{said} is not a size: sizes are >= 0 bytes")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    if m is None:
+        raise ArgumentValueError(f"{said} is not a size; use bytes or e.g. '8GiB', '500MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 def cache_dir(value: Any) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
-import re
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -38,34 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from loaders.args import check_loader
+from loaders.args import check_loader, parse_bytes
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
 from loaders.deps import require
-from loaders.errors import BackendError
+from loaders.errors import ArgumentTypeError, BackendError, FormatError
 from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache, TensorEntry, align_up, check
 from loaders.order import epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
-
-
-def parse_bytes(value: int | str | None) -> int:
-    """Bytes from an int or a string such as "8GiB", "500MB", "1.5g" (None -> 0)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
-        raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
-    if isinstance(value, (int, np.integer)):
-        if value < 0:
-            raise ValueError(f"{value!r} is not a size: sizes are >= 0 bytes")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", str(value).lower())
-    if m is None:
-        raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 class _PerItemTail:
@@ -228,7 +208,14 @@ class _PreparedLoaderCore:
         self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
         self.tail = batched_tail(rest, self.device, options)
         self._ragged_tail = _PerItemTail(rest, options=options)  # unequal shapes (no folded crop): MONAI per item
+        self._keys_given = keys  # value keys are filtered by it too
         self.value_keys = self._value_keys(keys, tail)
+
+    def __reduce__(self) -> Any:
+        raise ArgumentTypeError(
+            "a PreparedLoader cannot be pickled (it owns read threads, staging buffers and device memory); build "
+            "one in each process from the cache path (after DDP spawn, in each rank)"
+        )
 
     # --- order ---
     def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
@@ -432,6 +419,13 @@ class _PreparedLoaderCore:
             if got is None:
                 values = line_values(self.cache.meta(item))
                 got = self._values[item] = {k: values[k] for k in self.value_keys if k in values}
+                names = {k for k in values if self._keys_given is None or k in self._keys_given}
+                if names != set(self.value_keys):  # MONAI's collate would fail on a batch mixing such items
+                    raise FormatError(
+                        f"{self.cache.root}: item {item}'s non-tensor outputs {sorted(names)} differ from item 0's "
+                        f"{sorted(self.value_keys)}; give every item the same keys (the head's outputs, the datalist's "
+                        "entries) and re-run `prep cache --force`"
+                    )
             rows.append(got)
         out.update(list_data_collate(rows))
         return out

@@ -16,10 +16,9 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
+from loaders.args import parse_bytes
 from prep.errors import UsageError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _TEXT_HEADER_MAX = 1 << 16  # NRRD / MetaImage headers are a few hundred bytes; read no further than this
 # NRRD "type:" and MetaImage "ElementType" values -> bytes per sample
 _NRRD_NAMES = {
@@ -36,11 +35,8 @@ _PIL_BYTES = {"I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2, "I": 4, "F": 4}
 
 
 def parse_size(text: str, name: str = "--max-item-bytes") -> int:
-    """Bytes from '8G', '512M', '1.5GiB', '4096' (K/M/G/T are powers of 1024)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UsageError(f"{name} {text!r} is not a size; write bytes or a size like 512M, 8G, 1.5T")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """Bytes from '8G', '512MiB', '4096' (loaders.args.parse_bytes: G = 10^9, GiB = 2^30), at least 1."""
+    value = parse_bytes(text, name)
     if value < 1:
         raise UsageError(f"{name} {text!r} must be at least 1 byte")
     return value
