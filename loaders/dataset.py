@@ -280,7 +280,7 @@ class _DatasetCore(BatchReads):
         """Start epoch `epoch`: a shard made with shuffle=True takes that epoch's part of the split. Refuses in
         one line when the cache was rebuilt since it was opened."""
         self.cache.check_current()
-        self.epoch = epoch
+        self.epoch = args.count("epoch", epoch, 0)
         if self._shard is not None:
             self.items = shard_items(*self._shard, epoch=epoch)
 

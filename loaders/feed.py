@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from loaders.args import check_loader, parse_bytes
+from loaders import args
+from loaders.args import parse_bytes  # re-exported: loaders.feed.parse_bytes
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
 from loaders.deps import require
@@ -155,7 +156,7 @@ class _PreparedLoaderCore:
 
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
-        check_loader(locals())  # every argument, one line each (loaders/args.py)
+        args.check_loader(locals())  # every argument, one line each (loaders/args.py)
         self.keys = list(keys) if keys is not None else list(self.cache.keys)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -166,7 +167,7 @@ class _PreparedLoaderCore:
             raise ValueError(f"PreparedLoader: device={device!r} but this torch sees no CUDA GPU; pass device='cpu'")
         self.device = self.torch.device(device)
         self.gpu = self.device.type == "cuda"
-        self.budget = self._auto_budget() if gpu_budget == "auto" else parse_bytes(gpu_budget)
+        self.budget = self._auto_budget() if gpu_budget == "auto" else args.parse_bytes(gpu_budget, "gpu_budget")
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
@@ -220,8 +221,7 @@ class _PreparedLoaderCore:
     # --- order ---
     def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
         """This loader as DDP rank `rank` of `world`: each epoch's shuffled order split across ranks."""
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside world size {world}")
+        args.shard(rank, world)
         self.rank, self.world = rank, world
         return self
 
@@ -230,12 +230,12 @@ class _PreparedLoaderCore:
         epoch). Each pass then moves on by one: without set_epoch the passes are epochs 0, 1, 2, ...; after
         set_epoch(5) they are 5, 6, 7, ... (calling set_epoch(e) before every pass, as with a
         DistributedSampler, gives exactly epoch e each time)."""
-        self.epoch = epoch
+        self.epoch = args.count("epoch", epoch, 0)
 
     def set_random_state(self, seed: int) -> _PreparedLoaderCore:
         """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
         nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
-        self._seeder.set_random_state(seed)
+        self._seeder.set_random_state(None if seed is None else args.seed(seed))
         return self
 
     def epoch_items(self, epoch: int) -> np.ndarray:
