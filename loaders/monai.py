@@ -225,6 +225,7 @@ class _PersistentCore:
             self._label, self._rest = _label_crop(self.tail, self.dataset.cache)
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
+        self._check_quarantine()
 
     def __len__(self) -> int:
         return len(self.data)
@@ -233,6 +234,25 @@ class _PersistentCore:
         """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
         cache is kept: it is read-only here, and items not in it are refused when read, in one line."""
         self.data = data
+        self._check_quarantine()
+
+    def _check_quarantine(self) -> None:
+        """Refuse, when built, a datalist naming an entry `prep cache` quarantined (rather than at the first
+        batch that reaches it): its file is bad, and re-running `prep cache` once it is fixed prepares it."""
+        quarantined = self.dataset.cache.manifest.get("quarantined") or []
+        if not quarantined:
+            return
+        bases = _source_bases(self.dataset.cache.manifest)
+        why = {_key(_resolved(q.get("source"), bases)): q for q in quarantined if isinstance(q, Mapping)}
+        hits = [(i, why[k]) for i, k in enumerate(_key(_resolved(e, [Path.cwd()])) for e in self.data) if k in why]
+        if hits:
+            i, q = hits[0]
+            raise StaleError(
+                f"{self.dataset.root}: data[{i}] ({q.get('path') or q.get('source')}) was quarantined by `prep "
+                f"cache` ({str(q.get('reason'))[:120]}){f' with {len(hits) - 1} more' if len(hits) > 1 else ''}; "
+                "fix or restore the file and re-run `prep cache` (it prepares such items again), or leave the "
+                "entry out of data"
+            )
 
     def _lookup(self, index: int) -> int:
         """The cache item holding data[index]: same position when the sources agree, else by source entry

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,12 +32,13 @@ from loaders.format import (
     SHARD_DIR,
     PreparedCache,
     align_up,
+    fsync_dir,
     make_rows,
     write_index,
     write_manifest,
     write_meta,
 )
-from prep.cache_verify import BadItem, verify_cache
+from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
     Progress,
@@ -51,79 +52,24 @@ from prep.cluster import (
 from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
 from prep.errors import PrepError, StaleError, UsageError
 from prep.item_size import available_memory, default_max_item_bytes
-from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
+from prep.journal import (
+    CacheLock,
+    JournalState,
+    JournalWriter,
+    check_output,
+    committed_records,
+    read_journals,
+    read_plan,
+    write_plan,
+)
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
-from prep.quarantine import check_entry
+from prep.quarantine import check_entry, to_retry
 from prep.sampling import ensure_sets
+from prep.summary import CacheSummary, summary_of
 from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
-
-
-@dataclass
-class CacheSummary:
-    """What a `prep cache` run did and what the cache holds."""
-
-    output: Path
-    n_planned: int
-    n_items: int
-    n_new: int
-    n_resumed: int
-    quarantined: list[dict[str, Any]]
-    seconds: float
-    tensor_bytes: int
-    bytes_on_disk: int
-    up_to_date: bool = False
-    bmap: Path | None = None
-    bmap_note: str = ""
-    bad: list[BadItem] = field(default_factory=list)
-    head: list[str] = field(default_factory=list)
-    head_reason: str = ""
-    version_notes: list[str] = field(default_factory=list)
-    verified: bool = False  # --verify ran
-    mode: str = ""  # how the local workers ran: "2 threads", "8 processes (auto)"
-    checked_files: list[str] = field(default_factory=list)
-    n_tensors: int = 0
-    sampling: str = ""  # the label-driven crop's sampling sets (prep.sampling), when the tail starts with one
-    repeats: str = ""  # repeated datalist entries, said once (prep.datalist.Repeats.note)
-
-    @property
-    def items_per_s(self) -> float:
-        """Items prepared per second in this run."""
-        return self.n_new / self.seconds if self.seconds > 0 else 0.0
-
-    def lines(self) -> list[str]:
-        """Human summary, one fact per line."""
-        counts = f"{self.n_planned} items: {self.n_items} cached"
-        if self.quarantined:
-            counts += f", {len(self.quarantined)} quarantined"
-        if self.up_to_date:
-            state = "already complete and up to date"
-            if not self.verified:  # say what was and was not checked
-                state += (" (manifest, index and meta match their checksums, shards present at their sizes; "
-                          "tensor bytes not re-read: `prep verify` checks them)")  # fmt: skip
-        else:
-            state = f"{self.n_new} processed in this run ({self.items_per_s:.1f} items/s"
-            state += f", {self.mode})" if self.mode else ")"
-            if self.n_resumed:
-                state += f", {self.n_resumed} resumed from the journal"
-        out = [
-            f"{self.output}: {counts}; {state}",
-            f"  head: {' -> '.join(self.head) or 'empty'}; {self.head_reason}" if self.head_reason else "",
-            f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
-            f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
-            f"  {self.sampling}" if self.sampling else "",
-            f"  warning: {self.repeats}" if self.repeats else "",
-        ]
-        out += [f"  note: made with {v} (does not change the tensors)" for v in self.version_notes]
-        out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
-        out += [f"  verify: {b}" for b in self.bad]
-        if self.verified and not self.bad:
-            out.append(
-                f"  verify: ok: manifest, {', '.join(sorted(self.checked_files))} match their checksums; every "
-                f"tensor re-read and matches its checksum ({self.n_tensors} tensors)"
-            )
-        return [line for line in out if line]
+_COMMITTED = "committed.jsonl"  # a committed cache's items as journal lines, while its quarantine is retried
 
 
 def prepare_cache(
@@ -180,7 +126,8 @@ def prepare_cache(
         _check_head(pipe, allow_empty_head)
         items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
         summary = _up_to_date(root, plan, pipe, len(items), t0)
-        if summary is not None:
+        retry = summary is not None and to_retry(summary.quarantined, max_item_bytes) and os.access(root, os.W_OK)
+        if summary is not None and not retry:  # quarantined inputs that changed since are prepared again below
             summary.repeats = repeats.note()
             if summary.n_items:  # sets missing from a cache made before them are added (a read-only one: said)
                 summary.sampling = _sets_or_why(root, pipe.tail, workers)
@@ -202,8 +149,8 @@ def prepare_cache(
         items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
         stack.enter_context(_no_space(root))
         manifest = _reconcile(root, plan, force)
-        if manifest is not None:
-            summary = _up_to_date(root, plan, pipe, len(items), t0) or _summary_of(
+        if manifest is not None and not _reopen(root, manifest, plan, len(items), max_item_bytes):
+            summary = _up_to_date(root, plan, pipe, len(items), t0) or summary_of(
                 root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True
             )
         else:
@@ -216,6 +163,31 @@ def prepare_cache(
             summary.sampling = ensure_sets(root, pipe.tail, workers)
         _verify(summary, root, verify)
     return summary
+
+
+def _reopen(root: Path, manifest: dict[str, Any], plan: dict[str, Any], n_items: int, max_item_bytes: int) -> bool:
+    """Turn a committed cache whose quarantine holds items worth preparing again (`prep.quarantine.to_retry`:
+    a file restored or replaced, a larger --max-item-bytes) into a resumable one: its prepared items and the
+    quarantined items not retried become journal lines (plan first, manifest last, so a kill leaves a
+    resumable cache), and the run prepares the retried items and commits anew. False when none is retried."""
+    quarantined = list(manifest.get("quarantined", []))
+    retry = set(to_retry(quarantined, max_item_bytes))
+    if not retry:
+        return False
+    held = {int(q["item"]) for q in quarantined}
+    records = committed_records(root, [i for i in range(n_items) if i not in held])
+    if records is None:
+        return False
+    kept = [{"item": q["item"], "quarantined": q["reason"], "path": q.get("path", ""),
+             **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}
+            for q in quarantined if int(q["item"]) not in retry]  # fmt: skip
+    write_plan(root, plan)
+    (root / JOURNAL_DIR / _COMMITTED).unlink(missing_ok=True)
+    with JournalWriter(root / JOURNAL_DIR / _COMMITTED) as journal:
+        journal.append_many(records + kept)
+    (root / MANIFEST).unlink()
+    fsync_dir(root)
+    return True
 
 
 def _sets_or_why(root: Path, tail: list[Any], workers: int) -> str:
@@ -264,7 +236,7 @@ def _up_to_date(root: Path, plan: dict[str, Any], pipe: Pipeline, n_planned: int
     if manifest is None or _differences(manifest, plan):
         return None
     _open_checked(root)  # damaged files: refused here, never reported as up to date
-    summary = _summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
+    summary = summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
     summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
     summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
     return summary
@@ -321,7 +293,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if missing:
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
     manifest, bmap_note = _commit(root, run.plan, run.pipe, items, state)
-    summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
+    summary = summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
     summary.bmap_note = bmap_note or summary.bmap_note
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
@@ -502,9 +474,10 @@ def _commit(
     (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
     _, bmap_note = _write_bmap(root)  # before the manifest: a committed cache has its map (where FIEMAP works)
     quarantined = [
-        {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
+        {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"],
+         **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}  # what a rerun checks (to_retry)
         for i, q in sorted(state.quarantined.items())
-    ]
+    ]  # fmt: skip
     manifest = {
         **plan,
         "tail": pipe.tail_description,
@@ -535,19 +508,6 @@ def _trim_shards(root: Path, records: list[dict[str, Any]], used: set[str]) -> N
     for path in (root / SHARD_DIR).glob("*"):
         if f"{SHARD_DIR}/{path.name}" not in used:
             path.unlink()
-
-
-def _summary_of(
-    root: Path, manifest: dict[str, Any], n_planned: int, n_new: int, n_resumed: int, seconds: float,
-    up_to_date: bool = False,
-) -> CacheSummary:  # fmt: skip
-    disk = sum((root / s).stat().st_size for s in manifest["shards"])
-    return CacheSummary(
-        output=root, n_planned=n_planned, n_items=int(manifest["n_items"]), n_new=n_new, n_resumed=n_resumed,
-        quarantined=list(manifest.get("quarantined", [])), seconds=seconds,
-        tensor_bytes=int(manifest.get("tensor_bytes", 0)), bytes_on_disk=disk, up_to_date=up_to_date,
-        bmap=root / BMAP if (root / BMAP).exists() else None, bmap_note="" if (root / BMAP).exists() else "absent",
-    )  # fmt: skip
 
 
 def _write_bmap(root: Path) -> tuple[Path | None, str]:

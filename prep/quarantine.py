@@ -121,3 +121,32 @@ def _check_nifti(path: Path, data_bytes: int) -> str | None:
     if data_bytes < needed:
         return f"truncated NIfTI: {data_bytes} bytes, header needs {needed}"
     return None
+
+
+def input_stats(entry: Mapping[str, Any]) -> dict[str, list[int] | None]:
+    """{path: [size, mtime_ns] or None when absent} of the files an item names: recorded with a quarantine,
+    so a later run knows whether a file was restored or replaced since."""
+    stats: dict[str, list[int] | None] = {}
+    for path in input_paths(entry):
+        try:
+            st = os.stat(path)
+            stats[path] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            stats[path] = None
+    return stats
+
+
+def to_retry(quarantined: list[dict[str, Any]], max_bytes: int) -> list[int]:
+    """Items of a committed cache's quarantine worth preparing again: a file they name changed since
+    (restored, replaced, removed), or they were refused by a smaller --max-item-bytes than `max_bytes`.
+    Records written before inputs were recorded are left as they are (`--force` rebuilds)."""
+    out = []
+    for q in quarantined:
+        inputs = q.get("inputs")
+        if not isinstance(inputs, dict):
+            continue
+        changed = any(input_stats({"f": path}).get(path) != old for path, old in inputs.items())
+        bound = q.get("max_item_bytes")
+        if changed or (isinstance(bound, int) and max_bytes > bound):
+            out.append(int(q["item"]))
+    return out

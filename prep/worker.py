@@ -27,7 +27,7 @@ from loaders.meta import meta_line, split_output
 from prep.errors import StaleError
 from prep.journal import JournalWriter
 from prep.pipeline import Pipeline, load_pipeline
-from prep.quarantine import check_entry, input_paths
+from prep.quarantine import check_entry, input_paths, input_stats
 
 _PREALLOC_MAX = 256 << 20
 COMMIT_INTERVAL_S = 1.0  # group commit: one shard + journal fsync pair per second per writer, not per item
@@ -248,12 +248,13 @@ def _prepare_one(
     """Check, transform and write one item; returns its journal record (prepared or quarantined)."""
     bad = check_entry(entry, max_bytes)
     if bad:
-        return {"item": item, "quarantined": bad[1], "path": bad[0]}
+        bound = {"max_item_bytes": max_bytes} if "--max-item-bytes" in bad[1] else {}
+        return {"item": item, "quarantined": bad[1], "path": bad[0], "inputs": input_stats(entry), **bound}
     try:
         arrays, parts = split_output(head(dict(entry)))
     except Exception as exc:  # any failure of the user's head on this input quarantines the item
         reason = _root_cause(exc)
-        return {"item": item, "quarantined": reason[:500], "path": _culprit(entry, exc)}
+        return {"item": item, "quarantined": reason[:500], "path": _culprit(entry, exc), "inputs": input_stats(entry)}
     writer = shards.current()
     tensors = []
     for key in sorted(arrays):
