@@ -324,6 +324,7 @@ class _DatasetCore(BatchReads):
         """The item's read plan, built once (entries, requests, views; its meta when first wrapped)."""
         plan = self._plans.get(item)
         if plan is not None:
+            self.cache.check_current()  # a stat: an item read before is not served once the cache was rebuilt
             return plan
         rank = self._rank
         entries = sorted((e for e in self.cache.entries(item) if e.key in rank), key=lambda e: rank[e.key])

@@ -250,6 +250,7 @@ class _PreparedLoaderCore:
 
     # --- iteration ---
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.cache.check_current()  # per epoch: a rebuilt cache is refused, even where the tier holds it all
         epoch = self.epoch
         self.epoch = epoch + 1
         order = self.epoch_items(epoch)
