@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,11 +17,14 @@ import numpy as np
 from loaders.errors import (
     ArgumentIndexError,
     ArgumentKeyError,
+    ArgumentPathError,
     ArgumentTypeError,
     ArgumentValueError,
 )
 
 MAX_SEED = 2**63 - 1
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
 
 
 def _is_int(value: Any) -> bool:
@@ -53,10 +57,60 @@ def seed(value: Any, name: str = "seed") -> int:
     return int(value)
 
 
+def parse_bytes(value: int | str | None, name: str = "") -> int:
+    """Bytes from an int or a string such as "8GiB", "500MB", "1.5g" (k/M/G/T: powers of 1000, Ki/Mi/Gi/Ti:
+    of 1024; None -> 0). `name` (e.g. "--max-item-bytes") leads the message of a refusal."""
+    said = f"{name} {value!r}" if name else repr(value)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise ArgumentValueError(f"{said} is not a size; use bytes or e.g. '8GiB', '500MB'")
+    if isinstance(value, (int, np.integer)):
+        if value < 0:
+            raise ArgumentValueError(f"{said} is not a size: sizes are >= 0 bytes")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    if m is None:
+        raise ArgumentValueError(f"{said} is not a size; use bytes or e.g. '8GiB', '500MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
 def cache_dir(value: Any) -> None:
     """A path (str or os.PathLike)."""
     if not isinstance(value, (str, os.PathLike)):
         raise ArgumentTypeError(f"cache_dir={value!r} is not a path; pass the folder `prep cache --output` wrote")
+
+
+def path(name: str, value: Any, allow_none: bool = False) -> None:
+    """A path (str or os.PathLike), or None where allowed."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ArgumentTypeError(f"{name}={_short(value)} is not a path; pass a str or pathlib.Path")
+
+
+def folder(name: str, value: Any) -> None:
+    """A path naming a folder that exists."""
+    path(name, value)
+    if not os.path.isdir(value):
+        raise ArgumentPathError(f"{name}={os.fspath(value)!r}: no such folder")
+
+
+def patterns(name: str, value: Any) -> None:
+    """A list of glob patterns (a single string would be read as one pattern per character)."""
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise ArgumentTypeError(f"{name}={_short(value)} is not a list of patterns; pass e.g. ['*.jpg', '*.png']")
+
+
+def options(name: str, value: Any) -> None:
+    """None or a mapping of keyword arguments."""
+    if value is not None and not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"{name}={_short(value)} is not a dict of keyword arguments")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def device(value: Any, allow_none: bool = False) -> None:
@@ -118,12 +172,13 @@ def indices(value: Any, n: int) -> np.ndarray:
     return array.astype(np.int64)
 
 
-def shard(rank: Any, world_size: Any) -> None:
-    """DDP rank and world size: whole numbers, world_size >= 1, 0 <= rank < world_size."""
-    count("world_size", world_size, 1)
-    count("rank", rank, 0)
+def shard(rank: Any, world_size: Any, names: tuple[str, str] = ("rank", "world_size")) -> None:
+    """DDP rank and world size (a DALI source's shard_id and num_shards): whole numbers, world_size >= 1,
+    0 <= rank < world_size."""
+    count(names[1], world_size, 1)
+    count(names[0], rank, 0)
     if rank >= world_size:
-        raise ArgumentValueError(f"rank {rank} is outside world size {world_size}")
+        raise ArgumentValueError(f"{names[0]} {rank} is outside {names[1].replace('_', ' ')} {world_size}")
 
 
 def interval(name: str, value: Any) -> None:
@@ -179,3 +234,49 @@ def check_batches(
     seed(seed_)
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last), ("pad", pad)):
         flag(name, value)
+
+
+def check_epoch_source(batch_size: Any, shuffle: Any, seed_: Any, shard_id: Any, num_shards: Any) -> None:
+    """The arguments every DALI source (`loaders.dali`) shares."""
+    count("batch_size", batch_size)
+    flag("shuffle", shuffle)
+    seed(seed_)
+    shard(shard_id, num_shards, ("shard_id", "num_shards"))
+
+
+def transform(value: Any) -> None:
+    """The drop-in's transform: the pipeline the cache was prepared with (a Compose, a transform, or a list
+    of them), never None or a path to it."""
+    if value is None:
+        raise ArgumentTypeError(
+            "transform=None: the drop-in needs the pipeline the cache was prepared with (`prep cache` ran its "
+            "head; its tail runs here); pass that Compose"
+        )
+    if isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"transform={os.fspath(value)!r} is a path, not a transform; pass the Compose it defines "
+            "(e.g. prep.pipeline.load_pipeline(path).transform)"
+        )
+    steps = value if isinstance(value, (list, tuple)) else [value]
+    bad = [t for t in steps if not callable(t)]
+    if bad:
+        raise ArgumentTypeError(f"transform {_short(bad[0])} is not a transform; pass the pipeline's Compose")
+
+
+def check_dropin(data: Any, transform_: Any, cache_dir_: Any, track_meta: Any, extra: Sequence[str]) -> None:
+    """The arguments of `PreparedPersistentDataset` checked before anything is built; `extra`: options
+    that neither PersistentDataset nor PreparedDataset takes."""
+    if isinstance(data, (str, bytes, Mapping)) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise ArgumentTypeError(
+            f"data={_short(data)} is not a list of datalist entries; pass the list PersistentDataset takes "
+            "(e.g. monai.data.load_decathlon_datalist(...))"
+        )
+    transform(transform_)
+    cache_dir(cache_dir_)
+    if track_meta is not None:
+        flag("track_meta", track_meta)
+    if extra:
+        raise ArgumentTypeError(
+            f"PreparedPersistentDataset: unknown option(s) {sorted(extra)}; it takes PersistentDataset's "
+            "arguments and PreparedDataset's (backend, device, verify, keys, roi, backend_options)"
+        )

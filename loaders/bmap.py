@@ -93,7 +93,7 @@ def flat_document(
             if st.st_size > run:
                 rec.update(raw_readable=False, reason="fragmented: the flat map holds its first extent only")
         files[key] = rec
-    dev = device or "?"
+    dev = device or ""  # none named: BlockMap.source asks for one rather than name a device "?"
     return {"format": FLAT_FORMAT, "version": BMAP_VERSION, "root": root or "", "device": dev, "disk": dev,
             "partition_start": start, "logical_block_size": lbs, "files": files}  # fmt: skip
 
@@ -413,10 +413,17 @@ class BlockMap:
         """Where to read raw bytes: `device_path` (the filesystem's device, its whole disk, or the loop image
         file), else the filesystem's device when readable, else the loop image file."""
         if device_path is None:
+            if not self.device:
+                raise FormatError(
+                    f"{self.path}: a flat map names no device (its startblocks count on a disk it does not name); "
+                    "pass device_path= (that disk, or its loop image file)"
+                )
             if os.access(self.device, os.R_OK) or not self.loop_backing_file:
                 return RawSource(self.device, 0)
             return RawSource(self.loop_backing_file, self.loop_offset + self.partition_start)
         p = os.fspath(device_path)
+        if not self.device:  # a flat map loaded without one: its LBAs count from the start of this disk
+            return RawSource(p, self.partition_start)
         real = os.path.realpath(p)
         if real == os.path.realpath(self.device):
             return RawSource(p, 0)

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from loaders import args
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
-from loaders.errors import BackendError
+from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError
 from loaders.order import epoch_order
 
 # fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
@@ -75,12 +76,14 @@ class _EpochSource:
     readahead = False
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, shard_id: int, num_shards: int) -> None:
-        if not 0 <= shard_id < num_shards:
-            raise ValueError(f"shard_id {shard_id} is outside num_shards {num_shards}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        args.check_epoch_source(batch_size, shuffle, seed, shard_id, num_shards)  # subclasses call it first too
         # contiguous shards, as DALI readers split with shard_id/num_shards
         self.positions = np.arange(n * shard_id // num_shards, n * (shard_id + 1) // num_shards)
+        if not len(self.positions):  # DALI would stop on a bare StopIteration at its first batch
+            raise ArgumentValueError(
+                f"{type(self).__name__}: shard_id {shard_id} of num_shards {num_shards} holds none of the {n} "
+                "samples; use fewer shards than samples"
+            )
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -209,10 +212,22 @@ class FileSource(_EpochSource):
         case_sensitive_filter: bool = False,
         threads: int | None = None,
     ) -> None:
+        args.check_epoch_source(batch_size, shuffle, seed, shard_id, num_shards)
+        args.folder("root", root)
+        args.backend(backend)
+        args.patterns("file_filters", file_filters)
+        args.flag("case_sensitive_filter", case_sensitive_filter)
+        if threads is not None:
+            args.count("threads", threads)
         self.root = Path(root)
         self.files = list_labeled_files(root, file_filters, case_sensitive_filter)
+        if not self.files:
+            raise ArgumentValueError(
+                f"FileSource: no files under {self.root} match {list(file_filters)[:4]} in a class subfolder "
+                "(root/<class>/<file>, one level, as fn.readers.file lists them); pass the folder of class folders"
+            )
         super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
-        self.threads = max(1, threads if threads is not None else read_threads(os.cpu_count() or 1))
+        self.threads = threads if threads is not None else read_threads(os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
         self._own = not isinstance(backend, Backend)
         self.backend: Backend | None = None
@@ -277,6 +292,8 @@ class BmapSource(_EpochSource):
     ) -> None:
         from loaders.bmap import BlockMap
 
+        _check_bmap_args(bmap, backend, file_filters, device_path, folder, root, backend_options)
+        args.check_epoch_source(batch_size, shuffle, seed, shard_id, num_shards)
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap, root=root, device=device_path)
         if folder is None:
             folder = "train" if self.bmap.flat and all(k.startswith("train/") for k in self.bmap.files) else ""
@@ -284,6 +301,9 @@ class BmapSource(_EpochSource):
         tree = Path(self.bmap.root) / self.prefix
         mounted = not (self.bmap.flat and not self.bmap.doc["root"]) and tree.is_dir()
         self.files = list_labeled_files(tree, file_filters) if mounted else self._from_keys(file_filters)
+        if not self.files:
+            raise ArgumentValueError(f"BmapSource: no files of {self.bmap.path} under folder={folder!r} "
+                                     f"({tree}/<class>/<file>); {_folder_hint(self.bmap.files)}")  # fmt: skip
         # files of the folder the map does not know (added after mapping): through the filesystem
         self._unmapped = {p for p, _ in self.files if self.prefix + p not in self.bmap.files}
         if self._unmapped:
@@ -295,8 +315,6 @@ class BmapSource(_EpochSource):
             )
         super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
         name = "xnvme-bmap" if backend == "xnvme" else backend  # "xnvme" here means its block-range reader
-        if name not in BLOCK_RANGE_BACKENDS:
-            raise BackendError(f"BmapSource: backend {backend!r} cannot read block ranges; use 'blockdev' or 'xnvme'")
         self.backend: Backend = get_backend(name, bmap=self.bmap, device_path=device_path, **(backend_options or {}))
 
     def _from_keys(self, file_filters: Sequence[str]) -> list[tuple[str, int]]:
@@ -333,6 +351,35 @@ class BmapSource(_EpochSource):
         return data, _labels(files, positions)
 
 
+def _check_bmap_args(
+    bmap: Any, backend: Any, file_filters: Any, device_path: Any, folder: Any, root: Any, backend_options: Any
+) -> None:
+    """BmapSource's own arguments, before the map is loaded."""
+    from loaders.bmap import BlockMap
+
+    if not isinstance(bmap, BlockMap):
+        args.path("bmap", bmap)
+    if not isinstance(backend, str) or ("xnvme-bmap" if backend == "xnvme" else backend) not in BLOCK_RANGE_BACKENDS:
+        raise BackendError(f"BmapSource: backend {backend!r} cannot read block ranges; use 'blockdev' or 'xnvme'")
+    args.patterns("file_filters", file_filters)
+    args.path("device_path", device_path, allow_none=True)
+    args.path("root", root, allow_none=True)
+    args.options("backend_options", backend_options)
+    if folder is not None and not isinstance(folder, str):
+        raise ArgumentTypeError(f"folder={folder!r} is not a folder name inside the map (e.g. 'train')")
+
+
+def _folder_hint(keys: Any) -> str:
+    """Where a map's class folders are: the folder its keys most often sit two levels under."""
+    from collections import Counter
+
+    parents = Counter(k.rsplit("/", 2)[0] if k.count("/") >= 2 else "" for k in keys if "/" in k)
+    if not parents:
+        return "the map lists no file inside a class folder"
+    best = parents.most_common(1)[0][0]
+    return f"its class folders are under {best!r}: pass folder={best!r}"
+
+
 class CacheSource(_EpochSource):
     """Prepared-cache tensors, batch mode: one dense (B, ...) array per key (a list when shapes differ).
 
@@ -354,8 +401,14 @@ class CacheSource(_EpochSource):
     ) -> None:
         from loaders.dataset import PreparedDataset
 
-        self.keys = [keys] if isinstance(keys, str) else list(keys)
-        self.dataset = PreparedDataset(cache_dir, keys=self.keys, backend=backend, device=device, meta=False)
+        args.check_epoch_source(batch_size, shuffle, seed, shard_id, num_shards)
+        args.count("prefetch", prefetch, 0)
+        args.cache_dir(cache_dir)
+        if keys is None:
+            raise ArgumentTypeError("keys=None: CacheSource gives one output per key; name them (e.g. 'image')")
+        wanted = [keys] if isinstance(keys, str) else keys
+        self.dataset = PreparedDataset(cache_dir, keys=wanted, backend=backend, device=device, meta=False)
+        self.keys: list[str] = list(self.dataset.keys)
         super().__init__(len(self.dataset), batch_size, shuffle, seed, shard_id, num_shards)
         self.prefetch = prefetch
         self._batches: Iterator[dict[str, Any]] | None = None

@@ -290,7 +290,7 @@ class _DatasetCore(BatchReads):
         """Start epoch `epoch`: a shard made with shuffle=True takes that epoch's part of the split. Refuses in
         one line when the cache was rebuilt since it was opened."""
         self.cache.check_current()
-        self.epoch = epoch
+        self.epoch = args.count("epoch", epoch, 0)
         if self._shard is not None:
             self.items = shard_items(*self._shard, epoch=epoch)
 
@@ -334,6 +334,7 @@ class _DatasetCore(BatchReads):
         """The item's read plan, built once (entries, requests, views; its meta when first wrapped)."""
         plan = self._plans.get(item)
         if plan is not None:
+            self.cache.check_current()  # a stat: an item read before is not served once the cache was rebuilt
             return plan
         rank = self._rank
         entries = sorted((e for e in self.cache.entries(item) if e.key in rank), key=lambda e: rank[e.key])

@@ -71,5 +71,9 @@ class ArgumentIndexError(ArgumentError, IndexError):
     """An item index outside the dataset."""
 
 
+class ArgumentPathError(ArgumentError, FileNotFoundError):
+    """A path argument naming no folder there (a DALI source's class-folder root)."""
+
+
 class LoaderStateError(PrepError, ValueError):
     """A saved loader state that does not belong to this loader (another cache, transform or order)."""

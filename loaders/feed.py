@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
-import re
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -38,35 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from loaders import state
-from loaders.args import check_loader
+from loaders import args, state
+from loaders.args import parse_bytes  # re-exported: loaders.feed.parse_bytes
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
 from loaders.deps import require
-from loaders.errors import BackendError
+from loaders.errors import ArgumentTypeError, BackendError, FormatError
 from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache, TensorEntry, align_up, check
 from loaders.order import epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
-
-
-def parse_bytes(value: int | str | None) -> int:
-    """Bytes from an int or a string such as "8GiB", "500MB", "1.5g" (None -> 0)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
-        raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
-    if isinstance(value, (int, np.integer)):
-        if value < 0:
-            raise ValueError(f"{value!r} is not a size: sizes are >= 0 bytes")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?)?b?\s*", str(value).lower())
-    if m is None:
-        raise ValueError(f"{value!r} is not a size; use bytes or e.g. '8GiB', '500MB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 class _PerItemTail:
@@ -177,7 +157,7 @@ class _PreparedLoaderCore:
 
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
-        check_loader(locals())  # every argument, one line each (loaders/args.py)
+        args.check_loader(locals())  # every argument, one line each (loaders/args.py)
         self.keys = list(keys) if keys is not None else list(self.cache.keys)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -188,7 +168,7 @@ class _PreparedLoaderCore:
             raise ValueError(f"PreparedLoader: device={device!r} but this torch sees no CUDA GPU; pass device='cpu'")
         self.device = self.torch.device(device)
         self.gpu = self.device.type == "cuda"
-        self.budget = self._auto_budget() if gpu_budget == "auto" else parse_bytes(gpu_budget)
+        self.budget = self._auto_budget() if gpu_budget == "auto" else args.parse_bytes(gpu_budget, "gpu_budget")
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
@@ -233,13 +213,19 @@ class _PreparedLoaderCore:
         self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
         self.tail = batched_tail(rest, self.device, options)
         self._ragged_tail = _PerItemTail(rest, options=options)  # unequal shapes (no folded crop): MONAI per item
+        self._keys_given = keys  # value keys are filtered by it too
         self.value_keys = self._value_keys(keys, tail)
+
+    def __reduce__(self) -> Any:
+        raise ArgumentTypeError(
+            "a PreparedLoader cannot be pickled (it owns read threads, staging buffers and device memory); build "
+            "one in each process from the cache path (after DDP spawn, in each rank)"
+        )
 
     # --- order ---
     def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
         """This loader as DDP rank `rank` of `world`: each epoch's shuffled order split across ranks."""
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside world size {world}")
+        args.shard(rank, world)
         self.rank, self.world = rank, world
         return self
 
@@ -249,6 +235,7 @@ class _PreparedLoaderCore:
         set_epoch(5) they are 5, 6, 7, ... (calling set_epoch(e) before every pass, as with a
         DistributedSampler, gives exactly epoch e each time). After `load_state_dict`, set_epoch with the
         saved epoch keeps the saved place in it."""
+        epoch = args.count("epoch", epoch, 0)
         if epoch != self.epoch:
             self._resume = 0
         self.epoch = epoch
@@ -256,7 +243,7 @@ class _PreparedLoaderCore:
     def set_random_state(self, seed: int) -> _PreparedLoaderCore:
         """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
         nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
-        self._seeder.set_random_state(seed)
+        self._seeder.set_random_state(None if seed is None else args.seed(seed))
         return self
 
     # --- state (loaders.state) ---
@@ -303,6 +290,7 @@ class _PreparedLoaderCore:
 
     # --- iteration ---
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.cache.check_current()  # per epoch: a rebuilt cache is refused, even where the tier holds it all
         epoch = self.epoch
         self.epoch = epoch + 1
         order = self.epoch_items(epoch)
@@ -491,6 +479,13 @@ class _PreparedLoaderCore:
             if got is None:
                 values = line_values(self.cache.meta(item))
                 got = self._values[item] = {k: values[k] for k in self.value_keys if k in values}
+                names = {k for k in values if self._keys_given is None or k in self._keys_given}
+                if names != set(self.value_keys):  # MONAI's collate would fail on a batch mixing such items
+                    raise FormatError(
+                        f"{self.cache.root}: item {item}'s non-tensor outputs {sorted(names)} differ from item 0's "
+                        f"{sorted(self.value_keys)}; give every item the same keys (the head's outputs, the datalist's "
+                        "entries) and re-run `prep cache --force`"
+                    )
             rows.append(got)
         out.update(list_data_collate(rows))
         return out

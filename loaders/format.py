@@ -525,10 +525,12 @@ class PreparedCache:
             why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:80]
             raise FormatError(f"{self._meta_path}: item {item}'s meta line is not valid JSON ({why}); "
                               "re-run `prep cache --force` to rebuild") from None  # fmt: skip
-        if not isinstance(line, dict):
-            raise FormatError(
-                f"{self._meta_path}: item {item}'s meta line is not an object; re-run `prep cache --force`"
-            )
+        from loaders.meta import check_line  # meta.py builds on this module
+
+        wrong = "it is not an object" if not isinstance(line, dict) else check_line(line)
+        if wrong:
+            raise FormatError(f"{self._meta_path}: item {item}'s meta line is malformed ({wrong}); re-run "
+                              "`prep cache --force`")  # fmt: skip
         return line
 
     def check_files(self) -> None:

@@ -239,6 +239,8 @@ def _array(doc: Mapping[str, Any], tag: str) -> np.ndarray:
     if not isinstance(shape, list) or len(shape) > 32 or not all(type(d) is int and d >= 0 for d in shape):
         raise FormatError(f"meta: {tag} shape {str(shape)[:40]} is not a list of sizes (a damaged or crafted cache)")
     try:
+        if _holds_null(doc.get("v")):  # numpy would read a null as NaN; `encode` never writes one
+            raise ValueError("null is not a number")
         array = np.asarray(doc.get("v"), dtype=dtype)
     except (TypeError, ValueError, OverflowError) as exc:
         raise FormatError(f"meta: {tag} values do not fit {dtype} ({exc}) (a damaged or crafted cache)") from exc
@@ -250,6 +252,12 @@ def _array(doc: Mapping[str, Any], tag: str) -> np.ndarray:
             f"meta: {tag} shape {shape} does not hold its {array.size} values (a damaged or crafted cache)"
         )
     return array.reshape(shape)
+
+
+def _holds_null(value: Any, depth: int = 0) -> bool:
+    if value is None:
+        return True
+    return isinstance(value, list) and depth <= MAX_DEPTH and any(_holds_null(v, depth + 1) for v in value)
 
 
 def _enum(name: Any, value: Any) -> Any:
@@ -270,6 +278,53 @@ def _enum(name: Any, value: Any) -> Any:
         return kind(value)
     except (ValueError, TypeError):
         raise FormatError(f"meta: {str(value)[:40]!r} is not a member of {qualname} {_CRAFTED}") from None
+
+
+_KIND_NAMES = ("ndarray", "numpy", "tensor")
+MAX_AFFINE_ROWS = 4  # MONAI's affines: spatial rank 1..3, homogeneous
+
+
+def check_line(line: Mapping[str, Any]) -> str | None:
+    """Why a parsed meta line's parts do not have the shape readers take apart, or None: "meta" an object of
+    objects, "applied_operations" an object of lists of objects, "values" an object, "kinds" an object of
+    kind names, "section" a string (null allowed for each part)."""
+    shapes = ((META, dict, dict), (OPS, dict, list), (VALUES, dict, None), (KINDS, dict, str))
+    for part, outer, inner in shapes:
+        value = line.get(part)
+        if value is None:
+            continue
+        if not isinstance(value, outer):
+            return f"'{part}' is a {type(value).__name__}, not an object"
+        for key, v in value.items():
+            if inner is not None and v is not None and not isinstance(v, inner):
+                return f"'{part}' of '{str(key)[:40]}' is a {type(v).__name__}, not a {inner.__name__}"
+    for ops in (line.get(OPS) or {}).values():
+        if any(not isinstance(op, dict) for op in ops or ()):
+            return f"'{OPS}' holds an operation that is not an object"
+    if any(v not in _KIND_NAMES for v in (line.get(KINDS) or {}).values()):
+        return f"'{KINDS}' names a kind other than {', '.join(_KIND_NAMES)}"
+    if not isinstance(line.get(SECTION, ""), (str, type(None))):
+        return f"'{SECTION}' is not a string"
+    return None
+
+
+def check_affine(affine: Any, ndim: int) -> Any:
+    """`affine` as a float64 tensor, if it is one MONAI could have given a `ndim`-D tensor: square, of 2..4
+    rows (MONAI gives 2-D images a 4x4 one too), with no fewer spatial dimensions than the tensor's (up to
+    3, a channel first). FormatError otherwise: a crafted affine would place every voxel wrongly, unseen."""
+    import torch
+
+    try:
+        matrix = torch.as_tensor(np.asarray(affine, dtype=np.float64))
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"meta: the affine is no matrix of numbers ({str(exc)[:60]}) {_CRAFTED}") from None
+    rows = matrix.shape[0] if matrix.ndim == 2 and matrix.shape[0] == matrix.shape[1] else 0
+    if not 2 <= rows <= MAX_AFFINE_ROWS or rows - 1 < min(3, ndim - 1):
+        raise FormatError(
+            f"meta: an affine of shape {tuple(matrix.shape)} does not fit a {ndim}-D tensor (square, 2..4 rows, "
+            f"at least {min(3, ndim - 1) + 1}) {_CRAFTED}"
+        )
+    return matrix
 
 
 def key_meta(line: Mapping[str, Any] | None, key: str) -> dict[str, Any]:
@@ -324,15 +379,14 @@ def restore_meta(tensor: Any, meta: Mapping[str, Any] | None) -> Any:
     """Wrap a tensor as a MONAI MetaTensor with its meta (as `key_meta` decodes it). Untyped meta (caches
     written before "typed") gets LoadImage's types where they can be guessed: affine a float64 tensor,
     numeric lists numpy arrays, space a SpaceKeys."""
-    import torch
     from monai.data import MetaTensor
     from monai.utils import SpaceKeys
 
     meta = dict(meta or {})
     ops = meta.pop(OPS, None)
     affine = meta.pop("affine", None)
-    if affine is not None and not isinstance(affine, torch.Tensor):  # a list: written before "typed"
-        affine = torch.as_tensor(np.asarray(affine, dtype=np.float64))
+    if affine is not None:  # a list when written before "typed"
+        affine = check_affine(affine, tensor.ndim)
     for k, v in meta.items():
         if isinstance(v, list) and k not in _LIST_META and _numeric(v):
             meta[k] = np.asarray(v, dtype=np.float64 if "affine" in k else None)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loaders import chain
+from loaders import args, chain
 from loaders.backends import Backend
 from loaders.deps import require
 from loaders.errors import StaleError
@@ -39,6 +39,8 @@ __all__ = [
 
 # PersistentDataset options with no meaning over a prepared cache (accepted, so the one-line change works)
 _PERSISTENT_ONLY = ("hash_func", "pickle_module", "pickle_protocol", "hash_transform", "reset_ops_id", "weights_only")
+# PreparedDataset options the drop-in passes on (the others it sets itself)
+_DATASET_OPTIONS = ("keys", "roi", "backend_options")
 # Compose options that change how transforms are applied; the tail keeps the user's settings.
 _COMPOSE_OPTIONS = ("map_items", "unpack_items", "lazy", "overrides", "log_stats")
 
@@ -223,11 +225,11 @@ class _PersistentCore:
     ) -> None:
         from loaders.dataset import PreparedDataset
 
-        if track_meta is None:
-            track_meta = _persistent_track_meta()
-
         for name in _PERSISTENT_ONLY:
             options.pop(name, None)
+        args.check_dropin(data, transform, cache_dir, track_meta, [n for n in options if n not in _DATASET_OPTIONS])
+        if track_meta is None:
+            track_meta = _persistent_track_meta()
         super().__init__(data, transform)  # type: ignore[call-arg]  # monai.data.Dataset's: wraps a list in Compose
         transform = self.transform
         self.track_meta = track_meta
@@ -247,6 +249,7 @@ class _PersistentCore:
             self._head_len = len(chain.split(transform)[0])
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
+        self._check_quarantine()
 
     def __len__(self) -> int:
         return len(self.data)
@@ -255,6 +258,25 @@ class _PersistentCore:
         """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
         cache is kept: it is read-only here, and items not in it are refused when read, in one line."""
         self.data = data
+        self._check_quarantine()
+
+    def _check_quarantine(self) -> None:
+        """Refuse, when built, a datalist naming an entry `prep cache` quarantined (rather than at the first
+        batch that reaches it): its file is bad, and re-running `prep cache` once it is fixed prepares it."""
+        quarantined = self.dataset.cache.manifest.get("quarantined") or []
+        if not quarantined:
+            return
+        bases = _source_bases(self.dataset.cache.manifest)
+        why = {_key(_resolved(q.get("source"), bases)): q for q in quarantined if isinstance(q, Mapping)}
+        hits = [(i, why[k]) for i, k in enumerate(_key(_resolved(e, [Path.cwd()])) for e in self.data) if k in why]
+        if hits:
+            i, q = hits[0]
+            raise StaleError(
+                f"{self.dataset.root}: data[{i}] ({q.get('path') or q.get('source')}) was quarantined by `prep "
+                f"cache` ({str(q.get('reason'))[:120]}){f' with {len(hits) - 1} more' if len(hits) > 1 else ''}; "
+                "fix or restore the file and re-run `prep cache` (it prepares such items again), or leave the "
+                "entry out of data"
+            )
 
     def _lookup(self, index: int) -> int:
         """The cache item holding data[index]: same position when the sources agree, else by source entry

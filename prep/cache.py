@@ -8,7 +8,6 @@ Tasks run `prep.worker.run_batch`; the commit turns journals into the layout of 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,13 @@ from loaders.format import (
     SHARD_DIR,
     PreparedCache,
     align_up,
+    fsync_dir,
     make_rows,
     write_index,
     write_manifest,
     write_meta,
 )
-from prep.cache_verify import BadItem, verify_cache
+from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
     Progress,
@@ -49,124 +49,27 @@ from prep.cluster import (
     torch_threads_for,
     worker_mode,
 )
+from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
 from prep.errors import PrepError, StaleError, UsageError
-from prep.journal import CacheLock, JournalState, check_output, read_journals, read_plan, write_plan
+from prep.item_size import available_memory, default_max_item_bytes
+from prep.journal import (
+    CacheLock,
+    JournalState,
+    JournalWriter,
+    check_output,
+    committed_records,
+    read_journals,
+    read_plan,
+    write_plan,
+)
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
+from prep.quarantine import check_entry, to_retry
 from prep.sampling import ensure_sets
+from prep.summary import CacheSummary, summary_of
 from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
-
-
-@dataclass
-class CacheSummary:
-    """What a `prep cache` run did and what the cache holds."""
-
-    output: Path
-    n_planned: int
-    n_items: int
-    n_new: int
-    n_resumed: int
-    quarantined: list[dict[str, Any]]
-    seconds: float
-    tensor_bytes: int
-    bytes_on_disk: int
-    up_to_date: bool = False
-    bmap: Path | None = None
-    bmap_note: str = ""
-    bad: list[BadItem] = field(default_factory=list)
-    head: list[str] = field(default_factory=list)
-    head_reason: str = ""
-    version_notes: list[str] = field(default_factory=list)
-    verified: bool = False  # --verify ran
-    mode: str = ""  # how the local workers ran: "2 threads", "8 processes (auto)"
-    checked_files: list[str] = field(default_factory=list)
-    n_tensors: int = 0
-    sampling: str = ""  # the label-driven crop's sampling sets (prep.sampling), when the tail starts with one
-
-    @property
-    def items_per_s(self) -> float:
-        """Items prepared per second in this run."""
-        return self.n_new / self.seconds if self.seconds > 0 else 0.0
-
-    def lines(self) -> list[str]:
-        """Human summary, one fact per line."""
-        counts = f"{self.n_planned} items: {self.n_items} cached"
-        if self.quarantined:
-            counts += f", {len(self.quarantined)} quarantined"
-        if self.up_to_date:
-            state = "already complete and up to date"
-            if not self.verified:  # say what was and was not checked
-                state += (" (manifest, index and meta match their checksums, shards present at their sizes; "
-                          "tensor bytes not re-read: `prep verify` checks them)")  # fmt: skip
-        else:
-            state = f"{self.n_new} processed in this run ({self.items_per_s:.1f} items/s"
-            state += f", {self.mode})" if self.mode else ")"
-            if self.n_resumed:
-                state += f", {self.n_resumed} resumed from the journal"
-        out = [
-            f"{self.output}: {counts}; {state}",
-            f"  head: {' -> '.join(self.head) or 'empty'}; {self.head_reason}" if self.head_reason else "",
-            f"  tensors {self.tensor_bytes / 1e6:.1f} MB, shards on disk {self.bytes_on_disk / 1e6:.1f} MB",
-            f"  block map: {self.bmap}" if self.bmap else f"  block map: not written ({self.bmap_note})",
-            f"  {self.sampling}" if self.sampling else "",
-        ]
-        out += [f"  note: made with {v} (does not change the tensors)" for v in self.version_notes]
-        out += [f"  quarantined: {q['path'] or q['source']}: {q['reason']}" for q in self.quarantined]
-        out += [f"  verify: {b}" for b in self.bad]
-        if self.verified and not self.bad:
-            out.append(
-                f"  verify: ok: manifest, {', '.join(sorted(self.checked_files))} match their checksums; every "
-                f"tensor re-read and matches its checksum ({self.n_tensors} tensors)"
-            )
-        return [line for line in out if line]
-
-
-def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> list[tuple[str, dict[str, Any]]]:
-    """(section, entry) pairs of a decathlon datalist; paths resolved against its folder exactly as MONAI does."""
-    from monai.data import load_decathlon_datalist
-
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path}: datalist not found; pass a decathlon-style dataset.json")
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: not valid JSON ({exc})") from exc
-    missing = [s for s in sections if s not in doc]
-    if missing:
-        have = ", ".join(k for k, v in doc.items() if isinstance(v, list)) if isinstance(doc, dict) else ""
-        raise UsageError(f"{path}: no section {', '.join(missing)} (lists here: {have}); choose with --section")
-    for section in sections:
-        _check_section(path, section, doc[section])
-    out = []
-    for section in sections:
-        for entry in load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=section):
-            out.append((section, dict(entry)))
-    return out
-
-
-def _check_section(path: Path, section: str, value: Any) -> None:
-    """A section is a non-empty list of {"image": ..., "label": ...} objects (MONAI turns a "test" list of
-    path strings into such objects itself)."""
-    example = '[{"image": "imagesTr/a.nii.gz", "label": "labelsTr/a.nii.gz"}, ...]'
-    if not isinstance(value, list):
-        raise UsageError(f"{path}: section '{section}' is a {type(value).__name__}, not a list; write it as {example}")
-    if not value:
-        raise UsageError(f"{path}: section '{section}' is empty: nothing to prepare; add entries like {example}")
-    if section == "test" and all(isinstance(v, str) for v in value):
-        return
-    for n, entry in enumerate(value):
-        if not isinstance(entry, dict):
-            raise UsageError(
-                f"{path}: entry {n} of '{section}' is a {type(entry).__name__} ({str(entry)[:60]!r}), not an "
-                f"object; write it as {example}"
-            )
-
-
-def datalist_hash(items: list[tuple[str, dict[str, Any]]]) -> str:
-    """sha256 of the resolved entries (what is prepared), independent of formatting of the JSON file."""
-    return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
+_COMMITTED = "committed.jsonl"  # a committed cache's items as journal lines, while its quarantine is retried
 
 
 def prepare_cache(
@@ -186,6 +89,8 @@ def prepare_cache(
     progress: Progress | None = None,
     security: Any = None,
     allow_empty_head: bool = False,
+    max_item_bytes: int | None = None,
+    keep_repeats: bool = False,
 ) -> CacheSummary:
     """Run the pipeline's deterministic head over the datalist on dask and commit a prepared cache.
 
@@ -197,10 +102,17 @@ def prepare_cache(
     from the head (threads for a CUDA head) and its time on the first
     item. A head that prepares nothing (the chain's first transform is random) is refused unless
     `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
+    An input whose header declares more than `max_item_bytes` decoded (default: a quarter of this machine's
+    available memory, `prep.item_size`) is quarantined before it is decoded. An entry listed again in its
+    section is prepared once (every copy with `keep_repeats`); the summary says how many repeat.
     """
     t0 = time.perf_counter()
     if workers < 1 or shard_size < 4096:
         raise UsageError(f"--workers must be >= 1 and --shard-size >= 4096 (got {workers}, {shard_size})")
+    if max_item_bytes is None:
+        max_item_bytes = default_max_item_bytes(available_memory())
+    elif max_item_bytes < 1:
+        raise UsageError(f"--max-item-bytes must be at least 1 (got {max_item_bytes})")
     for path, what in ((Path(datalist), "datalist"), (Path(pipeline), "pipeline file")):
         if not path.is_file():
             raise UsageError(f"{path}: {what} not found")
@@ -212,10 +124,11 @@ def prepare_cache(
     if not early:  # complete and current: reported without the lock, as readers need none (read-only mounts)
         pipe = load_pipeline(pipeline, bundle_key)
         _check_head(pipe, allow_empty_head)
-        items = load_datalist(datalist, sections)
-        plan = _plan(pipe, Path(datalist), items, sections)
+        items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
         summary = _up_to_date(root, plan, pipe, len(items), t0)
-        if summary is not None:
+        retry = summary is not None and to_retry(summary.quarantined, max_item_bytes) and os.access(root, os.W_OK)
+        if summary is not None and not retry:  # quarantined inputs that changed since are prepared again below
+            summary.repeats = repeats.note()
             if summary.n_items:  # sets missing from a cache made before them are added (a read-only one: said)
                 summary.sampling = _sets_or_why(root, pipe.tail, workers)
             _verify(summary, root, verify)
@@ -233,24 +146,48 @@ def prepare_cache(
             starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
         pipe = load_pipeline(pipeline, bundle_key)
         _check_head(pipe, allow_empty_head)
-        items = load_datalist(datalist, sections)
-        plan = _plan(pipe, Path(datalist), items, sections)
+        items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
         stack.enter_context(_no_space(root))
         manifest = _reconcile(root, plan, force)
-        if manifest is not None:
-            summary = _up_to_date(root, plan, pipe, len(items), t0) or _summary_of(
+        if manifest is not None and not _reopen(root, manifest, plan, len(items), max_item_bytes):
+            summary = _up_to_date(root, plan, pipe, len(items), t0) or summary_of(
                 root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True
             )
         else:
-            run = _Run(
-                root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress, security
-            )
+            run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress,
+                       security, max_item_bytes)  # fmt: skip
             summary = _prepare(run, stack, starter, t0)
         summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
+        summary.repeats = repeats.note()
         if summary.n_items:
             summary.sampling = ensure_sets(root, pipe.tail, workers)
         _verify(summary, root, verify)
     return summary
+
+
+def _reopen(root: Path, manifest: dict[str, Any], plan: dict[str, Any], n_items: int, max_item_bytes: int) -> bool:
+    """Turn a committed cache whose quarantine holds items worth preparing again (`prep.quarantine.to_retry`:
+    a file restored or replaced, a larger --max-item-bytes) into a resumable one: its prepared items and the
+    quarantined items not retried become journal lines (plan first, manifest last, so a kill leaves a
+    resumable cache), and the run prepares the retried items and commits anew. False when none is retried."""
+    quarantined = list(manifest.get("quarantined", []))
+    retry = set(to_retry(quarantined, max_item_bytes))
+    if not retry:
+        return False
+    held = {int(q["item"]) for q in quarantined}
+    records = committed_records(root, [i for i in range(n_items) if i not in held])
+    if records is None:
+        return False
+    kept = [{"item": q["item"], "quarantined": q["reason"], "path": q.get("path", ""),
+             **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}
+            for q in quarantined if int(q["item"]) not in retry]  # fmt: skip
+    write_plan(root, plan)
+    (root / JOURNAL_DIR / _COMMITTED).unlink(missing_ok=True)
+    with JournalWriter(root / JOURNAL_DIR / _COMMITTED) as journal:
+        journal.append_many(records + kept)
+    (root / MANIFEST).unlink()
+    fsync_dir(root)
+    return True
 
 
 def _sets_or_why(root: Path, tail: list[Any], workers: int) -> str:
@@ -299,7 +236,7 @@ def _up_to_date(root: Path, plan: dict[str, Any], pipe: Pipeline, n_planned: int
     if manifest is None or _differences(manifest, plan):
         return None
     _open_checked(root)  # damaged files: refused here, never reported as up to date
-    summary = _summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
+    summary = summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
     summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
     summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
     return summary
@@ -320,6 +257,7 @@ class _Run:
     batch_size: int | None
     progress: Progress | None
     security: Any = None
+    max_item_bytes: int | None = None
 
 
 def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float) -> CacheSummary:
@@ -343,7 +281,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                        run.shard_size, uuid.uuid4().hex[:8], threads)  # fmt: skip
+                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes)  # fmt: skip
         size = batch_size_for(len(todo), run.workers, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
@@ -355,7 +293,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if missing:
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
     manifest, bmap_note = _commit(root, run.plan, run.pipe, items, state)
-    summary = _summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
+    summary = summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
     summary.bmap_note = bmap_note or summary.bmap_note
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
@@ -371,9 +309,12 @@ def _cuda_initialized() -> bool:
 
 
 def _probe(run: _Run, item: int) -> float | None:
-    """Seconds the head takes on one item here, on one torch thread (None if it fails: the task will say why)."""
+    """Seconds the head takes on one item here, on one torch thread (None if it fails, or its inputs would be
+    quarantined: the task will say why)."""
     import torch
 
+    if check_entry(run.items[item][1], run.max_item_bytes):
+        return None
     head = run.pipe.head_compose()
     threads = torch.get_num_threads()
     set_torch_threads(1)
@@ -404,6 +345,18 @@ def _torch_threads_kept(in_process: bool) -> Iterator[None]:
         yield
     finally:
         set_torch_threads(threads)
+
+
+def _load_plan(
+    pipe: Pipeline, datalist: Path, sections: Sequence[str], keep_repeats: bool
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any], Repeats]:
+    """The items to prepare (repeats once unless kept), the run's plan, and what repeated."""
+    listed = load_datalist(datalist, sections)
+    items, repeats = unique_items(listed, keep_repeats)
+    plan = _plan(pipe, datalist, listed, sections)
+    if repeats.count:
+        plan["repeats"] = "kept" if keep_repeats else "once"
+    return items, plan, repeats
 
 
 def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]], sections: Sequence[str]) -> dict:
@@ -438,6 +391,8 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         diffs.append(f"library versions changed ({'; '.join(refuse)})")
     if old.get("datalist_hash") != new["datalist_hash"]:
         diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
+    if old.get("repeats", "kept") != new.get("repeats", "kept"):  # older caches prepared every copy
+        diffs.append(f"repeated datalist entries: {old.get('repeats', 'kept')} -> {new.get('repeats', 'kept')}")
     if old.get("sections") != new["sections"]:
         diffs.append(f"sections changed ({old.get('sections')} -> {new['sections']})")
     return diffs
@@ -519,9 +474,10 @@ def _commit(
     (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
     _, bmap_note = _write_bmap(root)  # before the manifest: a committed cache has its map (where FIEMAP works)
     quarantined = [
-        {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"]}
+        {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"],
+         **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}  # what a rerun checks (to_retry)
         for i, q in sorted(state.quarantined.items())
-    ]
+    ]  # fmt: skip
     manifest = {
         **plan,
         "tail": pipe.tail_description,
@@ -552,19 +508,6 @@ def _trim_shards(root: Path, records: list[dict[str, Any]], used: set[str]) -> N
     for path in (root / SHARD_DIR).glob("*"):
         if f"{SHARD_DIR}/{path.name}" not in used:
             path.unlink()
-
-
-def _summary_of(
-    root: Path, manifest: dict[str, Any], n_planned: int, n_new: int, n_resumed: int, seconds: float,
-    up_to_date: bool = False,
-) -> CacheSummary:  # fmt: skip
-    disk = sum((root / s).stat().st_size for s in manifest["shards"])
-    return CacheSummary(
-        output=root, n_planned=n_planned, n_items=int(manifest["n_items"]), n_new=n_new, n_resumed=n_resumed,
-        quarantined=list(manifest.get("quarantined", [])), seconds=seconds,
-        tensor_bytes=int(manifest.get("tensor_bytes", 0)), bytes_on_disk=disk, up_to_date=up_to_date,
-        bmap=root / BMAP if (root / BMAP).exists() else None, bmap_note="" if (root / BMAP).exists() else "absent",
-    )  # fmt: skip
 
 
 def _write_bmap(root: Path) -> tuple[Path | None, str]:

@@ -24,7 +24,8 @@ class BadItem:
     reason: str
 
     def __str__(self) -> str:
-        return f"item {self.item} key '{self.key}' in {self.shard}: {self.reason}"
+        where = f" in {self.shard}" if self.shard else ""
+        return f"item {self.item} key '{self.key}'{where}: {self.reason}"
 
 
 def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
@@ -36,8 +37,7 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
     """
     cache = PreparedCache(cache_dir, shard_sizes=False)  # short shards: listed tensor by tensor below
     cache.check_files()
-    _check_meta(cache)
-    bad: list[BadItem] = []
+    bad: list[BadItem] = _check_meta(cache)
     sizes: dict[str, int] = {}
     for shard in cache.shards:
         try:
@@ -64,22 +64,35 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
     return bad
 
 
-def _check_meta(cache: PreparedCache) -> None:
-    """Every meta line parses and decodes to allowed values only (what readers will build); FormatError,
-    naming the item, for the first that does not."""
+def _check_meta(cache: PreparedCache) -> list[BadItem]:
+    """Every meta line parses into the parts readers take apart (`cache.meta` checks them), decodes to
+    allowed values only, and gives each tensor an affine that fits it (what readers will build); FormatError,
+    naming the item, for the first that does not. Items whose non-tensor outputs differ from item 0's (which
+    PreparedLoader refuses to batch) are listed."""
     from loaders.errors import FormatError
     from loaders.meta import META as META_PART
-    from loaders.meta import OPS, TYPED, VALUES, decode
+    from loaders.meta import OPS, TYPED, VALUES, check_affine, decode, key_meta
 
+    bad: list[BadItem] = []
+    first: set[str] | None = None
     for item in range(cache.n_items):
         line = cache.meta(item)
-        if not line.get(TYPED):
-            continue
+        names = set(line.get(VALUES) or {})
+        first = names if first is None else first
+        if names != first:
+            bad.append(BadItem(item, ",".join(sorted(names ^ first)), "", "its non-tensor outputs differ from "
+                               "item 0's (PreparedLoader refuses batches mixing them)"))  # fmt: skip
         try:
-            for part in (META_PART, OPS, VALUES):
-                decode(line.get(part) or {})
+            if line.get(TYPED):
+                for part in (META_PART, OPS, VALUES):
+                    decode(line.get(part) or {})
+            for entry in cache.entries(item):
+                affine = key_meta(line, entry.key).get("affine")
+                if affine is not None:
+                    check_affine(affine, len(entry.shape))
         except FormatError as exc:
             raise FormatError(f"{cache.root / 'meta.jsonl'}: item {item}: {exc}") from None
+    return bad
 
 
 def _check_entry(entry: TensorEntry, shard_size: int, fds: dict[str, int]) -> str | None:

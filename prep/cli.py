@@ -312,6 +312,18 @@ def cache_cmd(
     tls_key: Annotated[
         Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's private key.")
     ] = None,
+    keep_repeats: Annotated[
+        bool,
+        typer.Option("--keep-repeats", help="Prepare every copy of an entry listed more than once in its section."),
+    ] = False,
+    max_item_bytes: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Quarantine an input whose header declares more than SIZE decoded (8G, 512M, bytes), checked "
+            "before decoding [default: a quarter of the available memory].",
+        ),
+    ] = None,
 ) -> None:
     """Run the deterministic head of a MONAI transform chain once, on dask, into a prepared cache.
 
@@ -321,8 +333,10 @@ def cache_cmd(
     """
     from prep.cache import prepare_cache
     from prep.cluster import plain_tcp_warning, scheduler_security
+    from prep.item_size import parse_size
     from prep.progress import Progress
 
+    limit = None if max_item_bytes is None else guarded(parse_size, max_item_bytes)
     security = guarded(scheduler_security, scheduler, tls_ca_file, tls_cert, tls_key)
     if warning := plain_tcp_warning(scheduler):
         typer.echo(f"warning: {warning}", err=True)
@@ -340,7 +354,7 @@ def cache_cmd(
             prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
             force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
             processes=True if processes else False if threads else None, progress=progress, security=security,
-            allow_empty_head=allow_empty_head,
+            allow_empty_head=allow_empty_head, max_item_bytes=limit, keep_repeats=keep_repeats,
         )  # fmt: skip
     typer.echo("\n".join(summary.lines()))
     if summary.quarantined:

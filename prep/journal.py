@@ -220,3 +220,25 @@ def check_output(cache_dir: Path) -> None:
             f"{cache_dir}: not empty and not a blockprep cache (has {', '.join(sorted(foreign)[:3])}); "
             "choose an empty or new --output"
         )
+
+
+def committed_records(cache_dir: Path, positions: list[int]) -> list[dict[str, Any]] | None:
+    """Journal records of a committed cache's items (item n is datalist position `positions[n]`), so a run
+    that prepares its quarantined items again commits the others untouched; None when the cache is not as
+    `prep cache` writes it (each item's tensors in one shard)."""
+    from loaders.format import PreparedCache
+
+    cache = PreparedCache(cache_dir)
+    if len(positions) != cache.n_items:
+        return None
+    names = {str(p): name for p, name in zip(cache.shards, cache.manifest["shards"])}
+    records = []
+    for n, position in enumerate(positions):
+        entries = cache.entries(n)
+        shards = {e.shard for e in entries}
+        if len(shards) != 1:
+            return None
+        tensors = [{"key": e.key, "offset": e.offset, "nbytes": e.nbytes, "dtype": e.dtype.name,
+                    "shape": list(e.shape), "xxh3": e.xxh3} for e in entries]  # fmt: skip
+        records.append({"item": position, "shard": names[shards.pop()], "tensors": tensors, "meta": cache.meta(n)})
+    return records

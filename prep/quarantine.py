@@ -1,7 +1,9 @@
 """Input checks run before an item's head: a bad file is quarantined with its path and reason, never cached.
 
 nibabel reads a .nii.gz lazily and may never reach the gzip trailer, so a flipped byte inside the stream can
-load silently; reading the whole stream here makes zlib check the CRC and length.
+load silently; reading the whole stream here makes zlib check the CRC and length. With a bound (`prep cache
+--max-item-bytes`), what the header declares is compared with it first, and the stream is read no further
+than the bound: a header or a stream that claims more is refused before anything is decoded.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from loaders.format import dtype_code
 from prep.errors import FormatError
+from prep.item_size import declared, human
 
 IMAGE_SUFFIXES = (".nii", ".nii.gz", ".nrrd", ".mha", ".mhd", ".npy", ".npz", ".png", ".jpg", ".jpeg", ".tif", ".tiff")
 _CHUNK = 1 << 20
@@ -29,17 +32,19 @@ def input_paths(entry: Mapping[str, Any]) -> list[str]:
     return paths
 
 
-def check_entry(entry: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(path, reason) of the first bad input file of an item, or None when all look sound."""
+def check_entry(entry: Mapping[str, Any], max_bytes: int | None = None) -> tuple[str, str] | None:
+    """(path, reason) of the first bad input file of an item, or None when all look sound; with `max_bytes`,
+    a file whose header declares more decoded bytes is bad."""
     for path in input_paths(entry):
-        reason = check_file(path)
+        reason = check_file(path, max_bytes)
         if reason:
             return path, reason
     return None
 
 
-def check_file(path: str | os.PathLike[str]) -> str | None:
-    """Why a file cannot be prepared (missing, empty, corrupt/truncated stream, unsupported dtype), or None."""
+def check_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> str | None:
+    """Why a file cannot be prepared (missing, empty, over `max_bytes` decoded, corrupt/truncated stream,
+    unsupported dtype), or None."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -49,23 +54,49 @@ def check_file(path: str | os.PathLike[str]) -> str | None:
         return f"unreadable ({exc.strerror})"
     if size == 0:
         return "empty file"
+    if max_bytes is not None and (reason := _over_bound(path, max_bytes)):
+        return reason
     data_bytes = size
     if path.name.lower().endswith(".gz"):
+        # the header may sit in front of the voxels: 1 MiB over the bound is still no more than it declared
+        limit = None if max_bytes is None else max_bytes + _CHUNK
         try:
-            data_bytes = _gzip_length(path)
+            data_bytes = _gzip_length(path, limit)
         except (OSError, EOFError, zlib.error) as exc:
             return f"corrupt or truncated gzip stream ({exc})"
+        if limit is not None and data_bytes > limit:
+            return (f"the gzip stream decompresses to more than {human(limit)}, over --max-item-bytes "
+                    f"{human(max_bytes or 0)}; pass a larger --max-item-bytes to prepare it")  # fmt: skip
     if path.name.lower().endswith((".nii", ".nii.gz")):
         return _check_nifti(path, data_bytes)
     return None
 
 
-def _gzip_length(path: Path) -> int:
-    """Decompress the whole stream (so zlib checks CRC32 and ISIZE); return the decompressed length."""
+def _over_bound(path: Path, max_bytes: int) -> str | None:
+    """Why the file's header declares too much to decode, or None (also for a header that cannot be parsed:
+    the checks after this one, or the head, say what is wrong with it)."""
+    try:
+        found = declared(path)
+    except Exception as exc:  # many parsers, many kinds of damage
+        if type(exc).__name__ == "DecompressionBombError":  # PIL's own bound, which the reader would hit too
+            return f"{exc}"
+        return None
+    if found is None or found[0] <= max_bytes:
+        return None
+    n, what = found
+    return (f"the header declares {what}: {human(n)} decoded, over --max-item-bytes {human(max_bytes)}; "
+            "pass a larger --max-item-bytes to prepare it")  # fmt: skip
+
+
+def _gzip_length(path: Path, limit: int | None = None) -> int:
+    """Decompress the stream (so zlib checks CRC32 and ISIZE); return the decompressed length. Stops once
+    the length passes `limit` (the result is then over it, and the stream's end unchecked)."""
     total = 0
     with gzip.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             total += len(chunk)
+            if limit is not None and total > limit:
+                break
     return total
 
 
@@ -90,3 +121,32 @@ def _check_nifti(path: Path, data_bytes: int) -> str | None:
     if data_bytes < needed:
         return f"truncated NIfTI: {data_bytes} bytes, header needs {needed}"
     return None
+
+
+def input_stats(entry: Mapping[str, Any]) -> dict[str, list[int] | None]:
+    """{path: [size, mtime_ns] or None when absent} of the files an item names: recorded with a quarantine,
+    so a later run knows whether a file was restored or replaced since."""
+    stats: dict[str, list[int] | None] = {}
+    for path in input_paths(entry):
+        try:
+            st = os.stat(path)
+            stats[path] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            stats[path] = None
+    return stats
+
+
+def to_retry(quarantined: list[dict[str, Any]], max_bytes: int) -> list[int]:
+    """Items of a committed cache's quarantine worth preparing again: a file they name changed since
+    (restored, replaced, removed), or they were refused by a smaller --max-item-bytes than `max_bytes`.
+    Records written before inputs were recorded are left as they are (`--force` rebuilds)."""
+    out = []
+    for q in quarantined:
+        inputs = q.get("inputs")
+        if not isinstance(inputs, dict):
+            continue
+        changed = any(input_stats({"f": path}).get(path) != old for path, old in inputs.items())
+        bound = q.get("max_item_bytes")
+        if changed or (isinstance(bound, int) and max_bytes > bound):
+            out.append(int(q["item"]))
+    return out

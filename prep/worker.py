@@ -27,7 +27,7 @@ from loaders.meta import meta_line, split_output
 from prep.errors import StaleError
 from prep.journal import JournalWriter
 from prep.pipeline import Pipeline, load_pipeline
-from prep.quarantine import check_entry, input_paths
+from prep.quarantine import check_entry, input_paths, input_stats
 
 _PREALLOC_MAX = 256 << 20
 COMMIT_INTERVAL_S = 1.0  # group commit: one shard + journal fsync pair per second per writer, not per item
@@ -67,6 +67,7 @@ class TaskSpec:
     shard_size: int
     run_id: str
     torch_threads: int = 0  # intra-op threads per task (cores / concurrent tasks); 0: leave the worker's setting
+    max_item_bytes: int | None = None  # an input whose header declares more is quarantined before decoding
 
 
 def _head(spec: TaskSpec) -> Any:
@@ -205,7 +206,7 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
             for n, (item, entry, section) in enumerate(items, 1):
                 if _stop.is_set():
                     break
-                pending.append(_prepare_one(head, shards, item, entry, section))
+                pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes))
                 statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
                 shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
@@ -241,16 +242,19 @@ def _commit_group(root: Path, journal: JournalWriter, group: list[dict[str, Any]
     journal.append_many(group)
 
 
-def _prepare_one(head: Any, shards: _Shards, item: int, entry: dict[str, Any], section: str) -> dict[str, Any]:
+def _prepare_one(
+    head: Any, shards: _Shards, item: int, entry: dict[str, Any], section: str, max_bytes: int | None = None
+) -> dict[str, Any]:
     """Check, transform and write one item; returns its journal record (prepared or quarantined)."""
-    bad = check_entry(entry)
+    bad = check_entry(entry, max_bytes)
     if bad:
-        return {"item": item, "quarantined": bad[1], "path": bad[0]}
+        bound = {"max_item_bytes": max_bytes} if "--max-item-bytes" in bad[1] else {}
+        return {"item": item, "quarantined": bad[1], "path": bad[0], "inputs": input_stats(entry), **bound}
     try:
         arrays, parts = split_output(head(dict(entry)))
     except Exception as exc:  # any failure of the user's head on this input quarantines the item
         reason = _root_cause(exc)
-        return {"item": item, "quarantined": reason[:500], "path": _culprit(entry, exc)}
+        return {"item": item, "quarantined": reason[:500], "path": _culprit(entry, exc), "inputs": input_stats(entry)}
     writer = shards.current()
     tensors = []
     for key in sorted(arrays):

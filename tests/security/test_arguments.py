@@ -107,12 +107,33 @@ def _loader(cache: Path, **kwargs: Any) -> Any:
         ({"shuffle": "no"}, TypeError, "shuffle='no'"),
         ({"verify": "yes"}, TypeError, "verify='yes'"),
         ({"backend": 5}, TypeError, "backend=5"),
+        ({"gpu_budget": "lots"}, ValueError, "gpu_budget 'lots' is not a size"),
+        ({"copy_threads": 0}, ValueError, "copy_threads=0"),
     ],
 )
 def test_loader_arguments(good_cache: Path, kwargs: dict[str, Any], kind: type, says: str) -> None:
     with pytest.raises(ArgumentError, match=re.escape(says)) as exc:
         _loader(good_cache, **kwargs)
     _one_line(exc, kind)
+
+
+@pytest.mark.parametrize(
+    ("call", "kind", "says"),
+    [
+        (lambda loader: loader.shard(1.5, 2), TypeError, "rank=1.5 is not a whole number"),
+        (lambda loader: loader.shard(2, 2), ValueError, "rank 2 is outside world size 2"),
+        (lambda loader: loader.shard(0, 0), ValueError, "world_size=0 must be at least 1"),
+        (lambda loader: loader.set_epoch("x"), TypeError, "epoch='x' is not a whole number"),
+        (lambda loader: loader.set_epoch(-1), ValueError, "epoch=-1 must be at least 0"),
+        (lambda loader: loader.set_random_state("x"), TypeError, "seed='x' is not an integer seed"),
+    ],
+)
+def test_loader_calls(good_cache: Path, call: Any, kind: type, says: str) -> None:
+    loader = _loader(good_cache)
+    with pytest.raises(ArgumentError, match=re.escape(says)) as exc:
+        call(loader)
+    _one_line(exc, kind)
+    loader.set_random_state(None)  # as Compose.set_random_state(None) takes it
 
 
 def test_an_empty_epoch_warns_once(good_cache: Path) -> None:

@@ -48,3 +48,28 @@ def test_each_commit_gets_a_new_generation(tmp_path: Path) -> None:
     a = write_items(tmp_path / "a", _items(0)).generation
     b = write_items(tmp_path / "b", _items(0)).generation
     assert isinstance(a, str) and len(a) == 16 and a != b
+
+
+def test_items_read_before_and_the_loader_s_next_epoch_are_refused(good_cache: Path, tmp_path: Path) -> None:
+    """Issue 27.5: `prep cache --force` under running readers. An item read before (its plan kept, its shard
+    descriptor open) is refused like the others, and PreparedLoader's next epoch is refused at its start,
+    even where every item is held in memory: no reader goes on with the old generation."""
+    from monai.transforms import Compose, RandFlipd
+
+    from loaders import PreparedDataset, PreparedLoader
+    from prep.cache import prepare_cache
+    from prep.pipeline import load_pipeline
+
+    spheres = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
+    cache = tmp_path / "cache"
+    shutil.copytree(good_cache, cache)
+    transform = Compose([*load_pipeline(spheres).head, RandFlipd(keys=["image", "label"], prob=0.5)])
+    ds = PreparedDataset(cache)
+    ds[0]
+    loader = PreparedLoader(cache, transform, 1, device="cpu", shuffle=False)
+    assert len(list(loader)) == len(ds)
+    datalist = Path(PreparedCache(cache).manifest["datalist"])
+    prepare_cache(datalist, spheres, cache, workers=1, processes=False, force=True)
+    for call in (lambda: ds[0], lambda: ds[1], lambda: list(loader)):
+        with pytest.raises(FormatError, match="was rebuilt .or removed. since this reader opened it; reopen it"):
+            call()
