@@ -63,6 +63,7 @@ from prep.journal import (
     write_plan,
 )
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
+from prep.processes import start_forkserver
 from prep.quarantine import check_entry, to_retry
 from prep.sampling import ensure_sets
 from prep.summary import CacheSummary, summary_of
@@ -97,10 +98,10 @@ def prepare_cache(
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
     The local cluster runs `workers` threads in this process (each task with cores / workers torch threads),
-    or (`processes=True`) one process per worker (1 torch thread each, as a DataLoader's workers), forked from
-    this one where `prep.cluster.start_method` allows; `processes=None` chooses by `prep.cluster.worker_mode`
-    from the head (threads for a CUDA head) and its time on the first
-    item. A head that prepares nothing (the chain's first transform is random) is refused unless
+    or (`processes=True`) one process per worker (1 torch thread each, as a DataLoader's workers), forked by a
+    forkserver (`prep.processes`: a script calling this needs the `if __name__ == "__main__":` guard);
+    `processes=None` chooses by `prep.cluster.worker_mode` from the head (threads for a CUDA head) and its
+    time on the first item. A head that prepares nothing (the chain's first transform is random) is refused unless
     `allow_empty_head`. `security` (a distributed.security.Security) is required for a tls:// `scheduler`.
     An input whose header declares more than `max_item_bytes` decoded (default: a quarter of this machine's
     available memory, `prep.item_size`) is quarantined before it is decoded. An entry listed again in its
@@ -142,8 +143,10 @@ def prepare_cache(
         stack.enter_context(CacheLock(root))
         starter = None
         if early and (scheduler or processes is False or (processes is None and workers == 1)):
-            # threads start while the main thread plans; processes start once it is idle (start_method)
+            # threads start while the main thread plans; processes once the head is timed (worker_mode)
             starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
+        elif early:  # processes may run: the forkserver imports torch and MONAI while this thread plans
+            start_forkserver(torch_threads_for(workers, None, processes=True))
         pipe = load_pipeline(pipeline, bundle_key)
         _check_head(pipe, allow_empty_head)
         items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
@@ -272,12 +275,9 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if todo:
         keep_pipeline(run.pipe)
         item_s = _probe(run, todo[0]) if len(todo) > run.workers and not run.scheduler else None
-        processes, method = worker_mode(
-            run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)  # fmt: skip
+        processes = worker_mode(run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)
         starter = starter or stack.enter_context(
-            ClusterStarter(
-                run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security, method
-            )
+            ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
@@ -288,13 +288,14 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
             run_tasks(client, spec, items, todo, size, run.progress, starter.pids)
     if starter is not None:
         starter.close()  # before the commit: no worker may still write
+    worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
     state = read_journals(root)
     missing = [i for i in range(len(items)) if i not in state.finished]
     if missing:
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
     manifest, bmap_note = _commit(root, run.plan, run.pipe, items, state)
     summary = summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
-    summary.bmap_note = bmap_note or summary.bmap_note
+    summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
         summary.mode = f"{run.workers} {how}{' (auto)' if run.processes is None else ''}"

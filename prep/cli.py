@@ -277,7 +277,11 @@ def cache_cmd(
         ),
     ] = 2,
     processes: Annotated[
-        bool, typer.Option("--processes", help="Local workers as processes forked from this one (isolates crashes).")
+        bool,
+        typer.Option(
+            "--processes",
+            help="Local workers as processes (one torch thread each, started by a forkserver; isolates crashes).",
+        ),
     ] = False,
     threads: Annotated[bool, typer.Option("--threads", help="Local workers as threads of this process.")] = False,
     allow_empty_head: Annotated[

@@ -2,9 +2,9 @@
 
 The default local cluster runs in this process: one dask worker with `workers` threads. The head's heavy
 work (zlib inflate, torch resampling) releases the GIL, so threads use the cores like processes do, without
-the seconds each spawned process spends importing torch and MONAI. `processes=True` starts `workers`
-one-thread processes instead (isolation from crashing transforms, Python-heavy custom transforms); that
-start and the warming of each worker with the pipeline run on a thread while the main thread plans.
+starting any. `processes=True` starts `workers` one-thread processes instead (isolation from crashing
+transforms, Python-heavy custom transforms), forked by a forkserver that has imported torch and MONAI
+(`prep.processes`); that start and the warming of each worker with the pipeline run on a thread.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 from loaders import chain
 from prep.errors import PrepError, UsageError
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
+from prep.processes import cpu_seconds, seconds_to_ready, start_forkserver, worker_environ
 from prep.worker import TaskSpec, clear_stop, ignore_sigint, request_stop, run_batch, warm, warm_torch
 
 Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
@@ -98,7 +99,7 @@ def local_cores() -> int:
 
 def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
     """Intra-op threads per task on a local cluster: its cores shared by the worker threads, or 1 per worker
-    process as in a DataLoader's workers (see start_method); 0 on a remote cluster: its workers keep
+    process as in a DataLoader's workers; 0 on a remote cluster: its workers keep
     their own setting."""
     if scheduler:
         return 0
@@ -107,18 +108,12 @@ def torch_threads_for(workers: int, scheduler: str | None, processes: bool = Fal
 
 @contextmanager
 def worker_process_env(threads: int) -> Iterator[None]:
-    """dask config for spawning local worker processes fit for torch heads (variables already in the
-    environment still win, as dask reads them first); the caller's environment is restored afterwards, as
-    the nanny writes these variables into it before spawning.
-
-    dask's default MALLOC_TRIM_THRESHOLD_ pins glibc's mmap threshold at 128 KiB, so every volume-sized tensor
-    is a fresh mmap whose pages fault in zeroed: measured 18x the page faults and 2 -> 37 ms of system time
-    per 64^3 item. OMP threads otherwise spin-wait between torch ops, burning cores the other workers need.
-    """
+    """dask config for starting local worker processes fit for torch heads (`prep.processes.worker_environ`;
+    variables already in the environment still win, as dask reads them first); the caller's environment is
+    restored afterwards, as the nanny writes these variables into it before each start."""
     import dask
 
-    env = {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "OMP_WAIT_POLICY": "PASSIVE"}  # fmt: skip
+    env = worker_environ(threads)
     keys = {*env, *dask.config.get("distributed.nanny.pre-spawn-environ", {})}
     saved = {key: os.environ.get(key) for key in keys}
     try:
@@ -148,48 +143,22 @@ def _connect(scheduler: str, security: Any) -> Any:
         ) from None
 
 
-def start_method(cuda: bool, python: tuple[int, ...] = sys.version_info[:2]) -> str:
-    """How local worker processes start: "fork" (from this process, which has already imported torch, MONAI
-    and the pipeline, as a torch DataLoader's workers do: a fork, not an import), else "forkserver".
-
-    `cuda`: the head touches CUDA (`loaders.chain.touches_cuda`) or CUDA is initialised here
-    (`torch.cuda.is_initialized()`, e.g. by the probe that ran such a head): a forked child cannot use CUDA
-    ("Cannot re-initialize CUDA in forked subprocess"). The forkserver is a fresh interpreter that never
-    touched CUDA. From Python 3.12 a fork from this multi-threaded process (distributed starts each worker
-    process on a thread of its own) is unsafe: CPython warns, and filelock's fork audit hook (4.2) raises
-    "os.fork is unsafe while filelock is changing descriptor ownership" when two of those threads fork at
-    once (seen at 16 workers). Measured on the 2-core box (2026-11-23): 2 workers started in 0.9 s forked
-    from here and 4.1 s through a forkserver that imports torch and MONAI first.
-    """
-    return "forkserver" if cuda or tuple(python) >= (3, 12) else "fork"
-
-
-@contextmanager
-def worker_start(method: str) -> Iterator[None]:
-    """dask config: local worker processes start by `method` (see start_method). A forked start runs on the
-    cluster's event-loop thread while the caller waits for the cluster (`ClusterStarter` is started after
-    planning for processes, so no import or write of the main thread is under way); each worker then gets 1
-    torch thread per task (`torch_threads_for`), so no OpenMP pool is used after the fork."""
-    import dask
-
-    with dask.config.set({"distributed.worker.multiprocessing-method": method}):
-        yield
-
-
 class ClusterStarter:
-    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes started
-    by `method`, see start_method), on a thread; then loads `pipeline` on every worker process. `client()`
-    waits for it; use as a context manager."""
+    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes forked
+    by the forkserver, see prep.processes), on a thread; then loads `pipeline` on every worker process.
+    `client()` waits for it; use as a context manager. `worker_cpu_s`: after close, the CPU seconds the local
+    worker processes used (they are not this process's children)."""
 
     def __init__(
         self, workers: int, scheduler: str | None, processes: bool = True, pipeline: str | Path | None = None,
-        bundle_key: str | None = None, security: Any = None, method: str | None = None,
+        bundle_key: str | None = None, security: Any = None,
     ) -> None:  # fmt: skip
         self._stack = ExitStack()
         self._client: Any = None
         self._error: BaseException | None = None
         self._in_process = not (processes or scheduler)
         self.pids: list[int] = []  # local worker processes
+        self.worker_cpu_s = 0.0
         target = None
         if pipeline is not None:
             path = Path(pipeline).resolve()
@@ -197,14 +166,14 @@ class ClusterStarter:
             target = (str(path), key)
         self._thread = threading.Thread(
             target=self._start,
-            args=(workers, scheduler, processes, target, security, method or start_method(cuda=False)),
+            args=(workers, scheduler, processes, target, security),
             name="blockprep-cluster",
             daemon=True,
         )
         self._thread.start()
 
     def _start(
-        self, workers: int, scheduler: str | None, processes: bool, target: tuple | None, security: Any, method: str
+        self, workers: int, scheduler: str | None, processes: bool, target: tuple | None, security: Any
     ) -> None:  # fmt: skip
         import dask
         from distributed import Client, LocalCluster
@@ -224,8 +193,10 @@ class ClusterStarter:
                     # dask's profiler samples every worker thread's stack each 10 ms, for a dashboard nobody opens
                     env.enter_context(dask.config.set({"distributed.worker.profile.enabled": False}))
                     if processes:
-                        env.enter_context(worker_process_env(torch_threads_for(workers, None, processes)))
-                        env.enter_context(worker_start(method))
+                        threads = torch_threads_for(workers, None, processes)
+                        start_forkserver(threads)  # a no-op where prep cache started it while planning
+                        env.enter_context(worker_process_env(threads))
+                        env.enter_context(dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}))
                     cluster = self._stack.enter_context(
                         LocalCluster(**shape, processes=processes, dashboard_address=":0", silence_logs=logging.ERROR)
                     )  # fmt: skip
@@ -255,6 +226,9 @@ class ClusterStarter:
     def close(self) -> None:
         """Close the client and the local cluster (after the start thread is done)."""
         self._thread.join()
+        if self.pids and self._client is not None:
+            with suppress(Exception):
+                self.worker_cpu_s = sum(self._client.run(cpu_seconds).values())
         self._stack.close()
 
     def __enter__(self) -> ClusterStarter:
@@ -265,8 +239,8 @@ class ClusterStarter:
 
 
 # the auto rule's constants (see choose_processes), measured on the 2-core box and the 16-core GPU box
-PROCESS_START_S = 1.0  # forking the local worker processes and warming them (0.5-0.9 s measured with 2)
-FORKSERVER_START_S = 4.0  # the same through a forkserver: each worker imports torch and MONAI (4.1 s with 2)
+PROCESS_START_S = 1.0  # forking the workers from a forkserver whose imports are done, warming them (1.2-1.6 s
+# on the loaded 2-core box for 2-4 workers, where forking from prep cache took 1.75-1.9 s and 0.9 s unloaded)
 THREAD_SCALING = 4.0  # worker threads stop gaining past ~4 for heads that release the GIL (16-core box)
 SMALL_ITEM_S = 0.02  # below this per item, the head is mostly Python (2D images): threads share one GIL
 SMALL_THREAD_SCALING = 1.0  # 2000 MedNIST-like JPEGs, 2-core box: 1 thread 519/s, 2 threads 349-376/s
@@ -278,12 +252,12 @@ def choose_processes(
 ) -> bool:
     """The `--workers` mode auto: processes when they are expected to finish first, else threads; always
     threads for a head that touches CUDA (`cuda`): its work runs on the GPU outside the GIL, and each process
-    would start from scratch (see start_method) and hold a CUDA context of its own.
+    would hold a CUDA context of its own.
 
     Threads start at once but share the GIL: heads that release it (zlib, torch resampling) scale to about
     THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING (no gain).
-    Processes scale with the workers and cost `start_s` to start (FORKSERVER_START_S where start_method says
-    "forkserver"). `item_s` is the head's time on one item, measured on this process before the run (None:
+    Processes scale with the workers and cost `start_s` to start (worker_mode adds what the forkserver has
+    left to import). `item_s` is the head's time on one item, measured on this process before the run (None:
     not measured, threads).
     """
     if cuda or workers < 2 or item_s is None or n_todo <= workers:
@@ -419,14 +393,14 @@ def _wait_tasks(
 
 def worker_mode(
     workers: int, n_todo: int, item_s: float | None, head: list[Any], cuda_initialized: bool,
-    processes: bool | None = None, python: tuple[int, ...] = sys.version_info[:2],
-) -> tuple[bool, str]:  # fmt: skip
-    """(processes?, start method) for a local run: `processes` as asked (None: choose_processes decides),
-    started as start_method says for a head that touches CUDA (`loaders.chain.touches_cuda(head)`) or a
-    process where CUDA is initialised (`cuda_initialized`: what `torch.cuda.is_initialized()` says)."""
+    processes: bool | None = None, forkserver_s: float | None = None,
+) -> bool:  # fmt: skip
+    """Processes (True) or threads for a local run: `processes` as asked, or (None) as choose_processes
+    decides; threads for a head that touches CUDA (`loaders.chain.touches_cuda(head)`) or a process where CUDA
+    is initialised (`cuda_initialized`: what `torch.cuda.is_initialized()` says). `forkserver_s`: seconds the
+    forkserver still needs for its imports (default: `prep.processes.seconds_to_ready()`), added to the start."""
+    if processes is not None:
+        return processes
     cuda = cuda_initialized or chain.touches_cuda(head)
-    method = start_method(cuda, python)
-    if processes is None:
-        start_s = PROCESS_START_S if method == "fork" else FORKSERVER_START_S
-        processes = choose_processes(workers, n_todo, item_s, cuda, start_s)
-    return processes, method
+    wait = seconds_to_ready() if forkserver_s is None else forkserver_s
+    return choose_processes(workers, n_todo, item_s, cuda, PROCESS_START_S + wait)

@@ -35,6 +35,7 @@ class CacheSummary:
     checked_files: list[str] = field(default_factory=list)
     n_tensors: int = 0
     sampling: str = ""  # the label-driven crop's sampling sets (prep.sampling), when the tail starts with one
+    worker_cpu_s: float = 0.0  # CPU seconds of the local worker processes (not this process's children)
     repeats: str = ""  # repeated datalist entries, said once (prep.datalist.Repeats.note)
 
     @property

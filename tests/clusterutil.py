@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,3 +193,15 @@ def assert_same_cache(a: Path, b: Path) -> None:
         for key in x["tensors"]:  # type: ignore[attr-defined]
             assert x["tensors"][key] == y["tensors"][key], f"item {i} tensor {key} differs"  # type: ignore[index]
         assert x["meta"] == y["meta"], f"item {i}: meta differs"
+
+
+def wait_for_text(path: Path, text: str, running: Callable[[], bool], timeout: float = 300.0) -> str:
+    """The contents of `path` once they hold `text`; fails if `running()` turns False first or at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = path.read_text(errors="replace") if path.exists() else ""
+        if text in got:
+            return got
+        if not running() or time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} never appeared in {path}:\n{got[-3000:]}")
+        time.sleep(0.05)

@@ -5,6 +5,7 @@
     python -m workflows.train_seg3d --cache demo/cache --device cuda:0 --gpu-budget 8GiB
     python -m workflows.train_seg3d --cache demo/cache --loader drop-in --iters 50       # PreparedPersistentDataset
     python -m workflows.train_seg3d --cache demo/cache --loader all --device cuda:0      # one after the other
+    python -m workflows.train_seg3d --cache demo/cache --iters 500 --checkpoint run.ckpt  # SIGUSR1: save, exit 3
 
 `fast` (the default) is `loaders.PreparedLoader`: batches ready on the device, the random tail run there
 over the whole batch, reads overlapped with compute, items kept on the GPU up to `--gpu-budget`.
@@ -12,6 +13,12 @@ over the whole batch, reads overlapped with compute, items kept on the GPU up to
 DataLoader, tail per item on the CPU; `persistent` runs MONAI's `PersistentDataset` over the same datalist
 and pipeline (its .pt files are written before timing starts). A plain loop with DiceLoss, Adam, and bf16
 autocast on GPU. The report: the share of step time spent waiting for the next batch.
+
+With `--checkpoint FILE` (one loader), SIGUSR1 makes the run save the model, the optimiser, the step, the
+losses and the loader's state at the next step boundary (atomically) and exit with status 3; started again
+with the same FILE it goes on from there (`workflows/slurm/train.sbatch` requeues on SLURM's time-limit
+signal). `fast` resumes exactly: the batches after the resume are those of a run that never stopped;
+`drop-in` and `persistent` (a torch DataLoader) resume the model and optimiser but start a new shuffle.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class Args:
     lr: float = 1e-3
     seed: int = 0
     json: Path | None = None
+    checkpoint: Path | None = None
+    log_every: int = 0
 
 
 @dataclass
@@ -74,6 +83,8 @@ class TrainReport:
     wait_seconds: float
     first_loss: float
     last_loss: float
+    losses: list[float] = field(default_factory=list)  # every step's, from step 1 (a resumed run's too)
+    resumed_at: int = 0  # steps the checkpoint this run resumed from had done
 
     @property
     def wait_share(self) -> float:
@@ -173,8 +184,54 @@ def _plain(x: Any) -> Any:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
-def train(args: Args, loader: str) -> TrainReport:
-    """Run `args.iters` steps with one loader; time spent in `next(batches)` and the copy to the device is waiting."""
+class Stopped(Exception):  # noqa: N818  (a state: the run saved a checkpoint and stopped on request)
+    """The run stopped on SIGUSR1 after saving its checkpoint at `step`."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped after step {step}")
+        self.step = step
+
+
+def _settings(args: Args, loader: str) -> dict[str, Any]:
+    """What must not change across a resume."""
+    return {"loader": loader, "seed": args.seed, "batchsize": args.batchsize, "channels": list(args.channels),
+            "lr": args.lr}  # fmt: skip
+
+
+def _save(args: Args, loader: str, step: int, dataset: Any, model: Any, optimiser: Any, losses: list[float]) -> None:
+    import torch
+
+    from workflows import resume
+
+    state = dataset.state_dict() if hasattr(dataset, "state_dict") else None  # PreparedLoader; not a DataLoader
+    assert args.checkpoint is not None
+    resume.save(args.checkpoint, {"settings": _settings(args, loader), "step": step, "losses": list(losses),
+                                  "model": model.state_dict(), "optimiser": optimiser.state_dict(),
+                                  "torch_rng": torch.get_rng_state(), "loader_state": state})  # fmt: skip
+    epoch = f", epoch {state['epoch']} batch {state['batch']}" if state else " (no loader state: a new shuffle)"
+    print(f"checkpoint saved at step {step}{epoch}: {args.checkpoint}", flush=True)
+
+
+def _resume(args: Args, loader: str, dataset: Any, model: Any, optimiser: Any) -> tuple[int, list[float]]:
+    """Load `args.checkpoint` into the model, optimiser and loader; returns (steps done, their losses)."""
+    import torch
+
+    from workflows import resume
+
+    assert args.checkpoint is not None
+    saved = resume.load(args.checkpoint, _settings(args, loader))
+    model.load_state_dict(saved["model"])
+    optimiser.load_state_dict(saved["optimiser"])
+    torch.set_rng_state(saved["torch_rng"])
+    if saved["loader_state"] is not None and hasattr(dataset, "load_state_dict"):
+        dataset.load_state_dict(saved["loader_state"])
+    print(f"resumed from {args.checkpoint} at step {saved['step']}", flush=True)
+    return int(saved["step"]), [float(x) for x in saved["losses"]]
+
+
+def train(args: Args, loader: str, stop: Any = None) -> TrainReport:
+    """Run `args.iters` steps with one loader; time spent in `next(batches)` and the copy to the device is waiting.
+    `stop` (a workflows.resume.StopRequest): once it is requested, save `args.checkpoint` and raise Stopped."""
     import torch
     from monai.losses import DiceLoss
 
@@ -185,11 +242,13 @@ def train(args: Args, loader: str) -> TrainReport:
     optimiser = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = DiceLoss(to_onehot_y=True, softmax=True)
     amp = cuda and args.amp
+    first, losses = 0, list[float]()
+    if args.checkpoint is not None and args.checkpoint.exists():
+        first, losses = _resume(args, loader, dataset, model, optimiser)
     batches = _batches(dataset, args, loader)
-    losses: list[float] = []
     wait = 0.0
     start = time.perf_counter()
-    for _ in range(args.iters):
+    for step in range(first + 1, args.iters + 1):
         t0 = time.perf_counter()
         batch = next(batches)
         image = _plain(batch["image"]).to(args.device, non_blocking=True)
@@ -203,8 +262,14 @@ def train(args: Args, loader: str) -> TrainReport:
         loss.backward()  # bf16 needs no loss scaling
         optimiser.step()
         losses.append(float(loss.detach()))  # .item() syncs: the step's compute is finished here
+        if args.log_every and step % args.log_every == 0:
+            print(f"step {step}/{args.iters} loss {losses[-1]:.6f}", flush=True)
+        if stop is not None and stop.requested and step < args.iters:
+            _save(args, loader, step, dataset, model, optimiser, losses)
+            raise Stopped(step)
     seconds = time.perf_counter() - start
-    return TrainReport(loader, args.iters, seconds, wait, losses[0], losses[-1])
+    done = max(1, args.iters - first)
+    return TrainReport(loader, done, seconds, wait, losses[0], losses[-1], losses, first)
 
 
 def _channels(text: str) -> list[int]:
@@ -263,10 +328,17 @@ def parse(argv: list[str] | None = None) -> Args:
         lr: Annotated[float, typer.Option(help="Adam learning rate")] = 1e-3,
         seed: Annotated[int, typer.Option(help="seed for weights, shuffling and the random tail")] = 0,
         json: Annotated[Path | None, typer.Option(help="also write the reports here")] = None,
+        checkpoint: Annotated[
+            Path | None,
+            typer.Option(help="resume from this file if it exists; on SIGUSR1 save it at the next step and exit 3"),
+        ] = None,
+        log_every: Annotated[int, typer.Option(min=0, help="print the loss every N steps (0: never)")] = 0,
     ) -> None:
         name = OLD_NAMES.get(loader.value, loader.value)
+        if checkpoint is not None and name == "all":
+            raise typer.BadParameter("--checkpoint resumes one loader: choose fast, drop-in or persistent")
         got.append(Args(cache, pipeline, name, backend, gpu_budget, persistent_dir, iters, batchsize, workers, device,
-                        amp, _channels(channels), lr, seed, json))  # fmt: skip
+                        amp, _channels(channels), lr, seed, json, checkpoint, log_every))  # fmt: skip
 
     app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
     app.command(help=__doc__)(command)
@@ -281,19 +353,26 @@ def parse(argv: list[str] | None = None) -> Args:
 def main(argv: list[str] | None = None) -> list[TrainReport]:
     """Train with the chosen loader(s) and print the share of step time spent waiting for data."""
     from loaders.errors import PrepError
+    from workflows.resume import REQUEUE_EXIT, StopRequest
 
     args = parse(argv)
+    stop = StopRequest() if args.checkpoint is not None else None  # before the imports: SIGUSR1 would kill
     try:
         args.pipeline = choose_pipeline(args.cache, args.pipeline)
-    except PrepError as exc:
+        loaders = ["fast", "drop-in", "persistent"] if args.loader == "all" else [args.loader]
+        reports = []
+        for loader in loaders:
+            report = train(args, loader, stop)
+            print(report.line(), flush=True)
+            reports.append(report)
+    except (PrepError, ValueError) as exc:  # ValueError: a checkpoint of other settings (workflows.resume.load)
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
-    loaders = ["fast", "drop-in", "persistent"] if args.loader == "all" else [args.loader]
-    reports = []
-    for loader in loaders:
-        report = train(args, loader)
-        print(report.line(), flush=True)
-        reports.append(report)
+    except Stopped:
+        raise SystemExit(REQUEUE_EXIT) from None
+    finally:
+        if stop is not None:
+            stop.close()
     base = next((r for r in reports if r.loader == "persistent"), None)
     for r in reports:
         if base is not None and r is not base and base.seconds > 0:

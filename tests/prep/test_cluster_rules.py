@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prep.cluster import (
-    FORKSERVER_START_S,
-    PROCESS_START_S,
-    TASK_S,
-    batch_size_for,
-    choose_processes,
-    start_method,
-    worker_mode,
-)
+import pytest
+
+from prep import processes
+from prep.cluster import PROCESS_START_S, TASK_S, batch_size_for, choose_processes, worker_mode
 
 
 def test_auto_mode_threads_for_one_worker_few_items_or_no_probe() -> None:
@@ -52,28 +47,35 @@ def _head(device: str) -> list[Any]:
     ]
 
 
-def test_a_cuda_head_never_forks() -> None:
-    """Issue 25.1: seed 000's head initialises CUDA; its workers must not be forked from this process."""
+def test_a_cuda_head_runs_on_threads_unless_processes_are_asked_for() -> None:
+    """Issue 25.1: seed 000's head initialises CUDA: threads (one CUDA context); processes only when asked."""
     head = _head("cuda:0")
-    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, python=(3, 11)) == (False, "forkserver")
-    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, python=(3, 11)) == (False, "forkserver")
-    assert worker_mode(8, 10_000, 0.1, head, False, processes=True, python=(3, 11)) == (True, "forkserver")
+    assert not worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, forkserver_s=0)
+    assert not worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, forkserver_s=0)
+    assert worker_mode(8, 10_000, 0.1, head, False, processes=True)
 
 
-def test_cuda_initialised_here_never_forks_even_for_a_cpu_head() -> None:
+def test_cuda_initialised_here_means_threads_even_for_a_cpu_head() -> None:
     head = _head("cpu")
-    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, python=(3, 11)) == (True, "fork")
-    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, python=(3, 11)) == (False, "forkserver")
-    assert worker_mode(8, 10_000, 0.1, head, True, processes=True, python=(3, 11)) == (True, "forkserver")
-    assert worker_mode(8, 10_000, 0.1, head, False, processes=False, python=(3, 11)) == (False, "fork")
+    assert worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, forkserver_s=0)
+    assert not worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, forkserver_s=0)
+    assert worker_mode(8, 10_000, 0.1, head, True, processes=True)
+    assert not worker_mode(8, 10_000, 0.1, head, False, processes=False)
 
 
-def test_no_fork_from_threads_from_python_3_12() -> None:
-    """filelock's fork audit hook (Python >= 3.12) raises when two of distributed's start threads fork at once."""
-    assert start_method(cuda=False, python=(3, 11)) == "fork"
-    assert start_method(cuda=False, python=(3, 12)) == start_method(cuda=True, python=(3, 11)) == "forkserver"
-    # the forkserver's start costs more, so the auto rule needs more work before it picks processes
-    assert worker_mode(8, 100, 0.1, _head("cpu"), False, python=(3, 11)) == (True, "fork")
-    assert worker_mode(8, 100, 0.1, _head("cpu"), False, python=(3, 12)) == (False, "forkserver")
+def test_the_start_counts_what_the_forkserver_has_left_to_import() -> None:
+    """Processes start from a forkserver that imports torch and MONAI first (prep.processes): on a short run
+    the auto rule weighs what is left of those imports."""
+    head = _head("cpu")
+    assert worker_mode(8, 100, 0.1, head, False, forkserver_s=0)  # 1 s of start against 2.5 s of threads
+    assert not worker_mode(8, 100, 0.1, head, False, forkserver_s=processes.PRELOAD_S)
     assert choose_processes(8, 100, 0.1, start_s=PROCESS_START_S)
-    assert not choose_processes(8, 100, 0.1, start_s=FORKSERVER_START_S)
+    assert not choose_processes(8, 100, 0.1, start_s=PROCESS_START_S + processes.PRELOAD_S)
+
+
+def test_seconds_to_ready_counts_down_from_the_forkserver_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processes, "_started_at", None)
+    assert processes.seconds_to_ready() == processes.PRELOAD_S
+    monkeypatch.setattr(processes, "_started_at", 100.0)
+    assert processes.seconds_to_ready(now=101.0) == processes.PRELOAD_S - 1.0
+    assert processes.seconds_to_ready(now=100.0 + processes.PRELOAD_S + 5) == 0.0

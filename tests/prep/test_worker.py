@@ -127,13 +127,17 @@ def _worker_origin() -> tuple[bool, bool, int]:
     return "torch" in sys.modules, "monai.transforms" in sys.modules, os.getppid()
 
 
-def test_worker_processes_fork_from_this_process_with_torch_and_monai_imported() -> None:
-    """Spawned workers each imported torch and MONAI again (~4.7 CPU s each on the 2-core box), forkserver
-    workers once per run; forked from `prep cache` itself, as a DataLoader's workers are, they import nothing.
-    They ignore SIGINT (a terminal's Ctrl-C reaches the process group: prep cache stops them itself)."""
-    import signal
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
-    import monai.transforms  # noqa: F401  (what the caller has loaded before the workers start)
+
+def test_worker_processes_come_from_a_forkserver_with_torch_and_monai_imported() -> None:
+    """Workers are forked by one forkserver (prep.processes), never by this multi-threaded process; it has
+    imported torch and MONAI, so a worker imports neither (spawned workers: ~4.7 CPU s each on the 2-core
+    box), and it runs in the workers' environment (libgomp reads OMP_* where torch is loaded: there).
+    Workers ignore SIGINT (a terminal's Ctrl-C reaches the process group: prep cache stops them itself)."""
+    import signal
 
     from prep.cluster import ClusterStarter
 
@@ -141,8 +145,12 @@ def test_worker_processes_fork_from_this_process_with_torch_and_monai_imported()
         origins = list(starter.client().run(_worker_origin).values())
         handlers = set(starter.client().run(signal.getsignal, signal.SIGINT).values())
     assert len(origins) == 2 and all(torch and monai for torch, monai, _ in origins), origins
-    assert {ppid for _, _, ppid in origins} == {os.getpid()} and len(starter.pids) == 2
-    assert handlers == {signal.SIG_IGN}
+    parents = {ppid for _, _, ppid in origins}
+    assert len(parents) == 1 and os.getpid() not in parents and len(starter.pids) == 2
+    server = _environ_of(parents.pop())
+    assert "OMP_WAIT_POLICY" in server and "OMP_NUM_THREADS" in server, sorted(server)
+    assert server.get("MALLOC_TRIM_THRESHOLD_") == os.environ.get("MALLOC_TRIM_THRESHOLD_")  # not dask's default
+    assert handlers == {signal.SIG_IGN} and starter.worker_cpu_s > 0
 
 
 def _profiling(dask_worker: Any) -> bool:
@@ -161,17 +169,13 @@ def test_local_workers_run_without_dask_profiler(processes: bool) -> None:
     assert dask.config.get("distributed.worker.profile.enabled")  # the caller's dask config is left as it was
 
 
-def test_forkserver_workers_are_not_children_of_this_process_and_prepare(nifti_dataset: Path, tmp_path: Path) -> None:
-    """How processes start for a CUDA head (prep.cluster.start_method): from a forkserver, a fresh interpreter
-    that never touched CUDA; the workers warm the pipeline and prepare items as forked ones do."""
+def test_forkserver_workers_warm_the_pipeline_and_prepare(nifti_dataset: Path, tmp_path: Path) -> None:
     from prep.cluster import ClusterStarter, run_tasks
 
     items = load_datalist(nifti_dataset)
     (tmp_path / JOURNAL_DIR).mkdir()
-    with ClusterStarter(2, None, processes=True, pipeline=SPHERES, method="forkserver") as starter:
+    with ClusterStarter(2, None, processes=True, pipeline=SPHERES) as starter:
         client = starter.client()
-        origins = list(client.run(_worker_origin).values())
         run_tasks(client, _spec(tmp_path), items, list(range(len(items))), 3, pids=starter.pids)
-    assert len(origins) == 2 and os.getpid() not in {ppid for _, _, ppid in origins}
     state = read_journals(tmp_path)
     assert sorted(state.done) == list(range(len(items))) and not state.quarantined

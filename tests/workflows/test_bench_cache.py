@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import typer
 
 from loaders.format import PreparedCache
 from workflows import benchmark
+from workflows.bench.cache import worker_counts
 
 
 def _rows(out: Path) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -17,18 +19,38 @@ def _rows(out: Path) -> dict[str, dict]:  # type: ignore[type-arg]
 
 @pytest.mark.slow
 def test_bench_cache_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["cache", "--workloads", "spheres,seg-ct,mednist", "--count", "3", "--size", "16", "--images", "40",
-            "--scaling", "2", "--modes", "auto,processes", "--out", str(tmp_path)]  # fmt: skip
+    """Every workload at two worker counts: both MONAI ways and prep cache in one run, the curve after it."""
+    argv = ["cache", "--count", "3", "--size", "16", "--images", "40", "--scaling", "1,2", "--modes",
+            "auto,processes", "--out", str(tmp_path)]  # fmt: skip
     assert benchmark.main(argv) == 0, capsys.readouterr().out
     rows = _rows(tmp_path)
     for workload, n in (("spheres", 3), ("seg-ct", 3), ("mednist", 40)):
-        ways = ("CacheDataset(num_workers=2)", "PersistentDataset + DataLoader(2)", "prep cache, 2 threads (auto)",
-                "prep cache, 2 processes")  # fmt: skip
-        for name in (f"{workload} W2: {way}" for way in ways):
-            assert rows[name]["items"] == n and rows[name]["extra"]["CPU ms/item"] > 0, rows
-        prep = rows[f"{workload} W2: prep cache, 2 processes"]
-        assert prep["x_peer"] > 0 and 1.0 <= prep["extra"]["disk/tensor bytes"] < 2  # only alignment padding
-    assert "x peer: against " in capsys.readouterr().out
+        for w in (1, 2):
+            data = f"{workload} W{w}"
+            ways = [f"CacheDataset(num_workers={w})", f"PersistentDataset + DataLoader({w})", f"{w} processes"]
+            mine = {name: r for name, r in rows.items() if r["data"] == data}
+            for way in ways:
+                name = next(k for k in mine if k.endswith(way))
+                assert mine[name]["items"] == n and mine[name]["extra"]["CPU ms/item"] > 0, rows
+            auto = [r for k, r in mine.items() if k.endswith("(auto)")]
+            assert len(auto) == 1 and auto[0]["items"] == n, sorted(mine)
+            prep = mine[f"{data}: prep cache, {w} processes"]
+            assert prep["x_peer"] > 0 and 1.0 <= prep["extra"]["disk/tensor bytes"] < 2  # only alignment padding
+    footer = json.loads((tmp_path / "bench.json").read_text())["footer"]
+    curve = [line.split() for line in footer[2:]]
+    assert {(c[0], c[1]) for c in curve} == {(w, n) for w in ("spheres", "seg-ct", "mednist") for n in "12"}
+    assert len(curve) == 12 and all(float(c[-1]) > 0 for c in curve), footer
+    out = capsys.readouterr().out
+    assert "x peer: against " in out and "x best MONAI" in out
+
+
+def test_worker_counts_are_capped_at_the_cores() -> None:
+    assert worker_counts("1,4,8,16", cores=16) == [1, 4, 8, 16]
+    assert worker_counts("1,4,8,16", cores=2) == [1, 2]
+    assert worker_counts("8,1", cores=4) == [1, 4]
+    for bad in ("", "0,2", "two"):
+        with pytest.raises(typer.BadParameter):
+            worker_counts(bad, cores=4)
 
 
 def test_bench_cache_scale_smoke(tmp_path: Path) -> None:

@@ -2,18 +2,24 @@
 1..W workers; `cache-scale`: opening a cache of many tiny items, the per-item overhead of `ds[i]`, the index's
 memory.
 
-    python -m workflows.benchmark cache --workloads spheres,seg-ct,mednist --scaling 1,4,8,16
+    python -m workflows.benchmark cache --count 48 --size 96 --images 24000          # W 1,4,8,16 (<= cores)
     python -m workflows.benchmark cache-scale --items 100000
 
-Workloads: `spheres` (`--count` pairs of `--size`^3 NIfTI volumes, spacings 0.8-1.5 mm), `seg-ct` (volumes
-of different shapes, edges 0.6-1.4 x `--size`, and spacings), `mednist` (`--images` 64x64 grayscale JPEGs
-with a class label, the MedNIST tutorial's head). For each worker count W, in the same run: MONAI
-`CacheDataset(num_workers=W)` (fills its in-memory cache on W threads), `PersistentDataset` iterated once by
-a `DataLoader(num_workers=W)` (W forked processes, each item pickled to disk), and `prep cache --workers W`
-(auto mode unless `--modes` adds threads/processes; its time includes starting its cluster and committing
-the cache). `x peer` compares with the faster MONAI way at the same W. Inputs are read once beforehand (page
-cache warm for every contender), and one untimed `prep cache` of one item imports what it needs, as the
-MONAI ways find MONAI imported. CPU ms/item counts this process and its finished children.
+Workloads: `spheres` (`--count` pairs of `--size`^3 NIfTI volumes through `workflows/pipelines/spheres.py`,
+the quick start's head: load, channel first, resample to 1 mm, intensity window), `seg-ct` (the training
+benchmark's seg-ct: `--count` CT-like volumes ~`--size`^3 whose shapes and spacings differ, through MONAI's
+spleen tutorial head: crop foreground, orientation, resample to 1.5x1.5x2 mm) and `mednist` (`--images`
+64x64 JPEGs through seed 003's head), from `workflows.bench.workloads`. For each worker count W of
+`--scaling` (above this machine's cores: capped), in the same run: MONAI `CacheDataset(num_workers=W)`
+(fills its in-memory cache on W threads), `PersistentDataset` iterated once by a `DataLoader(num_workers=W)`
+(W forked processes, each item pickled to disk), and `prep cache --workers W` (auto mode unless `--modes`
+adds threads/processes; its time includes planning, timing the head on one item, starting its cluster,
+the commit and the sampling sets of a label-driven crop). `x peer` compares with the faster MONAI way at
+the same W; the curve after the table gives items/s per W and prep / best MONAI. Inputs are read once
+beforehand (page cache warm for every contender), and one untimed `prep cache` of one item imports what
+it needs and starts the forkserver that forks `prep cache`'s worker processes (prep.processes; a `prep
+cache` command starts it once, while it plans), as the MONAI ways find MONAI imported. CPU ms/item counts
+this process, its finished children and `prep cache`'s worker processes.
 """
 
 from __future__ import annotations
@@ -100,56 +106,50 @@ def prep(data: str, datalist: Path, pipeline: Path, out: Path, workers: int, pro
     out = _fresh(out)
     t0, c0 = time.perf_counter(), cpu_seconds()
     summary = prepare_cache(datalist, pipeline, out, workers=workers, processes=processes)
-    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0 + summary.worker_cpu_s
     extra = {"CPU ms/item": cpu / summary.n_items * 1e3,
              "disk/tensor bytes": summary.bytes_on_disk / max(1, summary.tensor_bytes)}  # fmt: skip
     return Result(f"{data}: prep cache, {summary.mode}", data, summary.n_items, seconds, summary.tensor_bytes,
                   "ours", "start-up and commit included", extra)  # fmt: skip
 
 
-def mixed_volumes(out: Path, count: int, size: int) -> Path:
-    """A seg-ct-like datalist: `count` image/label pairs whose edges (0.6-1.4 x `size`) and spacings differ."""
-    from prep.synth import nifti_dataset
-
-    rng = np.random.default_rng(0)
-    out.mkdir(parents=True, exist_ok=True)
-    training = []
-    for i in range(count):
-        edge = int(size * rng.uniform(0.6, 1.4))
-        nifti_dataset(out / f"v{i:04d}", count=1, size=max(8, edge), seed=i)
-        training += [{k: f"v{i:04d}/{v}" for k, v in e.items()}
-                     for e in json.loads((out / f"v{i:04d}" / "dataset.json").read_text())["training"]]  # fmt: skip
-    (out / "dataset.json").write_text(json.dumps({"training": training}, indent=1))
-    return out / "dataset.json"
-
-
 def _workload(work: Path, name: str, count: int, size: int, images: int) -> tuple[Path, Path, str]:
     """(datalist, pipeline, description) of a workload, made once per spec and kept."""
-    from prep.synth import mednist_like, nifti_dataset
+    from prep.synth import nifti_dataset
+    from workflows.bench.train import TrainOptions
+    from workflows.bench.workloads import WORKLOADS
 
     if name == "spheres":
-        folder, make = work / f"spheres-{count}x{size}", lambda d: nifti_dataset(d, count=count, size=size, seed=0)
-        what = f"{count} pairs of {size}^3"
-    elif name == "seg-ct":
-        folder, make = work / f"segct-{count}x{size}", lambda d: mixed_volumes(d, count, size)
-        what = f"{count} pairs of ~{size}^3, shapes and spacings differ"
-    else:
-        folder, make = work / f"mednist-{images}", lambda d: mednist_like(d, images)
-        what = f"{images} 64x64 JPEGs"
-    if not (folder / "dataset.json").is_file():
-        make(folder)
-    pipeline = PIPELINES / ("mednist.py" if name == "mednist" else "spheres.py")
-    return folder / "dataset.json", pipeline, what
+        folder = work / f"spheres-{count}x{size}"
+        if not (folder / "dataset.json").is_file():
+            nifti_dataset(folder, count=count, size=size, seed=0)
+        return folder / "dataset.json", PIPELINES / "spheres.py", f"{count} pairs of {size}^3"
+    load = WORKLOADS[name]
+    o = TrainOptions(workload=name, count=images, size=64) if name == "mednist" else (
+        TrainOptions(workload=name, count=count, size=size, crop=max(8, min(96, size // 2))))  # fmt: skip
+    folder = work / f"{name}-{o.count}x{o.size}"
+    folder.mkdir(parents=True, exist_ok=True)
+    pipeline = folder / "pipeline.py"
+    pipeline.write_text(load.pipeline(o))
+    datalist = folder / "data" / "dataset.json"
+    if not datalist.is_file():
+        datalist = load.data(o, folder / "data")
+    return datalist, pipeline, load.describe(o)
 
 
 def _warm_up(datalist: Path, pipeline: Path, out: Path) -> None:
-    """One untimed `prep cache` of one item."""
+    """One untimed `prep cache` of one item, and the forkserver started (its imports done before any row)."""
     from prep.cache import prepare_cache
+    from prep.cluster import ClusterStarter
+    from prep.processes import start_forkserver
 
     doc = json.loads(datalist.read_text())
     one = datalist.with_name("warm-up.json")
     one.write_text(json.dumps({"training": doc["training"][:1]}))
     prepare_cache(one, pipeline, _fresh(out), workers=1, processes=False)
+    start_forkserver()
+    with ClusterStarter(1, None, processes=True) as starter:  # waits for the forkserver's imports
+        starter.client()
 
 
 def _warm_inputs(datalist: Path) -> None:
@@ -160,16 +160,29 @@ def _warm_inputs(datalist: Path) -> None:
             Path(path).read_bytes()
 
 
+def worker_counts(scaling: str, cores: int) -> list[int]:
+    """The worker counts of `--scaling` (e.g. "1,4,8,16"), each capped at `cores`, without repeats."""
+    try:
+        asked = [int(w) for w in scaling.split(",") if w.strip()]
+    except ValueError:
+        asked = []
+    if not asked or min(asked) < 1:
+        raise typer.BadParameter(f"--scaling takes worker counts >= 1 such as 1,4,8,16 (got {scaling!r})")
+    return sorted({min(w, cores) for w in asked})
+
+
 @scenario("cache", "prep cache vs MONAI CacheDataset and PersistentDataset + DataLoader, same workers, 3 workloads.")
 def cache_scenario(
     opts: Options,
-    workloads: Annotated[str, typer.Option(help="comma-separated: spheres, seg-ct, mednist")] = "spheres,mednist",
+    workloads: Annotated[str, typer.Option(help="comma-separated: spheres, seg-ct, mednist")] = ",".join(WORKLOADS),
     count: Annotated[int, typer.Option(min=1, help="3D workloads: image/label pairs")] = 64,
-    size: Annotated[int, typer.Option(min=8, help="3D workloads: volume edge in voxels")] = 64,
+    size: Annotated[int, typer.Option(min=16, help="3D workloads: volume edge in voxels")] = 64,
     images: Annotated[int, typer.Option(min=1, help="mednist: 64x64 JPEGs")] = 2000,
-    scaling: Annotated[str, typer.Option(help="worker counts, e.g. 1,4,8,16 (default: --workers or 2)")] = "",
+    scaling: Annotated[str, typer.Option(help="worker counts, each capped at this machine's cores")] = "1,4,8,16",
     modes: Annotated[str, typer.Option(help="prep cache modes: auto, threads, processes (comma-separated)")] = "auto",
 ) -> Rows:
+    from prep.cluster import local_cores
+
     names = [w for w in workloads.split(",") if w]
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
@@ -180,7 +193,7 @@ def cache_scenario(
         raise typer.BadParameter(f"--modes takes {', '.join(chosen)} (got {modes!r})")
     work = opts.work / "cache"
     work.mkdir(parents=True, exist_ok=True)
-    counts = [int(w) for w in scaling.split(",") if w] or [opts.workers or 2]
+    counts = worker_counts(scaling, local_cores())
     rows = Rows(title=f"prepare a cache: {', '.join(names)} at {', '.join(map(str, counts))} workers")
     for n, name in enumerate(names):
         datalist, pipeline, what = _workload(work, name, count, size, images)
@@ -190,6 +203,7 @@ def cache_scenario(
         print(f" {name}: {what}", flush=True)
         for w in counts:
             _race(rows, work, f"{name} W{w}", datalist, pipeline, w, [chosen[m] for m in picked])
+    rows.footer = curve(rows, names, counts)
     return rows
 
 
@@ -201,6 +215,28 @@ def _race(rows: Rows, work: Path, data: str, datalist: Path, pipeline: Path, w: 
         rows.peers[data] = max(monai, key=lambda r: r.items_per_s).name
     for mode in modes:
         rows.add(f"{data} prep cache", partial(prep, data, datalist, pipeline, work / "prep", w, mode))
+
+
+def curve(rows: Rows, names: list[str], counts: list[int]) -> list[str]:
+    """items/s per workload and worker count, one column per way, and prep cache / the faster MONAI way."""
+    head = ["workload", "W", "CacheDataset", "DataLoader", "prep cache", "x best MONAI"]
+    cells = []
+    for name in names:
+        for w in counts:
+            data = f"{name} W{w}"
+            mine = [r for r in rows.results if r.data == data]
+            monai = [next((r.items_per_s for r in mine if way in r.name), None) for way in ("CacheDataset(", "+ Data")]
+            best = max((v for v in monai if v), default=None)
+            ours: list[Result | None] = [r for r in mine if r.kind == "ours"]
+            for r in ours or [None]:
+                ratio = f"{r.items_per_s / best:.2f}" if r and best else "-"
+                way = r.name.split("prep cache, ")[-1] if r else "-"
+                cells.append([name, str(w), *(f"{v:.1f}" if v else "-" for v in monai),
+                              f"{r.items_per_s:.1f} ({way})" if r else "-", ratio])  # fmt: skip
+    widths = [max(len(c) for c in col) for col in zip(head, *cells)]
+    line = "  ".join(f"{{:<{n}}}" for n in widths)
+    return ["curve: items/s at each worker count; x best MONAI = prep cache / the faster MONAI way",
+            line.format(*head), *(line.format(*c).rstrip() for c in cells)]  # fmt: skip
 
 
 def _fresh(path: Path) -> Path:

@@ -89,6 +89,7 @@ class Rows:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     peers: dict[str, str] = field(default_factory=dict)  # data set -> name of its reference row
     title: str = ""  # what the data was, for the table heading and the plot title
+    footer: list[str] = field(default_factory=list)  # lines printed after the table and kept in bench.json
 
     def add(self, label: str, job: Callable[[], Result | list[Result]]) -> list[Result]:
         """Run one way; keep its row(s), or print and keep the one-line reason it cannot run here."""
@@ -142,6 +143,7 @@ class Rows:
         self.results += other.results
         self.skipped += other.skipped
         self.peers = {**other.peers, **self.peers}
+        self.footer += other.footer
 
 
 def nbytes_of(obj: Any) -> int:

@@ -97,7 +97,7 @@ def environment(opts: Options) -> dict[str, Any]:
 
 
 def write(out: Path, rows: list[dict[str, Any]], skipped: Sequence[tuple[str, str]], opts: Options,
-          title: str = "") -> list[Path]:  # fmt: skip
+          title: str = "", footer: Sequence[str] = ()) -> list[Path]:  # fmt: skip
     """Write bench.csv, bench.json and bench.png under `out`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench.csv", "w", newline="") as f:
@@ -105,7 +105,7 @@ def write(out: Path, rows: list[dict[str, Any]], skipped: Sequence[tuple[str, st
         writer.writeheader()
         writer.writerows({**r, "note": _note(r)} for r in rows)
     env = environment(opts)
-    doc = {"environment": env, "title": title, "results": rows, "unavailable": dict(skipped)}
+    doc = {"environment": env, "title": title, "results": rows, "unavailable": dict(skipped), "footer": list(footer)}
     (out / "bench.json").write_text(json.dumps(doc, indent=1, default=str))
     paths = [out / "bench.csv", out / "bench.json"]
     if rows:
@@ -176,7 +176,9 @@ def finish(rows: Rows, opts: Options) -> int:
     if rows.title:
         print(rows.title)
     print(table(table_rows, rows.skipped))
+    if rows.footer:
+        print("\n" + "\n".join(rows.footer))
     if opts.out is not None:
-        written = write(opts.out, table_rows, rows.skipped, opts, rows.title)
+        written = write(opts.out, table_rows, rows.skipped, opts, rows.title, rows.footer)
         print("\nwrote " + ", ".join(str(p) for p in written))
     return 0 if any(r.kind != "ceiling" for r in rows.results) else 1

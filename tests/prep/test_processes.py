@@ -1,0 +1,52 @@
+"""prep cache's worker processes (prep.processes): started by a forkserver at any worker count, never forked
+from `prep cache`'s own multi-threaded process, and preparing the cache that threads prepare."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from clusterutil import assert_same_cache, subprocess_env
+
+from prep.cache import prepare_cache
+from prep.cache_verify import verify_cache
+
+REPO = Path(__file__).resolve().parents[2]
+SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
+
+# Python 3.12's filelock raised "os.fork is unsafe while filelock is changing descriptor ownership" from an
+# audit hook when distributed's start threads forked at once; this hook refuses every fork of this process.
+NO_FORK = """
+import sys
+
+def refuse_fork(event, args):
+    if event in ("os.fork", "os.forkpty"):
+        raise RuntimeError(f"{event} from prep cache's own process")
+
+if __name__ == "__main__":
+    sys.addaudithook(refuse_fork)
+    from prep.cache import prepare_cache
+
+    summary = prepare_cache(sys.argv[1], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]), processes=True)
+    print(summary.mode, summary.n_items, f"worker CPU {summary.worker_cpu_s:.1f} s")
+"""
+
+
+@pytest.mark.slow
+def test_four_worker_processes_never_fork_prep_cache_and_prepare_the_threads_cache(
+    tmp_path: Path, nifti_dataset: Path
+) -> None:
+    script = tmp_path / "no_fork.py"
+    script.write_text(NO_FORK)
+    out = tmp_path / "processes"
+    proc = subprocess.run([sys.executable, str(script), str(nifti_dataset), str(SPHERES), str(out), "4"],
+                          capture_output=True, text=True, timeout=600, env=subprocess_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("4 processes 6 worker CPU ") and float(line.split()[5]) > 0, proc.stdout
+    threads = tmp_path / "threads"
+    prepare_cache(nifti_dataset, SPHERES, threads, workers=2, processes=False)
+    assert_same_cache(threads, out)
+    assert verify_cache(out) == []
