@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -40,3 +41,19 @@ def interleaved_appends(mnt: Path, keys: list[str], rounds: int, piece: int = 50
         for fd in fds.values():
             os.close(fd)
     return content
+
+
+def fill_free_space(mnt: Path, byte: int) -> None:
+    """Write `byte` into every free block of the filesystem (then delete the filler): blocks a file left
+    behind now hold other bytes."""
+    chunk = bytes([byte]) * (1 << 20)
+    with open(mnt / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError:  # ENOSPC: every free block is taken
+            pass
+        with contextlib.suppress(OSError):
+            f.flush()
+        os.fsync(f.fileno())
+    (mnt / "filler").unlink()

@@ -116,7 +116,8 @@ class BlockdevBackend(Backend):
     device, its whole disk, or the loop image file (default: the device when readable, else the image).
 
     On its first read, each file is opened through the filesystem, fstat()ed and FIEMAPped to catch a stale
-    map or moved blocks (once per file per backend, on a small pool beside the data reads);
+    map or moved blocks (on a small pool beside the data reads), and again (open, fstat, FIEMAP) on every later
+    read call, since defragmentation moves blocks without changing a stat field;
     `check_stale=False` skips that for data that cannot change (a read-only mount). `fallback=False`
     raises instead of reading through the filesystem."""
 

@@ -145,23 +145,26 @@ class MappedFiles:
         return why
 
     def refresh(self, keys: Iterable[str]) -> None:
-        """Forget the raw verdict of each file whose inode, size or mtime differs now from its record (one
-        lstat per file per read call), so its next use checks it again (extents included): a file rewritten
-        or removed after its first read is noticed at the next call, not once per backend."""
+        """Forget the raw verdict of each file that is not now what its record says: inode, size, mtime and
+        extents (one open, fstat and FIEMAP per file per read call), so its next use checks it again and reads
+        it through the filesystem. A file rewritten or removed after its first read, or whose blocks moved
+        (e4defrag keeps its inode, size and times), is noticed at the next call, not once per backend."""
         if not self.check_stale:
             return
         files, root, why = self.bmap.files, self.bmap.root + "/", self.why
-        for k in keys:
+        for k in dict.fromkeys(keys):
             if k not in why or why[k] is not None:
                 continue
-            r = files[k]
             try:
-                st = os.lstat(root + k)
-                same = (st.st_ino, st.st_size, st.st_mtime_ns) == (r["inode"], r["size"], r["mtime_ns"])
+                fd = os.open(root + k, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
-                same = False
-            if not same:
                 del why[k]
+                continue
+            try:
+                if self._compare(k, files[k], fd) is not None:
+                    del why[k]
+            finally:
+                os.close(fd)
 
     def precheck(self, key: str) -> str | None:
         """What the record alone says against a raw read (not raw-readable; an extent outside the filesystem's

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -14,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fsutil import interleaved_appends
+from fsutil import fill_free_space, interleaved_appends
 
 from loaders.backends import ReadRequest, get_backend
 from loaders.backends.blockdev import BlockdevBackend, RawDevice
@@ -210,22 +209,6 @@ def test_grown_file_is_read_through_the_filesystem(make_loopfs: Callable[..., An
             b.read([ReadRequest("b", 10, 4096), ReadRequest("a", 0, 1)])  # b did not grow: past its end
 
 
-def _fill_free_space(mnt: Path, byte: int) -> None:
-    """Write `byte` into every free block of the filesystem (then delete the filler): blocks a file left
-    behind now hold other bytes."""
-    chunk = bytes([byte]) * MiB
-    with open(mnt / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(chunk)
-        except OSError:  # ENOSPC: every free block is taken
-            pass
-        with contextlib.suppress(OSError):
-            f.flush()
-        os.fsync(f.fileno())
-    (mnt / "filler").unlink()
-
-
 def _readers(out: Path, image: Path) -> list[Callable[[str, int], bytes]]:
     """The raw readers of a map: the blockdev backend (one and many requests) and BmapSource."""
     from loaders.dali import BmapSource
@@ -272,7 +255,7 @@ def test_defragmented_file_reads_its_current_bytes(make_loopfs: Callable[..., An
         st0.st_mtime_ns,
         st0.st_ctime_ns,
     )
-    _fill_free_space(mnt, 0xEE)  # the blocks the map points at now hold other bytes
+    fill_free_space(mnt, 0xEE)  # the blocks the map points at now hold other bytes
     want = content["train/a/victim.jpg"]
     for read in _readers(tmp_path / "m.json", fs.image):
         with pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):

@@ -1,5 +1,6 @@
-"""A block map's keys name files under its root only, and a file rewritten or removed after its first raw
-read is noticed at the next read call (real loop-mounted ext4; maps crafted with checksums recomputed)."""
+"""A block map's keys name files under its root only, and a file rewritten, removed or moved on the disk
+(e4defrag) after its first raw read is noticed at the next read call (real loop-mounted ext4; maps crafted
+with checksums recomputed)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fsutil import fill_free_space, interleaved_appends
 
 from loaders.backends import ReadRequest
 from loaders.backends.blockdev import BlockdevBackend
@@ -72,3 +74,31 @@ def test_a_file_changed_after_its_first_read_is_noticed(mapped: tuple[Any, Path]
                 return
             assert _read(b, batch) == b"new!" * 4096
         assert any("changed since it was mapped" in str(w.message) for w in record)
+
+
+def test_blocks_moved_after_the_first_read_are_noticed(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """e4defrag moves a file's blocks and keeps its inode, size, mtime and ctime: only its extents tell. A
+    backend that read the file raw before must not read the blocks it left (now another file's bytes)."""
+    import shutil
+    import subprocess
+
+    from loaders.fiemap import fiemap
+
+    if shutil.which("e4defrag") is None:
+        pytest.skip("e4defrag missing (apt-get install e2fsprogs)")
+    fs = make_loopfs("ext4", size_mb=32)
+    mnt: Path = fs.mountpoint
+    (mnt / "train" / "a").mkdir(parents=True)
+    key = "train/a/victim.jpg"
+    want = interleaved_appends(mnt, [key, "train/a/other.jpg"], rounds=12)[key]
+    build_bmap(mnt, tmp_path / "m.json")
+    with BlockdevBackend(tmp_path / "m.json", device_path=fs.image, threads=1) as b:
+        assert bytes(b.read([ReadRequest(key, 0, len(want))])[0]) == want  # checked, read raw
+        assert b.guard.why.get(key, "unchecked") is None
+        before = fiemap(mnt / key)
+        subprocess.run(["e4defrag", str(mnt / key)], check=True, capture_output=True)
+        if [e[:3] for e in fiemap(mnt / key)] == [e[:3] for e in before]:
+            pytest.skip("e4defrag left the file where it was")
+        fill_free_space(mnt, 0xEE)  # the blocks the map points at now hold other bytes
+        with pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):
+            assert bytes(b.read([ReadRequest(key, 0, len(want))])[0]) == want
