@@ -44,7 +44,7 @@ from loaders.backends.base import aligned_empty
 from loaders.deps import require
 from loaders.errors import ArgumentTypeError, BackendError, FormatError
 from loaders.folds import Window, split_fold
-from loaders.format import PreparedCache, TensorEntry, align_up, check
+from loaders.format import PreparedCache, TensorEntry, align_up, check, flat_again, nested
 from loaders.order import epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
 
@@ -71,9 +71,12 @@ class _PerItemTail:
         else:
             outs, sources = [], []
             for i in range(n):
-                out = self.compose({k: batch[k][i] for k in keys})
+                # the head's nested outputs (ClassesToIndicesd's index list, cached as "key/0", "key/1", ...)
+                # reach MONAI as it made them, and its outputs are flat again for the batch
+                item, nested_keys = nested({k: batch[k][i] for k in keys})
+                out = self.compose(item)
                 out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
-                outs.extend(out)
+                outs.extend(flat_again(o, nested_keys) for o in out)
                 sources.extend([i] * len(out))
         result = {k: _stack(torch, [_plain(o[k]) for o in outs]) for k in outs[0]}
         ragged = sorted({tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v})

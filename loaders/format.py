@@ -28,7 +28,7 @@ import errno
 import json
 import os
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -131,6 +131,24 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[parts[-1]] = leaf
     return _listify(root)
+
+
+def nested(item: Mapping[Any, Any]) -> tuple[dict[Any, Any], list[str]]:
+    """(an item whose "key/0"-style entries are nested again as the head made them, the keys so nested): what
+    a user's transform reads (ClassesToIndicesd's index list) reaches it as MONAI gives it."""
+    parts = {k: v for k, v in item.items() if isinstance(k, str) and "/" in k}
+    if not parts:
+        return dict(item), []
+    plain = {k: v for k, v in item.items() if k not in parts}
+    return {**plain, **unflatten(parts)}, sorted({k.split("/", 1)[0] for k in parts})
+
+
+def flat_again(out: dict[Any, Any], keys: Sequence[str]) -> dict[Any, Any]:
+    """`out` with the keys `nested` nested made flat again (those the transform left there)."""
+    for key in keys:
+        if key in out:
+            out.update(flatten({key: out.pop(key)}))
+    return out
 
 
 def _listify(node: Any) -> Any:

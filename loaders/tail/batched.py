@@ -244,13 +244,18 @@ def gather(x: Any, rows: Sequence[Any]) -> Any:
 
 
 def _per_item(transform: Any, batch: TailBatch) -> None:
-    """Run a MONAI transform item by item (a list output, e.g. num_samples crops, becomes consecutive items)."""
+    """Run a MONAI transform item by item (a list output, e.g. num_samples crops, becomes consecutive items).
+    The head's nested outputs (ClassesToIndicesd's list, cached as "key/0", "key/1", ...) reach MONAI as it
+    made them; what comes back is flat again."""
+    from loaders.format import flat_again, nested
+
     outs: list[dict[Hashable, Any]] = []
     sources: list[int] = []
     for i in range(batch.n):
-        out = transform(batch.item(i))
+        item, keys = nested(batch.item(i))
+        out = transform(item)
         out = out if isinstance(out, list) else [out]
-        outs.extend(out)
+        outs.extend(flat_again(o, keys) for o in out)
         sources.extend([i] * len(out))
     batch.set_items(outs, sources)
 

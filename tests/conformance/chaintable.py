@@ -136,6 +136,35 @@ def tail_posneg() -> list[Any]:
     ]
 
 
+def head_fgbg() -> list[Any]:
+    from monai.transforms import FgBgToIndicesd
+
+    return [*head_3d(), FgBgToIndicesd(keys="label", image_key="image", image_threshold=0.3)]
+
+
+def tail_posneg_given() -> list[Any]:
+    from monai.transforms import RandCropByPosNegLabeld, RandFlipd
+
+    return [
+        RandCropByPosNegLabeld(keys=K, label_key="label", spatial_size=(12, 12, 12), pos=1, neg=1, num_samples=2,
+                               fg_indices_key="label_fg_indices", bg_indices_key="label_bg_indices"),
+        RandFlipd(keys=K, prob=0.5, spatial_axis=1),
+    ]  # fmt: skip
+
+
+def head_classes() -> list[Any]:
+    from monai.transforms import ClassesToIndicesd
+
+    return [*head_3d(), ClassesToIndicesd(keys="label", num_classes=4, image_key="image", image_threshold=0.3)]
+
+
+def tail_classes_given() -> list[Any]:
+    from monai.transforms import RandCropByLabelClassesd
+
+    return [RandCropByLabelClassesd(keys=K, label_key="label", spatial_size=(12, 12, 12), num_classes=4,
+                                    num_samples=2, indices_key="label_cls_indices")]  # fmt: skip
+
+
 def tail_intensity() -> list[Any]:
     from monai.transforms import RandGaussianNoised, RandScaleIntensityd, RandShiftIntensityd
 
@@ -289,6 +318,8 @@ ROWS: dict[str, Row] = {
     for r in [
         Row("crop-flip-rot90", "3d", head_3d, tail_flips),
         Row("posneg-num-samples", "3d", head_3d, tail_posneg),
+        Row("fgbg-indices-from-head", "3d", head_fgbg, tail_posneg_given),
+        Row("class-indices-from-head", "3d", head_classes, tail_classes_given),
         Row("intensity-all-fire", "3d", head_3d, tail_intensity),
         Row("scale-some-fire-f16", "3d", head_half, tail_scale_some),
         Row("scale-some-fire-dtype-f64", "3d", head_3d, tail_scale_some_f64),
