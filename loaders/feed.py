@@ -306,8 +306,8 @@ class _PreparedLoaderCore:
     def _run(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
         out: queue.Queue[Any] = queue.Queue(self.prefetch)
         stop = threading.Event()
-        args = (chunks[skip:], skip, out, stop)
-        worker = threading.Thread(target=self._produce, args=args, daemon=True, name="blockprep-feed")
+        work = (chunks[skip:], skip, out, stop)
+        worker = threading.Thread(target=self._produce, args=work, daemon=True, name="blockprep-feed")
         interval = sys.getswitchinterval()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
@@ -323,7 +323,7 @@ class _PreparedLoaderCore:
                     batch = self._handover(batch, event)
                 else:
                     batch = self._finish(got)
-                    snap = {**got.early, **self._draws.take(self._draws.late)}
+                    snap = self._draws.after(got.early)
                 self._live = [epoch, k + 1, snap]
                 yield batch
         finally:
@@ -372,7 +372,7 @@ class _PreparedLoaderCore:
                         event.record(self._side)
                 else:
                     batch = self._finish(plan)
-                out.put((batch, event, {**plan.early, **self._draws.take(self._draws.late)}))
+                out.put((batch, event, self._draws.after(plan.early)))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, raised there)
             out.put(exc)
 

@@ -137,11 +137,13 @@ def _leaves(t: Any) -> int:
     return sum(_leaves(c) for c in t.transforms) if type(t) is Compose else 1
 
 
-def run_from(node: Any, data: Any, start: int, first: Callable[[Any], Any] | None = None) -> Any:
+def run_from(
+    node: Any, data: Any, start: int, first: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+) -> Any:
     """Apply the transforms of Compose `node` from flattened index `start` on, in the user's nesting, as
     PersistentDataset applies them (each Compose maps its members over a list of samples member by member:
     flattening the tail changes which sample sees another's in-place writes through shared crops).
-    `first(apply)`: runs the transform at `start` through `apply` (a label-driven crop under its sets)."""
+    `first()`: a context the transform at `start` runs in (a label-driven crop under its sets)."""
     from monai.transforms import Compose
 
     pos = 0
@@ -153,7 +155,8 @@ def run_from(node: Any, data: Any, start: int, first: Callable[[Any], Any] | Non
         if type(child) is Compose and (pos < start or first is not None):
             data = run_from(child, data, start - pos, first)
         elif first is not None:  # pos == start: the transform `first` wraps
-            data = first(lambda d, i=i: node(d, start=i, end=i + 1))
+            with first():
+                data = node(data, start=i, end=i + 1)
         else:
             return node(data, start=i)
         return node(data, start=i + 1) if i + 1 < len(node.transforms) else data
@@ -307,9 +310,10 @@ class _PersistentCore:
         fold = self._label
         spatial = tuple(head[fold.transform.label_key].shape[1:])  # the label MONAI draws over
 
-        def crop(apply: Callable[[Any], Any]) -> Any:
+        @contextlib.contextmanager
+        def crop() -> Iterator[None]:
             with self._crop_lock, fold.precomputed(item, spatial):
-                return apply(head)
+                yield
 
         return run_from(self.transform, head, self._head_len, crop)
 

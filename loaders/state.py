@@ -82,6 +82,10 @@ class Draws:
         at = range(len(self.objs)) if which is None else which
         return {i: self.objs[i].R.get_state() for i in at}
 
+    def after(self, early: Mapping[int, tuple[Any, ...]]) -> dict[int, tuple[Any, ...]]:
+        """The states as of a batch whose fold drew `early` (taken then) and whose tail has just run."""
+        return {**early, **self.take(self.late)}
+
     def put(self, snap: Mapping[int, tuple[Any, ...]]) -> None:
         """Set the random states back in place (objects sharing one RandomState stay sharing it)."""
         for i, state in snap.items():

@@ -11,7 +11,7 @@ trained on.
 
 from __future__ import annotations
 
-import os
+import io
 import signal
 import threading
 from pathlib import Path
@@ -49,19 +49,13 @@ def save(path: Path, payload: dict[str, Any]) -> None:
     folder. A job killed meanwhile leaves the previous checkpoint whole (and at most a stray temporary file)."""
     import torch
 
+    from loaders.format import atomic_write_bytes
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, "version": VERSION, **payload}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data = io.BytesIO()
+    torch.save({"format": FORMAT, "version": VERSION, **payload}, data)
+    atomic_write_bytes(path, data.getvalue())
 
 
 def load(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
