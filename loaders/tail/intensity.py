@@ -10,6 +10,7 @@ import operator
 from collections.abc import Hashable
 from typing import Any
 
+from loaders.tail.ahead import ahead
 from loaders.tail.batched import TailBatch, gather, keys_of, to_device
 
 
@@ -40,18 +41,27 @@ def _apply(op: Any, x: Any, values: list[Any], neutral: float) -> Any:
     return op(x, _per_channel(values, x, neutral))
 
 
-def _draw(t: Any, batch: TailBatch, keys: list[Hashable], inner: Any, attr: str) -> list[Any]:
-    """Each item's draw of the dict transform (prob) and then of its inner array transform, as MONAI does."""
-    first = keys[0] if keys else None
+def draws(t: Any, inner: Any, attr: str, images: list[Any]) -> list[Any]:
+    """Each item's draw of the dict transform (prob) and then of its inner array transform, as MONAI does (an
+    item with no image to act on draws the prob only)."""
     drawn: list[Any] = []
-    for i in range(batch.n):
+    for img in images:
         t.randomize(None)
-        if not t._do_transform or first is None:
+        if not t._do_transform or img is None:
             drawn.append(None)
             continue
-        inner.randomize(batch.data[first][i])
+        inner.randomize(img)
         drawn.append(getattr(inner, attr))
     return drawn
+
+
+def _draw(t: Any, batch: TailBatch, keys: list[Hashable], inner: Any, attr: str) -> list[Any]:
+    first = keys[0] if keys else None
+    return draws(t, inner, attr, [None if first is None else batch.data[first][i] for i in range(batch.n)])
+
+
+def _noise_draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
+    return draws(t, inner, "noise", [like] * n)
 
 
 def _out_dtype(x: Any, dtype: Any) -> Any:
@@ -116,7 +126,12 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
     keys = _ready(t, batch)
     if keys is None or _mixes_dtypes(t, batch, keys, t.rand_gaussian_noise.dtype):
         return False
-    drawn = _draw(t, batch, keys, t.rand_gaussian_noise, "noise")
+    inner = t.rand_gaussian_noise
+    early = ahead(t, inner, "noise", _noise_draws) if keys else None
+    if early is None:
+        drawn = _draw(t, batch, keys, inner, "noise")
+    else:  # the noise is drawn on a thread while the batch before this one is still in the tail
+        drawn = early.take(batch.n, tuple(batch.data[keys[0]].shape[1:]))
     chosen = [i for i, d in enumerate(drawn) if d is not None]
     if not chosen:
         return True

@@ -1,0 +1,115 @@
+"""Noise drawn ahead on a thread (loaders.tail.ahead): batch after batch, the same numbers as MONAI's chain item
+by item, through reseeds, a smaller last batch, a changed crop shape and a shared random state."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mt = pytest.importorskip("monai.transforms")
+
+from tailutil import assert_same, make_batch  # noqa: E402
+
+from loaders.tail import BatchedTail  # noqa: E402
+from loaders.tail.ahead import ahead  # noqa: E402
+
+CHAIN = [
+    mt.RandGaussianNoised("image", prob=0.5, std=0.2),
+    mt.RandScaleIntensityd("image", factors=0.3, prob=0.5),
+    mt.RandGaussianNoised("image", prob=0.7, std=0.05),
+]
+
+
+def _batches(sizes: list[int], spatial: tuple[int, ...] = (12, 10, 8)) -> list[dict[str, Any]]:
+    return [make_batch(n=n, spatial=spatial, seed=s) for s, n in enumerate(sizes)]
+
+
+def _monai(chain: Any, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """MONAI's way: one Compose, item after item over every batch, each batch collated."""
+    from monai.data import list_data_collate
+
+    outs = []
+    for b in batches:
+        items = [chain({k: v[i].clone() for k, v in b.items()}) for i in range(b["image"].shape[0])]
+        got = list_data_collate(items)
+        outs.append({k: v.as_subclass(torch.Tensor) for k, v in got.items()})
+    return outs
+
+
+def _hits(tail: BatchedTail) -> int:
+    return sum(a.hits for t in tail.transforms if (a := _of(t)) is not None)
+
+
+def _of(t: Any) -> Any:
+    inner = getattr(t, "rand_gaussian_noise", None)
+    return None if inner is None else ahead(t, inner, "noise", lambda *a: [])
+
+
+@pytest.mark.parametrize("sizes", [[4, 4, 4, 4, 4], [3, 3, 3, 2], [1, 5, 5, 5, 1]])
+def test_batches_equal_monai_item_by_item(sizes: list[int]) -> None:
+    from monai.transforms import Compose
+
+    batches = _batches(sizes)
+    want = _monai(Compose(copy.deepcopy(CHAIN)).set_random_state(7), batches)
+    tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(7)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image",))
+    assert _hits(tail) > 0  # later batches took draws made ahead
+
+
+def test_reseed_between_batches_discards_what_was_drawn_ahead() -> None:
+    from monai.transforms import Compose
+
+    batches = _batches([4, 4, 4, 4])
+    tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(3)
+    for b in batches[:2]:
+        tail(b)
+    tail.set_random_state(11)  # what the thread drew from seed 3's states must not be used
+    want = _monai(Compose(copy.deepcopy(CHAIN)).set_random_state(11), batches[2:])
+    for b, w in zip(batches[2:], want):
+        assert_same(tail(b), w, keys=("image",))
+
+
+def _random_states(tail: BatchedTail) -> list[Any]:
+    inner = [getattr(t, a) for t in tail.transforms for a in ("rand_gaussian_noise", "scaler") if hasattr(t, a)]
+    return [t.R for t in tail.transforms] + [x.R for x in inner]
+
+
+def test_loaded_states_mid_run_are_followed() -> None:
+    """The real transforms' states set from outside (a loader state put back) win over draws made ahead."""
+    from monai.transforms import Compose
+
+    batches = _batches([4, 4, 4, 4])
+    tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(5)
+    tail(batches[0])
+    saved = [r.get_state() for r in _random_states(tail)]
+    first = tail(batches[1])
+    tail(batches[2])
+    for r, st in zip(_random_states(tail), saved):
+        r.set_state(st)
+    again = tail(batches[1])
+    assert torch.equal(first["image"], again["image"])
+    assert not torch.equal(again["image"], batches[1]["image"])
+
+
+def test_other_crop_shape_draws_inline() -> None:
+    from monai.transforms import Compose
+
+    batches = _batches([4, 4], spatial=(12, 10, 8)) + _batches([4, 4], spatial=(6, 6, 6))
+    want = _monai(Compose(copy.deepcopy(CHAIN)).set_random_state(9), batches)
+    tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(9)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image",))
+
+
+def test_one_shared_random_state_is_not_drawn_ahead() -> None:
+    import numpy as np
+
+    t = mt.RandGaussianNoised("image", prob=1.0)
+    state = np.random.RandomState(0)
+    t.set_random_state(state=state)
+    assert t.R is t.rand_gaussian_noise.R
+    assert ahead(t, t.rand_gaussian_noise, "noise", lambda *a: []) is None
