@@ -27,11 +27,13 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandCropByPosNegLabeld": ("loaders.tail.crops", "rand_crop_by_pos_neg_label"),
     "RandFlipd": ("loaders.tail.flips", "rand_flip"),
     "RandGaussianNoised": ("loaders.tail.intensity", "rand_gaussian_noise"),
+    "RandGaussianSmoothd": ("loaders.tail.sparse", "rand_gaussian_smooth"),
     "RandRotate90d": ("loaders.tail.flips", "rand_rotate90"),
     "RandScaleIntensityd": ("loaders.tail.intensity", "rand_scale_intensity"),
     "RandShiftIntensityd": ("loaders.tail.intensity", "rand_shift_intensity"),
     "RandSpatialCropSamplesd": ("loaders.tail.crops", "rand_spatial_crop_samples"),
     "RandSpatialCropd": ("loaders.tail.crops", "rand_spatial_crop"),
+    "RandZoomd": ("loaders.tail.sparse", "rand_zoom"),
 }
 
 Handler = Callable[[Any, "TailBatch"], bool]

@@ -29,6 +29,22 @@ EXACT = {
     "shift": [mt.RandShiftIntensityd("image", offsets=0.5, prob=0.6)],
     "shift_label": [mt.RandShiftIntensityd(K, offsets=2.0, prob=0.6)],
     "noise": [mt.RandGaussianNoised("image", prob=0.6, std=0.2)],
+    "zoom": [mt.RandZoomd(K, min_zoom=0.9, max_zoom=1.2, mode=("trilinear", "nearest"), align_corners=(True, None))],
+    "zoom_some": [mt.RandZoomd(K, min_zoom=0.7, max_zoom=1.3, prob=0.4, padding_mode="constant")],
+    "zoom_two_factors": [mt.RandZoomd("image", min_zoom=(0.8, 1.0), max_zoom=(1.1, 1.2), prob=0.6, keep_size=True)],
+    "smooth": [
+        mt.RandGaussianSmoothd("image", sigma_x=(0.5, 1.15), sigma_y=(0.5, 1.15), sigma_z=(0.5, 1.15), prob=0.5)
+    ],
+    "smooth_both_keys": [mt.RandGaussianSmoothd(K, sigma_x=(0.25, 1.5), prob=0.7)],
+    "dynunet_tail": [
+        mt.RandZoomd(
+            K, min_zoom=0.9, max_zoom=1.2, mode=("trilinear", "nearest"), align_corners=(True, None), prob=0.5
+        ),
+        mt.RandGaussianNoised("image", std=0.01, prob=0.5),
+        mt.RandGaussianSmoothd("image", sigma_x=(0.5, 1.15), sigma_y=(0.5, 1.15), sigma_z=(0.5, 1.15), prob=0.5),
+        mt.RandScaleIntensityd("image", factors=0.3, prob=0.5),
+        mt.RandFlipd(K, spatial_axis=[0], prob=0.5),
+    ],
     "samples": [mt.RandSpatialCropSamplesd(K, roi_size=(8, 9, 10), num_samples=3)],
     "pos_neg": [mt.RandCropByPosNegLabeld(K, "label", spatial_size=(8, 8, 8), pos=1, neg=1, num_samples=2)],
     "pos_neg_image_key": [
@@ -124,7 +140,7 @@ def test_fallback_runs_per_item_and_logs_once(caplog: pytest.LogCaptureFixture) 
     batch = make_batch()
     chain = [
         mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
-        mt.RandGaussianSmoothd("image", prob=0.5, sigma_x=(0.5, 1.0)),
+        mt.RandHistogramShiftd("image", prob=0.5),
         mt.RandFlipd(K, prob=0.5),
         mt.RandAdjustContrastd("image", prob=0.5),
     ]
@@ -133,9 +149,9 @@ def test_fallback_runs_per_item_and_logs_once(caplog: pytest.LogCaptureFixture) 
         tail.set_random_state(11)
         got = tail({k: v.clone() for k, v in batch.items()})
         tail(batch)
-    assert tail.fallbacks == ["RandGaussianSmoothd", "RandAdjustContrastd"]
+    assert tail.fallbacks == ["RandHistogramShiftd", "RandAdjustContrastd"]
     lines = [r for r in caplog.records if r.name == "loaders.tail"]
-    assert len(lines) == 1 and "RandGaussianSmoothd, RandAdjustContrastd" in lines[0].getMessage()
+    assert len(lines) == 1 and "RandHistogramShiftd, RandAdjustContrastd" in lines[0].getMessage()
     assert_same(got, reference(chain, batch, seed=11), atol=1e-6)
 
 

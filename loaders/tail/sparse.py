@@ -1,0 +1,106 @@
+"""Random transforms with no one-op batched form that change only the items they fire on (`prob` < 1 in most
+tutorial tails): `RandZoomd` and `RandGaussianSmoothd` (the DynUNet tutorial's tail, `prob=0.15`).
+
+Each item's numbers are drawn through the MONAI transforms' own `randomize`, item by item in batch order, as
+MONAI's dict transform draws them; then MONAI's own array transform (`randomize=False`, the item's draws put
+back) runs on each item it fired on, and every other item stays as MONAI leaves it (the input; as float32
+where MONAI converts it). The per-item MONAI path ran the whole dict transform on every item and split and
+stacked the batch around it; here the items it skips cost nothing and the batch stays stacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
+
+Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
+
+
+def _ready(t: Any, batch: TailBatch) -> list[Hashable] | None:
+    keys = keys_of(t, batch)
+    if getattr(t, "lazy", False) is not False or not all(batch.is_batched(k) for k in keys):
+        return None
+    return keys
+
+
+def _assemble(batch: TailBatch, keys: list[Hashable], fired: dict[int, Apply], skipped: Callable[[Any], Any]) -> None:
+    """Each key's rows: MONAI's output where it fired, `skipped(row)` elsewhere; stacked where shapes and
+    dtypes agree, else the batch goes on item by item (as the per-item path would leave it)."""
+    rows: dict[Hashable, list[Any]] = {}
+    for k in keys:
+        x = batch.data[k]
+        rows[k] = [_plain(fired[i](k, _row(batch, k, i))) if i in fired else skipped(x[i]) for i in range(batch.n)]
+    stacked = {k: _stack(v, promote=False) for k, v in rows.items()}
+    if all(s is not None for s in stacked.values()):
+        batch.data.update(stacked)
+        return
+    items = [batch.item(i) for i in range(batch.n)]
+    for k, v in rows.items():
+        for item, row in zip(items, v):
+            item[k] = row
+    batch.set_items(items, list(range(batch.n)))
+
+
+def _row(batch: TailBatch, key: Hashable, i: int) -> Any:
+    """Item i's tensor as MONAI's chain would hand it over (a copy where it views the caller's batch)."""
+    return batch.item(i)[key]
+
+
+def rand_zoom(t: Any, batch: TailBatch) -> bool:
+    """RandZoomd: the dict's prob and the inner RandZoom's factors drawn for every item (MONAI draws the
+    factors whether or not the item is zoomed); MONAI's RandZoom on the zoomed items, float32 for the rest."""
+    import torch
+
+    keys = _ready(t, batch)
+    if keys is None:
+        return False
+    if not keys:
+        return True  # MONAI returns such an item without drawing
+    inner, first = t.rand_zoom, batch.data[keys[0]]
+    drawn: dict[int, tuple[bool, Any]] = {}
+    for i in range(batch.n):
+        t.randomize(None)
+        inner.randomize(first[i])
+        if t._do_transform:
+            drawn[i] = (inner._do_transform, inner._zoom)
+    options = {k: o for k, *o in t.key_iterator(batch.data, t.mode, t.padding_mode, t.align_corners, t.dtype)}
+
+    def zoomed(i: int) -> Apply:
+        def apply(k: Hashable, x: Any) -> Any:
+            inner._do_transform, inner._zoom = drawn[i]
+            mode, padding_mode, align_corners, dtype = options[k]
+            return inner(x, mode, padding_mode, align_corners, dtype, randomize=False, lazy=False)
+
+        return apply
+
+    _assemble(batch, keys, {i: zoomed(i) for i in drawn}, lambda x: x.to(torch.float32))
+    return True
+
+
+def rand_gaussian_smooth(t: Any, batch: TailBatch) -> bool:
+    """RandGaussianSmoothd: the dict's prob for every item, the inner sigmas for the items it fires on (as
+    MONAI draws them); MONAI's GaussianSmooth on those items, the rest as they are."""
+    keys = _ready(t, batch)
+    if keys is None:
+        return False
+    inner = t.rand_smooth
+    drawn: dict[int, tuple[bool, float, float, float]] = {}
+    for i in range(batch.n):
+        t.randomize(None)
+        if t._do_transform:
+            inner.randomize(None)
+            drawn[i] = (inner._do_transform, inner.x, inner.y, inner.z)
+    if not drawn:
+        return True
+
+    def smoothed(i: int) -> Apply:
+        def apply(k: Hashable, x: Any) -> Any:
+            inner._do_transform, inner.x, inner.y, inner.z = drawn[i]
+            return inner(x, randomize=False)
+
+        return apply
+
+    _assemble(batch, keys, {i: smoothed(i) for i in drawn}, lambda x: x)
+    return True
