@@ -42,6 +42,7 @@ def test_train_rows_table_and_files(out: Path, capsys: pytest.CaptureFixture[str
     doc = json.loads((out / "bench.json").read_text())
     for r in doc["results"]:
         assert 0 <= r["extra"]["waiting %"] < 100
+        assert 0 < r["extra"]["process CPU % of a core"] < 100 * (os.cpu_count() or 1) + 50
     assert (out / "bench.png").stat().st_size > 0
     assert "x ceiling" in printed and "blockprep PreparedLoader" in printed and "waiting %" in printed
 

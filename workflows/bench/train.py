@@ -68,6 +68,7 @@ class TrainRow:
     steps: int = 0
     seconds: float = 0.0
     wait_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU (every thread; not worker processes) over the timed steps
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -161,6 +162,7 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
+        cpu0 = time.process_time()
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -176,6 +178,8 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
                 row.steps += 1
                 row.wait_seconds += t1 - t0
                 row.seconds += time.perf_counter() - t0
+        if epoch > 0:
+            row.cpu_seconds += time.process_time() - cpu0
         if expected is not None and seen < expected:  # a loader thread died: its error was printed above
             raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
     if row.steps == 0:
@@ -426,7 +430,8 @@ def _best_ceiling(rows: Rows, opts: TrainOptions, steps: int) -> None:
 
 def as_result(row: TrainRow, data: str = "train") -> Result:
     """A harness row: items = timed steps (items/s is steps/s); the wait share goes with it."""
-    extra = {"waiting %": 100 * row.wait_share, **row.extra}
+    cpu = 100 * row.cpu_seconds / row.seconds if row.seconds > 0 else 0.0
+    extra = {"waiting %": 100 * row.wait_share, "process CPU % of a core": round(cpu), **row.extra}
     return Result(row.name, data, row.steps, row.seconds, 0, row.kind, row.note, extra)
 
 
