@@ -102,3 +102,33 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
         from loaders.bmap import BlockMap
 
         assert len(BlockMap.load(local / "bmap.json")) == len(list((local / "shards").iterdir()))
+
+
+def test_train_apptainer_sbatch_runs_train_sbatch_in_the_image(tmp_path: Path) -> None:
+    """train_apptainer.sbatch as a plain script with tests/standins/apptainer (no apptainer here): every python
+    step of train.sbatch (block map, training) goes through `apptainer exec IMAGE python` with the venv's PATH."""
+    from prep.cache import prepare_cache
+    from prep.synth import nifti_dataset
+
+    datalist = nifti_dataset(tmp_path / "nifti", count=2, size=48, seed=2)
+    shared = tmp_path / "shared" / "cache"
+    shared.parent.mkdir()
+    prepare_cache(datalist, SLURM.parent / "pipelines" / "spheres.py", shared, workers=1, processes=False)
+    image, venv, log = tmp_path / "pytorch.sif", tmp_path / "venv", tmp_path / "apptainer.log"
+    image.write_bytes(b"stands for an image")
+    (venv / "bin").mkdir(parents=True)  # the image's venv, made once: its python is this one (has blockprep)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".installed").touch()
+    env = {
+        "PATH": f"{SLURM.parents[1] / 'tests' / 'standins'}:/usr/bin:/bin", "HOME": str(tmp_path),
+        "SHARED_CACHE": str(shared), "IMAGE": str(image), "VENV": str(venv), "APPTAINER_LOG": str(log),
+        "SCRATCH_DIR": str(tmp_path / "scratch"), "DEVICE": "cpu", "ITERS": "1", "BATCHSIZE": "1",
+        "TRAIN_ARGS": "--channels 4 8 --workers 0", "BLOCKPREP_SRC": str(SLURM.parents[1]),
+    }  # fmt: skip
+    proc = subprocess.run(["bash", str(SLURM / "train_apptainer.sbatch")], capture_output=True, text=True, env=env,
+                          cwd=SLURM.parents[1], timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fast: 1 steps" in proc.stdout and "blockprep from" in proc.stdout, proc.stdout
+    ran = log.read_text()
+    assert f"{image}: python -m prep bmap" in ran and f"{image}: python -m workflows.train_seg3d" in ran, ran
