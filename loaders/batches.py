@@ -23,7 +23,7 @@ from loaders.deps import require
 from loaders.errors import ArgumentValueError, BackendError, LoaderStateError
 from loaders.format import PreparedCache, TensorEntry, align_up, check, unflatten
 from loaders.meta import line_meta
-from loaders.order import epoch_order
+from loaders.order import epoch_batches, epoch_order
 
 
 @dataclass
@@ -174,10 +174,7 @@ class BatchReads:
         count("start", start, 0)
         self.cache.check_current()  # per epoch: a rebuilt cache is refused, not served from old descriptors
         order = epoch_order(len(self.items), seed, epoch, shuffle=shuffle)
-        chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        if drop_last and chunks and len(chunks[-1]) < batch_size:
-            chunks.pop()
-        chunks = chunks[start:]
+        chunks = epoch_batches(order, batch_size, drop_last, start)
         info = torch.utils.data.get_worker_info()
         if info is not None:
             chunks = chunks[info.id :: info.num_workers]

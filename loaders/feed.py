@@ -45,7 +45,7 @@ from loaders.deps import require
 from loaders.errors import ArgumentTypeError, BackendError, FormatError
 from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache, TensorEntry, align_up, check, flat_again, nested
-from loaders.order import epoch_order
+from loaders.order import epoch_batches, epoch_order
 from loaders.region import RegionRead, plan_read, read_regions
 
 
@@ -297,9 +297,7 @@ class _PreparedLoaderCore:
         epoch = self.epoch
         self.epoch = epoch + 1
         order = self.epoch_items(epoch)
-        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        if self.drop_last and chunks and len(chunks[-1]) < self.batch_size:
-            chunks.pop()
+        chunks = epoch_batches(order, self.batch_size, self.drop_last)
         skip, self._resume = self._resume, 0
         return self._run(chunks, epoch, skip)
 
