@@ -26,7 +26,6 @@ never waits:
 from __future__ import annotations
 
 import contextlib
-import math
 import queue
 import sys
 import threading
@@ -39,14 +38,14 @@ import numpy as np
 
 from loaders import args, state
 from loaders.args import parse_bytes  # re-exported: loaders.feed.parse_bytes
-from loaders.backends import Backend, ReadRequest, get_backend
-from loaders.backends.base import aligned_empty
+from loaders.backends import Backend
 from loaders.deps import require
-from loaders.errors import ArgumentTypeError, BackendError, FormatError
+from loaders.errors import ArgumentTypeError, FormatError
 from loaders.folds import Window, split_fold
-from loaders.format import PreparedCache, TensorEntry, align_up, check, flat_again, nested
+from loaders.format import PreparedCache, TensorEntry, flat_again, nested
 from loaders.order import epoch_batches, epoch_order
-from loaders.region import RegionRead, plan_read, read_regions
+from loaders.reads import Fetched, Place, Reader
+from loaders.staging import Slot, packed_view, stack, view
 
 
 class _PerItemTail:
@@ -59,7 +58,6 @@ class _PerItemTail:
 
     def run(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """(the batch through the tail, the input item each output came from)."""
-        import torch
 
         from loaders.tail.batched import ragged_error
 
@@ -78,7 +76,7 @@ class _PerItemTail:
                 out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
                 outs.extend(flat_again(o, nested_keys) for o in out)
                 sources.extend([i] * len(out))
-        result = {k: _stack(torch, [_plain(o[k]) for o in outs]) for k in outs[0]}
+        result = {k: stack([_plain(o[k]) for o in outs]) for k in outs[0]}
         ragged = sorted({tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v})
         if ragged:  # MONAI's list_data_collate raises here too
             raise ragged_error(ragged)
@@ -183,8 +181,9 @@ class _PreparedLoaderCore:
         self._resume = 0  # batches of self.epoch already delivered before a load_state_dict
         self._live: list[Any] | None = None  # [epoch, batches delivered, their draws] while an epoch runs
         self._values: dict[int, dict[str, Any]] = {}  # item -> its non-tensor head outputs (class labels, ...)
-        self._backend = backend if isinstance(backend, Backend) else None
-        self._backend_spec, self._backend_options = backend, dict(backend_options or {})
+        self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=verify,
+                             backend_options=backend_options, pooled=False, host_auto=True,
+                             copy_threads=copy_threads)  # fmt: skip
         self.items = np.arange(len(self.cache), dtype=np.int64)
         self.rank, self.world = 0, 1
         self.epoch = 0
@@ -192,9 +191,7 @@ class _PreparedLoaderCore:
         self.tier_bytes = 0
         self._reserved = 0  # bytes promised to the tier by reads in flight
         self._promised: set[int] = set()
-        self._entries: dict[int, list[TensorEntry]] = {}
-        self._region_backend: Backend | None = None
-        self._stager: Any = None
+        self._stager: Any = None  # pinned slots of the batches in flight (on a GPU)
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
 
     def _init_tail(self, transform: Any, keys: Sequence[str] | None) -> None:
@@ -407,7 +404,9 @@ class _PreparedLoaderCore:
         if plan.whole:
             plan.reads["whole"] = self._read_whole(plan.whole, plan.slot)
         if regions:
-            plan.reads["regions"] = self._read_regions(regions, plan.slot + 1)
+            rows, items, windows = zip(*regions)
+            crops = self.reader.plan(items, windows, keys=self.crop_keys, tags=[("row", r) for r in rows], packed=True)
+            plan.reads["regions"] = self.reader.fetch(crops, self._slot(plan.slot + 1))
             if self.pass_keys:  # the keys the crop leaves alone, whole, for the items read as crops
                 cropped = list(dict.fromkeys(item for _, item, _ in regions))
                 plan.reads["pass"] = self._read_whole(cropped, plan.slot + 2, self.pass_keys)
@@ -418,22 +417,21 @@ class _PreparedLoaderCore:
         torch = self.torch
         got: dict[Any, dict[str, Any]] = {}
         batch: dict[str, Any] | None = None
-        for what, (backend, buf, nbytes, places) in plan.reads.items():
-            flat = self._upload(backend, buf, plan.slot + _READS.index(what), nbytes)
+        for what, fetched in plan.reads.items():
+            flat = self.reader.upload(fetched)
+            places = fetched.places
             if what == "regions" and not plan.whole:
-                batch = _packed(torch, flat, places, self.crop_keys, len(plan.rows))
+                batch = _packed(flat, places, self.crop_keys, len(plan.rows))
                 if batch is not None:  # every row's crop, packed by key: no per-row views, no stack
                     continue
             for tag, key, at, dtype, shape in places:  # tag: the item (whole reads) or ("row", r) (crops)
-                nb = math.prod(shape) * np.dtype(dtype).itemsize
-                view = flat[at : at + nb].view(_torch_dtype(torch, dtype)).reshape(shape)
-                got.setdefault(("pass", tag) if what == "pass" else tag, {})[key] = view
+                got.setdefault(("pass", tag) if what == "pass" else tag, {})[key] = view(flat, at, dtype, shape)
         for item in plan.admit:
             self._admit(item, got[item])
         if batch is None:
             batch = self._assemble(plan, got)
         elif self.pass_keys:
-            batch.update({k: _stack(torch, [got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
+            batch.update({k: stack([got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
         if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
             batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
             out, origin = self._ragged_tail.run(batch)
@@ -509,149 +507,51 @@ class _PreparedLoaderCore:
                 if window is not None and whole and key not in self.pass_keys:
                     t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*window)))]
                 per_key[key].append(t)
-        return {key: _stack(self.torch, ts) for key, ts in per_key.items()}
+        return {key: stack(ts) for key, ts in per_key.items()}
 
     def _admit(self, item: int, tensors: dict[str, Any]) -> None:
         if item not in self.tier:
             self.tier[item] = {k: t.clone() for k, t in tensors.items()}  # not a view of the batch buffer
             self.tier_bytes += self._nbytes(item)
 
-    # --- reads ---
+    # --- reads (loaders.reads) ---
     @property
     def backend(self) -> Backend:
         """The backend whole items are read through (built on first use). "auto" picks a host backend:
         its reads land in pinned staging and go up with one async copy, as region reads must anyway."""
-        if self._backend is None:
-            name = self._backend_spec if isinstance(self._backend_spec, str) else "auto"
-            device = "cpu" if name == "auto" else str(self.device)
-            self._backend = get_backend(name, device=device, **self._backend_options)
-        return self._backend
-
-    @property
-    def region_backend(self) -> Backend:
-        """The backend crops are read through: a host one (regions are assembled in host memory)."""
-        if not self.backend.gpu:
-            return self.backend
-        if self._region_backend is None:
-            self._region_backend = get_backend("auto", device="cpu")
-        return self._region_backend
+        return self.reader.backend
 
     def entries(self, item: int) -> list[TensorEntry]:
         """The loaded tensors of `item`, in key order."""
-        got = self._entries.get(item)
-        if got is None:
-            got = [e for e in self.cache.entries(item) if e.key in self.keys]
-            got.sort(key=lambda e: self.keys.index(e.key))
-            self._entries[item] = got
-        return got
+        return self.reader.entries(item)
 
     def _nbytes(self, item: int) -> int:
-        return sum(e.nbytes for e in self.entries(item))
+        return self.reader.nbytes(item)
 
-    def _host(self, backend: Backend, slot: int, nbytes: int) -> np.ndarray:
-        """Memory to read into: a pinned staging slot for a GPU (host backends), else the backend's own."""
-        if self.gpu and not backend.gpu:
-            if self._stager is None:
-                from loaders.gpu import PinnedStager
+    def _slot(self, slot: int) -> Slot | None:
+        """Pinned staging slot `slot` (modulo the count) for reads that go to the GPU; None on the CPU."""
+        if not self.gpu:
+            return None
+        if self._stager is None:
+            self._stager = self.reader.stager(len(_READS) * (self.prefetch + 2))
+        return Slot(self._stager, slot)
 
-                self._stager = PinnedStager(str(self.device), slots=len(_READS) * (self.prefetch + 2))
-            return self._stager.host(slot % self._stager.slots, nbytes)  # type: ignore[no-any-return]
-        return backend.allocate(max(nbytes, 1))  # type: ignore[no-any-return]
-
-    def _upload(self, backend: Backend, buf: Any, slot: int, nbytes: int) -> Any:
-        """The bytes as one uint8 tensor on the device (one async copy when staged)."""
-        torch = self.torch
-        if self.gpu and not backend.gpu:
-            return self._stager.upload(slot % self._stager.slots, nbytes)
-        if backend.gpu:
-            return torch.as_tensor(buf[:nbytes], device=self.device)
-        return torch.from_numpy(np.asarray(buf[:nbytes]))
-
-    def _read_whole(
-        self, items: list[int], slot: int, keys: Sequence[str] | None = None
-    ) -> tuple[Backend, Any, int, list[tuple]]:
-        """Whole items (their `keys`, default all), every tensor in flight in one backend call, into one
-        staging buffer."""
-        places: list[tuple[int, str, int, np.dtype, tuple[int, ...]]] = []
-        entries: list[TensorEntry] = []
-        pos = 0
-        for item in items:
-            for e in self.entries(item):
-                if keys is not None and e.key not in keys:
-                    continue
-                places.append((item, e.key, pos, e.dtype, tuple(e.shape)))
-                entries.append(e)
-                pos += align_up(e.nbytes)
-        backend = self.backend
-        buf = self._host(backend, slot, pos)
-        requests = [ReadRequest(e.shard, e.offset, e.nbytes) for e in entries]
-        targets = [buf[p[2] : p[2] + e.nbytes] for p, e in zip(places, entries)]
-        try:
-            backend.read_into(requests, targets)
-        except BackendError as exc:
-            raise BackendError(f"{self.cache.root}: {exc}; rebuild the cache with `prep cache --force`") from exc
-        if self.verify:
-            for e, data in zip(entries, targets):
-                check(e, np.asarray(data.get() if hasattr(data, "get") else data))
-        return backend, buf, pos, places
-
-    def _read_regions(self, crops: list[tuple[int, int, Window]], slot: int) -> tuple[Backend, Any, int, list]:
-        """The crops of a batch's rows: every region in one `read_regions` call, landing in one staging
-        buffer (warm regions are copied straight into it)."""
-        reads: list[tuple[Any, RegionRead]] = []
-        for key in self.crop_keys:  # key-major: each key's crops land side by side (one batch view)
-            for r, item, (start, shape) in crops:
-                for e in self.entries(item):
-                    if e.key != key:
-                        continue
-                    lead = len(e.shape) - len(start)
-                    reads.append((("row", r), plan_read(e, [0] * lead + start, list(e.shape[:lead]) + shape)))
-        sizes = [align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in reads]
-        total = sum(sizes)
-        backend = self.region_backend
-        buf = self._host(backend, slot, 2 * total)  # regions land in the first half; the second takes copies
-        base = buf.ctypes.data
-        cursor = [0]
-
-        def allocate(nbytes: int) -> Any:
-            at = cursor[0]
-            if at + nbytes > total:  # scratch slabs of cold reads: ordinary memory
-                return aligned_empty(nbytes)
-            cursor[0] = at + align_up(nbytes)
-            return buf[at : at + nbytes]
-
-        arrays = read_regions(backend, [r for _, r in reads], allocate=allocate, groups=self.copy_threads)
-        places, spare, end = [], total, 0
-        for (tag, read), a, size in zip(reads, arrays, sizes):
-            at = a.ctypes.data - base
-            if not (0 <= at < total and a.flags.c_contiguous):  # not in the buffer: one copy into it
-                at, spare = spare, spare + size
-                np.asarray(buf[at : at + a.nbytes]).view(a.dtype).reshape(a.shape)[...] = a
-            places.append((tag, read.entry.key, at, a.dtype, tuple(a.shape)))
-            end = max(end, at + a.nbytes)
-        return backend, buf, end, places
+    def _read_whole(self, items: list[int], slot: int, keys: Sequence[str] | None = None) -> Fetched:
+        """Whole items (their `keys`, default all), item-major, every tensor in flight in one backend call."""
+        return self.reader.fetch(self.reader.plan(items, keys=keys, key_major=False), self._slot(slot))
 
     def close(self) -> None:
         """Release the backend and the device tier."""
-        for backend in {id(b): b for b in (self._backend, self._region_backend) if b is not None}.values():
-            backend.close()
+        self.reader.close()
         self.tier.clear()
         self._promised.clear()
         self.tier_bytes = self._reserved = 0
 
 
 _READS = ("whole", "regions", "pass")  # a batch's reads, each into its own staging slot
-_TORCH_DTYPES: dict[np.dtype, Any] = {}
 
 
-def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
-    got = _TORCH_DTYPES.get(dtype)
-    if got is None:
-        got = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    return got
-
-
-def _packed(torch: Any, flat: Any, places: list[tuple], keys: list[str], n: int) -> dict[str, Any] | None:
+def _packed(flat: Any, places: list[Place], keys: list[str], n: int) -> dict[str, Any] | None:
     """Each key's `n` crops as one (n, ...) view of `flat` when they lie back to back in batch order with
     equal shapes (key-major region reads of one batch); None otherwise."""
     if len(places) != n * len(keys):
@@ -659,18 +559,11 @@ def _packed(torch: Any, flat: Any, places: list[tuple], keys: list[str], n: int)
     out = {}
     for j, key in enumerate(keys):
         run = places[j * n : (j + 1) * n]
-        _, _, at, dtype, shape = run[0]
-        nb = math.prod(shape) * np.dtype(dtype).itemsize
-        if at % np.dtype(dtype).itemsize or any(
-            p[1] != key or p[2] != at + i * nb or p[3] != dtype or p[4] != shape for i, p in enumerate(run)
-        ):
+        got = packed_view(flat, run) if run[0][1] == key else None
+        if got is None:
             return None
-        out[key] = flat[at : at + n * nb].view(_torch_dtype(torch, dtype)).reshape(n, *shape)
+        out[key] = got
     return out
-
-
-def _stack(torch: Any, tensors: list[Any]) -> Any:
-    return torch.stack(tensors) if all(t.shape == tensors[0].shape for t in tensors) else tensors
 
 
 PreparedLoader = _PreparedLoaderCore

@@ -31,6 +31,7 @@ import numpy as np
 from loaders.backends.base import Backend, PageCacheProbe, ReadRequest
 from loaders.format import ALIGN, TensorEntry, align_up
 from loaders.layout import open_read
+from loaders.staging import host_array
 
 # Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
 # queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
@@ -208,7 +209,7 @@ def read_regions(
     targets = [t for r, at in zip(reads, offsets) for t in r.targets(buf, at)]
     if backend.gpu:
         backend.read_into(requests, targets)
-        host: Any = buf.get() if hasattr(buf, "get") else buf.cpu().numpy()  # cupy array or torch CUDA tensor
+        host: Any = host_array(buf)  # a cupy array or torch CUDA tensor, copied down
     else:
         if warm:
             if groups is None:
