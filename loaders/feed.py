@@ -46,6 +46,7 @@ from loaders.format import PreparedCache, TensorEntry, flat_again, nested
 from loaders.order import epoch_batches, epoch_order
 from loaders.reads import Fetched, Place, Reader
 from loaders.staging import Slot, packed_view, stack, view
+from loaders.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
 
 
 class _PerItemTail:
@@ -169,7 +170,11 @@ class _PreparedLoaderCore:
             raise ValueError(f"PreparedLoader: device={device!r} but this torch sees no CUDA GPU; pass device='cpu'")
         self.device = self.torch.device(device)
         self.gpu = self.device.type == "cuda"
-        self.budget = self._auto_budget() if gpu_budget == "auto" else args.parse_bytes(gpu_budget, "gpu_budget")
+        self.budget = (
+            auto_budget(self.device, self.cache.root, self.keys)
+            if gpu_budget == "auto"
+            else args.parse_bytes(gpu_budget, "gpu_budget")
+        )
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
@@ -187,10 +192,7 @@ class _PreparedLoaderCore:
         self.items = np.arange(len(self.cache), dtype=np.int64)
         self.rank, self.world = 0, 1
         self.epoch = 0
-        self.tier: dict[int, dict[str, Any]] = {}  # item -> whole tensors on the device
-        self.tier_bytes = 0
-        self._reserved = 0  # bytes promised to the tier by reads in flight
-        self._promised: set[int] = set()
+        self.tier = DeviceTier(self.budget)  # whole items on the device (loaders.tier)
         self._stager: Any = None  # pinned slots of the batches in flight (on a GPU)
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
 
@@ -332,7 +334,7 @@ class _PreparedLoaderCore:
             # state) goes on from the last batch the user received, as MONAI's per-item chain would
             self._draws.put(self._live[2])
             self._live = None
-            self._promised, self._reserved = set(self.tier), self.tier_bytes
+            self.tier.settle()
 
     def _handover(self, batch: dict[str, Any], event: Any) -> dict[str, Any]:
         """A batch finished on the read thread's stream, made safe to use on the caller's stream."""
@@ -389,10 +391,7 @@ class _PreparedLoaderCore:
         for item in dict.fromkeys(plan.items):
             if item in self.tier:
                 continue
-            nbytes = self._nbytes(item)
-            if self._reserved + nbytes <= self.budget and item not in self._promised:
-                self._reserved += nbytes
-                self._promised.add(item)
+            if self.tier.reserve(item, self._nbytes(item)):
                 plan.admit.add(item)
                 plan.whole.append(item)
             elif self.fold is None or self.crop_read is False:
@@ -427,7 +426,7 @@ class _PreparedLoaderCore:
             for tag, key, at, dtype, shape in places:  # tag: the item (whole reads) or ("row", r) (crops)
                 got.setdefault(("pass", tag) if what == "pass" else tag, {})[key] = view(flat, at, dtype, shape)
         for item in plan.admit:
-            self._admit(item, got[item])
+            self.tier.admit(item, got[item], self._nbytes(item))
         if batch is None:
             batch = self._assemble(plan, got)
         elif self.pass_keys:
@@ -439,13 +438,6 @@ class _PreparedLoaderCore:
             out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         return self._with_values(out)
-
-    def _auto_budget(self) -> int:
-        """gpu_budget="auto": the dataset when it fits in half the device's free memory, else that half."""
-        if not self.gpu:
-            return 0
-        free, _ = self.torch.cuda.mem_get_info(self.device)
-        return min(dataset_bytes(self.cache.root, self.keys), free // 2)
 
     # --- non-tensor outputs of the head (class labels, names): batched as MONAI's list_data_collate does ---
     def _value_keys(self, keys: Sequence[str] | None, tail: Sequence[Any]) -> list[str]:
@@ -509,10 +501,10 @@ class _PreparedLoaderCore:
                 per_key[key].append(t)
         return {key: stack(ts) for key, ts in per_key.items()}
 
-    def _admit(self, item: int, tensors: dict[str, Any]) -> None:
-        if item not in self.tier:
-            self.tier[item] = {k: t.clone() for k, t in tensors.items()}  # not a view of the batch buffer
-            self.tier_bytes += self._nbytes(item)
+    @property
+    def tier_bytes(self) -> int:
+        """Bytes the device tier holds."""
+        return self.tier.nbytes
 
     # --- reads (loaders.reads) ---
     @property
@@ -544,8 +536,6 @@ class _PreparedLoaderCore:
         """Release the backend and the device tier."""
         self.reader.close()
         self.tier.clear()
-        self._promised.clear()
-        self.tier_bytes = self._reserved = 0
 
 
 _READS = ("whole", "regions", "pass")  # a batch's reads, each into its own staging slot
@@ -567,15 +557,6 @@ def _packed(flat: Any, places: list[Place], keys: list[str], n: int) -> dict[str
 
 
 PreparedLoader = _PreparedLoaderCore
-
-
-def dataset_bytes(cache_dir: str | Path, keys: Sequence[str] | None = None) -> int:
-    """Bytes of every tensor (of `keys`) in a cache: what holding it whole on a device costs."""
-    cache = PreparedCache(cache_dir)
-    if not len(cache.index):
-        return 0
-    wanted = [i for i, k in enumerate(cache.keys) if keys is None or k in keys]
-    return int(np.asarray(cache.index["nbytes"])[np.isin(cache.index["key"], wanted)].sum())
 
 
 __all__ = ["PreparedLoader", "dataset_bytes", "parse_bytes"]
