@@ -40,66 +40,15 @@ from loaders import args, state
 from loaders.args import parse_bytes  # re-exported: loaders.feed.parse_bytes
 from loaders.backends import Backend
 from loaders.deps import require
-from loaders.errors import ArgumentTypeError, FormatError
+from loaders.errors import ArgumentTypeError
 from loaders.folds import Window, split_fold
-from loaders.format import PreparedCache, TensorEntry, flat_again, nested
+from loaders.format import PreparedCache, TensorEntry
 from loaders.order import epoch_batches, epoch_order
 from loaders.reads import Fetched, Place, Reader
 from loaders.staging import Slot, packed_view, stack, view
+from loaders.tails import loader_tails
 from loaders.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
-
-
-class _PerItemTail:
-    """The tail through MONAI, item by item (items of unequal shapes, or no `loaders.tail.BatchedTail`)."""
-
-    def __init__(self, transforms: Sequence[Any], device: Any = None, options: dict[str, Any] | None = None) -> None:
-        from monai.transforms import Compose
-
-        self.compose = Compose(list(transforms), **(options or {})) if transforms else None
-
-    def run(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """(the batch through the tail, the input item each output came from)."""
-
-        from loaders.tail.batched import ragged_error
-
-        keys = [k for k in batch if not k.startswith("_")]
-        n = len(batch[keys[0]])
-        if self.compose is None:
-            outs: list[dict[str, Any]] = [{k: batch[k][i] for k in keys} for i in range(n)]
-            sources = list(range(n))
-        else:
-            outs, sources = [], []
-            for i in range(n):
-                # the head's nested outputs (ClassesToIndicesd's index list, cached as "key/0", "key/1", ...)
-                # reach MONAI as it made them, and its outputs are flat again for the batch
-                item, nested_keys = nested({k: batch[k][i] for k in keys})
-                out = self.compose(item)
-                out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
-                outs.extend(flat_again(o, nested_keys) for o in out)
-                sources.extend([i] * len(out))
-        result = {k: stack([_plain(o[k]) for o in outs]) for k in outs[0]}
-        ragged = sorted({tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v})
-        if ragged:  # MONAI's list_data_collate raises here too
-            raise ragged_error(ragged)
-        return result, sources
-
-
-def _plain(t: Any) -> Any:
-    return t.as_tensor() if hasattr(t, "as_tensor") else t
-
-
-def batched_tail(transforms: Sequence[Any], device: Any, options: dict[str, Any] | None = None) -> Any:
-    """`loaders.tail.BatchedTail` over `transforms` (with the user's Compose options) when installed, else
-    MONAI per item."""
-    try:
-        from loaders.tail import BatchedTail  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return _PerItemTail(transforms, device, options)
-    from monai.transforms import Compose
-
-    if not transforms:
-        return _PerItemTail([], device)
-    return BatchedTail(Compose(list(transforms), **(options or {})), device=device)
+from loaders.values import Values
 
 
 @dataclass
@@ -185,7 +134,6 @@ class _PreparedLoaderCore:
         self._draws = state.Draws(self._seeder.compose, self.fold.transform if self.fold is not None else None)
         self._resume = 0  # batches of self.epoch already delivered before a load_state_dict
         self._live: list[Any] | None = None  # [epoch, batches delivered, their draws] while an epoch runs
-        self._values: dict[int, dict[str, Any]] = {}  # item -> its non-tensor head outputs (class labels, ...)
         self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=verify,
                              backend_options=backend_options, pooled=False, host_auto=True,
                              copy_threads=copy_threads)  # fmt: skip
@@ -213,10 +161,9 @@ class _PreparedLoaderCore:
         self.crop_keys = [k for k in self.keys if k in cropped]
         self.pass_keys = [k for k in self.keys if k not in cropped]
         self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
-        self.tail = batched_tail(rest, self.device, options)
-        self._ragged_tail = _PerItemTail(rest, options=options)  # unequal shapes (no folded crop): MONAI per item
-        self._keys_given = keys  # value keys are filtered by it too
-        self.value_keys = self._value_keys(keys, tail)
+        # batched, and for unequal shapes (no folded crop) MONAI per item: one Compose with the user's options
+        self.tail, self._ragged_tail = loader_tails(rest, self.device, options)
+        self.values = Values(self.cache, keys, tail)
 
     def __reduce__(self) -> Any:
         raise ArgumentTypeError(
@@ -437,49 +384,7 @@ class _PreparedLoaderCore:
         else:
             out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
-        return self._with_values(out)
-
-    # --- non-tensor outputs of the head (class labels, names): batched as MONAI's list_data_collate does ---
-    def _value_keys(self, keys: Sequence[str] | None, tail: Sequence[Any]) -> list[str]:
-        """The head's non-tensor output keys (from item 0's meta line) the batches carry."""
-        from loaders.meta import line_values
-
-        if not len(self.cache):
-            return []
-        names = [k for k in line_values(self.cache.meta(0)) if keys is None or k in keys]
-        for t in tail:
-            used = [k for k in names if k in (getattr(t, "keys", None) or ())]
-            if used:
-                raise ValueError(
-                    f"PreparedLoader: tail transform {type(t).__name__} reads the non-tensor key(s) {used}, which the "
-                    "loader batches after the tail; use PreparedPersistentDataset for this chain"
-                )
-        return names
-
-    def _with_values(self, out: dict[str, Any]) -> dict[str, Any]:
-        """`out` with each value key collated over its outputs' items (a multi-sample crop repeats its item's)."""
-        if not self.value_keys:
-            return out
-        from monai.data.utils import list_data_collate
-
-        from loaders.meta import line_values
-
-        rows = []
-        for item in out["_items"].tolist():
-            got = self._values.get(item)
-            if got is None:
-                values = line_values(self.cache.meta(item))
-                got = self._values[item] = {k: values[k] for k in self.value_keys if k in values}
-                names = {k for k in values if self._keys_given is None or k in self._keys_given}
-                if names != set(self.value_keys):  # MONAI's collate would fail on a batch mixing such items
-                    raise FormatError(
-                        f"{self.cache.root}: item {item}'s non-tensor outputs {sorted(names)} differ from item 0's "
-                        f"{sorted(self.value_keys)}; give every item the same keys (the head's outputs, the datalist's "
-                        "entries) and re-run `prep cache --force`"
-                    )
-            rows.append(got)
-        out.update(list_data_collate(rows))
-        return out
+        return self.values.collate(out)
 
     def _assemble(self, plan: _Plan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:
         """Per key, the batch's rows (resident, whole or crop reads) cropped and stacked (a list if ragged)."""
