@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loaders.errors import StaleError
-from loaders.feed import PreparedLoader, dataset_bytes, parse_bytes
+from loaders.loader import PreparedLoader, dataset_bytes, parse_bytes
 from workflows.bench.train import pipeline_source
 
 CROP = 16
@@ -215,13 +215,13 @@ def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path
     """The crops of a batch land key-major and back to back: each key's batch is one view (no stack)."""
     import torch
 
-    from loaders.feed import _packed
+    from loaders.assembly import _packed
 
     pipeline, cache = prepared
     for shard in (cache / "shards").iterdir():
         shard.read_bytes()  # warm (another test evicts them): warm crops are copied straight into the buffer
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu")
-    plan = loader._fetch(loader._plan([4, 0, 2], 0))
+    plan = loader.assembly.fetch(loader.assembly.plan([4, 0, 2], 0))
     got = plan.reads["regions"]
     buf, nbytes, places = got.buf, got.nbytes, got.places
     assert [p[:2] for p in places] == [(("row", r), k) for k in ("image", "label") for r in range(3)]

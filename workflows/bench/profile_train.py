@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from loaders.feed import PreparedLoader
+    from loaders.loader import PreparedLoader
 
     size, crop, batch, count, workers = DEFAULTS[a.workload]
     opts = TrainOptions(size, crop, batch, 2, workers, a.device, count, workload=a.workload)

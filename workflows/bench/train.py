@@ -331,7 +331,7 @@ def fast_path(
     pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, **options: Any
 ) -> TrainRow:
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
-    from loaders.feed import PreparedLoader
+    from loaders.loader import PreparedLoader
 
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
@@ -353,7 +353,7 @@ def _require_gpu(opts: TrainOptions, what: str) -> None:
 
 def gpu_budget(opts: TrainOptions) -> int:
     """--gpu-budget in bytes; default: the device's free memory less 8 GiB for the model (0 on CPU)."""
-    from loaders.feed import parse_bytes
+    from loaders.loader import parse_bytes
 
     if opts.gpu_budget is not None:
         return parse_bytes(opts.gpu_budget)
@@ -367,7 +367,7 @@ def gpu_budget(opts: TrainOptions) -> int:
 
 def run(opts: TrainOptions, work: Path) -> Rows:
     """Every row that applies here, in one run (the ceiling first; `opts.rows` picks the others)."""
-    from loaders.feed import dataset_bytes
+    from loaders.loader import dataset_bytes
 
     datalist, pipeline, cache = build_data(opts, work)
     nbytes = dataset_bytes(cache)

@@ -21,6 +21,11 @@ never waits:
   the page cache or the disk;
 - DDP: `shard(rank, world)` and `set_epoch(epoch)`, as `DistributedSampler`: a different split every
   epoch, every item once per epoch across ranks.
+
+A batch goes order (`loaders.order`) -> folds (`loaders.folds`) -> Reader (`loaders.reads`) -> staging
+(`loaders.staging`) -> tier (`loaders.tier`) -> tail (`loaders.tails`), one batch's steps held by
+`loaders.assembly.BatchAssembly`. This module holds the loader itself: its order, the read thread and the
+hand-over of its batches, and the loader state (`state_dict`, `loaders.state`).
 """
 
 from __future__ import annotations
@@ -30,42 +35,24 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loaders import args, state
-from loaders.args import parse_bytes  # re-exported: loaders.feed.parse_bytes
+from loaders.args import parse_bytes  # re-exported: loaders.loader.parse_bytes
+from loaders.assembly import BatchAssembly
 from loaders.backends import Backend
 from loaders.deps import require
 from loaders.errors import ArgumentTypeError
-from loaders.folds import Window, split_fold
-from loaders.format import PreparedCache, TensorEntry
+from loaders.format import PreparedCache
 from loaders.order import epoch_batches, epoch_order
-from loaders.reads import Fetched, Place, Reader
-from loaders.staging import Slot, packed_view, stack, view
-from loaders.tails import loader_tails
+from loaders.reads import Reader
 from loaders.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
-from loaders.values import Values
 
 
-@dataclass
-class _Plan:
-    """One batch: its items, its output rows (item, folded window or None; a multi-sample crop gives an item
-    several rows) and what the read thread left in host (or device) memory for the consumer to assemble."""
-
-    items: list[int]
-    rows: list[tuple[int, Window | None]]
-    slot: int = 0
-    early: dict[int, Any] = field(default_factory=dict)  # random states right after the fold drew its windows
-    whole: list[int] = field(default_factory=list)  # items read whole
-    admit: set[int] = field(default_factory=set)  # of them, those the tier takes
-    reads: dict[str, Any] = field(default_factory=dict)  # "whole" / "regions" -> (backend, buf, nbytes, places)
-
-
-class _PreparedLoaderCore:
+class PreparedLoader:
     """Batches ready for the model from a prepared cache + the full MONAI transform (see module doc).
 
     cache_dir: a `prep cache` output made with this transform's head. transform: the full pipeline.
@@ -128,42 +115,20 @@ class _PreparedLoaderCore:
         self.prefetch = max(1, prefetch)
         self.verify = verify
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
+        self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=verify,
+                             backend_options=backend_options, pooled=False, host_auto=True,
+                             copy_threads=copy_threads)  # fmt: skip
+        self.tier = DeviceTier(self.budget)  # whole items on the device (loaders.tier)
         with keep_random_states(transform):  # the chain's split and the Composes built here would re-seed it
-            self._init_tail(transform, keys)
+            self.assembly = BatchAssembly(transform, self.cache, keys, self.reader, self.tier, crop_read, self.prefetch)
         self._seeder = exact.Seeder(transform)
         self._draws = state.Draws(self._seeder.compose, self.fold.transform if self.fold is not None else None)
         self._resume = 0  # batches of self.epoch already delivered before a load_state_dict
         self._live: list[Any] | None = None  # [epoch, batches delivered, their draws] while an epoch runs
-        self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=verify,
-                             backend_options=backend_options, pooled=False, host_auto=True,
-                             copy_threads=copy_threads)  # fmt: skip
         self.items = np.arange(len(self.cache), dtype=np.int64)
         self.rank, self.world = 0, 1
         self.epoch = 0
-        self.tier = DeviceTier(self.budget)  # whole items on the device (loaders.tier)
-        self._stager: Any = None  # pinned slots of the batches in flight (on a GPU)
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
-
-    def _init_tail(self, transform: Any, keys: Sequence[str] | None) -> None:
-        """Check the head, refuse what cannot equal MONAI (`loaders.exact`), split off the crop to fold."""
-        from loaders import chain, exact
-
-        chain.check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
-        _, tail = chain.split(transform)
-        exact.refuse_meta_readers(tail)
-        options = chain.compose_options(transform)
-        self.fold: Any = None
-        rest = list(tail)
-        if exact.folds(tail, options):
-            self.fold, rest = split_fold(tail, self.keys, self.cache)
-        # keys the fold crops; the others (CropForegroundd's coordinates, ...) pass through whole, as MONAI's do
-        cropped = set(self.fold.transform.keys) if self.fold is not None else set(self.keys)
-        self.crop_keys = [k for k in self.keys if k in cropped]
-        self.pass_keys = [k for k in self.keys if k not in cropped]
-        self._spatial_key = self.fold.spatial_key(self.crop_keys) if self.fold is not None else None
-        # batched, and for unequal shapes (no folded crop) MONAI per item: one Compose with the user's options
-        self.tail, self._ragged_tail = loader_tails(rest, self.device, options)
-        self.values = Values(self.cache, keys, tail)
 
     def __reduce__(self) -> Any:
         raise ArgumentTypeError(
@@ -172,7 +137,7 @@ class _PreparedLoaderCore:
         )
 
     # --- order ---
-    def shard(self, rank: int, world: int) -> _PreparedLoaderCore:
+    def shard(self, rank: int, world: int) -> PreparedLoader:
         """This loader as DDP rank `rank` of `world`: each epoch's shuffled order split across ranks."""
         args.shard(rank, world)
         self.rank, self.world = rank, world
@@ -189,7 +154,7 @@ class _PreparedLoaderCore:
             self._resume = 0
         self.epoch = epoch
 
-    def set_random_state(self, seed: int) -> _PreparedLoaderCore:
+    def set_random_state(self, seed: int) -> PreparedLoader:
         """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
         nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
         self._seeder.set_random_state(None if seed is None else args.seed(seed))
@@ -266,7 +231,7 @@ class _PreparedLoaderCore:
                     batch, event, snap = got
                     batch = self._handover(batch, event)
                 else:
-                    batch = self._finish(got)
+                    batch = self.assembly.finish(got)
                     snap = self._draws.after(got.early)
                 self._live = [epoch, k + 1, snap]
                 yield batch
@@ -302,166 +267,44 @@ class _PreparedLoaderCore:
             for k, chunk in enumerate(chunks, start=base):
                 if stop.is_set():
                     return
-                plan = self._plan([int(i) for i in chunk], k)
+                plan = self.assembly.plan([int(i) for i in chunk], k)
                 plan.early = self._draws.take(self._draws.early)
-                plan = self._fetch(plan)
+                plan = self.assembly.fetch(plan)
                 if not self.tail_thread:
                     out.put(plan)
                     continue
                 event = None
                 if self.gpu:
                     with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-                        batch = self._finish(plan)
+                        batch = self.assembly.finish(plan)
                         event = torch.cuda.Event()
                         event.record(self._side)
                 else:
-                    batch = self._finish(plan)
+                    batch = self.assembly.finish(plan)
                 out.put((batch, event, self._draws.after(plan.early)))
         except BaseException as exc:  # noqa: BLE001  (handed to the consumer, raised there)
             out.put(exc)
-
-    def _plan(self, items: list[int], k: int) -> _Plan:
-        """Draw the folded crop's windows per item, in batch order (as MONAI's per-item tail draws them)."""
-        rows: list[tuple[int, Window | None]] = []
-        for item in items:
-            if self.fold is None:
-                rows.append((item, None))
-                continue
-            spatial = next(e.shape[1:] for e in self.entries(item) if e.key == self._spatial_key)
-            rows.extend((item, w) for w in self.fold.draw(item, spatial))
-        return _Plan(items, rows, slot=len(_READS) * k)
-
-    def _fetch(self, plan: _Plan) -> _Plan:
-        """Read what the tier does not hold: whole items (those the tier will take, or all without a folded
-        crop or with crop_read=False) and the crops of the others, into staging memory."""
-        regions: list[tuple[int, int, Window]] = []  # (row, item, window)
-        for item in dict.fromkeys(plan.items):
-            if item in self.tier:
-                continue
-            if self.tier.reserve(item, self._nbytes(item)):
-                plan.admit.add(item)
-                plan.whole.append(item)
-            elif self.fold is None or self.crop_read is False:
-                plan.whole.append(item)
-        whole = set(plan.whole)
-        for r, (item, window) in enumerate(plan.rows):
-            if window is not None and item not in whole and item not in self.tier:
-                regions.append((r, item, window))
-        if plan.whole:
-            plan.reads["whole"] = self._read_whole(plan.whole, plan.slot)
-        if regions:
-            rows, items, windows = zip(*regions)
-            crops = self.reader.plan(items, windows, keys=self.crop_keys, tags=[("row", r) for r in rows], packed=True)
-            plan.reads["regions"] = self.reader.fetch(crops, self._slot(plan.slot + 1))
-            if self.pass_keys:  # the keys the crop leaves alone, whole, for the items read as crops
-                cropped = list(dict.fromkeys(item for _, item, _ in regions))
-                plan.reads["pass"] = self._read_whole(cropped, plan.slot + 2, self.pass_keys)
-        return plan
-
-    def _finish(self, plan: _Plan) -> dict[str, Any]:
-        """Upload, admit to the tier, crop, stack and run the rest of the tail, on the current stream."""
-        torch = self.torch
-        got: dict[Any, dict[str, Any]] = {}
-        batch: dict[str, Any] | None = None
-        for what, fetched in plan.reads.items():
-            flat = self.reader.upload(fetched)
-            places = fetched.places
-            if what == "regions" and not plan.whole:
-                batch = _packed(flat, places, self.crop_keys, len(plan.rows))
-                if batch is not None:  # every row's crop, packed by key: no per-row views, no stack
-                    continue
-            for tag, key, at, dtype, shape in places:  # tag: the item (whole reads) or ("row", r) (crops)
-                got.setdefault(("pass", tag) if what == "pass" else tag, {})[key] = view(flat, at, dtype, shape)
-        for item in plan.admit:
-            self.tier.admit(item, got[item], self._nbytes(item))
-        if batch is None:
-            batch = self._assemble(plan, got)
-        elif self.pass_keys:
-            batch.update({k: stack([got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
-        if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
-            batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
-            out, origin = self._ragged_tail.run(batch)
-        else:
-            out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
-        out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
-        return self.values.collate(out)
-
-    def _assemble(self, plan: _Plan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:
-        """Per key, the batch's rows (resident, whole or crop reads) cropped and stacked (a list if ragged)."""
-        per_key: dict[str, list[Any]] = {key: [] for key in self.keys}
-        for r, (item, window) in enumerate(plan.rows):
-            resident = item in self.tier
-            whole = resident or item in plan.whole
-            tensors = (
-                self.tier[item]
-                if resident
-                else got[item]
-                if whole
-                else {**got[("row", r)], **got.get(("pass", item), {})}
-            )
-            for key in self.keys:
-                t = tensors[key]
-                if window is not None and whole and key not in self.pass_keys:
-                    t = t[(slice(None), *(slice(a, a + n) for a, n in zip(*window)))]
-                per_key[key].append(t)
-        return {key: stack(ts) for key, ts in per_key.items()}
 
     @property
     def tier_bytes(self) -> int:
         """Bytes the device tier holds."""
         return self.tier.nbytes
 
-    # --- reads (loaders.reads) ---
     @property
     def backend(self) -> Backend:
         """The backend whole items are read through (built on first use). "auto" picks a host backend:
         its reads land in pinned staging and go up with one async copy, as region reads must anyway."""
         return self.reader.backend
 
-    def entries(self, item: int) -> list[TensorEntry]:
-        """The loaded tensors of `item`, in key order."""
-        return self.reader.entries(item)
-
-    def _nbytes(self, item: int) -> int:
-        return self.reader.nbytes(item)
-
-    def _slot(self, slot: int) -> Slot | None:
-        """Pinned staging slot `slot` (modulo the count) for reads that go to the GPU; None on the CPU."""
-        if not self.gpu:
-            return None
-        if self._stager is None:
-            self._stager = self.reader.stager(len(_READS) * (self.prefetch + 2))
-        return Slot(self._stager, slot)
-
-    def _read_whole(self, items: list[int], slot: int, keys: Sequence[str] | None = None) -> Fetched:
-        """Whole items (their `keys`, default all), item-major, every tensor in flight in one backend call."""
-        return self.reader.fetch(self.reader.plan(items, keys=keys, key_major=False), self._slot(slot))
+    @property
+    def fold(self) -> Any:
+        """The crop at the start of the tail folded into the reads (`loaders.folds`), or None."""
+        return self.assembly.fold
 
     def close(self) -> None:
         """Release the backend and the device tier."""
         self.reader.close()
         self.tier.clear()
-
-
-_READS = ("whole", "regions", "pass")  # a batch's reads, each into its own staging slot
-
-
-def _packed(flat: Any, places: list[Place], keys: list[str], n: int) -> dict[str, Any] | None:
-    """Each key's `n` crops as one (n, ...) view of `flat` when they lie back to back in batch order with
-    equal shapes (key-major region reads of one batch); None otherwise."""
-    if len(places) != n * len(keys):
-        return None
-    out = {}
-    for j, key in enumerate(keys):
-        run = places[j * n : (j + 1) * n]
-        got = packed_view(flat, run) if run[0][1] == key else None
-        if got is None:
-            return None
-        out[key] = got
-    return out
-
-
-PreparedLoader = _PreparedLoaderCore
 
 
 __all__ = ["PreparedLoader", "dataset_bytes", "parse_bytes"]
