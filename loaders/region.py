@@ -63,8 +63,6 @@ class CostModel:
 COLD_COST = CostModel(40e-6, 4.5e9)
 # Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
 # machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
-COLD_INFLIGHT = 128
-# Requests in flight for cold region reads (each on its own thread; a device queue wants many).
 COLD_INFLIGHT = 64
 
 

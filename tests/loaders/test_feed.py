@@ -9,7 +9,7 @@ import pytest
 
 from loaders.errors import StaleError
 from loaders.loader import PreparedLoader, dataset_bytes, parse_bytes
-from workflows.bench.train import pipeline_source
+from workflows.bench.train_loop import pipeline_source
 
 CROP = 16
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from workflows.bench.train import DEFAULTS, TrainOptions, build_data, make_step, transform_of
+from workflows.bench.train import DEFAULTS
+from workflows.bench.train_loop import TrainOptions, build_data, make_step, transform_of
 
 
 def main(argv: list[str] | None = None) -> int:

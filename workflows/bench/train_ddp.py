@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.bench.core import Rows
-from workflows.bench.train import TrainOptions, TrainRow, as_result, build_data, time_loop, transform_of
+from workflows.bench.train_loop import TrainOptions, TrainRow, as_result, build_data, time_loop, transform_of
 
 
 def _device(opts: TrainOptions, local_rank: int) -> str:
