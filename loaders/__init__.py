@@ -32,7 +32,7 @@ _LAZY = {
     "collate": "loaders.batches",
     "pad_collate": "loaders.batches",
     "PreparedDataset": "loaders.dataset",
-    "PreparedLoader": "loaders.feed",
+    "PreparedLoader": "loaders.loader",
     "PreparedPersistentDataset": "loaders.monai",
 }
 

@@ -1,5 +1,5 @@
-"""Host buffers that reads land in: a pool of reused buffers, pinned (page-locked) staging memory, and the
-torch dtype of a stored numpy dtype. Shared by the dataset, GPU staging (`loaders.gpu`) and kvikio."""
+"""Host buffers that reads land in: a pool of reused buffers and pinned (page-locked) staging memory. Shared
+by the `Reader` (`loaders.reads`), GPU staging (`loaders.gpu`) and kvikio."""
 
 from __future__ import annotations
 
@@ -59,14 +59,3 @@ def pinned_empty(nbytes: int, align: int = ALIGN) -> tuple[Any, np.ndarray]:
     start = (-raw.data_ptr()) % align
     owner = raw[start : start + max(nbytes, 1)]
     return owner, owner.numpy()
-
-
-def torch_dtype(dtype: np.dtype) -> Any:
-    """The torch dtype of a numpy dtype the cache stores."""
-    import torch
-
-    return {
-        "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "uint16": torch.uint16,
-        "int16": torch.int16, "uint32": torch.uint32, "int32": torch.int32, "uint64": torch.uint64,
-        "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
-    }[np.dtype(dtype).name]  # fmt: skip

@@ -32,7 +32,7 @@ import numpy as np
 from loaders import args
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
 from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError
-from loaders.order import epoch_order
+from loaders.order import dali_shard, epoch_batches, epoch_order
 
 # fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
 DEFAULT_FILE_FILTERS = (
@@ -77,8 +77,7 @@ class _EpochSource:
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, shard_id: int, num_shards: int) -> None:
         args.check_epoch_source(batch_size, shuffle, seed, shard_id, num_shards)  # subclasses call it first too
-        # contiguous shards, as DALI readers split with shard_id/num_shards
-        self.positions = np.arange(n * shard_id // num_shards, n * (shard_id + 1) // num_shards)
+        self.positions = dali_shard(n, shard_id, num_shards)
         if not len(self.positions):  # DALI would stop on a bare StopIteration at its first batch
             raise ArgumentValueError(
                 f"{type(self).__name__}: shard_id {shard_id} of num_shards {num_shards} holds none of the {n} "
@@ -89,7 +88,8 @@ class _EpochSource:
         self.seed = seed
         self.epoch = -1
         self._order: np.ndarray = self.positions
-        self._next = 0
+        self._chunks: list[np.ndarray] = []
+        self._next = 0  # the epoch's next batch
         self._ahead: tuple[tuple[int, int], Future[Any]] | None = None  # ((epoch, start), the read running)
         self._ahead_pool: ThreadPoolExecutor | None = None
 
@@ -101,21 +101,22 @@ class _EpochSource:
         self._settle()
         self.epoch += 1
         self._order = self.positions[epoch_order(len(self.positions), self.seed, self.epoch, shuffle=self.shuffle)]
+        self._chunks = epoch_batches(self._order, self.batch_size, drop_last=False)
         self._next = 0
         return self
 
     def __next__(self) -> Any:
-        start = self._next
-        if start >= len(self._order):
+        k = self._next
+        if k >= len(self._chunks):
             raise StopIteration
-        chunk = [int(i) for i in self._order[start : start + self.batch_size]]
-        self._next += len(chunk)
+        chunk = [int(i) for i in self._chunks[k]]
+        self._next += 1
         if not self.readahead:
             return self._batch(chunk)
         ahead, self._ahead = self._ahead, None
-        batch = ahead[1].result() if ahead is not None and ahead[0] == (self.epoch, start) else self._batch(chunk)
-        if self._next < len(self._order):
-            nxt = [int(i) for i in self._order[self._next : self._next + self.batch_size]]
+        batch = ahead[1].result() if ahead is not None and ahead[0] == (self.epoch, k) else self._batch(chunk)
+        if self._next < len(self._chunks):
+            nxt = [int(i) for i in self._chunks[self._next]]
             if self._ahead_pool is None:
                 self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="blockprep-readahead")
             self._ahead = ((self.epoch, self._next), self._ahead_pool.submit(self._batch, nxt))

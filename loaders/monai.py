@@ -25,17 +25,9 @@ from loaders.backends import Backend
 from loaders.deps import require
 from loaders.errors import StaleError
 from loaders.format import MANIFEST, to_jsonable
-from loaders.meta import from_template, line_source, meta_template, restore_meta
+from loaders.meta import line_source
 
-# restore_meta, meta_template, from_template: defined in loaders.meta, re-exported for old imports
-__all__ = [
-    "PreparedPersistentDataset",
-    "dropin_device",
-    "from_template",
-    "meta_template",
-    "restore_meta",
-    "tail_compose",
-]
+__all__ = ["PersistentCore", "PreparedPersistentDataset", "dropin_device", "keep_random_states", "tail_compose"]
 
 # PersistentDataset options with no meaning over a prepared cache (accepted, so the one-line change works)
 _PERSISTENT_ONLY = ("hash_func", "pickle_module", "pickle_protocol", "hash_transform", "reset_ops_id", "weights_only")
@@ -195,7 +187,7 @@ def _persistent_track_meta() -> bool:
     return True if param is None else bool(param.default)
 
 
-class _PersistentCore:
+class PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
     data: the datalist entries (as for MONAI; matched to cache items by their source entry). transform:
@@ -325,23 +317,15 @@ class _PersistentCore:
         return self
 
 
-def _build() -> type:
-    monai_data = require("monai", "PreparedPersistentDataset").data
-    cls = type(
-        "PreparedPersistentDataset",
-        (_PersistentCore, monai_data.Dataset),
-        {"__module__": __name__, "__doc__": _PersistentCore.__doc__},
-    )
-    globals()["PreparedPersistentDataset"] = cls
-    return cls
-
-
 if TYPE_CHECKING:
-    PreparedPersistentDataset = _PersistentCore
+    from loaders.monai_data import PreparedPersistentDataset
 else:
 
     def __getattr__(name: str) -> Any:
-        # Built on first use (a monai.data.Dataset subclass), so importing this module imports no MONAI.
+        # the monai.data.Dataset lives in loaders.monai_data, so importing this module imports no MONAI
         if name == "PreparedPersistentDataset":
-            return _build()
+            require("monai", "PreparedPersistentDataset")
+            from loaders.monai_data import PreparedPersistentDataset
+
+            return PreparedPersistentDataset
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

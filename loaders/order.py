@@ -11,6 +11,16 @@ same items everywhere. The rule is torch's `DistributedSampler`, so a run that s
 - rank `r` takes positions `r, r + world, r + 2 * world, ...`.
 
 `pad=False` (PreparedDataset.shard(even=False)) neither pads nor cuts: ranks may get one item fewer.
+
+An epoch's order is cut into batches by `epoch_batches` (every reader: `batch_size` positions each, the short
+last one dropped with `drop_last`, the first `start` left out where a stopped run delivered them). DALI's
+sources split their samples by `dali_shard` (contiguous blocks, as DALI's own readers split with
+`shard_id`/`num_shards`) and order each block with `epoch_order`.
+
+Epochs advance by one rule: a pass is the epoch last given to `set_epoch` (or `epoch=`), and a reader that
+counts passes itself moves on by one after each (`PreparedLoader`: 0, 1, 2, ... or e, e + 1, ... after
+`set_epoch(e)`; the DALI sources: one epoch per `iter()`). `PreparedBatches` and `PreparedDataset.shard`
+change epoch only by `set_epoch`, as `DistributedSampler` does.
 """
 
 from __future__ import annotations
@@ -60,3 +70,19 @@ def _permutation(n: int, seed: int) -> np.ndarray:
     generator = torch.Generator()
     generator.manual_seed(seed)
     return torch.randperm(n, generator=generator).numpy().astype(np.int64, copy=False)
+
+
+def epoch_batches(order: np.ndarray, batch_size: int, drop_last: bool, start: int = 0) -> list[np.ndarray]:
+    """`order` cut into batches of `batch_size` positions (the last one shorter, or dropped with
+    `drop_last`), without the first `start` batches (those a stopped run already delivered)."""
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if drop_last and chunks and len(chunks[-1]) < batch_size:
+        chunks.pop()
+    return chunks[start:]
+
+
+def dali_shard(n: int, shard_id: int, num_shards: int) -> np.ndarray:
+    """Positions of samples `0..n-1` that DALI shard `shard_id` of `num_shards` holds: one contiguous block,
+    as DALI's readers split with `shard_id`/`num_shards` (each epoch then orders the block with
+    `epoch_order`)."""
+    return np.arange(n * shard_id // num_shards, n * (shard_id + 1) // num_shards, dtype=np.int64)

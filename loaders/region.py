@@ -31,6 +31,7 @@ import numpy as np
 from loaders.backends.base import Backend, PageCacheProbe, ReadRequest
 from loaders.format import ALIGN, TensorEntry, align_up
 from loaders.layout import open_read
+from loaders.staging import host_array
 
 # Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
 # queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
@@ -62,8 +63,6 @@ class CostModel:
 COLD_COST = CostModel(40e-6, 4.5e9)
 # Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
 # machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
-COLD_INFLIGHT = 128
-# Requests in flight for cold region reads (each on its own thread; a device queue wants many).
 COLD_INFLIGHT = 64
 
 
@@ -208,7 +207,7 @@ def read_regions(
     targets = [t for r, at in zip(reads, offsets) for t in r.targets(buf, at)]
     if backend.gpu:
         backend.read_into(requests, targets)
-        host: Any = buf.get() if hasattr(buf, "get") else buf.cpu().numpy()  # cupy array or torch CUDA tensor
+        host: Any = host_array(buf)  # a cupy array or torch CUDA tensor, copied down
     else:
         if warm:
             if groups is None:

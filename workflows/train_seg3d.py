@@ -135,7 +135,7 @@ def make_dataset(args: Args, loader: str) -> Any:
     transform = load_pipeline(choose_pipeline(args.cache, args.pipeline)).transform
     transform.set_random_state(seed=args.seed)  # the loaders draw the same crops and flips
     if loader == "fast":
-        from loaders.feed import PreparedLoader
+        from loaders.loader import PreparedLoader
 
         fast = PreparedLoader(args.cache, transform, args.batchsize, device=args.device, gpu_budget=args.gpu_budget,
                               backend=args.backend, seed=args.seed, drop_last=False)  # fmt: skip

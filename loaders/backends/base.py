@@ -85,7 +85,7 @@ class FdCache:
             self._fds.clear()
 
 
-def pread_full(fd: int, buf: memoryview, offset: int, path: str = "?") -> int:
+def pread_full(fd: int, buf: memoryview, offset: int) -> int:
     """pread until `buf` is full or end of file; returns bytes read."""
     done = 0
     while done < len(buf):

@@ -71,12 +71,12 @@ class RawDevice:
         lo, hi = offset - offset % a, -(-(offset + n) // a) * a
         fd = self.fd()
         if not self.direct or (lo == offset and hi - lo <= len(out) and _address(out) % a == 0):
-            got = pread_full(fd, out[: n if not self.direct else hi - lo], offset, self.path)
+            got = pread_full(fd, out[: n if not self.direct else hi - lo], offset)
             if got < n:
                 raise BackendError(f"{self.path}: short read at byte {offset} ({got} of {n}); wrong device?")
             return
         scratch = aligned_empty(hi - lo, a)
-        got = pread_full(fd, scratch.data, lo, self.path)
+        got = pread_full(fd, scratch.data, lo)
         if got < offset - lo + n:
             raise BackendError(f"{self.path}: short read at byte {offset} ({got} of {hi - lo}); wrong device?")
         out[:n] = scratch.data[offset - lo : offset - lo + n]

@@ -110,12 +110,12 @@ class DirectBackend(Backend):
     def _piece(self, path: str, view: memoryview, offset: int, warm: bool = False) -> int:
         """Read one aligned piece (any piece when `warm`); returns bytes read (short only at end of file)."""
         if warm:
-            return pread_full(self._buffered.get(path), view, offset, path)
+            return pread_full(self._buffered.get(path), view, offset)
         fd, direct = self._fd(path)
         if not direct:
-            return pread_full(fd, view, offset, path)
+            return pread_full(fd, view, offset)
         if self.page_cache and self._probe.resident(fd, offset, len(view)):
-            return pread_full(self._buffered.get(path), view, offset, path)  # warm: a memory copy
+            return pread_full(self._buffered.get(path), view, offset)  # warm: a memory copy
         done = 0
         while done < len(view):
             try:
@@ -124,7 +124,7 @@ class DirectBackend(Backend):
                 if exc.errno != errno.EINVAL:
                     raise BackendError(f"{path}: read failed at offset {offset + done} ({exc.strerror})") from exc
                 self._fall_back(path, "read")
-                return done + pread_full(self._buffered.get(path), view[done:], offset + done, path)
+                return done + pread_full(self._buffered.get(path), view[done:], offset + done)
             if n == 0 or n % ALIGN:  # an unaligned count means end of file; the next pread would be EINVAL
                 return done + n
             done += n

@@ -236,7 +236,7 @@ class MappedFiles:
             self._warned.add(key)
         if first:
             warnings.warn(f"{path}: {why}; reading it through the filesystem", RuntimeWarning, stacklevel=5)
-        got = pread_full(self._fs.get(path), buf, req.offset, path)
+        got = pread_full(self._fs.get(path), buf, req.offset)
         if got < req.nbytes:
             raise short_read(req, got)
 

@@ -25,7 +25,7 @@ class PosixBackend(Backend):
 
     def _one(self, req: ReadRequest, buf: Any) -> None:
         fd = self._fds.get(req.path)
-        got = pread_full(fd, memoryview(buf)[: req.nbytes].cast("B"), req.offset, req.path)
+        got = pread_full(fd, memoryview(buf)[: req.nbytes].cast("B"), req.offset)
         if got < req.nbytes:
             raise short_read(req, got)
 

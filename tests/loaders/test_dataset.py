@@ -142,13 +142,13 @@ def test_cached_meta_is_fresh_per_item(cache: tuple[Path, list[dict]]) -> None:
 
 
 def test_item_reads_split_into_pieces(cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch) -> None:
-    from loaders import dataset
+    from loaders import reads
 
     root, items = cache
-    monkeypatch.setattr(dataset, "SPLIT_BYTES", 4096)  # 16 KiB image: four pieces
-    monkeypatch.setattr(dataset, "INLINE_BYTES", 0)  # the pooled path, not the small-item one
+    monkeypatch.setattr(reads, "SPLIT_BYTES", 4096)  # 16 KiB image: four pieces
+    monkeypatch.setattr(reads, "INLINE_BYTES", 0)  # the pooled path, not the small-item one
     ds = PreparedDataset(root, keys=["image", "label"], backend=get_backend("posix", threads=8), meta=False)
-    plan = ds._plan(2)
+    plan = ds._plan(2).read
     assert len(plan.requests) == 4 + 1
     assert sum(r.nbytes for r in plan.requests) == sum(e.nbytes for e in plan.entries)
     for i in range(N):
@@ -164,7 +164,7 @@ def test_small_warm_item_reads_on_calling_thread(
     never started) and gives the same tensors as the pooled path."""
     import threading
 
-    from loaders import dataset
+    from loaders import reads
     from loaders.backends.base import PageCacheProbe
 
     if name == "direct" and not PageCacheProbe().available:
@@ -174,7 +174,7 @@ def test_small_warm_item_reads_on_calling_thread(
     for shard in (root / "shards").glob("*.bin"):
         shard.read_bytes()  # warm
     pooled = PreparedDataset(root, keys=keys, backend=get_backend(name, threads=8), meta=False)
-    monkeypatch.setattr(dataset, "INLINE_BYTES", 0)
+    monkeypatch.setattr(reads, "INLINE_BYTES", 0)
     want = [{k: v.clone() for k, v in pooled[i].items()} for i in range(N)]
     assert pooled.backend._pool is not None  # the pooled path did use the pool
     pooled.close()
@@ -192,7 +192,7 @@ def test_small_warm_item_reads_on_calling_thread(
         calls.clear()
         got = ds[i]
         assert calls and set(calls) == {threading.get_ident()}, "read off the calling thread"
-        assert len(calls) == len(ds._plan(ds.items[i]).runs[0]) <= 2  # one pread per run (no short reads here)
+        assert len(calls) == len(ds._plan(ds.items[i]).read.requests) <= 2  # one pread per run (no short reads here)
         _same(got, want[i])
         _same(got, {k: items[i][k] for k in keys})
     assert ds.backend._pool is None
@@ -547,12 +547,12 @@ def test_auto_reads_buffered_when_the_cache_fits_in_memory(
     cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """O_DIRECT never fills the page cache: a cache that fits is read buffered so epoch 2 is a copy."""
-    from loaders import dataset
+    from loaders import reads
 
     root, items = cache
-    assert dataset.fits_in_memory(1 << 20) and not dataset.fits_in_memory(1 << 60)
+    assert reads.fits_in_memory(1 << 20) and not reads.fits_in_memory(1 << 60)
     assert PreparedDataset(root).backend.name == "posix"
-    monkeypatch.setattr(dataset, "fits_in_memory", lambda nbytes, share=0.5: False)
+    monkeypatch.setattr(reads, "fits_in_memory", lambda nbytes, share=0.5: False)
     ds = PreparedDataset(root)
     assert ds.backend.name == "direct"
     _same(ds[3]["label"], items[3]["label"])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from loaders.errors import StaleError
-from loaders.feed import PreparedLoader, dataset_bytes, parse_bytes
-from workflows.bench.train import pipeline_source
+from loaders.loader import PreparedLoader, dataset_bytes, parse_bytes
+from workflows.bench.train_loop import pipeline_source
 
 CROP = 16
 
@@ -215,20 +215,21 @@ def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path
     """The crops of a batch land key-major and back to back: each key's batch is one view (no stack)."""
     import torch
 
-    from loaders.feed import _packed
+    from loaders.assembly import _packed
 
     pipeline, cache = prepared
     for shard in (cache / "shards").iterdir():
         shard.read_bytes()  # warm (another test evicts them): warm crops are copied straight into the buffer
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu")
-    plan = loader._fetch(loader._plan([4, 0, 2], 0))
-    _, buf, nbytes, places = plan.reads["regions"]
+    plan = loader.assembly.fetch(loader.assembly.plan([4, 0, 2], 0))
+    got = plan.reads["regions"]
+    buf, nbytes, places = got.buf, got.nbytes, got.places
     assert [p[:2] for p in places] == [(("row", r), k) for k in ("image", "label") for r in range(3)]
     flat = torch.from_numpy(np.asarray(buf[:nbytes]))
-    packed = _packed(torch, flat, places, ["image", "label"], 3)
+    packed = _packed(flat, places, ["image", "label"], 3)
     assert packed is not None and packed["image"].shape == (3, 1, CROP, CROP, CROP)
     for j, (_, _, at, dtype, shape) in enumerate(places[:3]):
         one = np.asarray(buf[at : at + int(np.prod(shape)) * np.dtype(dtype).itemsize]).view(dtype).reshape(shape)
         np.testing.assert_array_equal(packed["image"][j].numpy(), one)
-    assert _packed(torch, flat, places[::-1], ["image", "label"], 3) is None  # not in batch order: per item
+    assert _packed(flat, places[::-1], ["image", "label"], 3) is None  # not in batch order: per item
     loader.close()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from loaders.errors import FormatError
-from loaders.feed import PreparedLoader
+from loaders.loader import PreparedLoader
 
 HEAD = """
 from monai.transforms import (AsDiscreted, Compose, EnsureChannelFirstd, LoadImaged, RandCropByLabelClassesd,

@@ -81,3 +81,21 @@ def test_readers_share_the_order(tmp_path) -> None:
     loader.set_epoch(3)
     assert [int(b["_items"][0]) for b in loader] == want.tolist()
     assert [int(b["_items"][0]) for b in loader] == epoch_order(n, 11, 4, 1, 2).tolist()  # then moves on
+
+
+def test_epoch_batches_cut_drop_and_start() -> None:
+    from loaders.order import epoch_batches
+
+    order = np.arange(10, dtype=np.int64)
+    assert [c.tolist() for c in epoch_batches(order, 4, False)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [c.tolist() for c in epoch_batches(order, 4, True)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [c.tolist() for c in epoch_batches(order, 4, True, start=1)] == [[4, 5, 6, 7]]
+    assert [c.tolist() for c in epoch_batches(order, 5, True)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert epoch_batches(order[:0], 4, False) == []
+
+
+def test_dali_shard_is_contiguous_and_covers() -> None:
+    from loaders.order import dali_shard
+
+    parts = [dali_shard(10, s, 3) for s in range(3)]
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]

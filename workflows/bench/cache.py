@@ -116,7 +116,7 @@ def prep(data: str, datalist: Path, pipeline: Path, out: Path, workers: int, pro
 def _workload(work: Path, name: str, count: int, size: int, images: int) -> tuple[Path, Path, str]:
     """(datalist, pipeline, description) of a workload, made once per spec and kept."""
     from prep.synth import nifti_dataset
-    from workflows.bench.train import TrainOptions
+    from workflows.bench.train_loop import TrainOptions
     from workflows.bench.workloads import WORKLOADS
 
     if name == "spheres":

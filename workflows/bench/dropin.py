@@ -22,7 +22,7 @@ import typer
 
 from workflows.bench import scenario
 from workflows.bench.core import Options, Result, Rows
-from workflows.bench.train import TrainOptions, build_data, transform_of
+from workflows.bench.train_loop import TrainOptions, build_data, transform_of
 
 
 def _cpu_s() -> float:

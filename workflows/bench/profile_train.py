@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from workflows.bench.train import DEFAULTS, TrainOptions, build_data, make_step, transform_of
+from workflows.bench.train import DEFAULTS
+from workflows.bench.train_loop import TrainOptions, build_data, make_step, transform_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from loaders.feed import PreparedLoader
+    from loaders.loader import PreparedLoader
 
     size, crop, batch, count, workers = DEFAULTS[a.workload]
     opts = TrainOptions(size, crop, batch, 2, workers, a.device, count, workload=a.workload)
@@ -69,7 +70,7 @@ def _loader_only(a: argparse.Namespace) -> int:
 
     import torch
 
-    from loaders.feed import PreparedLoader
+    from loaders.loader import PreparedLoader
 
     size, crop, batch, count, workers = DEFAULTS[a.workload]
     opts = TrainOptions(size, crop, batch, 2, workers, a.device, count, workload=a.workload)

@@ -14,177 +14,28 @@ as waiting; work a loader queued on its own stream for later batches is not wait
 from __future__ import annotations
 
 import ast
-import os
-import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from workflows.bench import scenario
-from workflows.bench.core import Options, Result, Rows, Unavailable
+from workflows.bench.core import Options, Rows, Unavailable
 from workflows.bench.report import PERSISTENT as MONAI_PERSISTENT
-from workflows.bench.workloads import NAMES, WORKLOADS, model_and_loss
+from workflows.bench.train_loop import (
+    TrainOptions,
+    TrainRow,
+    as_result,
+    build_data,
+    time_loop,
+    transform_of,
+)
+from workflows.bench.workloads import NAMES, WORKLOADS
 
 KEYS = ("image", "label")
 CEILING = "compute only (one batch resident, no transforms)"
 PERSISTENT = f"{MONAI_PERSISTENT} + DataLoader"
-
-
-@dataclass
-class TrainOptions:
-    """What one training benchmark run uses."""
-
-    size: int = 160
-    crop: int = 96
-    batch: int = 4
-    epochs: int = 4
-    workers: int = 8
-    device: str = "cuda:0"
-    count: int = 48
-    gpu_budget: str | None = None  # caps GPU-resident peers; None: the device's free memory
-    channels: tuple[int, ...] = (16, 32, 64, 128)
-    out: Path = Path("bench_out")
-    seed: int = 0
-    rows: tuple[str, ...] = ()  # only these rows (names as in ROWS); empty: all
-    workload: str = "spheres"  # a name of workflows.bench.workloads.WORKLOADS
-    shape_range: float | None = None  # volumes' edges vary by +-this fraction; None: the workload's own
-    spacing_range: tuple[float, float] | None = None  # voxel spacings in mm drawn from this range; None: own
-
-    @property
-    def gpu(self) -> bool:
-        """True when training on a CUDA device."""
-        return self.device.startswith("cuda")
-
-
-@dataclass
-class TrainRow:
-    """One way of feeding the loop: what it measured."""
-
-    name: str
-    kind: str  # "ceiling", "peer", "ours"
-    steps: int = 0
-    seconds: float = 0.0
-    wait_seconds: float = 0.0
-    cpu_seconds: float = 0.0  # this process's CPU (every thread; not worker processes) over the timed steps
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def steps_per_s(self) -> float:
-        """Timed steps per second."""
-        return self.steps / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def wait_share(self) -> float:
-        """Share of step time blocked on the next batch (0..1)."""
-        return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
-
-
-def pipeline_source(crop: int) -> str:
-    """PIPELINE.py text of the spheres workload with a `crop`^3 random crop."""
-    return WORKLOADS["spheres"].pipeline(TrainOptions(crop=crop))
-
-
-def build_data(opts: TrainOptions, work: Path) -> tuple[Path, Path, Path]:
-    """(datalist, pipeline, cache): the workload's synthetic data and its prepared cache, reused when present."""
-    from prep.cache import prepare_cache
-
-    load = WORKLOADS[opts.workload]
-    tag = "" if opts.workload == "spheres" else f"{opts.workload}_"
-    vary = f"_r{opts.shape_range}_mm{opts.spacing_range}" if opts.shape_range or opts.spacing_range else ""
-    root = work / f"train_{tag}{opts.count}x{opts.size}_crop{opts.crop}{vary}".replace(" ", "")
-    root.mkdir(parents=True, exist_ok=True)
-    pipeline = root / "pipeline.py"
-    pipeline.write_text(load.pipeline(opts))
-    datalist = root / "nifti" / "dataset.json"
-    if not datalist.is_file():
-        load.data(opts, root / "nifti")
-    cache = root / "cache"
-    if not (cache / "manifest.json").is_file():
-        prepare_cache(datalist, pipeline, cache, workers=max(1, min(opts.workers, os.cpu_count() or 1)))
-    return datalist, pipeline, cache
-
-
-def transform_of(pipeline: Path, seed: int) -> Any:
-    """A fresh full transform from PIPELINE.py, its random tail seeded."""
-    from prep.pipeline import load_pipeline
-
-    transform = load_pipeline(pipeline).transform
-    transform.set_random_state(seed=seed)
-    return transform
-
-
-def make_step(opts: TrainOptions, device: str, ddp: bool = False) -> Callable[[Any, Any], float]:
-    """One training step (forward, the workload's loss, backward, Adam) of a fresh model; returns nothing to
-    sync on. The loading-only workload (gds-seed) has no model: its step does nothing."""
-    import torch
-
-    torch.manual_seed(opts.seed)
-    model, loss_fn = model_and_loss(WORKLOADS[opts.workload].model, opts)
-    if model is None:
-        return lambda image, label: 0.0
-    model = model.to(device)
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if opts.gpu else None)
-    optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    cuda = device.startswith("cuda")
-
-    def step(image: Any, label: Any) -> float:
-        optimiser.zero_grad(set_to_none=True)
-        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda):
-            loss = loss_fn(model(image), label)
-        loss.backward()
-        optimiser.step()
-        return 0.0
-
-    return step
-
-
-def _tensor(x: Any, device: str) -> Any:
-    x = x.as_tensor() if hasattr(x, "as_tensor") else x
-    return x.to(device, non_blocking=True)
-
-
-def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts: TrainOptions,
-              device: str | None = None, ddp: bool = False, note: str = "") -> TrainRow:  # fmt: skip
-    """Train `opts.epochs` epochs over `epochs(e)`; time every epoch after the first."""
-    import torch
-
-    device = device or opts.device
-    step = make_step(opts, device, ddp)
-    # the training stream, as loss.item() syncs it; a loader's own stream (batches ahead) is not waited for
-    sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.startswith("cuda") else (lambda: None)
-    row = TrainRow(name, kind, note=note)
-    for epoch in range(opts.epochs):
-        source = epochs(epoch)
-        expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
-        batches, seen = iter(source), 0
-        cpu0 = time.process_time()
-        while True:
-            t0 = time.perf_counter()
-            batch = next(batches, None)
-            if batch is None:
-                break
-            seen += 1
-            image, label = _tensor(batch["image"], device), _tensor(batch["label"], device)
-            sync()
-            t1 = time.perf_counter()
-            step(image, label)
-            sync()
-            if epoch > 0:
-                row.steps += 1
-                row.wait_seconds += t1 - t0
-                row.seconds += time.perf_counter() - t0
-        if epoch > 0:
-            row.cpu_seconds += time.process_time() - cpu0
-        if expected is not None and seen < expected:  # a loader thread died: its error was printed above
-            raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
-    if row.steps == 0:
-        raise Unavailable(f"{name}: no timed steps (need --epochs >= 2 and count >= batch)")
-    return row
 
 
 def _loader_epochs(loader: Any, stop: Callable[[], None] | None = None) -> Callable[[int], Iterable[Any]]:
@@ -335,7 +186,7 @@ def fast_path(
     pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, **options: Any
 ) -> TrainRow:
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
-    from loaders.feed import PreparedLoader
+    from loaders.loader import PreparedLoader
 
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
@@ -357,7 +208,7 @@ def _require_gpu(opts: TrainOptions, what: str) -> None:
 
 def gpu_budget(opts: TrainOptions) -> int:
     """--gpu-budget in bytes; default: the device's free memory less 8 GiB for the model (0 on CPU)."""
-    from loaders.feed import parse_bytes
+    from loaders.loader import parse_bytes
 
     if opts.gpu_budget is not None:
         return parse_bytes(opts.gpu_budget)
@@ -371,7 +222,7 @@ def gpu_budget(opts: TrainOptions) -> int:
 
 def run(opts: TrainOptions, work: Path) -> Rows:
     """Every row that applies here, in one run (the ceiling first; `opts.rows` picks the others)."""
-    from loaders.feed import dataset_bytes
+    from loaders.loader import dataset_bytes
 
     datalist, pipeline, cache = build_data(opts, work)
     nbytes = dataset_bytes(cache)
@@ -426,13 +277,6 @@ def _best_ceiling(rows: Rows, opts: TrainOptions, steps: int) -> None:
     if again.items_per_s > first.items_per_s:
         first.seconds, first.items, first.extra = again.seconds, again.items, again.extra
     first.note = "best of the first and the last row"
-
-
-def as_result(row: TrainRow, data: str = "train") -> Result:
-    """A harness row: items = timed steps (items/s is steps/s); the wait share goes with it."""
-    cpu = 100 * row.cpu_seconds / row.seconds if row.seconds > 0 else 0.0
-    extra = {"waiting %": 100 * row.wait_share, "process CPU % of a core": round(cpu), **row.extra}
-    return Result(row.name, data, row.steps, row.seconds, 0, row.kind, row.note, extra)
 
 
 # Per workload: (size, crop, batch, count, workers) when the command line does not say (the GPU box's run).

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workflows.bench.core import Rows
-from workflows.bench.train import TrainOptions, TrainRow, as_result, build_data, time_loop, transform_of
+from workflows.bench.train_loop import TrainOptions, TrainRow, as_result, build_data, time_loop, transform_of
 
 
 def _device(opts: TrainOptions, local_rank: int) -> str:
@@ -24,7 +24,7 @@ def _device(opts: TrainOptions, local_rank: int) -> str:
 
 
 def _loader(cache: Path, pipeline: Path, opts: TrainOptions, device: str) -> Any:
-    from loaders.feed import PreparedLoader
+    from loaders.loader import PreparedLoader
 
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=device,
                             gpu_budget=opts.gpu_budget or 0, seed=opts.seed, drop_last=False)  # fmt: skip

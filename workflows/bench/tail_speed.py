@@ -1,6 +1,6 @@
 """Speed sanity: seconds per batch of BatchedTail against MONAI's per-item chain + list_data_collate.
 
-`python -m loaders.tail.speed --size 160 --crop 96 --batch 4 --device cpu` prints one line per chain. Not a
+`python -m workflows.bench.tail_speed --size 160 --crop 96 --batch 4 --device cpu` prints one line per chain. Not a
 benchmark with a ceiling (that is `python -m workflows.benchmark train`); it shows what batching buys.
 """
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("monai")
 
-from loaders.tail import speed  # noqa: E402
+from workflows.bench import tail_speed as speed  # noqa: E402
 
 
 def test_speed_compare_runs_every_chain(capsys: pytest.CaptureFixture[str]) -> None:
