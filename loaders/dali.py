@@ -336,8 +336,8 @@ class BmapSource(_EpochSource):
         files, prefix, unmapped = self.files, self.prefix, self._unmapped
         rels = [files[i][0] for i in positions]
         keys = [prefix + r for r in rels if r not in unmapped]
-        entry = self.bmap.entry
-        read = iter(_read_files(self.backend, keys, [entry(k).size for k in keys]) if keys else [])
+        records = self.bmap.files  # the raw records: a FileEntry per file only for its size costs microseconds
+        read = iter(_read_files(self.backend, keys, [records[k]["size"] for k in keys]) if keys else [])
         changed = getattr(self.backend, "changed", None)
         data = []
         for r in rels:
