@@ -1,6 +1,6 @@
 """Seed 000's GPU variants in one run (issue 25), at small sizes, in a few minutes on the GPU box:
 
-    bash workflows/gpu_kit.sh python3 -m workflows.seeds_gpu --out seeds_gpu_out
+    bash workflows/gpu_kit.sh python3 -m workflows.seeds_gpu --out bench_out/seeds_gpu
     python -m workflows.seeds_gpu --device cpu --count 3 --size 24 --out /tmp/s   # the same path on a CPU box
 
 (a) `prep cache` on seed 000's chain as the notebook writes it (`EnsureTypeD(device=...)` in the head, `SpacingD`,
@@ -50,7 +50,7 @@ def prepare(datalist: Path, pipeline: Path, cache: Path, workers: int) -> dict[s
     manifest = cache / MANIFEST
     quarantined = json.loads(manifest.read_text()).get("quarantined") or [] if manifest.is_file() else None
     return {
-        "command": " ".join(cmd[1:]) + f" --workers {workers}",
+        "command": "python " + " ".join(cmd[1:]) + f" --workers {workers}",
         "exit": done.returncode,
         "seconds": round(seconds, 2),
         "quarantined": None if quarantined is None else len(quarantined),
@@ -180,7 +180,7 @@ def dali_part(out: Path, device: str, images: int, rounds: int) -> dict[str, Any
 
 @app.command()
 def main(
-    out: Annotated[Path, typer.Option(help="working folder: data, caches, summary.json")] = Path("seeds_gpu_out"),
+    out: Annotated[Path, typer.Option(help="working folder: data, caches, summary.json")] = Path("bench_out/seeds_gpu"),
     device: Annotated[str, typer.Option(help="the seed's device (cuda:0 on the GPU box, cpu elsewhere)")] = "cuda:0",
     count: Annotated[int, typer.Option(min=1, help="volumes")] = 12,
     size: Annotated[int, typer.Option(min=8, help="edge of each volume (voxels)")] = 128,
@@ -191,7 +191,7 @@ def main(
 ) -> None:
     """Seed 000's chain through `prep cache` and the drop-in beside MONAI's datasets, and DALI's GPU decoder.
 
-    Example: bash workflows/gpu_kit.sh python3 -m workflows.seeds_gpu --out seeds_gpu_out
+    Example: bash workflows/gpu_kit.sh python3 -m workflows.seeds_gpu --out bench_out/seeds_gpu
     """
     from prep.pipeline import load_pipeline
     from prep.synth import nifti_dataset
