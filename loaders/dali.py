@@ -188,6 +188,31 @@ def read_threads(cores: int) -> int:
     return max(1, min(4, cores // 2))
 
 
+# FileSource's read threads for a batch whose first file is not in the page cache (cold data): the 2-core CPU box
+# read a cold loop-mounted tree at 0.57x fn.readers.file with its one warm-data thread (2026-11-25)
+COLD_READ_THREADS = 8
+_probe: Any = None  # one cachestat(2) probe per process (a ctypes handle: not pickled with a source)
+
+
+def _resident(path: str) -> bool:
+    """Whether all of the file at `path` is in the page cache (True where that cannot be told: no cachestat)."""
+    global _probe
+    from loaders.backends.base import PageCacheProbe
+
+    if _probe is None:
+        _probe = PageCacheProbe()
+    if not _probe.available:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True  # read_whole_files says what is wrong with it
+    try:
+        return bool(_probe.resident(fd, 0, max(os.fstat(fd).st_size, 1)))
+    finally:
+        os.close(fd)
+
+
 class FileSource(_EpochSource):
     """(encoded bytes, label) batches of a class-folder tree, read through `backend`.
 
@@ -197,8 +222,9 @@ class FileSource(_EpochSource):
 
     backend "auto" (default): whole files through the page cache, each batch split over `threads` threads
     in a few slices (one open + fstat + read + close per file: the per-file Python is the cost on small
-    files, so no per-file task); `threads=None`: `read_threads(os.cpu_count())`. Any other name or Backend:
-    that backend, sizes from one stat per file."""
+    files, so no per-file task); `threads=None`: `read_threads(os.cpu_count())`; a batch whose first file is
+    not in the page cache (cachestat) is read on `COLD_READ_THREADS` threads, since waiting reads hold no GIL.
+    Any other name or Backend: that backend, sizes from one stat per file."""
 
     def __init__(
         self,
@@ -230,6 +256,7 @@ class FileSource(_EpochSource):
         super().__init__(len(self.files), batch_size, shuffle, seed, shard_id, num_shards)
         self.threads = threads if threads is not None else read_threads(os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self._own = not isinstance(backend, Backend)
         self.backend: Backend | None = None
         if isinstance(backend, Backend):
@@ -253,11 +280,18 @@ class FileSource(_EpochSource):
         labels = _labels(files, positions)
         if self.backend is not None:
             return _read_files(self.backend, paths, [os.stat(p).st_size for p in paths]), labels
-        if self.threads == 1 or len(paths) < 8:
+        if len(paths) < 8:
             return read_whole_files(paths), labels
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="blockprep-files")
-        step = -(-len(paths) // self.threads)
+        threads = self.threads
+        if threads < COLD_READ_THREADS and not _resident(paths[0]):
+            threads = COLD_READ_THREADS  # reads that wait on the disk hold no GIL: keep several in flight
+        if threads == 1:
+            return read_whole_files(paths), labels
+        if self._pool is None or self._pool_size != threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="blockprep-files"), threads
+        step = -(-len(paths) // threads)
         parts = [self._pool.submit(read_whole_files, paths[i : i + step]) for i in range(0, len(paths), step)]
         return [a for part in parts for a in part.result()], labels
 
@@ -337,8 +371,8 @@ class BmapSource(_EpochSource):
         files, prefix, unmapped = self.files, self.prefix, self._unmapped
         rels = [files[i][0] for i in positions]
         keys = [prefix + r for r in rels if r not in unmapped]
-        entry = self.bmap.entry
-        read = iter(_read_files(self.backend, keys, [entry(k).size for k in keys]) if keys else [])
+        records = self.bmap.files  # the raw records: a FileEntry per file only for its size costs microseconds
+        read = iter(_read_files(self.backend, keys, [records[k]["size"] for k in keys]) if keys else [])
         changed = getattr(self.backend, "changed", None)
         data = []
         for r in rels:

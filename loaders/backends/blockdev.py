@@ -20,23 +20,24 @@ from typing import Any
 
 import numpy as np
 
-from loaders.backends.base import Backend, ReadRequest, aligned_empty, pread_full, short_read
-from loaders.backends.mapped import MappedFiles
+from loaders.backends.base import Backend, PageCacheProbe, ReadRequest, aligned_empty, pread_full, short_read
+from loaders.backends.mapped import MappedFiles, loop_image
 from loaders.bmap import BlockMap, RawSource
 from loaders.errors import BackendError, FormatError
 from loaders.format import ALIGN
 
 
 class RawDevice:
-    """An O_DIRECT reader of a block device or image file at any byte offset (buffered where O_DIRECT is refused)."""
+    """An O_DIRECT reader of a block device or image file at any byte offset (buffered where O_DIRECT is
+    refused, or with `direct=False`: a loop image its driver reads through the page cache)."""
 
-    def __init__(self, path: str, align: int = ALIGN) -> None:
+    def __init__(self, path: str, align: int = ALIGN, direct: bool = True) -> None:
         self.path = path
         self.align = align
         self._fd: int | None = None
         self._pid = -1
         self._lock = threading.Lock()
-        self.direct = True
+        self.direct = direct
 
     def direct_capable(self) -> bool:
         """Whether reads go O_DIRECT (opens the descriptor to find out)."""
@@ -54,7 +55,7 @@ class RawDevice:
 
     def _open(self) -> int:
         try:
-            return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+            return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if self.direct else 0))
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # the filesystem holding an image may not do O_DIRECT
                 self.direct = False
@@ -83,10 +84,10 @@ class RawDevice:
 
     def __getstate__(self) -> dict[str, Any]:
         # descriptors and locks do not travel to worker processes: reopened there on first use
-        return {"path": self.path, "align": self.align}
+        return {"path": self.path, "align": self.align, "direct": self.direct}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], state["align"])  # type: ignore[misc]
+        self.__init__(state["path"], state["align"], state.get("direct", True))  # type: ignore[misc]
 
     def close(self) -> None:
         """Close the descriptor."""
@@ -113,7 +114,9 @@ def _address(view: memoryview) -> int:
 
 class BlockdevBackend(Backend):
     """Raw block-range reads of mapped files. `bmap` is a BlockMap or a bmap.json path; `device_path` picks the
-    device, its whole disk, or the loop image file (default: the device when readable, else the image).
+    device, its whole disk, or the loop image file (default: the device when readable, else the image; a loop
+    device whose driver reads its image through the page cache is read as that image, through the same page
+    cache: the same bytes, without the driver's worker in the way, `loaders.backends.mapped.loop_image`).
 
     On its first read, each file is opened through the filesystem, fstat()ed and FIEMAPped to catch a stale
     map or moved blocks (on a small pool beside the data reads), and again (open, fstat, FIEMAP) on every later
@@ -140,10 +143,13 @@ class BlockdevBackend(Backend):
         self.coalesce = coalesce
         self.max_gap = max_gap
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
-        self.guard = MappedFiles(self.bmap, self.bmap.source(device_path), fallback, check_stale)
+        source = self.bmap.source(device_path)
+        image = loop_image(source.path) if device_path is None else None
+        self.guard = MappedFiles(self.bmap, RawSource(image, 0) if image else source, fallback, check_stale)
         self.source: RawSource = self.guard.source  # the base from the system, not from the map
         self._why = self.guard.why  # key -> why it must go through the filesystem (checked once)
-        self._raw = RawDevice(self.source.path)
+        self._raw = RawDevice(self.source.path, direct=image is None)
+        self._probe = PageCacheProbe()
         self._fast: dict[str, tuple[int, int, int] | None] = {}  # key -> its one extent (see _fast_entry)
 
     def changed(self, key: str) -> bool:
@@ -186,7 +192,7 @@ class BlockdevBackend(Backend):
         sizes = [-(-max(k, 1) // a) * a for k in nbytes]
         starts = list(itertools.accumulate(sizes[:-1], initial=0))
         arena = aligned_empty(sum(sizes), a)
-        if n > 1 and self.threads > 1 and self.coalesce > 0 and self._raw.direct_capable():
+        if n > 1 and self.threads > 1 and self.coalesce > 0:
             self._read_arena(requests, arena, starts, sizes)
         else:
             buffers = [arena[s : s + k] for s, k in zip(starts, sizes)]
@@ -231,9 +237,16 @@ class BlockdevBackend(Backend):
                 confirm.append(i)
         pieces.sort()
         view = memoryview(arena).cast("B")
-        futures: list[Future[Any]] = [self.pool.submit(self._read_slots, run, view) for run in self._runs(pieces)]
+        runs, warm = list(self._runs(pieces)), []
+        if not self._raw.direct:  # a loop image read through its page cache: warm runs are copies, done here
+            fd, resident = self._raw.fd(), self._probe.resident
+            warm = [r for r in runs if resident(fd, r[0][0], r[-1][0] + r[-1][2] - r[0][0])]
+            runs = [r for r in runs if r not in warm] if warm else runs
+        futures: list[Future[Any]] = [self.pool.submit(self._read_slots, run, view) for run in runs]
         rooms = [k - r.nbytes for k, r in zip(sizes, requests)]
         futures += [self.pool.submit(self._one, requests[i], arena[starts[i] :], rooms[i]) for i in slow]
+        for run in warm:  # a pool hand-off costs more than copying a few warm runs
+            self._read_slots(run, view)
         for fut in [*checks, *futures]:
             fut.result()
         for i in confirm:
@@ -430,8 +443,10 @@ class BlockdevBackend(Backend):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_stat_pool"] = None
+        state.pop("_probe", None)  # a ctypes handle: made again where it lands
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._probe = PageCacheProbe()
         self._why = self.guard.why  # one dict after unpickling too

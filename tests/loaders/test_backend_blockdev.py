@@ -63,13 +63,17 @@ def requests_for(root: Path, content: dict[str, bytes], seed: int = 0) -> list[R
     return reqs
 
 
-@pytest.mark.parametrize(("via", "coalesce"), [("device", 1 << 20), ("image", 1 << 20), ("image", 0)])
+@pytest.mark.parametrize(
+    ("via", "coalesce"), [("device", 1 << 20), ("image", 1 << 20), ("image", 0), ("default", 1 << 20)]
+)
 def test_raw_reads_match_the_filesystem(mapped: tuple[Any, Path, dict], via: str, coalesce: int) -> None:
     fs, out, content = mapped
-    device = fs.image if via == "image" else fs.device
+    device = {"image": fs.image, "device": fs.device, "default": None}[via]
     b = BlockdevBackend(out, device_path=device, threads=8, coalesce=coalesce)
     with b:
-        assert b.source.base == (MiB if via == "image" else 0)
+        assert b.source.base == (0 if via == "device" else MiB)
+        # by default a loop device is read as its image, through the page cache its driver reads it through
+        assert (b.source.path, b._raw.direct) == ((str(fs.image), False) if via == "default" else (str(device), True))
         reqs = requests_for(fs.mountpoint, content)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # every file here is raw-readable: no fallback may happen
@@ -260,6 +264,44 @@ def test_defragmented_file_reads_its_current_bytes(make_loopfs: Callable[..., An
     for read in _readers(tmp_path / "m.json", fs.image):
         with pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):
             assert read("train/a/victim.jpg", len(want)) == want, read.__name__
+
+
+def test_read_only_filesystem_is_not_rechecked_every_call(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """Each read call opens every file again to catch moved blocks, except while the filesystem itself is
+    read-only (a read-only bind mount of it does not count); the bytes are the same either way."""
+    import subprocess
+
+    fs = make_loopfs("ext4")
+    mnt: Path = fs.mountpoint
+    content = {name: os.urandom(9000 + i) for i, name in enumerate(("a", "b"))}
+    for name, data in content.items():
+        (mnt / name).write_bytes(data)
+    build_bmap(mnt, tmp_path / "m.json")
+    bind = tmp_path / "bind"
+    bind.mkdir()
+    checked: list[str] = []
+
+    def read(b: BlockdevBackend) -> list[str]:
+        checked.clear()
+        got = b.read([ReadRequest(k, 0, len(v)) for k, v in content.items()])
+        assert [bytes(g) for g in got] == list(content.values())
+        return sorted(set(checked))  # a file read on the slow path (1 KiB blocks here) is checked twice
+
+    with BlockdevBackend(tmp_path / "m.json", threads=4) as b:
+        read(b)  # the first check of each file
+        compare = b.guard._compare
+        b.guard._compare = lambda key, r, fd: checked.append(key) or compare(key, r, fd)  # type: ignore[method-assign]
+        assert read(b) == ["a", "b"]
+        subprocess.run(["mount", "--bind", str(mnt), str(bind)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(bind)], check=True)
+            assert read(b) == ["a", "b"]  # the filesystem is still writable through mnt
+        finally:
+            subprocess.run(["umount", str(bind)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        assert read(b) == []
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        assert read(b) == ["a", "b"]
 
 
 def _edited_map(out: Path, edit: Callable[[dict[str, Any]], None]) -> Path:

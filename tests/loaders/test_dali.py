@@ -316,3 +316,19 @@ def test_read_threads_leave_half_the_cores_to_dali() -> None:
     from loaders.dali import read_threads
 
     assert [read_threads(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+
+
+def test_cold_batches_read_on_more_threads(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose first file is not in the page cache is read on COLD_READ_THREADS threads, in order."""
+    import loaders.dali as dali_mod
+
+    pairs = list_labeled_files(image_tree)
+    want = [(image_tree / p).read_bytes() for p, _ in pairs[:12]]
+    for cold in (False, True):
+        monkeypatch.setattr(dali_mod, "_resident", lambda path, cold=cold: not cold)
+        with FileSource(image_tree, batch_size=12, threads=1) as src:
+            data, labels = next(iter(src))
+            assert [d.tobytes() for d in data] == want
+            assert labels.ravel().tolist() == [x for _, x in pairs[:12]]
+            assert src._pool_size == (dali_mod.COLD_READ_THREADS if cold else 0)
+    assert dali_mod._resident(str(image_tree / pairs[0][0])) in (True, False)  # the real probe answers

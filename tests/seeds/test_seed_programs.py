@@ -87,7 +87,14 @@ def _same(ref: Any, got: Any, where: str) -> None:
             assert g == r, (where, key)
 
 
-def test_seed000_chain_through_prep_cache_and_the_drop_in(nifti_dataset: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("track_meta", [None, True], ids=["default", "track_meta"])
+def test_seed000_chain_through_prep_cache_and_the_drop_in(
+    nifti_dataset: Path, tmp_path: Path, track_meta: bool | None
+) -> None:
+    """Under the notebook's own settings (`track_meta` left at its default, False) and with True. With the
+    default, MONAI's PersistentDataset gives two things: its filling pass hands the tail the head's MetaTensors
+    (its affines go on into the tail's), every later pass the plain tensors it saved (the tail's affines
+    start from identity); the values are the same. The drop-in gives the later passes' every epoch."""
     from monai.data import PersistentDataset, ThreadDataLoader
     from monai.utils import set_determinism
 
@@ -99,21 +106,29 @@ def test_seed000_chain_through_prep_cache_and_the_drop_in(nifti_dataset: Path, t
     summary = prepare_cache(nifti_dataset, pipeline, tmp_path / "cache", workers=2)
     assert not summary.quarantined
     data = [entry for _, entry in load_datalist(nifti_dataset)]
-    # track_meta=True on both: with the default (False) the tail's affines differed (values equal): open, issue 25
-    if "track_meta" not in inspect.signature(PersistentDataset.__init__).parameters:  # MONAI 1.4: no such option
-        pytest.skip("this MONAI's PersistentDataset has no track_meta (MONAI >= 1.5 has it)")
-    ref = PersistentDataset(data=data, transform=transform, cache_dir=tmp_path / "pt", track_meta=True)
-    ours = PreparedPersistentDataset(data=data, transform=transform, cache_dir=tmp_path / "cache", track_meta=True)
+    has_option = "track_meta" in inspect.signature(PersistentDataset.__init__).parameters
+    if track_meta and not has_option:
+        pytest.skip("MONAI 1.4's PersistentDataset has no track_meta: it keeps meta, the default case runs that")
+    kw = {} if track_meta is None else {"track_meta": track_meta}
+    ref = PersistentDataset(data=data, transform=transform, cache_dir=tmp_path / "pt", **kw)
+    ours = PreparedPersistentDataset(data=data, transform=transform, cache_dir=tmp_path / "cache", **kw)
     assert ours.dataset.device == "cpu"  # where the head's EnsureTypeD put its tensors
-    for epoch in range(2):  # PersistentDataset's first epoch computes, its second reads its cache
-        set_determinism(seed=epoch)  # as the notebook does; MONAI's DataLoader then seeds the dataset
-        want = list(ThreadDataLoader(ref, batch_size=1))
-        set_determinism(seed=epoch)
-        got = list(ThreadDataLoader(ours, batch_size=1))
+    assert ours.track_meta is (bool(track_meta) if has_option else True)
+
+    def epoch(ds: Any, seed: int) -> list[Any]:
+        set_determinism(seed=seed)  # as the notebook does; MONAI's DataLoader then seeds the dataset
+        return list(ThreadDataLoader(ds, batch_size=1))
+
+    filling = epoch(ref, 0)
+    for seed in range(2):
+        want, got = epoch(ref, seed), epoch(ours, seed)  # PersistentDataset now reads the cache it filled
         assert len(got) == len(want) == len(data)
         for i, (w, g) in enumerate(zip(want, got)):
-            _same(w, g, f"epoch {epoch} item {i}")
+            _same(w, g, f"epoch {seed} item {i}")
             assert g["image"].shape[2:] == (20, 21, 22)
+    for w, f in zip(epoch(ref, 0), filling):
+        assert torch.equal(torch.as_tensor(w["image"]), torch.as_tensor(f["image"]))
+        assert torch.equal(w["image"].affine, f["image"].affine) is ours.track_meta  # MONAI's two passes
 
 
 def _seed001_files(root: Path, count: int) -> list[dict[str, str]]:

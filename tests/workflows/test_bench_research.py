@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from seedlines import SEED_LINES
 
@@ -100,4 +101,20 @@ def test_dali_readers_rounds_give_one_median_row_per_way(research_data: Path, tm
         assert row["extra"]["rounds"] == 3 and row["extra"]["min"] <= row["items_per_s"] <= row["extra"]["max"]
     assert "x peer per round" not in rows["dali readers.file"]["extra"]
     assert float(rows["blockprep FileSource"]["extra"]["x peer per round"]) > 0
+    # the labels each way delivered in its timed pass, against readers.file's
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert [rows[n]["extra"]["labels"] for n in ways[1:]] == ["= peer", "= peer"]
+    assert "labels: every way = dali readers.file" in doc["footer"]
     assert rows["dali readers.file"]["x_peer"] == 1.0
+
+
+def test_labels_that_differ_from_readers_file_are_named() -> None:
+    from workflows.bench.core import Result, Rows
+    from workflows.bench.research import labels_digest, same_labels
+
+    rows = Rows()
+    for name, labels in (("dali readers.file", [0, 0, 1]), ("a", [0, 0, 1]), ("b", [0, 1, 0])):
+        rows.results.append(Result(name, "images", 3, 1.0, 3, extra={"labels": labels_digest(np.array(labels))}))
+    same_labels(rows, "dali readers.file")
+    assert [r.extra.get("labels") for r in rows.results] == [None, "= peer", "DIFFER"]
+    assert rows.footer == ["labels: DIFFER in b"]

@@ -63,6 +63,8 @@ def _pipeline(opts: Options) -> Any:
     return dali.Pipeline(batch_size=opts.batchsize, num_threads=max(2, os.cpu_count() or 2), device_id=device_id)
 
 
+# True inside `dali-readers`: each timed pass keeps a digest of its labels, compared with readers.file's
+LABELS: contextvars.ContextVar[bool] = contextvars.ContextVar("labels", default=False)
 # False inside `dali-readers --no-decode`: the pipelines deliver the encoded bytes (reading alone is compared)
 DECODE: contextvars.ContextVar[bool] = contextvars.ContextVar("decode", default=True)
 
@@ -97,13 +99,42 @@ def run_pipeline(
     gc.collect()
     pipe = build()
     how = evict(files) if opts.cold else "warm"
+    labels: list[np.ndarray] = []  # the output after the counted ones (the labels), copied: DALI reuses it
+    keep_labels = LABELS.get()
 
     def batches() -> Iterator[Any]:
         while True:
-            yield list(pipe.run())[:outputs]
+            out = list(pipe.run())
+            if keep_labels and len(out) > outputs:
+                labels.append(np.array(out[outputs].as_tensor()).ravel())
+            yield out[:outputs]
 
     seconds, nbytes = time_batches(batches(), opts.batches)
-    return Result(name, data, opts.items, seconds, nbytes, kind, how)
+    result = Result(name, data, opts.items, seconds, nbytes, kind, how)
+    if labels:
+        result.extra["labels"] = labels_digest(np.concatenate(labels))
+    return result
+
+
+def labels_digest(labels: np.ndarray) -> str:
+    """A short digest of a timed pass's labels in delivery order (int64, so dtypes do not matter)."""
+    import hashlib
+
+    return hashlib.blake2b(np.ascontiguousarray(labels, dtype=np.int64).tobytes(), digest_size=6).hexdigest()
+
+
+def same_labels(rows: Rows, peer: str) -> None:
+    """Replace each row's labels digest by whether it equals the peer's (the same labels in the same order),
+    and say so under the table; a difference is a wrong reader, not a slow one."""
+    want = next((r.extra.get("labels") for r in rows.results if r.name == peer), None)
+    differ = []
+    for r in rows.results:
+        got = r.extra.pop("labels", None)
+        if got is not None and want is not None and r.name != peer:
+            r.extra["labels"] = "= peer" if got == want else "DIFFER"
+            differ += [r.name] if got != want else []
+    if want is not None:
+        rows.footer.append(f"labels: {'DIFFER in ' + ', '.join(differ) if differ else 'every way = ' + peer}")
 
 
 def dali_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
@@ -297,9 +328,12 @@ def _run_sources(
         backing = probe.bmap.loop_backing_file
         files += [backing] if backing and os.path.isfile(backing) else []
     dali = _dali()
+    source = make()  # one source for the untimed and the timed pipeline: its one-time costs stay out (below)
 
     def build() -> Any:
-        source = make()
+        # As a training run keeps its source across epochs: BmapSource checks each file once (open, fstat,
+        # FIEMAP) before its first raw read, and while the filesystem is read-only not again; a new source
+        # per pipeline would time that first-use check in every pass (readers.file has nothing to keep).
         pipe = _pipeline(opts)
         with pipe:
             data, label = dali.fn.external_source(source=source, num_outputs=2, batch=True, cycle="quiet")
@@ -478,7 +512,7 @@ def dali_readers(
     tree = train_dir(datadir)
     rows = Rows(title=f"DALI readers over {tree}")
     rows.peers["images"] = peer = "dali readers.file"
-    token = DECODE.set(decode)
+    token, check = DECODE.set(decode), LABELS.set(True)
     jobs: list[tuple[str, Callable[[], Result]]] = [
         ("dali", lambda: dali_file(tree, opts)),
         ("research iterator", lambda: research_iterator(tree, opts)),
@@ -489,6 +523,8 @@ def dali_readers(
     try:
         ceilings.image_ceilings(rows, lambda: tree_files(tree)[0], opts)
         rows.add_rounds(jobs, rounds, peer)
+        same_labels(rows, peer)
     finally:
         DECODE.reset(token)
+        LABELS.reset(check)
     return rows
