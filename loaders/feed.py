@@ -79,7 +79,8 @@ class _PerItemTail:
                 outs.extend(flat_again(o, nested_keys) for o in out)
                 sources.extend([i] * len(out))
         result = {k: _stack(torch, [_plain(o[k]) for o in outs]) for k in outs[0]}
-        ragged = sorted({tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v})
+        shapes = {tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v if hasattr(t, "shape")}
+        ragged = sorted(shapes)
         if ragged:  # MONAI's list_data_collate raises here too
             raise ragged_error(ragged)
         return result, sources
@@ -436,11 +437,13 @@ class _PreparedLoaderCore:
             batch = self._assemble(plan, got)
         elif self.pass_keys:
             batch.update({k: _stack(torch, [got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
-        if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
-            batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
-            out, origin = self._ragged_tail.run(batch)
-        else:
-            out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
+        ragged = any(isinstance(v, list) for v in batch.values())
+        if ragged:  # MONAI per item: it may write into its input, not the tier
+            batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}
+        if self._values_in_tail:  # a tail transform reads them: each row gets its item's, as MONAI gives them
+            batch.update({k: [self._item_values(i)[k] for i, _ in plan.rows] for k in self.value_keys})
+        # the user's transforms never see the loader's `_items`
+        out, origin = (self._ragged_tail if ragged else self.tail).run(batch)
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         return self._with_values(out)
 
@@ -453,43 +456,46 @@ class _PreparedLoaderCore:
 
     # --- non-tensor outputs of the head (class labels, names): batched as MONAI's list_data_collate does ---
     def _value_keys(self, keys: Sequence[str] | None, tail: Sequence[Any]) -> list[str]:
-        """The head's non-tensor output keys (from item 0's meta line) the batches carry."""
+        """The head's non-tensor output keys (from item 0's meta line); whether the tail sees them."""
+        from loaders.exact import tail_sees_values
         from loaders.meta import line_values
 
+        self._values_in_tail = False
         if not len(self.cache):
             return []
-        names = [k for k in line_values(self.cache.meta(0)) if keys is None or k in keys]
-        for t in tail:
-            used = [k for k in names if k in (getattr(t, "keys", None) or ())]
-            if used:
-                raise ValueError(
-                    f"PreparedLoader: tail transform {type(t).__name__} reads the non-tensor key(s) {used}, which the "
-                    "loader batches after the tail; use PreparedPersistentDataset for this chain"
+        names = [k for k in line_values(self.cache.meta(0)) if keys is None or k.split("/", 1)[0] in keys]
+        self._values_in_tail = tail_sees_values(names, tail)
+        return list(dict.fromkeys(k.split("/", 1)[0] for k in names))  # "tags/0", "tags/1": the list "tags"
+
+    def _item_values(self, item: int) -> dict[str, Any]:
+        from loaders.meta import line_values
+
+        got = self._values.get(item)
+        if got is None:
+            values, _ = nested(line_values(self.cache.meta(item)))  # a list value ("tags/0", ...) as given
+            names = {k for k in values if self._keys_given is None or k in self._keys_given}
+            if names != set(self.value_keys):  # MONAI's collate would fail on a batch mixing such items
+                raise FormatError(
+                    f"{self.cache.root}: item {item}'s non-tensor outputs {sorted(names)} differ from item 0's "
+                    f"{sorted(self.value_keys)}; give every item the same keys (the head's outputs, the datalist's "
+                    "entries) and re-run `prep cache --force`"
                 )
-        return names
+            got = self._values[item] = {k: values[k] for k in self.value_keys}
+        return got
 
     def _with_values(self, out: dict[str, Any]) -> dict[str, Any]:
-        """`out` with each value key collated over its outputs' items (a multi-sample crop repeats its item's)."""
+        """`out` with each value key collated over its outputs' items (a multi-sample crop repeats its item's),
+        or, where the tail saw them (`_values_in_tail`), as the tail left them."""
         if not self.value_keys:
             return out
         from monai.data.utils import list_data_collate
 
-        from loaders.meta import line_values
-
-        rows = []
-        for item in out["_items"].tolist():
-            got = self._values.get(item)
-            if got is None:
-                values = line_values(self.cache.meta(item))
-                got = self._values[item] = {k: values[k] for k in self.value_keys if k in values}
-                names = {k for k in values if self._keys_given is None or k in self._keys_given}
-                if names != set(self.value_keys):  # MONAI's collate would fail on a batch mixing such items
-                    raise FormatError(
-                        f"{self.cache.root}: item {item}'s non-tensor outputs {sorted(names)} differ from item 0's "
-                        f"{sorted(self.value_keys)}; give every item the same keys (the head's outputs, the datalist's "
-                        "entries) and re-run `prep cache --force`"
-                    )
-            rows.append(got)
+        n = len(out["_items"])
+        if self._values_in_tail:
+            keys = [k for k in self.value_keys if isinstance(out.get(k), list) and len(out[k]) == n]
+            rows = [{k: out[k][j] for k in keys} for j in range(n)]
+        else:
+            rows = [self._item_values(item) for item in out["_items"].tolist()]
         out.update(list_data_collate(rows))
         return out
 
@@ -672,7 +678,8 @@ def _packed(torch: Any, flat: Any, places: list[tuple], keys: list[str], n: int)
 
 
 def _stack(torch: Any, tensors: list[Any]) -> Any:
-    return torch.stack(tensors) if all(t.shape == tensors[0].shape for t in tensors) else tensors
+    same = all(isinstance(t, torch.Tensor) and t.shape == tensors[0].shape for t in tensors)
+    return torch.stack(tensors) if same else tensors  # values the tail saw (names, labels) stay a list
 
 
 PreparedLoader = _PreparedLoaderCore

@@ -39,7 +39,11 @@ def tail_of(row: Any, seed: int) -> Any:
             return Compose(row.tail(), **row.compose)
         finally:
             set_determinism(None)
-    return Compose(row.tail(), **row.compose).set_random_state(seed)
+    tail = Compose(row.tail(), **row.compose)
+    # seeded as `transform.set_random_state(seed)` seeds the whole chain: a Compose nested in the head is
+    # random (Randomizable) and takes a seed of its own before the tail's transforms get theirs
+    Compose([*row.head(), *tail.transforms]).set_random_state(seed)
+    return tail
 
 
 class Reference:
