@@ -47,29 +47,25 @@ def folds(tail: Sequence[Any], options: dict[str, Any]) -> bool:
     return eager and not options.get("unpack_items", False) and bool(tail) and tail[0] not in tail[1:]
 
 
-def _members(tail: Sequence[Any]) -> list[tuple[Any, bool]]:
-    """(transform, whether it always runs) over the tail, into Composes and their subclasses (OneOf,
-    SomeOf, RandomOrder: their members may or may not run)."""
+def _members(tail: Sequence[Any]) -> list[Any]:
+    """The tail's transforms, into Composes and their subclasses (OneOf, SomeOf, RandomOrder)."""
     from monai.transforms import Compose
 
-    out: list[tuple[Any, bool]] = []
+    out: list[Any] = []
     for t in tail:
-        if isinstance(t, Compose):
-            out += [(m, sure and type(t) is Compose) for m, sure in _members(list(t.transforms))]
-        else:
-            out.append((t, True))
+        out += _members(list(t.transforms)) if isinstance(t, Compose) else [t]
     return out
 
 
 def tail_sees_values(names: Sequence[str], tail: Sequence[Any]) -> bool:
     """Whether the tail may read or change the head's non-tensor outputs (datalist values, class labels): a
     transform that names one (Lambdad, DeleteItemsd), keeps only the keys it names (SelectItemsd) or gets the
-    whole dict (a plain function, Lambda). PreparedLoader then hands each row its item's values through the tail, as MONAI does; else it
-    collates them after the tail (they cannot change)."""
+    whole dict (a plain function, Lambda). PreparedLoader then hands each row its item's values through the
+    tail, as MONAI does; else it collates them after the tail (they cannot change)."""
     from monai.transforms import DeleteItemsd, MapTransform, SelectItemsd
 
     top = {str(n).split("/", 1)[0] for n in names}  # "tags/0", "tags/1": the list "tags"
-    for t, _ in _members(tail):
+    for t in _members(tail):
         if not isinstance(t, MapTransform) or isinstance(t, (SelectItemsd, DeleteItemsd)):
             return bool(top)
         if top & {str(k) for k in (getattr(t, "keys", None) or ())}:
