@@ -73,6 +73,27 @@ def tail_sees_values(names: Sequence[str], tail: Sequence[Any]) -> bool:
     return False
 
 
+def nested_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch whose "key/part" entries (a head's nested outputs, cached flat: the arrays of
+    `LoadImaged(image_only=False)`'s meta dicts) are nested again as MONAI's collate nests them, merged with
+    the collated values of the same dict (its scalars and strings, batched apart)."""
+    from loaders.format import unflatten
+
+    parts = {k: v for k, v in batch.items() if isinstance(k, str) and "/" in k}
+    if not parts:
+        return batch
+    out = {k: v for k, v in batch.items() if k not in parts}
+    for key, tree in unflatten(parts).items():
+        out[key] = _merged(out.get(key), tree)
+    return out
+
+
+def _merged(a: Any, b: Any) -> Any:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**a, **{k: _merged(a.get(k), v) for k, v in b.items()}}
+    return b if a is None else a
+
+
 class Seeder:
     """Seeds the tail as `transform.set_random_state(seed)` would: the user's nesting decides which seed
     each random transform gets (a nested Compose draws its members' seeds from its own). Built without

@@ -43,6 +43,7 @@ from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
 from loaders.deps import require
 from loaders.errors import ArgumentTypeError, BackendError, FormatError
+from loaders.exact import nested_batch
 from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache, TensorEntry, align_up, check, flat_again, nested
 from loaders.order import epoch_order
@@ -445,7 +446,7 @@ class _PreparedLoaderCore:
         # the user's transforms never see the loader's `_items`
         out, origin = (self._ragged_tail if ragged else self.tail).run(batch)
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
-        return self._with_values(out)
+        return nested_batch(self._with_values(out))
 
     def _auto_budget(self) -> int:
         """gpu_budget="auto": the dataset when it fits in half the device's free memory, else that half."""

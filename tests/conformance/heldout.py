@@ -132,10 +132,36 @@ def head_untracked() -> list[Any]:
     return [*load3(), ScaleIntensityd(keys="t2"), EnsureTyped(keys=M, track_meta=False)]
 
 
+def head_numpy() -> list[Any]:
+    from monai.transforms import EnsureTyped
+
+    return [*load3(), EnsureTyped(keys=M, data_type="numpy")]
+
+
+def head_meta_dicts() -> list[Any]:
+    from monai.transforms import EnsureChannelFirstd, LoadImaged
+
+    return [LoadImaged(keys=M, image_only=False), EnsureChannelFirstd(keys=M)]
+
+
+def head_half_typed() -> list[Any]:
+    import torch
+    from monai.transforms import EnsureTyped
+
+    return [*load3(), EnsureTyped(keys="t1", dtype=torch.float16)]
+
+
 def load2() -> list[Any]:
     from monai.transforms import EnsureChannelFirstd, LoadImaged, ScaleIntensityd
 
     return [LoadImaged(keys=P), EnsureChannelFirstd(keys=P), ScaleIntensityd(keys="img", channel_wise=True)]
+
+
+def head_2d_indices() -> list[Any]:
+    from monai.transforms import ClassesToIndicesd, FgBgToIndicesd
+
+    return [*load2(), ClassesToIndicesd(keys="msk", num_classes=3, image_key="img", image_threshold=0.1),
+            FgBgToIndicesd(keys="msk")]  # fmt: skip
 
 
 def head_2d_onehot() -> list[Any]:
@@ -416,6 +442,87 @@ def tail_2d_posneg_select() -> list[Any]:
             SelectItemsd(keys=["img", "msk", "pid", "tags"])]  # fmt: skip
 
 
+def tail_classes_threshold() -> list[Any]:
+    from monai.transforms import RandCropByLabelClassesd, RandFlipd
+
+    return [RandCropByLabelClassesd(keys=M, label_key="seg", spatial_size=(10, 10, 10), ratios=[1, 1, 2, 0],
+                                    num_classes=4, num_samples=2, image_key="t1", image_threshold=0.4),
+            RandFlipd(keys=M, prob=0.5)]  # fmt: skip
+
+
+def tail_given_fgbg_smaller() -> list[Any]:
+    from monai.transforms import RandCropByPosNegLabeld, ResizeWithPadOrCropd
+
+    return [RandCropByPosNegLabeld(keys=["t1", "seg"], label_key="seg", spatial_size=(18, 18, 18), num_samples=2,
+                                   fg_indices_key="seg_pos", bg_indices_key="seg_neg", allow_smaller=True),
+            ResizeWithPadOrCropd(keys=["t1", "seg"], spatial_size=(16, 16, 16))]  # fmt: skip
+
+
+def tail_lazy_flags() -> list[Any]:
+    from monai.transforms import RandAffined, RandRotate90d
+
+    return [crop(M, (12, 12, 12), lazy=True), RandRotate90d(keys=M, prob=0.5, lazy=True),
+            RandAffined(keys=M, prob=1.0, rotate_range=(0.2, 0.2, 0.2), mode=("bilinear", "bilinear", "nearest"),
+                        lazy=True)]  # fmt: skip
+
+
+def tail_label_crop_image_only() -> list[Any]:
+    from monai.transforms import RandCropByPosNegLabeld, RandFlipd
+
+    return [RandCropByPosNegLabeld(keys=["t1"], label_key="seg", spatial_size=(10, 10, 10), num_samples=2),
+            RandFlipd(keys="t1", prob=0.5)]  # fmt: skip
+
+
+def tail_crop_some_keys() -> list[Any]:
+    from monai.transforms import RandFlipd, RandGaussianNoised
+
+    return [crop(["t1", "seg"], (12, 12, 12)), RandFlipd(keys=["t1", "seg"], prob=0.5),
+            RandGaussianNoised(keys="t2", prob=0.5, std=2.0)]  # fmt: skip
+
+
+def tail_some_of_count() -> list[Any]:
+    from monai.transforms import RandFlipd, RandRotate90d, RandShiftIntensityd, SomeOf
+
+    return [crop(M, (12, 12, 12)),
+            SomeOf([RandFlipd(keys=M, prob=1.0), RandRotate90d(keys=M, prob=1.0),
+                    RandShiftIntensityd(keys="t1", offsets=0.5, prob=1.0)], num_transforms=(1, 3))]  # fmt: skip
+
+
+def tail_missing_keys() -> list[Any]:
+    from monai.transforms import RandFlipd, RandScaleIntensityd
+
+    return [crop(M, (12, 12, 12)), RandFlipd(keys=["t1", "seg", "absent"], prob=0.5, allow_missing_keys=True),
+            RandScaleIntensityd(keys=["t1", "nothing"], factors=0.2, prob=1.0, allow_missing_keys=True)]  # fmt: skip
+
+
+def tail_lambdad_new_key() -> list[Any]:
+    from monai.transforms import Lambdad, RandFlipd
+
+    return [crop(M, (12, 12, 12)), Lambdad(keys="t1", func=squared, overwrite="t1_sq"),
+            RandFlipd(keys=["t1", "t1_sq"], prob=0.5)]  # fmt: skip
+
+
+def tail_numpy() -> list[Any]:
+    from monai.transforms import RandFlipd, RandRotate90d
+
+    return [crop(M, (12, 12, 12)), RandFlipd(keys=M, prob=0.5), RandRotate90d(keys=M, prob=0.5)]
+
+
+def tail_rand_lambda() -> list[Any]:
+    from monai.transforms import DataStatsd, RandLambdad, ToTensord
+
+    return [crop(M, (12, 12, 12)), RandLambdad(keys="t1", func=squared, prob=0.5),
+            DataStatsd(keys="t1", data_shape=True, value_range=False), ToTensord(keys=M)]  # fmt: skip
+
+
+def tail_onehot_posneg() -> list[Any]:
+    from monai.transforms import RandCropByPosNegLabeld, RandFlipd
+
+    return [RandCropByPosNegLabeld(keys=["t1", "seg"], label_key="seg", spatial_size=(10, 10, 10), num_samples=2,
+                                   pos=1, neg=1),
+            RandFlipd(keys=["t1", "seg"], prob=0.5)]  # fmt: skip
+
+
 # --- 2D tails ---
 def tail_2d_posneg() -> list[Any]:
     from monai.transforms import RandAffined, RandCropByPosNegLabeld, RandRotate90d
@@ -454,6 +561,31 @@ def tail_2d_one_of() -> list[Any]:
                                       RandScaleIntensityd(keys="img", factors=0.3, prob=1.0)])]  # fmt: skip
 
 
+def tail_2d_posneg_image() -> list[Any]:
+    from monai.transforms import RandCropByPosNegLabeld, RandRotated
+
+    return [RandCropByPosNegLabeld(keys=P, label_key="msk", spatial_size=(12, 12), num_samples=2, image_key="img",
+                                   image_threshold=0.2),
+            RandRotated(keys=P, range_x=0.5, prob=0.8, mode=("bilinear", "nearest"))]  # fmt: skip
+
+
+def tail_2d_given_classes() -> list[Any]:
+    from monai.transforms import DeleteItemsd, RandCropByLabelClassesd, RandFlipd
+
+    return [RandCropByLabelClassesd(keys=P, label_key="msk", spatial_size=(10, 10), num_classes=3, num_samples=2,
+                                    indices_key="msk_cls_indices"),
+            RandFlipd(keys=P, prob=0.5),
+            DeleteItemsd(keys=["msk_cls_indices", "msk_fg_indices", "msk_bg_indices"])]  # fmt: skip
+
+
+def tail_2d_given_fgbg() -> list[Any]:
+    from monai.transforms import RandCropByPosNegLabeld, RandRotate90d
+
+    return [RandCropByPosNegLabeld(keys=P, label_key="msk", spatial_size=(10, 10), num_samples=3,
+                                   fg_indices_key="msk_fg_indices", bg_indices_key="msk_bg_indices"),
+            RandRotate90d(keys=P, prob=0.5)]  # fmt: skip
+
+
 def tail_2d_fn() -> list[Any]:
     from monai.transforms import Lambdad, RandFlipd
 
@@ -464,7 +596,7 @@ HELDOUT: dict[str, Row] = {
     r.name: r
     for r in [
         Row("ho-mm-posneg-3-samples", "mm3d", head_mm, tail_mm_posneg),
-        Row("ho-mm-classes-ratios-4-samples", "mm3d", head_mm, tail_mm_classes, atol=1e-5),
+        Row("ho-mm-classes-ratios-4-samples", "mm3d", head_mm, tail_mm_classes),
         Row("ho-spacing-fg-posneg-allow-smaller", "mm3d-ragged", head_spacing_fg, tail_fg_posneg_smaller),
         Row("ho-onehot-classes-allow-smaller", "mm3d", head_onehot, tail_onehot_classes),
         Row("ho-given-fgbg-postfix", "mm3d", head_fgbg_named, tail_given_fgbg),
@@ -472,8 +604,8 @@ HELDOUT: dict[str, Row] = {
         Row("ho-one-of-nested-compose", "mm3d", head_mm, tail_one_of_nested),
         Row("ho-random-order-intensity", "mm3d", load3, tail_random_order_intensity),
         Row("ho-lambdad-head-and-tail", "mm3d", head_lambdad, tail_lambda_fn),
-        Row("ho-affine-nearest-border", "mm3d", load3, tail_affine_nearest, atol=1e-5),
-        Row("ho-zoom-rotate", "mm3d-ragged", head_mm, tail_zoom_rotate, atol=1e-5),
+        Row("ho-affine-nearest-border", "mm3d", load3, tail_affine_nearest),
+        Row("ho-zoom-rotate", "mm3d-ragged", head_mm, tail_zoom_rotate),
         Row("ho-half-head-some-fire", "mm3d", head_cast, tail_half_some),
         Row("ho-cast-in-tail", "mm3d", load3, tail_cast),
         Row("ho-flips-ragged-orientation", "mm3d-ragged", head_orient, tail_flips3),
@@ -490,8 +622,15 @@ HELDOUT: dict[str, Row] = {
         Row("ho-log-stats", "mm3d-ragged", head_orient, tail_flips3, compose={"log_stats": True}),
         Row("ho-random-size-crop", "mm3d-ragged", load3, tail_random_size),
         Row("ho-crop-samples", "mm3d", load3, tail_crop_samples, loader={"batch_size": 3}),
-        Row("ho-intensity-more", "mm3d", head_mm, tail_intensity_more, atol=1e-5),
-        Row("ho-deterministic-after-crop", "mm3d", load3, tail_deterministic_after, atol=1e-5),
+        Row("ho-intensity-more", "mm3d", head_mm, tail_intensity_more),
+        Row(
+            "ho-deterministic-after-crop",
+            "mm3d",
+            load3,
+            tail_deterministic_after,
+            atol=1e-5,
+            note="NormalizeIntensityd: batched mean/std (9.5e-7)",
+        ),
         Row("ho-centre-crop-fg-ragged", "mm3d-ragged", head_spacing_fg, tail_centre_rot),
         Row("ho-onehot-in-tail", "mm3d", load3, tail_onehot_in_tail),
         Row("ho-nested-head-and-tail", "mm3d", head_nested, tail_nested_deep),
@@ -502,9 +641,16 @@ HELDOUT: dict[str, Row] = {
         Row("ho-copy-in-head", "mm3d", head_copy, tail_copy_head),
         Row("ho-typed-values-in-head", "mm3d-ragged", head_typed_values, tail_values, loader={"batch_size": 3}),
         Row("ho-untracked-head", "mm3d", head_untracked, tail_untracked),
-        Row("ho-2d-posneg-4-samples", "mm2d", load2, tail_2d_posneg, atol=1e-5),
+        Row(
+            "ho-2d-posneg-4-samples",
+            "mm2d",
+            load2,
+            tail_2d_posneg,
+            atol=1e-5,
+            note="RandAffined in 2D: one batched grid_sample (2.9e-7)",
+        ),
         Row("ho-2d-classes-allow-smaller-ragged", "mm2d-ragged", load2, tail_2d_classes_smaller),
-        Row("ho-2d-zoom-noise", "mm2d", load2, tail_2d_zoom_noise, atol=1e-5),
+        Row("ho-2d-zoom-noise", "mm2d", load2, tail_2d_zoom_noise),
         Row("ho-2d-onehot-classes", "mm2d", head_2d_onehot, tail_2d_onehot_classes, loader={"batch_size": 1}),
         Row("ho-2d-one-of-seed-transform", "mm2d", load2, tail_2d_one_of, seeding="transform"),
         Row("ho-2d-lambdad-and-function", "mm2d-ragged", load2, tail_2d_fn, loader={"batch_size": 3}),
@@ -515,6 +661,36 @@ HELDOUT: dict[str, Row] = {
         Row("ho-delete-values-in-tail", "mm3d", load3, tail_delete_value),
         Row("ho-one-of-value", "mm3d", load3, tail_one_of_value),
         Row("ho-2d-posneg-select-values", "mm2d-ragged", load2, tail_2d_posneg_select),
+        Row("ho-classes-image-threshold", "mm3d-ragged", load3, tail_classes_threshold),
+        Row("ho-given-fgbg-allow-smaller", "mm3d-ragged", head_fgbg_named, tail_given_fgbg_smaller),
+        Row(
+            "ho-lazy-none-transform-flags",
+            "mm3d",
+            load3,
+            tail_lazy_flags,
+            compose={"lazy": None},
+            atol=1e-5,
+            note="lazy crop + rotate90 + affine resampled at once (1.2e-7)",
+        ),
+        Row("ho-label-crop-image-only", "mm3d", load3, tail_label_crop_image_only),
+        Row("ho-crop-some-keys", "mm3d", load3, tail_crop_some_keys),
+        Row("ho-some-of-count", "mm3d", load3, tail_some_of_count),
+        Row("ho-allow-missing-keys", "mm3d", load3, tail_missing_keys),
+        Row("ho-lambdad-new-key", "mm3d", load3, tail_lambdad_new_key),
+        Row("ho-numpy-head", "mm3d", head_numpy, tail_numpy),
+        Row("ho-2d-posneg-image-determinism", "mm2d", load2, tail_2d_posneg_image, seeding="determinism"),
+        Row("ho-meta-dicts-image-only-false", "mm3d", head_meta_dicts, tail_values),
+        Row("ho-half-typed-some-fire", "mm3d", head_half_typed, tail_half_some),
+        Row("ho-rand-lambda-datastats-totensor", "mm3d-ragged", load3, tail_rand_lambda),
+        Row("ho-onehot-posneg", "mm3d", head_onehot, tail_onehot_posneg),
+        Row("ho-2d-given-classes", "mm2d-ragged", head_2d_indices, tail_2d_given_classes),
+        Row(
+            "ho-2d-given-fgbg-lists-reach-collate",
+            "mm2d",
+            head_2d_indices,
+            tail_2d_given_fgbg,
+            raises=r"shapes differ|equal size",
+        ),  # fmt: skip
     ]
 }
 
