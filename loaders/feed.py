@@ -485,19 +485,20 @@ class _PreparedLoaderCore:
         return got
 
     def _with_values(self, out: dict[str, Any]) -> dict[str, Any]:
-        """`out` with each value key collated over its outputs' items (a multi-sample crop repeats its item's),
-        or, where the tail saw them (`_values_in_tail`), as the tail left them."""
-        if not self.value_keys:
-            return out
+        """`out` with its non-tensor entries collated as MONAI's list_data_collate collates them: what the tail
+        gave (a list with one entry per output row, or one object every row shares: "CT" stays ["CT", "CT"]),
+        and the head's values (a multi-sample crop repeats its item's) unless the tail saw them."""
         from monai.data.utils import list_data_collate
 
         n = len(out["_items"])
-        if self._values_in_tail:
-            keys = [k for k in self.value_keys if isinstance(out.get(k), list) and len(out[k]) == n]
-            rows = [{k: out[k][j] for k in keys} for j in range(n)]
-        else:
-            rows = [self._item_values(item) for item in out["_items"].tolist()]
-        out.update(list_data_collate(rows))
+        loose = [k for k, v in out.items() if k != "_items" and not isinstance(v, self.torch.Tensor)]
+        rows = [{k: out[k][j] if isinstance(out[k], list) and len(out[k]) == n else out[k] for k in loose}
+                for j in range(n)]  # fmt: skip
+        if self.value_keys and not self._values_in_tail:
+            for row, item in zip(rows, out["_items"].tolist()):
+                row.update(self._item_values(item))
+        if rows and rows[0]:
+            out.update(list_data_collate(rows))
         return out
 
     def _assemble(self, plan: _Plan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:

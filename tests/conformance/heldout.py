@@ -38,6 +38,11 @@ def older(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "t1": d["t1"] + d["age"] / 100}
 
 
+def tag_ct(d: dict[str, Any]) -> dict[str, Any]:
+    """A plain function adding per-item values of its own: one repeated string, an int, a list."""
+    return {**d, "modality": "CT", "n_views": 2, "views": ["ax", "ax"]}
+
+
 def first_sample(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return samples[0]
 
@@ -523,6 +528,18 @@ def tail_onehot_posneg() -> list[Any]:
             RandFlipd(keys=["t1", "seg"], prob=0.5)]  # fmt: skip
 
 
+def tail_adds_values_first() -> list[Any]:
+    from monai.transforms import RandFlipd
+
+    return [tag_ct, crop(M, (12, 12, 12)), RandFlipd(keys=M, prob=0.5)]
+
+
+def tail_adds_values() -> list[Any]:
+    from monai.transforms import RandFlipd
+
+    return [crop(["t1", "seg"], (12, 12, 12)), tag_ct, RandFlipd(keys=["t1", "seg"], prob=0.5)]
+
+
 # --- 2D tails ---
 def tail_2d_posneg() -> list[Any]:
     from monai.transforms import RandAffined, RandCropByPosNegLabeld, RandRotate90d
@@ -691,6 +708,9 @@ HELDOUT: dict[str, Row] = {
             tail_2d_given_fgbg,
             raises=r"shapes differ|equal size",
         ),  # fmt: skip
+        Row("ho-function-adds-values", "mm3d", head_select, tail_adds_values),  # "CT" twice: ["CT", "CT"]
+        Row("ho-function-adds-values-batch-1", "mm3d", head_select, tail_adds_values, loader={"batch_size": 1}),
+        Row("ho-function-adds-values-ragged", "mm3d-ragged", load3, tail_adds_values_first),  # MONAI per item
     ]
 }
 
