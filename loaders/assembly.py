@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loaders.exact import nested_batch
 from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache
 from loaders.reads import Fetched, Place, Reader
@@ -146,13 +147,14 @@ class BatchAssembly:
             batch = self._assemble(plan, got)
         elif self.pass_keys:
             batch.update({k: stack([got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
-        if any(isinstance(v, list) for v in batch.values()):  # MONAI per item: it may write into its input,
-            batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}  # not the tier
-            out, origin = self._ragged_tail.run(batch)
-        else:
-            out, origin = self.tail.run(batch)  # the user's transforms never see the loader's `_items`
+        ragged = any(isinstance(v, list) for v in batch.values())
+        if ragged:  # MONAI per item: it may write into its input, not the tier
+            batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}
+        self.values.into_tail(batch, [item for item, _ in plan.rows])
+        # the user's transforms never see the loader's `_items`
+        out, origin = (self._ragged_tail if ragged else self.tail).run(batch)
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
-        return self.values.collate(out)
+        return nested_batch(self.values.collate(out))
 
     def _assemble(self, plan: BatchPlan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:
         """Per key, the batch's rows (resident, whole or crop reads) cropped and stacked (a list if ragged)."""

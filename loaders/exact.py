@@ -47,6 +47,53 @@ def folds(tail: Sequence[Any], options: dict[str, Any]) -> bool:
     return eager and not options.get("unpack_items", False) and bool(tail) and tail[0] not in tail[1:]
 
 
+def _members(tail: Sequence[Any]) -> list[Any]:
+    """The tail's transforms, into Composes and their subclasses (OneOf, SomeOf, RandomOrder)."""
+    from monai.transforms import Compose
+
+    out: list[Any] = []
+    for t in tail:
+        out += _members(list(t.transforms)) if isinstance(t, Compose) else [t]
+    return out
+
+
+def tail_sees_values(names: Sequence[str], tail: Sequence[Any]) -> bool:
+    """Whether the tail may read or change the head's non-tensor outputs (datalist values, class labels): a
+    transform that names one (Lambdad, DeleteItemsd), keeps only the keys it names (SelectItemsd) or gets the
+    whole dict (a plain function, Lambda). PreparedLoader then hands each row its item's values through the
+    tail, as MONAI does; else it collates them after the tail (they cannot change)."""
+    from monai.transforms import DeleteItemsd, MapTransform, SelectItemsd
+
+    top = {str(n).split("/", 1)[0] for n in names}  # "tags/0", "tags/1": the list "tags"
+    for t in _members(tail):
+        if not isinstance(t, MapTransform) or isinstance(t, (SelectItemsd, DeleteItemsd)):
+            return bool(top)
+        if top & {str(k) for k in (getattr(t, "keys", None) or ())}:
+            return bool(top)
+    return False
+
+
+def nested_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch whose "key/part" entries (a head's nested outputs, cached flat: the arrays of
+    `LoadImaged(image_only=False)`'s meta dicts) are nested again as MONAI's collate nests them, merged with
+    the collated values of the same dict (its scalars and strings, batched apart)."""
+    from loaders.format import unflatten
+
+    parts = {k: v for k, v in batch.items() if isinstance(k, str) and "/" in k}
+    if not parts:
+        return batch
+    out = {k: v for k, v in batch.items() if k not in parts}
+    for key, tree in unflatten(parts).items():
+        out[key] = _merged(out.get(key), tree)
+    return out
+
+
+def _merged(a: Any, b: Any) -> Any:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {**a, **{k: _merged(a.get(k), v) for k, v in b.items()}}
+    return b if a is None else a
+
+
 class Seeder:
     """Seeds the tail as `transform.set_random_state(seed)` would: the user's nesting decides which seed
     each random transform gets (a nested Compose draws its members' seeds from its own). Built without

@@ -96,6 +96,8 @@ def stack(tensors: list[Any], pad: bool = False, shapes: dict[str, Any] | None =
     import torch
 
     first = tensors[0]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors  # values the tail saw (names, labels) stay a list
     if all(t.shape == first.shape for t in tensors):
         return torch.stack(tensors)
     if not pad or any(t.dim() != first.dim() for t in tensors):

@@ -42,7 +42,8 @@ class PerItemTail:
                 outs.extend(flat_again(o, nested_keys) for o in out)
                 sources.extend([i] * len(out))
         result = {k: stack([_plain(o[k]) for o in outs]) for k in outs[0]}
-        ragged = sorted({tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v})
+        shapes = {tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v if hasattr(t, "shape")}
+        ragged = sorted(shapes)
         if ragged:  # MONAI's list_data_collate raises here too
             raise ragged_error(ragged)
         return result, sources

@@ -313,6 +313,20 @@ def tail_normalize() -> list[Any]:
     return [crop3(), RandFlipd(keys=K, prob=0.5), NormalizeIntensityd(keys="image", nonzero=True)]
 
 
+def tail_centre_larger() -> list[Any]:
+    from monai.transforms import RandFlipd, RandSpatialCropd, ResizeWithPadOrCropd
+
+    big = RandSpatialCropd(keys=K, roi_size=(24, 20, 26), random_center=False, random_size=False)
+    return [big, ResizeWithPadOrCropd(keys=K, spatial_size=(20, 20, 20)), RandFlipd(keys=K, prob=0.5)]
+
+
+def tail_random_larger() -> list[Any]:
+    from monai.transforms import RandSpatialCropd, SpatialPadd
+
+    big = RandSpatialCropd(keys=K, roi_size=(25, 16, 30), random_size=False)
+    return [big, SpatialPadd(keys=K, spatial_size=(25, 16, 30))]
+
+
 ROWS: dict[str, Row] = {
     r.name: r
     for r in [
@@ -365,6 +379,10 @@ ROWS: dict[str, Row] = {
         ),
         Row("crop-subclass", "3d", head_3d, tail_subclass),  # folds.py folds exact classes only
         Row("function-ends-head", "3d", head_load, tail_after_fn, refused=r"Orientationd.*clip_image"),
+        Row("centre-crop-larger-than-volume", "3d-ragged", head_3d, tail_centre_larger),  # item 11
+        Row("centre-crop-larger-than-volume-even", "3d", head_3d, tail_centre_larger),
+        Row("random-crop-larger-than-volume", "3d-ragged", head_3d, tail_random_larger),
+        Row("2d-per-item-batch-2", "2d", head_2d, tail_2d_unbatched),  # item 13: ["CT", "CT"] stays a list
         Row("ragged-no-crop", "3d-ragged", head_3d, tail_flip_only, raises=r"shapes differ|equal size"),
     ]
 }

@@ -39,7 +39,11 @@ def tail_of(row: Any, seed: int) -> Any:
             return Compose(row.tail(), **row.compose)
         finally:
             set_determinism(None)
-    return Compose(row.tail(), **row.compose).set_random_state(seed)
+    tail = Compose(row.tail(), **row.compose)
+    # seeded as `transform.set_random_state(seed)` seeds the whole chain: a Compose nested in the head is
+    # random (Randomizable) and takes a seed of its own before the tail's transforms get theirs
+    Compose([*row.head(), *tail.transforms]).set_random_state(seed)
+    return tail
 
 
 class Reference:
@@ -79,17 +83,31 @@ def assert_batch_equal(got: dict[str, Any], want: dict[str, Any], atol: float = 
     keys = set(want)
     assert set(got) - {"_items"} == keys, (where, sorted(map(str, got)), sorted(map(str, keys)))
     for k in sorted(keys, key=str):
-        g, w = plain(got[k]), plain(want[k])
-        if isinstance(w, torch.Tensor):
-            assert isinstance(g, torch.Tensor), (where, k, type(g))
-            g = g.cpu()
-            assert g.dtype == w.dtype and g.shape == w.shape, (where, k, g.dtype, w.dtype, g.shape, w.shape)
-            if atol == 0.0:
-                assert torch.equal(g, w), (where, k, (g.double() - w.double()).abs().max().item())
-            else:
-                torch.testing.assert_close(g.double(), w.double(), atol=atol, rtol=0, msg=f"{where} {k}")
+        _assert_equal(got[k], want[k], atol, f"{where} {k}")
+
+
+def _assert_equal(g: Any, w: Any, atol: float, where: str) -> None:
+    """Tensors as above; dicts (a collated meta dict) and lists entry by entry; anything else by ==."""
+    g, w = plain(g), plain(w)
+    if isinstance(w, torch.Tensor):
+        assert isinstance(g, torch.Tensor), (where, type(g))
+        g = g.cpu()
+        assert g.dtype == w.dtype and g.shape == w.shape, (where, g.dtype, w.dtype, g.shape, w.shape)
+        if atol == 0.0:
+            assert torch.equal(g, w) or (g.is_floating_point() and torch.equal(g.nan_to_num(), w.nan_to_num())), (
+                where, (g.double() - w.double()).abs().max().item())  # fmt: skip
         else:
-            assert g == w, (where, k, g, w)
+            torch.testing.assert_close(g.double(), w.double(), atol=atol, rtol=0, msg=where)
+    elif isinstance(w, dict):
+        assert isinstance(g, dict) and set(g) == set(w), (where, sorted(map(str, g)), sorted(map(str, w)))
+        for k in w:
+            _assert_equal(g[k], w[k], atol, f"{where}/{k}")
+    elif isinstance(w, (list, tuple)):
+        assert type(g) is type(w) and len(g) == len(w), (where, g, w)
+        for j, (a, b) in enumerate(zip(g, w)):
+            _assert_equal(a, b, atol, f"{where}[{j}]")
+    else:
+        assert g == w, (where, g, w)
 
 
 def differs(got: dict[str, Any], want: dict[str, Any]) -> bool:
