@@ -95,12 +95,10 @@ def loop_image(device: str) -> str | None:
         return None
     sys_dir = os.path.realpath(f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
     if os.path.exists(f"{sys_dir}/partition"):
-        return None  # a partition starts inside the image: its offset would have to be added; read the device
+        sys_dir = os.path.dirname(sys_dir)
     backing = _sysfs(f"{sys_dir}/loop/backing_file")
     if not backing or _sysfs(f"{sys_dir}/loop/dio") != "0" or not os.path.isfile(backing):
         return None  # not a loop device, direct I/O to its image, or the image is gone ("... (deleted)")
-    if _sysfs(f"{sys_dir}/loop/offset") not in ("0", None):
-        return None  # losetup --offset: the device starts inside the image
     return backing if os.access(backing, os.R_OK) else None
 
 

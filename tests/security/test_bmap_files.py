@@ -102,24 +102,3 @@ def test_blocks_moved_after_the_first_read_are_noticed(make_loopfs: Callable[...
         fill_free_space(mnt, 0xEE)  # the blocks the map points at now hold other bytes
         with pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):
             assert bytes(b.read([ReadRequest(key, 0, len(want))])[0]) == want
-
-
-@pytest.mark.parametrize("offset", [0, 4096])
-def test_loop_image_only_where_the_device_is_the_whole_image(tmp_path: Path, offset: int) -> None:
-    """A loop device is read as its image file only where the device's byte 0 is the image's byte 0: a device
-    set up with `losetup --offset` (or a partition of one) starts inside the image, so it is read as itself."""
-    import subprocess
-
-    from loaders.backends.mapped import loop_image
-
-    image = tmp_path / "disk.img"
-    image.write_bytes(bytes(1 << 20))
-    args = ["losetup", "--find", "--show", *(["--offset", str(offset)] if offset else []), str(image)]
-    made = subprocess.run(args, capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"losetup cannot attach a loop device here: {made.stderr.strip()}")
-    device = made.stdout.strip()
-    try:
-        assert loop_image(device) == (str(image) if offset == 0 else None)
-    finally:
-        subprocess.run(["losetup", "-d", device], check=False)
