@@ -18,8 +18,8 @@ import numpy as np
 from loaders.args import check_batches, count
 from loaders.deps import has, require
 from loaders.errors import ArgumentValueError, LoaderStateError
-from loaders.format import unflatten
 from loaders.meta import line_meta
+from loaders.nesting import unflatten
 from loaders.order import epoch_batches, epoch_order
 from loaders.staging import Slot, packed_view, stack, view
 

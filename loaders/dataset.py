@@ -25,8 +25,9 @@ import numpy as np
 from loaders import args, batches
 from loaders.backends import Backend
 from loaders.deps import has, require
-from loaders.format import PreparedCache, unflatten
+from loaders.format import PreparedCache
 from loaders.meta import as_kind, key_meta, line_kinds, line_values, meta_template
+from loaders.nesting import unflatten
 from loaders.order import epoch_order
 from loaders.reads import PLAN_CACHE, Reader, ReadPlan, fits_in_memory
 from loaders.region import plan_read

@@ -77,7 +77,7 @@ def nested_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch whose "key/part" entries (a head's nested outputs, cached flat: the arrays of
     `LoadImaged(image_only=False)`'s meta dicts) are nested again as MONAI's collate nests them, merged with
     the collated values of the same dict (its scalars and strings, batched apart)."""
-    from loaders.format import unflatten
+    from loaders.nesting import unflatten
 
     parts = {k: v for k, v in batch.items() if isinstance(k, str) and "/" in k}
     if not parts:

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import FormatError
-from loaders.format import dtype_code, flatten, to_jsonable
+from loaders.format import dtype_code
+from loaders.nesting import flatten, to_jsonable
 
 # meta line keys
 SOURCE = "source"  # the datalist entry the item was prepared from

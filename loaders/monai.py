@@ -24,8 +24,9 @@ from loaders import args, chain
 from loaders.backends import Backend
 from loaders.deps import require
 from loaders.errors import StaleError
-from loaders.format import MANIFEST, to_jsonable
+from loaders.format import MANIFEST
 from loaders.meta import line_source
+from loaders.nesting import to_jsonable
 
 __all__ = ["PersistentCore", "PreparedPersistentDataset", "dropin_device", "keep_random_states", "tail_compose"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loaders.format import flat_again, nested
+from loaders.nesting import flat_again, nested
 from loaders.staging import stack
 
 __all__ = ["PerItemTail", "loader_tails"]

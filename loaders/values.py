@@ -58,7 +58,7 @@ class Values:
 
     def of(self, item: int) -> dict[str, Any]:
         """Item `item`'s values (checked to have item 0's keys)."""
-        from loaders.format import nested
+        from loaders.nesting import nested
 
         got = self._items.get(item)
         if got is None:

@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,8 @@ from loaders.format import (
     SCHEMA_VERSION,
     SHARD_DIR,
     PreparedCache,
-    align_up,
-    fsync_dir,
-    make_rows,
-    write_index,
-    write_manifest,
-    write_meta,
 )
+from loaders.writing import fsync_dir
 from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
@@ -49,12 +43,12 @@ from prep.cluster import (
     torch_threads_for,
     worker_mode,
 )
+from prep.commit import commit
 from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
 from prep.errors import PrepError, StaleError, UsageError
 from prep.item_size import available_memory, default_max_item_bytes
 from prep.journal import (
     CacheLock,
-    JournalState,
     JournalWriter,
     check_output,
     committed_records,
@@ -293,7 +287,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     missing = [i for i in range(len(items)) if i not in state.finished]
     if missing:
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
-    manifest, bmap_note = _commit(root, run.plan, run.pipe, items, state)
+    manifest, bmap_note = commit(root, run.plan, run.pipe, items, state)
     summary = summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
     if todo and not run.scheduler:
@@ -449,76 +443,3 @@ def _no_space(root: Path) -> Iterator[None]:
             f"{root}: no space left on the device; finished items are kept: free space and re-run the same "
             "command to resume"
         ) from None
-
-
-def _commit(
-    root: Path, plan: dict[str, Any], pipe: Pipeline, items: list[tuple[str, dict[str, Any]]], state: JournalState
-) -> tuple[dict[str, Any], str]:
-    """Consolidate journals into index.npy + meta.jsonl, map the shards, write manifest.json last (with every
-    file's checksum), drop the journals. Returns the manifest and why no block map was written ("" if one was)."""
-    for stale_tmp in root.glob(".*.tmp*"):  # temp files of a commit that ran out of space or was killed
-        stale_tmp.unlink()
-    order = [i for i in range(len(items)) if i in state.done]
-    records = [state.done[i] for i in order]
-    keys = sorted({t["key"] for r in records for t in r["tensors"]})
-    shards = sorted({r["shard"] for r in records})
-    _trim_shards(root, records, set(shards))
-    key_pos = {k: n for n, k in enumerate(keys)}
-    shard_pos = {s: n for n, s in enumerate(shards)}
-    rows = [
-        {**t, "item": n, "key": key_pos[t["key"]], "shard": shard_pos[r["shard"]]}
-        for n, r in enumerate(records)
-        for t in r["tensors"]
-    ]
-    write_index(root, make_rows(rows))
-    write_meta(root, [r["meta"] for r in records])
-    (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
-    _, bmap_note = _write_bmap(root)  # before the manifest: a committed cache has its map (where FIEMAP works)
-    quarantined = [
-        {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"],
-         **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}  # what a rerun checks (to_retry)
-        for i, q in sorted(state.quarantined.items())
-    ]  # fmt: skip
-    manifest = {
-        **plan,
-        "tail": pipe.tail_description,
-        "head_length": len(pipe.head),
-        "head_device": chain.head_device(pipe.head),  # where the head left its tensors (None: the CPU)
-        "keys": keys,
-        "shards": shards,
-        "n_items": len(records),
-        "tensor_bytes": sum(int(t["nbytes"]) for r in records for t in r["tensors"]),
-        "quarantined": quarantined,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    write_manifest(root, manifest)
-    shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
-    return json.loads((root / MANIFEST).read_text()), bmap_note
-
-
-def _trim_shards(root: Path, records: list[dict[str, Any]], used: set[str]) -> None:
-    """Cut each shard after its last trusted tensor (a killed writer leaves preallocation); drop orphans."""
-    ends: dict[str, int] = {}
-    for r in records:
-        for t in r["tensors"]:
-            ends[r["shard"]] = max(ends.get(r["shard"], 0), int(t["offset"]) + align_up(int(t["nbytes"])))
-    for shard in used:
-        path = root / shard
-        if path.stat().st_size != ends.get(shard, 0):
-            os.truncate(path, ends.get(shard, 0))
-    for path in (root / SHARD_DIR).glob("*"):
-        if f"{SHARD_DIR}/{path.name}" not in used:
-            path.unlink()
-
-
-def _write_bmap(root: Path) -> tuple[Path | None, str]:
-    """Map the shards with prep.mapping when it is available and the filesystem supports it; else say why."""
-    try:
-        from prep.mapping import build_bmap
-    except ImportError as exc:
-        return None, f"block-map code unavailable ({exc})"
-    try:
-        build_bmap(root, root / BMAP, include=[f"{SHARD_DIR}/*"], require_mountpoint=False)
-    except PrepError as exc:
-        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return root / BMAP, ""

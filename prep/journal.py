@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from loaders import sampling
-from loaders.format import JOURNAL_DIR, atomic_write_bytes, checksum, fsync_dir
+from loaders.format import JOURNAL_DIR, checksum
+from loaders.writing import atomic_write_bytes, fsync_dir
 from prep.errors import LockedError, UsageError
 
 LOCK = ".lock"

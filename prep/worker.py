@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.format import JOURNAL_DIR, SHARD_DIR, ShardWriter, align_up
+from loaders.format import JOURNAL_DIR, SHARD_DIR, align_up
 from loaders.meta import meta_line, split_output
+from loaders.writing import ShardWriter
 from prep.errors import StaleError
 from prep.journal import JournalWriter
 from prep.pipeline import Pipeline, load_pipeline

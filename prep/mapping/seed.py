@@ -13,7 +13,7 @@ from typing import Any
 
 from loaders.bmap import BlockMap
 from loaders.fiemap import Extent, merge_adjacent
-from loaders.format import atomic_write_bytes
+from loaders.writing import atomic_write_bytes
 from prep.errors import UsageError
 
 

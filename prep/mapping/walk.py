@@ -30,7 +30,8 @@ from typing import Any
 
 from loaders.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, encode_document_with_files
 from loaders.fiemap import EXTENT_FLAGS, FS_IOC_FIEMAP, SAFE_FLAGS, FiemapReader, unsafe_reasons
-from loaders.format import atomic_write_bytes, checksum
+from loaders.format import checksum
+from loaders.writing import atomic_write_bytes
 from prep.devices import DeviceInfo, check_mappable, device_info
 from prep.errors import UsageError
 from prep.mapping.seed import skipped_path, write_seed

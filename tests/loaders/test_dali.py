@@ -11,7 +11,7 @@ import pytest
 from fsutil import interleaved_appends
 
 from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
-from loaders.format import write_items
+from loaders.writing import write_items
 
 dali = pytest.importorskip("nvidia.dali")
 fn = pytest.importorskip("nvidia.dali.fn")

@@ -16,7 +16,8 @@ import pytest
 from loaders.backends import BLOCK_RANGE_BACKENDS, backend_names, get_backend
 from loaders.deps import has
 from loaders.errors import BackendError, ChecksumError, IncompleteCacheError, PrepError, SchemaVersionError
-from loaders.format import MANIFEST, write_items
+from loaders.format import MANIFEST
+from loaders.writing import write_items
 
 torch = pytest.importorskip("torch")
 from loaders.batches import PreparedBatches  # noqa: E402

@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders import format as fmt
+from loaders import nesting, writing
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
 
 def write_small_cache(root: Path, arrays: list[dict[str, np.ndarray]]) -> None:
-    fmt.write_items(root, arrays, [{"source": {"i": i}} for i in range(len(arrays))])
+    writing.write_items(root, arrays, [{"source": {"i": i}} for i in range(len(arrays))])
 
 
 def test_roundtrip_aligned(tmp_path: Path) -> None:
@@ -32,7 +33,7 @@ def test_roundtrip_aligned(tmp_path: Path) -> None:
     for i, item in enumerate(arrays):
         entries = {e.key: e for e in cache.entries(i)}
         assert set(entries) == {"image", "label", "crops/0"}
-        flat = fmt.flatten(item)
+        flat = nesting.flatten(item)
         for k, e in entries.items():
             assert e.offset % fmt.ALIGN == 0
             raw = np.fromfile(e.shard, dtype=np.uint8, count=e.nbytes, offset=e.offset)
@@ -85,7 +86,7 @@ nested = st.recursive(
 
 @given(st.dictionaries(st.text("xyz", min_size=1, max_size=3), nested, min_size=1, max_size=3))
 def test_flatten_roundtrip(obj: dict) -> None:  # type: ignore[type-arg]
-    assert fmt.unflatten(fmt.flatten(obj)) == obj
+    assert nesting.unflatten(nesting.flatten(obj)) == obj
 
 
 @settings(max_examples=50)
@@ -93,7 +94,7 @@ def test_flatten_roundtrip(obj: dict) -> None:  # type: ignore[type-arg]
 def test_every_tensor_aligned_and_disjoint(sizes: list[int], tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tmp_path_factory.mktemp("shard") / "s.bin"
     spans = []
-    with fmt.ShardWriter(path, prealloc=8192) as w:
+    with writing.ShardWriter(path, prealloc=8192) as w:
         for n in sizes:
             off, nb, _ = w.write(np.zeros(n, np.uint8))
             assert off % fmt.ALIGN == 0 and nb == n

@@ -124,13 +124,13 @@ def test_thread_dataloader_with_list_outputs(prepared: dict[str, Any]) -> None:
 
 
 def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path) -> None:
-    """A cache exported by user code (format.write_items) with the head's fingerprint works too."""
+    """A cache exported by user code (writing.write_items) with the head's fingerprint works too."""
     from monai.transforms import Compose
 
     from loaders import chain
     from loaders.checksums import doc_checksum
-    from loaders.format import write_items
     from loaders.monai import PreparedPersistentDataset
+    from loaders.writing import write_items
 
     transform = _transform(prepared["pipeline"])
     head, _ = chain.split(transform)

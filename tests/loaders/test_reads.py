@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from loaders.errors import BackendError, ChecksumError
-from loaders.format import ALIGN, PreparedCache, write_items
+from loaders.format import ALIGN, PreparedCache
+from loaders.writing import write_items
 
 torch = pytest.importorskip("torch")
 from loaders import reads  # noqa: E402

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loaders.backends import get_backend
-from loaders.format import PreparedCache, write_items
+from loaders.format import PreparedCache
 from loaders.region import plan_region, read_region_entry
+from loaders.writing import write_items
 
 
 @st.composite

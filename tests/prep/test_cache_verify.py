@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from loaders.errors import ChecksumError
-from loaders.format import BMAP, INDEX, MANIFEST, META, META_OFFSETS, PreparedCache, write_items
+from loaders.format import BMAP, INDEX, MANIFEST, META, META_OFFSETS, PreparedCache
+from loaders.writing import write_items
 from prep.cache_verify import verify_cache
 from prep.cli import app
 from prep.errors import PrepError

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from loaders.errors import FormatError
-from loaders.format import PreparedCache, write_items
+from loaders.format import PreparedCache
+from loaders.writing import write_items
 
 
 def _items(seed: int) -> list[dict[str, np.ndarray]]:

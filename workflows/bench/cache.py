@@ -249,7 +249,8 @@ def _fresh(path: Path) -> Path:
 def tiny_cache(root: Path, n_items: int) -> Any:
     """A committed cache of `n_items` tiny items (16 bytes each, two keys) written with loaders.format."""
     from loaders.errors import PrepError
-    from loaders.format import PreparedCache, read_manifest, write_items
+    from loaders.format import PreparedCache, read_manifest
+    from loaders.writing import write_items
 
     try:
         if read_manifest(root).get("bench_items") == n_items:

@@ -21,7 +21,8 @@ import typer
 
 from loaders.deps import cuda_available
 from loaders.errors import PrepError
-from loaders.format import PreparedCache, read_manifest, write_items
+from loaders.format import PreparedCache, read_manifest
+from loaders.writing import write_items
 from workflows.bench import ceilings, scenario
 from workflows.bench.core import Options, Result, Rows, evict
 
