@@ -1,7 +1,8 @@
 """The held-out table (issue 26): chains of the same kinds as the issue's, written after its fixes, over the
 multi-modal sets (other key names, 2D and 3D, a multi-class label, flipped affines, per-item values).
 
-Rows as in `chaintable`; `ALL` is both tables, the one the runners and the generated pipeline files read.
+Rows as in `chaintable`; `ALL` is the three tables (with `tutorials`), the one the runners and the generated
+pipeline files read.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from chaintable import ROWS, Row
+from tutorials import TUTORIALS
 
 M = ["t1", "t2", "seg"]  # 3D: two modalities and a 0..3 label
 MI = ["image", "seg"]  # after the modalities are concatenated
@@ -714,4 +716,4 @@ HELDOUT: dict[str, Row] = {
     ]
 }
 
-ALL: dict[str, Row] = {**ROWS, **HELDOUT}
+ALL: dict[str, Row] = {**ROWS, **HELDOUT, **TUTORIALS}
