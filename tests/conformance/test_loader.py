@@ -14,6 +14,7 @@ import pytest
 from chaintable import ROWS, Row
 from heldout import ALL
 from monairef import Reference, assert_batch_equal, differs, seeded
+from tutorials import TUTORIALS
 
 from loaders.errors import PrepError
 
@@ -95,9 +96,10 @@ def test_row_equals_monai_over_the_matrix(row: Row, options: dict[str, Any], cac
     check_row(row, caches, options)
 
 
-def test_another_seed_differs(caches: Any) -> None:
-    """The negative control: the comparison sees a different seed."""
-    row = ROWS["crop-flip-rot90"]
+@pytest.mark.parametrize("name", ["crop-flip-rot90", *TUTORIALS])
+def test_another_seed_differs(name: str, caches: Any) -> None:
+    """The negative control: the comparison sees a different seed (a first row, and every tutorial chain)."""
+    row = ALL[name]
     loader, _ = _loader(row, caches(row), QUICK)
     ref = Reference(row, caches.data(row), SEED + 1)
     assert any(differs(b, ref.batch([int(i) for i in b["_items"]])) for b in loader)
