@@ -28,6 +28,8 @@ class PerItemTail:
 
         keys = [k for k in batch if not k.startswith("_")]
         n = len(batch[keys[0]])
+        if self.compose is None and not any(isinstance(batch[k], list) for k in keys):
+            return {k: _plain(batch[k]) for k in keys}, list(range(n))  # stacked already: nothing to run or restack
         if self.compose is None:
             outs: list[dict[str, Any]] = [{k: batch[k][i] for k in keys} for i in range(n)]
             sources = list(range(n))

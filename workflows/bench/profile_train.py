@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from workflows.bench.train import DEFAULTS
-from workflows.bench.train_loop import TrainOptions, build_data, make_step, transform_of
+from workflows.bench.train_loop import TrainOptions, build_data, make_step, on_device, transform_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--work", type=Path, default=Path("bench_out/work"))
     parser.add_argument("--rows", type=int, default=25, help="table rows")
+    parser.add_argument("--count", type=int, default=None, help="items (default: the workload's)")
+    parser.add_argument("--size", type=int, default=None, help="volume (image) edge (default: the workload's)")
     parser.add_argument(
         "--loader-only", action="store_true", help="no model: cProfile the loader with its tail on this thread"
     )
@@ -33,21 +35,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from loaders.loader import PreparedLoader
 
-    size, crop, batch, count, workers = DEFAULTS[a.workload]
-    opts = TrainOptions(size, crop, batch, 2, workers, a.device, count, workload=a.workload)
+    opts = _options(a)
+    batch = opts.batch
     _, pipeline, cache = build_data(opts, a.work)
     loader = PreparedLoader(cache, transform_of(pipeline, 0), batch, device=a.device, seed=0)
     loader.set_random_state(0)
     step = make_step(opts, a.device)
     for b in loader:  # warm: the tier fills, kernels compile
-        step(b["image"], b["label"])
+        step(on_device(b["image"], a.device), on_device(b["label"], a.device))
     gpu = a.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     done = 0
     with profile(activities=activities) as prof:
         while done < a.steps:
             for b in loader:
-                step(b["image"], b["label"])
+                step(on_device(b["image"], a.device), on_device(b["label"], a.device))  # a class label: on the CPU
                 if gpu:
                     torch.cuda.synchronize()
                 done += 1
@@ -58,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     print(prof.key_averages().table(sort_by=key, row_limit=a.rows))
     loader.close()
     return 0
+
+
+def _options(a: argparse.Namespace) -> TrainOptions:
+    size, crop, batch, count, workers = DEFAULTS[a.workload]
+    size, count = a.size or size, a.count or count
+    crop = size if a.workload == "mednist" else min(crop, size)
+    return TrainOptions(size, crop, min(batch, count), 2, workers, a.device, count, workload=a.workload)
 
 
 def _loader_only(a: argparse.Namespace) -> int:
@@ -72,8 +81,8 @@ def _loader_only(a: argparse.Namespace) -> int:
 
     from loaders.loader import PreparedLoader
 
-    size, crop, batch, count, workers = DEFAULTS[a.workload]
-    opts = TrainOptions(size, crop, batch, 2, workers, a.device, count, workload=a.workload)
+    opts = _options(a)
+    batch = opts.batch
     _, pipeline, cache = build_data(opts, a.work)
     gpu = a.device.startswith("cuda")
     for tail_thread in (True, False):

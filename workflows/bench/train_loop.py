@@ -128,7 +128,8 @@ def make_step(opts: TrainOptions, device: str, ddp: bool = False) -> Callable[[A
     return step
 
 
-def _tensor(x: Any, device: str) -> Any:
+def on_device(x: Any, device: str) -> Any:
+    """A batch entry (MetaTensor or tensor, a class label on the CPU) as a plain tensor on `device`."""
     x = x.as_tensor() if hasattr(x, "as_tensor") else x
     return x.to(device, non_blocking=True)
 
@@ -154,7 +155,7 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
             if batch is None:
                 break
             seen += 1
-            image, label = _tensor(batch["image"], device), _tensor(batch["label"], device)
+            image, label = on_device(batch["image"], device), on_device(batch["label"], device)
             sync()
             t1 = time.perf_counter()
             step(image, label)

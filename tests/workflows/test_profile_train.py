@@ -1,0 +1,19 @@
+"""Smoke test of workflows.bench.profile_train (the profiler's table, and the loader alone), tiny and on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workflows.bench import profile_train
+
+
+@pytest.mark.parametrize("loader_only", [False, True])
+def test_profile_train_prints_its_table(tmp_path: Path, capsys: pytest.CaptureFixture[str], loader_only: bool) -> None:
+    """mednist: a class label on the CPU reaches the model's loss on the model's device."""
+    argv = ["--workload", "mednist", "--count", "8", "--size", "32", "--steps", "3", "--device", "cpu",
+            "--work", str(tmp_path), "--rows", "5"] + (["--loader-only"] if loader_only else [])  # fmt: skip
+    assert profile_train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert ("batches/s" in out) if loader_only else ("mednist: 3 steps" in out and "Self CPU" in out)
