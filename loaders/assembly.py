@@ -19,7 +19,7 @@ from loaders.exact import nested_batch
 from loaders.folds import Window, split_fold
 from loaders.format import PreparedCache
 from loaders.reads import Fetched, Place, Reader
-from loaders.staging import Slot, packed_view, stack, view
+from loaders.staging import Slot, packed_view, stack, values_to, view
 from loaders.tails import loader_tails
 from loaders.tier import DeviceTier
 from loaders.values import Values
@@ -154,7 +154,8 @@ class BatchAssembly:
         # the user's transforms never see the loader's `_items`
         out, origin = (self._ragged_tail if ragged else self.tail).run(batch)
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
-        return nested_batch(self.values.collate(out))
+        out = nested_batch(self.values.collate(out))
+        return values_to(out, self.reader.device) if self.gpu else out
 
     def _assemble(self, plan: BatchPlan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:
         """Per key, the batch's rows (resident, whole or crop reads) cropped and stacked (a list if ragged)."""

@@ -72,6 +72,18 @@ def upload(buf: Any, nbytes: int, slot: Slot | None, on_device: bool, device: An
     return torch.from_numpy(np.asarray(buf[:nbytes]))
 
 
+def values_to(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    """`batch` with its collated host tensors (class labels and other numbers of the head or the tail) on the
+    GPU `device` too, copied from pinned memory on the current stream: a training loop's `.to(device)` of a
+    pageable tensor would wait for every step queued before it. `_items` stays on the host."""
+    import torch
+
+    for key, value in batch.items():
+        if key != "_items" and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            batch[key] = value.pin_memory().to(device, non_blocking=True)
+    return batch
+
+
 def view(flat: Any, at: int, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
     """The tensor of `dtype` and `shape` at byte `at` of a flat uint8 tensor (a view)."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,3 +61,25 @@ def test_a_tail_reading_a_value_key_sees_it_as_monai_does(mednist: Path) -> None
     for s, got in zip(range(0, 10, 4), loader):
         want = list_data_collate([{"label": ds[i]["label"] + 1} for i in range(s, min(s + 4, 10))])
         assert got["label"].tolist() == want["label"].tolist() and got["label"].dtype == want["label"].dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [0, "1GiB"])
+def test_int_labels_come_on_the_gpu_with_the_images(mednist: Path, budget: Any) -> None:
+    """On a GPU the collated labels are on the loader's device too (a training loop's .to(device) of a host
+    tensor would wait for every queued step); same values as on the CPU; `_items` stays on the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from loaders import PreparedLoader
+    from prep.pipeline import load_pipeline
+
+    transform = load_pipeline(MEDNIST).transform
+    got = {}
+    for device in ("cpu", "cuda:0"):
+        loader = PreparedLoader(mednist, transform, batch_size=4, device=device, shuffle=False, drop_last=False,
+                                gpu_budget=budget if device != "cpu" else 0)  # fmt: skip
+        got[device] = [(b["label"], b["_items"]) for _ in range(2) for b in loader]
+    for (cpu_label, cpu_items), (gpu_label, gpu_items) in zip(got["cpu"], got["cuda:0"]):
+        assert gpu_label.device.type == "cuda" and gpu_items.device.type == "cpu"
+        assert gpu_label.dtype == cpu_label.dtype and gpu_label.cpu().tolist() == cpu_label.tolist()
+        assert gpu_items.tolist() == cpu_items.tolist()
