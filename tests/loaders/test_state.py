@@ -20,7 +20,14 @@ CONFIGS = {
     "crops-read-thread": {"gpu_budget": 0, "tail_thread": True, "prefetch": 3},
     "tier-tail-on-caller": {"gpu_budget": "1GiB", "tail_thread": False, "prefetch": 2},
     "whole-reads-shard": {"gpu_budget": 0, "crop_read": False, "shard": (1, 2), "batch_size": 1},
+    "gpu-tier-read-thread": {"gpu_budget": "1GiB", "tail_thread": True, "prefetch": 3, "device": "cuda:0"},
+    "gpu-crops-tail-on-caller": {"gpu_budget": 0, "tail_thread": False, "prefetch": 2, "device": "cuda:0"},
 }
+
+
+def _config(name: str) -> Any:
+    on_gpu = CONFIGS[name].get("device", "cpu") != "cpu"
+    return pytest.param(name, id=name, marks=[pytest.mark.gpu] if on_gpu else [])
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +50,20 @@ def _loader(made: tuple[Path, Path], options: dict[str, Any], source: str | None
     options = dict(options)
     shard = options.pop("shard", None)
     batch_size = options.pop("batch_size", 2)
-    loader = PreparedLoader(cache, _transform(pipeline), batch_size=batch_size, device="cpu", **options)
+    device = options.pop("device", "cpu")
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=batch_size, device=device, **options)
     if shard is not None:
         loader.shard(*shard)
     return loader.set_random_state(5)  # the script seeds at start, a resumed run too
 
 
 def _plain(batch: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v).copy() for k, v in batch.items() if k in ("image", "label", "_items")}
+    return {k: np.asarray(v.cpu()).copy() for k, v in batch.items() if k in ("image", "label", "_items")}
 
 
 def _same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]], where: str) -> None:
@@ -60,7 +73,7 @@ def _same(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]], w
             assert np.array_equal(g[key], w[key]), f"{where}: batch {j} {key}"
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [_config(name) for name in CONFIGS])
 @pytest.mark.parametrize(("epoch", "k"), [(0, 1), (1, 2), (2, 1)])
 def test_resumed_run_gives_the_batches_of_one_never_stopped(
     made: tuple[Path, Path], config: str, epoch: int, k: int

@@ -77,7 +77,7 @@ def test_single_way_cold_reports_its_ceiling(demo: Path, tmp_path: Path, capsys:
     rows = _rows(tmp_path)
     shards = len(list((demo / "cache" / "shards").iterdir()))
     assert rows["blockprep prepared (posix)"]["note"].startswith(f"fadvise({shards} files)")
-    assert rows["ceiling O_DIRECT x16"]["x_ceiling"] == "1.0"
+    assert rows["O_DIRECT x16, a request a tensor"]["x_ceiling"] == "1.0"
     assert "ceiling np.fromfile (warm)" in rows  # every ceiling of the data, the reference one first
     assert int(rows["blockprep prepared (posix)"]["items"]) == 6
 
@@ -125,7 +125,7 @@ def test_ceilings_read_exactly_the_tensor_bytes(demo: Path) -> None:
 
 def test_ratios_pick_the_ceiling_of_the_mode_and_data() -> None:
     results = [
-        Result("ceiling O_DIRECT x16", "volumes", 10, 1.0, 100, "ceiling"),
+        Result("O_DIRECT x16, a request a tensor", "volumes", 10, 1.0, 100, "ceiling"),
         Result("ceiling np.fromfile (warm)", "volumes", 10, 0.1, 100, "ceiling"),
         Result(report.PERSISTENT, "volumes", 10, 4.0, 100),
         Result("ours", "volumes", 10, 2.0, 100, "ours"),
