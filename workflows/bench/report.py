@@ -18,7 +18,13 @@ PERSISTENT = "monai PersistentDataset"
 COLUMNS = ("name", "data", "items/s", "GB/s", "x ceiling", "x peer", "note")
 FIELDS = ["name", "data", "kind", "items", "seconds", "nbytes", "items_per_s", "gb_per_s", "x_ceiling", "x_peer",
           "peer", "note"]  # fmt: skip
-KIND_COLOURS = {"ours": "tab:green", "peer": "tab:blue", "research": "tab:orange", "ceiling": "tab:gray"}
+KIND_COLOURS = {
+    "ours": "tab:green",
+    "peer": "tab:blue",
+    "research": "tab:orange",
+    "ceiling": "tab:gray",
+    "reference": "tab:purple",
+}
 
 
 def ceiling_for(results: list[Result], data: str, cold: bool) -> Result | None:

@@ -55,15 +55,52 @@ def ceiling(opts: TrainOptions, steps: int) -> TrainRow:
     if not shapes:
         raise Unavailable(f"{opts.workload} trains no model: no compute ceiling")
     g = torch.Generator().manual_seed(opts.seed)
-    batch = {}
-    for key, (shape, kind) in shapes.items():
-        if kind == "class":
-            value = torch.randint(0, 6, shape, generator=g)
-        else:
-            value = torch.rand(shape, generator=g)
-            value = (value > 0.5).float() if kind == "binary" else value
-        batch[key] = value.to(opts.device)
+    batch = {key: _made(shape, kind, g).to(opts.device) for key, (shape, kind) in shapes.items()}
     return time_loop(CEILING, "ceiling", lambda e: (batch for _ in range(steps)), opts)
+
+
+def _made(shape: tuple[int, ...], kind: str, g: Any) -> Any:
+    """A random tensor of `shape` for a ceiling: class numbers, a binary label or float voxels."""
+    import torch
+
+    if kind == "class":
+        return torch.randint(0, 6, shape, generator=g)
+    value = torch.rand(shape, generator=g)
+    return (value > 0.5).float() if kind == "binary" else value
+
+
+class ReadyItems:
+    """A map-style dataset of `n` ready-made items (key -> per-item shape and kind): the most any Dataset can give
+    a training loop through `DataLoader(W)` (no read, no transform; each item fresh memory, as a transform's
+    output is), so the rows under that DataLoader are held against what its own transport allows."""
+
+    def __init__(self, n: int, shapes: dict[str, tuple[tuple[int, ...], str]], seed: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        self.n = n
+        self.templates = {key: _made(shape, kind, g) for key, (shape, kind) in shapes.items()}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {key: t.clone() for key, t in self.templates.items()}
+
+
+def transport(opts: TrainOptions) -> TrainRow:
+    """`DataLoader(W)` (the peers' settings) over `ReadyItems` of the batch's shapes, into the same training loop."""
+    work = WORKLOADS[opts.workload]
+    shapes = work.ceiling(opts)
+    if not shapes or work.thread_loader:
+        raise Unavailable(f"{opts.workload}: its peers run no DataLoader workers (no transport to measure)")
+    rows = next(iter(shapes.values()))[0][0]  # rows of a batch: batch x samples
+    items = ReadyItems(
+        opts.count // opts.batch * rows, {k: (s[1:], kind) for k, (s, kind) in shapes.items()}, opts.seed
+    )
+    loader = _dataloader(items, opts, opts.workers, batch=rows)
+    name = f"DataLoader({opts.workers}) alone: ready-made items of the batch's shapes, no read, no transform"
+    return time_loop(name, "reference", _loader_epochs(loader), opts)
 
 
 def _datalist(datalist: Path) -> list[dict[str, Any]]:
@@ -72,7 +109,7 @@ def _datalist(datalist: Path) -> list[dict[str, Any]]:
     return datalist_items(datalist)
 
 
-def _dataloader(dataset: Any, opts: TrainOptions, workers: int, threads: bool = False) -> Any:
+def _dataloader(dataset: Any, opts: TrainOptions, workers: int, threads: bool = False, batch: int = 0) -> Any:
     import torch
     from monai.data import DataLoader, ThreadDataLoader
 
@@ -82,8 +119,8 @@ def _dataloader(dataset: Any, opts: TrainOptions, workers: int, threads: bool = 
     if threads:
         return ThreadDataLoader(dataset, batch_size=opts.batch, shuffle=True, drop_last=True, generator=g,
                                 num_workers=workers, use_thread_workers=workers > 0)  # fmt: skip
-    return DataLoader(dataset, batch_size=opts.batch, shuffle=True, drop_last=True, generator=g, num_workers=workers,
-                      pin_memory=opts.gpu, persistent_workers=workers > 0)  # fmt: skip
+    return DataLoader(dataset, batch_size=batch or opts.batch, shuffle=True, drop_last=True, generator=g,
+                      num_workers=workers, pin_memory=opts.gpu, persistent_workers=workers > 0)  # fmt: skip
 
 
 def persistent(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
@@ -241,6 +278,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("smart-cache", lambda: smart_cache(datalist, pipeline, opts)),
         ("drop-in", lambda: drop_in(datalist, pipeline, cache, opts, threads=False)),
         ("drop-in-threads", lambda: drop_in(datalist, pipeline, cache, opts, threads=True)),
+        ("transport", lambda: transport(opts)),
         ("fast-auto", lambda: fast_path(pipeline, cache, opts, "auto", "defaults (gpu_budget=auto)")),
         ("fast", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier (page cache), crop read")),
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
@@ -320,7 +358,7 @@ def train(
         str,
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
-            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,fast-auto,fast,"
+            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,fast-auto,fast,"
             "fast-whole,fast-half,fast-budget; fast or fast-half with PreparedLoader options: "
             "fast@tail_thread=False;switch_interval=0.0005"
         ),
