@@ -20,8 +20,8 @@ def test_bench_loaders_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str],
             "--batchsize", "2", "--out", str(tmp_path)]  # fmt: skip
     assert benchmark.main(argv) == 0
     text = capsys.readouterr().out
-    ceiling = "O_DIRECT" if mode == "--cold" else "np.fromfile"
-    for name in (f"ceiling {ceiling}", "PreparedDataset[posix] items", "PreparedDataset[posix] batches",
+    reference = "O_DIRECT x16, a request a tensor" if mode == "--cold" else "ceiling np.fromfile"
+    for name in (reference, "PreparedDataset[posix] items", "PreparedDataset[posix] batches",
                  "MONAI PersistentDataset", "whole volume 32^3", "region 12^3 of it"):  # fmt: skip
         assert name in text, text
     rows = json.loads((tmp_path / "bench.json").read_text())["results"]

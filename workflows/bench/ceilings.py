@@ -143,7 +143,7 @@ def _cache_items_or_skip(cache: Path) -> list[list[Span]]:
 
 def add_ceilings(rows: Rows, items: Callable[[], list[list[Span]]], opts: Options, data: str) -> None:
     """The three ceilings (O_DIRECT, np.fromfile, kvikio) of one data set, as rows (or reasons)."""
-    rows.add(f"ceiling O_DIRECT ({data})", lambda: direct(items(), opts, data))
+    rows.add(f"O_DIRECT reference ({data})", lambda: direct(items(), opts, data))
     rows.add(f"ceiling np.fromfile ({data})", lambda: fromfile(items(), opts, data))
     rows.add(f"ceiling kvikio ({data})", lambda: kvikio_bulk(items(), opts, data))
 

@@ -125,7 +125,7 @@ def volume_rows(rows: Rows, cache: PreparedCache, opts: Options, host: bool = Tr
     items = ceilings.cache_items(cache.root)
     whole = Options(1, len(cache), opts.cold)  # the ceilings read every item once, like the rows
     if opts.cold:
-        rows.add("ceiling O_DIRECT", lambda: ceilings.direct(items, whole, "volumes"))
+        rows.add("O_DIRECT reference", lambda: ceilings.direct(items, whole, "volumes"))
     else:
         rows.add("ceiling np.fromfile", lambda: ceilings.fromfile(items, whole, "volumes"))
     for b in HOST_BACKENDS if host else ():
