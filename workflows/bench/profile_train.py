@@ -36,9 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from loaders.loader import PreparedLoader
 
     opts = _options(a)
-    batch = opts.batch
     _, pipeline, cache = build_data(opts, a.work)
-    loader = PreparedLoader(cache, transform_of(pipeline, 0), batch, device=a.device, seed=0)
+    loader = PreparedLoader(cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0)
     loader.set_random_state(0)
     step = make_step(opts, a.device)
     for b in loader:  # warm: the tier fills, kernels compile
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     with profile(activities=activities) as prof:
         while done < a.steps:
             for b in loader:
-                step(on_device(b["image"], a.device), on_device(b["label"], a.device))  # a class label: on the CPU
+                step(on_device(b["image"], a.device), on_device(b["label"], a.device))
                 if gpu:
                     torch.cuda.synchronize()
                 done += 1
@@ -82,12 +81,11 @@ def _loader_only(a: argparse.Namespace) -> int:
     from loaders.loader import PreparedLoader
 
     opts = _options(a)
-    batch = opts.batch
     _, pipeline, cache = build_data(opts, a.work)
     gpu = a.device.startswith("cuda")
     for tail_thread in (True, False):
         loader = PreparedLoader(
-            cache, transform_of(pipeline, 0), batch, device=a.device, seed=0, tail_thread=tail_thread
+            cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, tail_thread=tail_thread
         )
         loader.set_random_state(0)
         for _ in loader:  # warm: the tier fills
