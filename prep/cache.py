@@ -92,7 +92,7 @@ def prepare_cache(
     Resumes an interrupted run of the same plan; raises StaleError for a different pipeline or datalist
     unless `force` (then starts over). Quarantined items are listed in the summary and the manifest.
     The local cluster runs `workers` threads in this process (each task with cores / workers torch threads),
-    or (`processes=True`) one process per worker (1 torch thread each, as a DataLoader's workers), forked by a
+    or (`processes=True`) one process per worker (cores / workers torch threads each), forked by a
     forkserver (`prep.processes`: a script calling this needs the `if __name__ == "__main__":` guard);
     `processes=None` chooses by `prep.cluster.worker_mode` from the head (threads for a CUDA head) and its
     time on the first item. A head that prepares nothing (the chain's first transform is random) is refused unless

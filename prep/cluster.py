@@ -2,9 +2,9 @@
 
 The default local cluster runs in this process: one dask worker with `workers` threads. The head's heavy
 work (zlib inflate, torch resampling) releases the GIL, so threads use the cores like processes do, without
-starting any. `processes=True` starts `workers` one-thread processes instead (isolation from crashing
-transforms, Python-heavy custom transforms), forked by a forkserver that has imported torch and MONAI
-(`prep.processes`); that start and the warming of each worker with the pipeline run on a thread.
+starting any. `processes=True` starts `workers` processes instead, the cores shared out among them as torch
+threads (isolation from crashing transforms, Python-heavy custom transforms), forked by a forkserver that
+has imported torch and MONAI (`prep.processes`); that start and the warming of each worker with the pipeline run on a thread.
 """
 
 from __future__ import annotations
@@ -98,12 +98,12 @@ def local_cores() -> int:
 
 
 def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
-    """Intra-op threads per task on a local cluster: its cores shared by the worker threads, or 1 per worker
-    process as in a DataLoader's workers; 0 on a remote cluster: its workers keep
-    their own setting."""
+    """Intra-op threads per task on a local cluster: its cores shared by the workers, threads or processes
+    alike (a DataLoader's workers get 1 each, which leaves cores idle below one worker a core: 16-core box,
+    spheres W4, 4 of 16 cores busy); 0 on a remote cluster: its workers keep their own setting."""
     if scheduler:
         return 0
-    return 1 if processes else max(1, local_cores() // workers)
+    return max(1, local_cores() // workers)
 
 
 @contextmanager
@@ -144,7 +144,7 @@ def _connect(scheduler: str, security: Any) -> Any:
 
 
 class ClusterStarter:
-    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or one-thread processes forked
+    """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or processes forked
     by the forkserver, see prep.processes), on a thread; then loads `pipeline` on every worker process.
     `client()` waits for it; use as a context manager. `worker_cpu_s`: after close, the CPU seconds the local
     worker processes used (they are not this process's children)."""

@@ -103,6 +103,9 @@ def test_local_cluster_is_one_in_process_worker_of_n_threads_without_memory_paus
         workers = starter.client().scheduler_info()["workers"].values()
         assert [(w["nthreads"], w["memory_limit"]) for w in workers] == [(3, 0)]
     assert torch_threads_for(3, None) == max(1, local_cores() // 3) and torch_threads_for(3, "tcp://x:1") == 0
+    # processes share the cores out the same way (one-thread processes left cores idle at W < cores)
+    assert torch_threads_for(3, None, processes=True) == max(1, local_cores() // 3)
+    assert torch_threads_for(10 * local_cores(), None, processes=True) == 1
 
 
 def _malloc_env() -> dict[str, str | None]:
@@ -111,14 +114,15 @@ def _malloc_env() -> dict[str, str | None]:
 
 def test_worker_processes_spawn_without_dask_malloc_trim_and_with_passive_omp(monkeypatch: pytest.MonkeyPatch) -> None:
     """dask's default MALLOC_TRIM_THRESHOLD_ makes every tensor a fresh mmap (page faults, system time)."""
-    from prep.cluster import ClusterStarter
+    from prep.cluster import ClusterStarter, local_cores
 
     for key in ("MALLOC_TRIM_THRESHOLD_", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
         monkeypatch.delenv(key, raising=False)  # set by a worker restarted earlier in this session
     with ClusterStarter(1, None, processes=True) as starter:
         env = next(iter(starter.client().run(_malloc_env).values()))
         assert _malloc_env() == dict.fromkeys(env)  # the nanny's writes into this process's environment undone
-    assert env == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    # one worker process: all the cores as its OMP threads
+    assert env == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(local_cores())}
 
 
 def _worker_origin() -> tuple[bool, bool, int]:
