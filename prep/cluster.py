@@ -4,7 +4,8 @@ The default local cluster runs in this process: one dask worker with `workers` t
 work (zlib inflate, torch resampling) releases the GIL, so threads use the cores like processes do, without
 starting any. `processes=True` starts `workers` processes instead, the cores shared out among them as torch
 threads (isolation from crashing transforms, Python-heavy custom transforms), forked by a forkserver that
-has imported torch and MONAI (`prep.processes`); that start and the warming of each worker with the pipeline run on a thread.
+has imported torch and MONAI (`prep.processes`); that start and the warming of each worker with the pipeline
+run on a thread.
 """
 
 from __future__ import annotations
