@@ -14,6 +14,7 @@ random state per random transform.
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,6 +51,60 @@ def randomizables(root: Any) -> list[Any]:
     return out
 
 
+_MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
+
+
+class _Snapshot:
+    """One object's last `RandomState.get_state()`, given again while its generator has drawn nothing since.
+
+    get_state costs ~35 us (the state dict built in Python), a few times a batch; a chain's Composes and
+    outer dict transforms often never draw. "Drawn nothing" is told exactly from the generator's raw
+    Mersenne Twister words and position (2,500 bytes read in place) while the snapshot holds no cached
+    Gaussian: a legacy `normal` may use a cached one without moving the position, and a new cached one is
+    only ever made by drawing words. Where numpy's memory layout is not the one expected (checked against
+    get_state on first use), every snapshot is a get_state."""
+
+    __slots__ = ("_r", "_address", "_raw", "_state")
+
+    def __init__(self) -> None:
+        self._r: Any = None
+        self._address = 0  # 0: read the state through get_state only
+        self._raw = b""
+        self._state: tuple[Any, ...] = ()
+
+    def forget(self) -> None:
+        """The generator was set from outside: the next take reads it whole."""
+        self._raw = b""
+
+    def take(self, r: Any) -> tuple[Any, ...]:
+        if r is not self._r:  # a new generator (set_random_state replaces R): find its words again
+            self._r, self._raw = r, b""
+            self._address = _state_address(r)
+        if self._address:
+            raw = ctypes.string_at(self._address, _MT_BYTES)
+            if raw == self._raw:
+                return self._state
+        state = r.get_state()
+        if self._address:
+            # the words as get_state saw them; a snapshot holding a cached Gaussian is never given again
+            self._raw = raw if not state[3] and ctypes.string_at(self._address, _MT_BYTES) == raw else b""
+        self._state = state
+        return state
+
+
+def _state_address(r: Any) -> int:
+    """Address of `r`'s Mersenne Twister words and position, or 0 where they cannot be read in place."""
+    try:
+        address = int(r._bit_generator.ctypes.state_address)
+        state = r.get_state()
+        raw = ctypes.string_at(address, _MT_BYTES)
+    except Exception:  # noqa: BLE001  (another bit generator, or a numpy without these attributes)
+        return 0
+    if state[0] != "MT19937" or raw != np.asarray(state[1], "<u4").tobytes() + int(state[2]).to_bytes(4, "little"):
+        return 0
+    return address
+
+
 def _encode(state: tuple[Any, ...]) -> list[Any]:
     name, keys, pos, has_gauss, gauss = state
     return [str(name), base64.b64encode(np.asarray(keys, dtype="<u4").tobytes()).decode(), int(pos),
@@ -76,11 +131,12 @@ class Draws:
         early_ids = {id(o) for o in randomizables(early)} if early is not None else set()
         self.early = [i for i, o in enumerate(self.objs) if id(o) in early_ids]
         self.late = [i for i, o in enumerate(self.objs) if id(o) not in early_ids]
+        self._snaps = [_Snapshot() for _ in self.objs]
 
     def take(self, which: Sequence[int] | None = None) -> dict[int, tuple[Any, ...]]:
         """Snapshot of the objects at positions `which` (all by default)."""
         at = range(len(self.objs)) if which is None else which
-        return {i: self.objs[i].R.get_state() for i in at}
+        return {i: self._snaps[i].take(self.objs[i].R) for i in at}
 
     def after(self, early: Mapping[int, tuple[Any, ...]]) -> dict[int, tuple[Any, ...]]:
         """The states as of a batch whose fold drew `early` (taken then) and whose tail has just run."""
@@ -90,6 +146,7 @@ class Draws:
         """Set the random states back in place (objects sharing one RandomState stay sharing it)."""
         for i, state in snap.items():
             self.objs[i].R.set_state(state)
+            self._snaps[i].forget()  # the same words may now come with another cached Gaussian
 
     def names(self) -> list[str]:
         return [type(o).__name__ for o in self.objs]
