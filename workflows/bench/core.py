@@ -108,11 +108,13 @@ class Rows:
             print(f"  {result.name}: {result.items_per_s:.1f} items/s, {result.gb_per_s:.3f} GB/s", flush=True)
         return made
 
-    def add_rounds(self, jobs: Sequence[tuple[str, Callable[[], Result]]], rounds: int, peer: str = "") -> None:
+    def add_rounds(
+        self, jobs: Sequence[tuple[str, Callable[[], Result]]], rounds: int, peer: str = "", ceiling: str = ""
+    ) -> None:
         """Run every way once per round, the ways interleaved (a load that comes and goes on a shared box
         hits them alike); keep one row per way: the round of median time. With more than one round, its
-        `extra` holds the rounds, their items/s range and, against the row named `peer`, the median of the
-        per-round ratios (each against the peer's run of the same round)."""
+        `extra` holds the rounds, their items/s range and, against the rows named `peer` and `ceiling`, the
+        median of the per-round ratios (each against that row's run of the same round)."""
         runs: dict[str, list[Result]] = {}
         for r in range(rounds):
             if rounds > 1:
@@ -122,15 +124,17 @@ class Rows:
                     continue  # could not run here: said once
                 for result in self._run(label, job)[:1]:
                     runs.setdefault(label, []).append(result)
-        base = next((v for v in runs.values() if v[0].name == peer), None)
+        against = {key: next((v for v in runs.values() if v[0].name == name), None)
+                   for key, name in (("x peer per round", peer), ("x ceiling per round", ceiling)) if name}  # fmt: skip
         for made in runs.values():
             row = sorted(made, key=lambda x: x.seconds)[(len(made) - 1) // 2]
             if len(made) > 1:
                 rates = [x.items_per_s for x in made]
                 row.extra.update(rounds=len(made), min=min(rates), max=max(rates))
-                if base is not None and row.name != peer and len(base) == len(made):
-                    per_round = [x.items_per_s / b.items_per_s for x, b in zip(made, base)]
-                    row.extra["x peer per round"] = f"{float(np.median(per_round)):.2f}"
+                for key, base in against.items():
+                    if base is not None and row.name != base[0].name and len(base) == len(made):
+                        per_round = [x.items_per_s / b.items_per_s for x, b in zip(made, base)]
+                        row.extra[key] = f"{float(np.median(per_round)):.2f}"
             self.results.append(row)
 
     def skip(self, label: str, why: str) -> None:

@@ -293,11 +293,14 @@ def run(opts: TrainOptions, work: Path) -> Rows:
             kw = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options.split(";"))}
             jobs.append((spec, lambda b=budget_b, lb=f"{label}, {options}", kw=kw: fast_path(  # type: ignore[misc]
                 pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
-    for key, job in jobs:
-        if opts.rows and key not in opts.rows and key != "ceiling":
-            continue
-        rows.add(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
-    _best_ceiling(rows, opts, steps)
+    picked = [(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
+              for key, job in jobs if not opts.rows or key in opts.rows or key == "ceiling"]  # fmt: skip
+    if opts.rounds > 1:  # the ceiling leads every round; ratios are medians of each round's own
+        rows.add_rounds(picked, opts.rounds, peer=persistent_name(opts), ceiling=CEILING)
+    else:
+        for key, job in picked:
+            rows.add(key, job)
+        _best_ceiling(rows, opts, steps)
     best = max((r.items_per_s for r in rows.results if r.kind == "peer"), default=0.0)
     for r in rows.results:
         if r.kind == "ours" and best > 0:
@@ -364,6 +367,9 @@ def train(
         ),
     ] = "",
     ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,
+    rounds: Annotated[
+        int, typer.Option(min=1, help="every row N times, interleaved; rows are medians, ratios per round")
+    ] = 1,
     shape_range: Annotated[
         float | None, typer.Option(help="volumes' edges vary by +- this fraction (NIfTI workloads); default own")
     ] = None,
@@ -385,7 +391,8 @@ def train(
                              count or d_count, gpu_budget,
                              tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
                              rows=tuple(r for r in rows.split(",") if r), workload=name,
-                             shape_range=shape_range, spacing_range=_spacing(spacing_range))  # fmt: skip
+                             shape_range=shape_range, spacing_range=_spacing(spacing_range),
+                             rounds=rounds)  # fmt: skip
         if name == "mednist":  # 2D classification: no crop
             topts.crop = topts.size
         if topts.crop > topts.size * 1.4 or topts.count < topts.batch:

@@ -37,6 +37,7 @@ class TrainOptions:
     workload: str = "spheres"  # a name of workflows.bench.workloads.WORKLOADS
     shape_range: float | None = None  # volumes' edges vary by +-this fraction; None: the workload's own
     spacing_range: tuple[float, float] | None = None  # voxel spacings in mm drawn from this range; None: own
+    rounds: int = 1  # every row this many times, interleaved; a row is its median round
 
     @property
     def gpu(self) -> bool:
