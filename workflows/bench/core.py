@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -109,12 +109,15 @@ class Rows:
         return made
 
     def add_rounds(
-        self, jobs: Sequence[tuple[str, Callable[[], Result]]], rounds: int, peer: str = "", ceiling: str = ""
-    ) -> None:
+        self, jobs: Sequence[tuple[str, Callable[[], Result]]], rounds: int, peer: str = "", ceiling: str = "",
+        best_of: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
         """Run every way once per round, the ways interleaved (a load that comes and goes on a shared box
         hits them alike); keep one row per way: the round of median time. With more than one round, its
         `extra` holds the rounds, their items/s range and, against the rows named `peer` and `ceiling`, the
-        median of the per-round ratios (each against that row's run of the same round)."""
+        median of the per-round ratios (each against that row's run of the same round). `best_of` maps a
+        job's label to another's: in each round the faster of the two runs is kept, under the other label
+        (a ceiling measured first and again last in every round)."""
         runs: dict[str, list[Result]] = {}
         for r in range(rounds):
             if rounds > 1:
@@ -124,6 +127,10 @@ class Rows:
                     continue  # could not run here: said once
                 for result in self._run(label, job)[:1]:
                     runs.setdefault(label, []).append(result)
+        for again, first in (best_of or {}).items():
+            if again in runs and first in runs and len(runs[again]) == len(runs[first]):
+                pairs = zip(runs[first], runs.pop(again))
+                runs[first] = [max(a, b, key=lambda x: x.items_per_s) for a, b in pairs]
         against = {key: next((v for v in runs.values() if v[0].name == name), None)
                    for key, name in (("x peer per round", peer), ("x ceiling per round", ceiling)) if name}  # fmt: skip
         for made in runs.values():

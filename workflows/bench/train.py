@@ -295,8 +295,13 @@ def run(opts: TrainOptions, work: Path) -> Rows:
                 pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
     picked = [(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
               for key, job in jobs if not opts.rows or key in opts.rows or key == "ceiling"]  # fmt: skip
-    if opts.rounds > 1:  # the ceiling leads every round; ratios are medians of each round's own
-        rows.add_rounds(picked, opts.rounds, peer=persistent_name(opts), ceiling=CEILING)
+    if opts.rounds > 1:  # the ceiling first and last in every round (the faster kept); ratios: medians of rounds'
+        again = ("ceiling-again", lambda: as_result(ceiling(opts, steps), data_name(opts)))
+        rows.add_rounds([*picked, again], opts.rounds, peer=persistent_name(opts), ceiling=CEILING,
+                        best_of={"ceiling-again": "ceiling"})  # fmt: skip
+        for r in rows.results:
+            if r.kind == "ceiling":
+                r.note = "best of the first and the last row of each round"
     else:
         for key, job in picked:
             rows.add(key, job)
