@@ -298,10 +298,7 @@ class DatasetCore:
 
         Returns a tensor on the dataset's device equal to `full[slices]`. Checksums cover whole tensors,
         so `verify` does not apply to region reads."""
-        return self.item_region(int(self.items[index]), key, start, shape)
-
-    def item_region(self, item: int, key: str, start: Sequence[int], shape: Sequence[int]) -> Any:
-        """`read_region` by cache item number."""
+        item = int(self.items[index])
         entry = next((e for e in self.cache.entries(item) if e.key == key), None)
         if entry is None:
             raise KeyError(f"{self.root}: item {item} has no key '{key}'")

@@ -53,15 +53,9 @@ class SpatialCropFold(Fold):
 
 def draw_crop(crop: Any, spatial: Sequence[int]) -> Window:
     """(start, shape) over the spatial dims, drawn as MONAI's `RandSpatialCropd` draws it for one item."""
-    crop.randomize(list(spatial))
-    return crop_window(crop, spatial)
-
-
-def crop_window(crop: Any, spatial: Sequence[int]) -> Window:
-    """(start, shape) over `spatial` of the window `RandSpatialCropd` `crop` cuts after its last draw (its
-    `randomize`, or the `randomize` its call made)."""
     from monai.transforms import CenterSpatialCrop
 
+    crop.randomize(list(spatial))
     cropper = crop.cropper
     if getattr(cropper, "random_center", True):
         slices = cropper._slices

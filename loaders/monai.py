@@ -123,13 +123,6 @@ def _label_crop(tail: Any, cache: Any) -> Any:
     return label_fold(list(tail.transforms), cache)
 
 
-def _spatial_crop(tail: Any, dataset: Any) -> Any:
-    """The tail's leading RandSpatialCropd read as its window (`loaders.dropin_crop`), or None."""
-    from loaders.dropin_crop import SpatialCropRead
-
-    return SpatialCropRead.of(tail, dataset)
-
-
 def _leaves(t: Any) -> int:
     """How many transforms `t` is in the flattened chain (`chain.split` flattens plain Composes only)."""
     from monai.transforms import Compose
@@ -138,21 +131,14 @@ def _leaves(t: Any) -> int:
 
 
 def run_from(
-    node: Any,
-    data: Any,
-    start: int,
-    first: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-    then: Callable[[Any], Any] | None = None,
+    node: Any, data: Any, start: int, first: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
 ) -> Any:
     """Apply the transforms of Compose `node` from flattened index `start` on, in the user's nesting, as
     PersistentDataset applies them (each Compose maps its members over a list of samples member by member:
     flattening the tail changes which sample sees another's in-place writes through shared crops).
-    `first()`: a context the transform at `start` runs in (a label-driven crop under its sets); `then(data)`:
-    what that transform gave, before the next one sees it (a crop's bytes put into its output)."""
+    `first()`: a context the transform at `start` runs in (a label-driven crop under its sets)."""
     from monai.transforms import Compose
 
-    if then is not None and first is None:
-        first = contextlib.nullcontext
     pos = 0
     for i, child in enumerate(node.transforms):
         n = _leaves(child)
@@ -160,12 +146,10 @@ def run_from(
             pos += n
             continue
         if type(child) is Compose and (pos < start or first is not None):
-            data = run_from(child, data, start - pos, first, then)
+            data = run_from(child, data, start - pos, first)
         elif first is not None:  # pos == start: the transform `first` wraps
             with first():
                 data = node(data, start=i, end=i + 1)
-            if then is not None:
-                data = then(data)
         else:
             return node(data, start=i)
         return node(data, start=i + 1) if i + 1 < len(node.transforms) else data
@@ -258,7 +242,6 @@ class PersistentCore:
             chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
             self.tail = tail_compose(transform)
             self._label = _label_crop(self.tail, self.dataset.cache)
-            self._spatial = None if self._label is not None else _spatial_crop(self.tail, self.dataset)
             self._head_len = len(chain.split(transform)[0])
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
@@ -311,10 +294,6 @@ class PersistentCore:
     def _transform(self, index: int) -> Any:
         # monai.data.Dataset.__getitem__ handles slices and index lists, then calls this per item
         item = self._lookup(int(index))
-        if self._spatial is not None:  # the leading RandSpatialCropd: MONAI crops a stand-in, the window is read
-            shell = self._spatial.shell(item)
-            if shell is not None:
-                return self._crop_read(item, shell)
         head = self.dataset[item]
         if self.tail is None:
             return head
@@ -330,20 +309,6 @@ class PersistentCore:
                 yield
 
         return run_from(self.transform, head, self._head_len, crop)
-
-    def _crop_read(self, item: int, shell: dict[str, Any]) -> Any:
-        """MONAI's crop over the stand-in under the crop lock (its windows taken before another thread draws),
-        the windows' bytes read outside it, then the rest of the tail."""
-        spatial: Any = self._spatial
-        windows: dict[str, Any] = {}
-
-        @contextlib.contextmanager
-        def crop() -> Iterator[None]:
-            with self._crop_lock:
-                yield
-                windows.update(spatial.windows(item))
-
-        return run_from(self.transform, shell, self._head_len, crop, lambda d: spatial.fill(item, d, windows))
 
     def set_random_state(self, seed: int | None = None) -> Any:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is
