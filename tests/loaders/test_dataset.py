@@ -576,8 +576,11 @@ def _ddp_rank(rank: int, world: int, init: str, root: str, out: str) -> None:
             seen.setdefault(str(even), []).append(gathered)
     if rank == 0:
         Path(out).write_text(json.dumps(seen))
-    dist.barrier()  # both ranks done before either tears the group down (torch 2.3's gloo hung a lone rank)
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks done before either leaves (torch 2.3's gloo hung a lone rank)
+    # No teardown: under torch 2.3 destroying the gloo group joined its worker thread while holding the GIL, and
+    # that thread was freeing an all_gather's tensors, which needs the GIL (a deadlock, seen in CI 2026-11-26).
+    # This rank's work is written and both ranks passed the barrier: leave with the status mp.spawn expects.
+    os._exit(0)
 
 
 def test_shard_set_epoch_over_gloo(cache: tuple[Path, list[dict]], tmp_path: Path) -> None:
