@@ -295,34 +295,19 @@ def run(opts: TrainOptions, work: Path) -> Rows:
                 pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
     picked = [(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
               for key, job in jobs if not opts.rows or key in opts.rows or key == "ceiling"]  # fmt: skip
-    if opts.rounds > 1:  # the ceiling first and last in every round (the faster kept); ratios: medians of rounds'
-        again = ("ceiling-again", lambda: as_result(ceiling(opts, steps), data_name(opts)))
-        rows.add_rounds([*picked, again], opts.rounds, peer=persistent_name(opts), ceiling=CEILING,
-                        best_of={"ceiling-again": "ceiling"})  # fmt: skip
-        for r in rows.results:
-            if r.kind == "ceiling":
-                r.note = "best of the first and the last row of each round"
-    else:
-        for key, job in picked:
-            rows.add(key, job)
-        _best_ceiling(rows, opts, steps)
+    # the ceiling again after the rows of every round, the faster of its two runs kept: the first can find the
+    # GPU's clocks still low (one H100 run: 127 steps/s first, 166 in the next run)
+    again = [("ceiling-again", dict(picked)["ceiling"])] if WORKLOADS[opts.workload].ceiling(opts) else []
+    rows.add_rounds([*picked, *again], opts.rounds, peer=persistent_name(opts), ceiling=CEILING,
+                    best_of={"ceiling-again": "ceiling"})  # fmt: skip
+    for r in rows.results:
+        if r.kind == "ceiling":
+            r.note = "best of the first and the last row" + (" of each round" if opts.rounds > 1 else "")
     best = max((r.items_per_s for r in rows.results if r.kind == "peer"), default=0.0)
     for r in rows.results:
         if r.kind == "ours" and best > 0:
             r.extra["x best MONAI"] = r.items_per_s / best
     return rows
-
-
-def _best_ceiling(rows: Rows, opts: TrainOptions, steps: int) -> None:
-    """Measure the ceiling again after every row and keep the faster of the two: the first run can find
-    the GPU's clocks still low (one H100 run: 127 steps/s first, 166 in the next run)."""
-    first = next((r for r in rows.results if r.kind == "ceiling"), None)
-    if first is None:
-        return
-    again = as_result(ceiling(opts, steps), data_name(opts))
-    if again.items_per_s > first.items_per_s:
-        first.seconds, first.items, first.extra = again.seconds, again.items, again.extra
-    first.note = "best of the first and the last row"
 
 
 # Per workload: (size, crop, batch, count, workers) when the command line does not say (the GPU box's run).
