@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from loaders.errors import LoaderStateError
 
-__all__ = ["VERSION", "Draws", "LoaderStateError", "check", "fingerprint", "randomizables"]
+__all__ = ["VERSION", "Draws", "LoaderStateError", "as_state", "check", "fingerprint", "randomizables"]
 
 VERSION = 1
 _ORDER = ("seed", "shuffle", "rank", "world", "batch_size", "drop_last", "n_items")
@@ -52,57 +53,109 @@ def randomizables(root: Any) -> list[Any]:
 
 
 _MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
+_AUG_OFFSET: list[int] = []  # where a legacy RandomState keeps has_gauss / gauss, past its address (0: unknown)
 
 
 class _Snapshot:
-    """One object's last `RandomState.get_state()`, given again while its generator has drawn nothing since.
+    """One object's random state as of now, cheaply: the generator's raw bytes read in place.
 
-    get_state costs ~35 us (the state dict built in Python), a few times a batch; a chain's Composes and
-    outer dict transforms often never draw. "Drawn nothing" is told exactly from the generator's raw
-    Mersenne Twister words and position (2,500 bytes read in place) while the snapshot holds no cached
-    Gaussian: a legacy `normal` may use a cached one without moving the position, and a new cached one is
-    only ever made by drawing words. Where numpy's memory layout is not the one expected (checked against
-    get_state on first use), every snapshot is a get_state."""
+    get_state costs ~35 us (the state dict built in Python), several times a batch. In place, a legacy
+    RandomState's whole state is the Mersenne Twister's words and position (2,500 bytes) and the cached
+    Gaussian (`has_gauss`, `gauss`), read with three `string_at`s (~2 us); the bytes turn into the
+    `get_state()` tuple only when a state is put back or saved (`as_state`). The same bytes as last time
+    give the same object again. Where numpy's memory layout is not the one expected (checked against
+    get_state on first use, for each generator), every snapshot is a get_state."""
 
-    __slots__ = ("_r", "_address", "_raw", "_state")
+    __slots__ = ("_r", "_mt", "_aug", "_last")
 
     def __init__(self) -> None:
         self._r: Any = None
-        self._address = 0  # 0: read the state through get_state only
-        self._raw = b""
-        self._state: tuple[Any, ...] = ()
+        self._mt = 0  # 0: read the state through get_state only
+        self._aug = 0
+        self._last: Any = None
 
     def forget(self) -> None:
-        """The generator was set from outside: the next take reads it whole."""
-        self._raw = b""
+        """The generator was set from outside (kept for generators read through get_state)."""
+        self._last = None
 
-    def take(self, r: Any) -> tuple[Any, ...]:
-        if r is not self._r:  # a new generator (set_random_state replaces R): find its words again
-            self._r, self._raw = r, b""
-            self._address = _state_address(r)
-        if self._address:
-            raw = ctypes.string_at(self._address, _MT_BYTES)
-            if raw == self._raw:
-                return self._state
-        state = r.get_state()
-        if self._address:
-            # the words as get_state saw them; a snapshot holding a cached Gaussian is never given again
-            self._raw = raw if not state[3] and ctypes.string_at(self._address, _MT_BYTES) == raw else b""
-        self._state = state
-        return state
+    def take(self, r: Any) -> Any:
+        if r is not self._r:  # a new generator (set_random_state replaces R): find its bytes again
+            self._r, self._last = r, None
+            self._mt, self._aug = _addresses(r)
+        if not self._mt:
+            return r.get_state()
+        raw = _read(self._mt, self._aug)
+        if raw != self._last:
+            self._last = raw
+        return self._last
 
 
-def _state_address(r: Any) -> int:
-    """Address of `r`'s Mersenne Twister words and position, or 0 where they cannot be read in place."""
+def _read(mt: int, aug: int) -> bytes:
+    return ctypes.string_at(mt, _MT_BYTES) + ctypes.string_at(aug + 8, 4) + ctypes.string_at(aug + 16, 8)
+
+
+def as_state(snapshot: Any) -> tuple[Any, ...]:
+    """A snapshot (raw bytes from `_Snapshot`, or a get_state tuple) as `RandomState.get_state()` gives it."""
+    if isinstance(snapshot, tuple):
+        return snapshot
+    keys = np.frombuffer(snapshot, dtype="<u4", count=624).astype(np.uint32)
+    pos, has_gauss = struct.unpack_from("<ii", snapshot, _MT_BYTES - 4)
+    (gauss,) = struct.unpack_from("<d", snapshot, _MT_BYTES + 4)
+    return ("MT19937", keys, pos, has_gauss, gauss)
+
+
+def _addresses(r: Any) -> tuple[int, int]:
+    """Addresses of `r`'s Mersenne Twister words and of its Gaussian cache, or (0, 0) where they cannot be
+    read in place (another bit generator or class, another numpy layout): checked against get_state."""
+    if not isinstance(r, np.random.RandomState):
+        return 0, 0
+    if not _AUG_OFFSET:
+        _AUG_OFFSET.append(_find_aug_offset())
+    offset = _AUG_OFFSET[0]
     try:
-        address = int(r._bit_generator.ctypes.state_address)
-        state = r.get_state()
-        raw = ctypes.string_at(address, _MT_BYTES)
+        mt = int(r._bit_generator.ctypes.state_address)
     except Exception:  # noqa: BLE001  (another bit generator, or a numpy without these attributes)
+        return 0, 0
+    if not offset or offset + 24 > type(r).__basicsize__:
+        return 0, 0
+    aug = id(r) + offset
+    state: Any = r.get_state()
+    if state[0] != "MT19937" or _read(mt, aug) != _raw_of(state):
+        return 0, 0
+    return mt, aug
+
+
+def _raw_of(state: tuple[Any, ...]) -> bytes:
+    _, keys, pos, has_gauss, gauss = state
+    return np.asarray(keys, "<u4").tobytes() + struct.pack("<iid", int(pos), int(has_gauss), float(gauss))
+
+
+def _find_aug_offset() -> int:
+    """Offset of a legacy RandomState's `_aug_state` (bit generator pointer, has_gauss, gauss) past its
+    address: the field that points at the object's own `_bitgen`, whose first field points at the Mersenne
+    Twister's state. Proven on a probe by setting has_gauss / gauss and reading them back; 0 if not found."""
+    probe = np.random.RandomState(0)
+    size = type(probe).__basicsize__ // 8 * 8
+    try:
+        words = np.frombuffer(ctypes.string_at(id(probe), size), dtype=np.uintp)
+        target = int(probe._bit_generator.ctypes.state_address)
+    except Exception:  # noqa: BLE001
         return 0
-    if state[0] != "MT19937" or raw != np.asarray(state[1], "<u4").tobytes() + int(state[2]).to_bytes(4, "little"):
-        return 0
-    return address
+    got: Any = probe.get_state()
+    keys = got[1]
+    for bitgen in np.flatnonzero(words == target):
+        for at in np.flatnonzero(words == id(probe) + 8 * int(bitgen)):
+            offset = 8 * int(at)
+            if offset + 24 > size:
+                continue
+            fits = True
+            for has_gauss, gauss in ((1, 0.8125), (0, 0.0), (1, -2.5)):
+                probe.set_state(("MT19937", keys, 624, has_gauss, gauss))
+                raw = ctypes.string_at(id(probe) + offset + 8, 4) + ctypes.string_at(id(probe) + offset + 16, 8)
+                fits = fits and raw == struct.pack("<id", has_gauss, gauss)
+            if fits:
+                return offset
+    return 0
 
 
 def _encode(state: tuple[Any, ...]) -> list[Any]:
@@ -145,14 +198,14 @@ class Draws:
     def put(self, snap: Mapping[int, tuple[Any, ...]]) -> None:
         """Set the random states back in place (objects sharing one RandomState stay sharing it)."""
         for i, state in snap.items():
-            self.objs[i].R.set_state(state)
-            self._snaps[i].forget()  # the same words may now come with another cached Gaussian
+            self.objs[i].R.set_state(as_state(state))
+            self._snaps[i].forget()
 
     def names(self) -> list[str]:
         return [type(o).__name__ for o in self.objs]
 
     def encode(self, snap: Mapping[int, tuple[Any, ...]]) -> list[list[Any]]:
-        return [_encode(snap[i]) for i in range(len(self.objs))]
+        return [_encode(as_state(snap[i])) for i in range(len(self.objs))]
 
     def decode(self, values: Any, where: str) -> dict[int, tuple[Any, ...]]:
         if not isinstance(values, list) or len(values) != len(self.objs):
