@@ -92,6 +92,7 @@ class _EpochSource:
         self._next = 0  # the epoch's next batch
         self._ahead: tuple[tuple[int, int], Future[Any]] | None = None  # ((epoch, start), the read running)
         self._ahead_pool: ThreadPoolExecutor | None = None
+        self._hinted = 0
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -103,6 +104,7 @@ class _EpochSource:
         self._order = self.positions[epoch_order(len(self.positions), self.seed, self.epoch, shuffle=self.shuffle)]
         self._chunks = epoch_batches(self._order, self.batch_size, drop_last=False)
         self._next = 0
+        self._hinted = 0  # the last batch of this epoch hinted to the kernel (batch 0 is read at once)
         return self
 
     def __next__(self) -> Any:
@@ -117,10 +119,26 @@ class _EpochSource:
         batch = ahead[1].result() if ahead is not None and ahead[0] == (self.epoch, k) else self._batch(chunk)
         if self._next < len(self._chunks):
             nxt = [int(i) for i in self._chunks[self._next]]
-            if self._ahead_pool is None:
-                self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="blockprep-readahead")
-            self._ahead = ((self.epoch, self._next), self._ahead_pool.submit(self._batch, nxt))
+            self._ahead = ((self.epoch, self._next), self._pool_ahead().submit(self._batch, nxt))
+            self._hint_to(self._next + HINT_BATCHES)
         return batch
+
+    def _hint_to(self, last: int) -> None:
+        """Hint the batches not yet hinted up to `last` (on the read-ahead pool: opening cold files waits)."""
+        later = range(max(self._hinted, self._next) + 1, min(last + 1, len(self._chunks)))
+        if not len(later):
+            return
+        self._hinted = later[-1]
+        self._pool_ahead().submit(self._hint, [int(i) for j in later for i in self._chunks[j]])
+
+    def _pool_ahead(self) -> ThreadPoolExecutor:
+        """Two threads: the batch read ahead, and the hints of the batches after it."""
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(2, thread_name_prefix="blockprep-readahead")
+        return self._ahead_pool
+
+    def _hint(self, positions: list[int]) -> None:
+        """Tell the kernel that these samples are read soon (no-op here; FileSource: cold files' WILLNEED)."""
 
     def _settle(self) -> None:
         """Wait for a read-ahead nobody will take (its errors belong to a batch never asked for)."""
@@ -188,6 +206,10 @@ def read_threads(cores: int) -> int:
     return max(1, min(4, cores // 2))
 
 
+# Batches past the one read ahead whose files FileSource hints to the kernel (posix_fadvise WILLNEED) when they are
+# cold: the kernel reads them asynchronously, so the disk has more requests in flight than the read threads make
+HINT_BATCHES = 6
+HINT_BYTES = 64 << 20  # at most this much hinted at a time (large files: the page cache is not flooded)
 # FileSource's read threads for a batch whose first file is not in the page cache (cold data): the 2-core CPU box
 # read a cold loop-mounted tree at 0.57x fn.readers.file with its one warm-data thread (2026-11-25)
 COLD_READ_THREADS = 8
@@ -274,6 +296,13 @@ class FileSource(_EpochSource):
         if self._own and self.backend is not None:
             self.backend.close()
 
+    def _hint(self, positions: list[int]) -> None:
+        """Cold files of the batches after the one read ahead: WILLNEED, so the disk has them in flight."""
+        root, files = str(self.root), self.files
+        paths = [f"{root}/{files[i][0]}" for i in positions]
+        if self.backend is None and paths and not _resident(paths[0]):
+            hint_files(paths)
+
     def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
         root, files = str(self.root), self.files
         paths = [f"{root}/{files[i][0]}" for i in positions]
@@ -294,6 +323,27 @@ class FileSource(_EpochSource):
         step = -(-len(paths) // threads)
         parts = [self._pool.submit(read_whole_files, paths[i : i + step]) for i in range(0, len(paths), step)]
         return [a for part in parts for a in part.result()], labels
+
+
+def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:
+    """posix_fadvise(WILLNEED) on each file, in order, up to `limit` bytes in all (the kernel starts reading
+    each into the page cache and returns); a file that cannot be opened is left to the read that follows,
+    which says what is wrong with it."""
+    open_, close, fstat, fadvise, willneed = os.open, os.close, os.fstat, os.posix_fadvise, os.POSIX_FADV_WILLNEED
+    for p in paths:
+        try:
+            fd = open_(p, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            limit -= fstat(fd).st_size
+            fadvise(fd, 0, 0, willneed)
+        except OSError:
+            pass
+        finally:
+            close(fd)
+        if limit <= 0:
+            return
 
 
 class BmapSource(_EpochSource):

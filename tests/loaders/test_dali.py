@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -332,3 +333,57 @@ def test_cold_batches_read_on_more_threads(image_tree: Path, monkeypatch: pytest
             assert labels.ravel().tolist() == [x for _, x in pairs[:12]]
             assert src._pool_size == (dali_mod.COLD_READ_THREADS if cold else 0)
     assert dali_mod._resident(str(image_tree / pairs[0][0])) in (True, False)  # the real probe answers
+
+
+def _evicted(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_hint_files_bring_cold_files_into_the_page_cache_up_to_the_limit(tmp_path: Path) -> None:
+    """WILLNEED on each file in order until `limit` bytes: the kernel reads them in; files past it stay cold."""
+    import time
+
+    from loaders.dali import _resident, hint_files
+
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / f"f{i}.bin")
+        paths[-1].write_bytes(np.random.default_rng(i).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes())
+    from loaders.backends.base import PageCacheProbe
+
+    if not PageCacheProbe().available:
+        pytest.skip("no cachestat(2) here: residency cannot be told")
+    _evicted(paths)
+    if any(_resident(str(p)) for p in paths):
+        pytest.skip("eviction not honoured here")
+    hint_files([str(p) for p in paths] + [str(tmp_path / "missing.bin")], limit=(64 << 10) * 2)  # 2 of 4 files
+    deadline = time.monotonic() + 5
+    while not all(_resident(str(p)) for p in paths[:2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [_resident(str(p)) for p in paths] == [True, True, False, False]
+
+
+def test_filesource_hints_the_batches_after_the_one_read_ahead(
+    image_tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cold batches past the read-ahead are hinted once each, HINT_BATCHES ahead; warm ones are not; the
+    batches are the same either way."""
+    import loaders.dali as dali_mod
+
+    pairs = list_labeled_files(image_tree)
+    hinted: list[str] = []
+    monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
+    monkeypatch.setattr(dali_mod, "HINT_BATCHES", 2)
+    got = {}
+    for cold in (False, True):
+        hinted.clear()
+        monkeypatch.setattr(dali_mod, "_resident", lambda path, cold=cold: not cold)
+        with FileSource(image_tree, batch_size=2) as src:
+            got[cold] = list(src)
+            order = [f"{image_tree}/{pairs[i][0]}" for i in src._order.tolist()]
+        assert sorted(hinted) == (sorted(order[4:]) if cold else [])  # batches 2.. (0 read, 1 read ahead)
+    assert [[a.tobytes() for a in d] for d, _ in got[True]] == [[a.tobytes() for a in d] for d, _ in got[False]]
