@@ -197,7 +197,7 @@ def check_loader(args: Mapping[str, Any]) -> None:
     count("batch_size", args["batch_size"])
     seed(args["seed"])
     device(args["device"], allow_none=True)
-    for name in ("shuffle", "drop_last", "verify", "tail_thread"):
+    for name in ("shuffle", "drop_last", "verify", "tail_thread", "feeder"):
         flag(name, args[name])
     flag("crop_read", args["crop_read"], also=("auto",))
     count("prefetch", args["prefetch"], 0)

@@ -67,7 +67,9 @@ class PreparedLoader:
     an event); False: the training thread does it between steps. switch_interval: seconds for
     `sys.setswitchinterval` while an epoch is iterated (restored after; None leaves it): how long a thread
     waiting for the GIL waits before the holder is made to drop it. copy_threads: threads copying a warm
-    crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)).
+    crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)). feeder: make
+    the batches in a process of its own (`loaders.feeder`: the loader's Python off the training process's
+    interpreter lock; CUDA tensors handed over by IPC; needs a picklable transform and a backend by name).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class PreparedLoader:
         tail_thread: bool = True,
         switch_interval: float | None = None,
         copy_threads: int | None = None,
+        feeder: bool = False,
     ) -> None:
         from loaders import exact
         from loaders.monai import keep_random_states
@@ -129,6 +132,26 @@ class PreparedLoader:
         self.rank, self.world = 0, 1
         self.epoch = 0
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
+        self._feeder: Any = None
+        if feeder:
+            self._start_feeder(locals())
+
+    def _start_feeder(self, given: dict[str, Any]) -> None:
+        """The child process that makes this loader's batches (loaders.feeder), built from the same arguments."""
+        import weakref
+
+        from loaders.feeder import Feeder
+
+        if not isinstance(given["backend"], str):
+            raise ArgumentTypeError("PreparedLoader(feeder=True): pass the backend by name (a Backend object "
+                                    "stays in this process)")  # fmt: skip
+        names = ("cache_dir", "transform", "batch_size", "gpu_budget", "shuffle", "seed", "drop_last", "crop_read",
+                 "prefetch", "backend", "backend_options", "keys", "verify", "tail_thread", "switch_interval",
+                 "copy_threads")  # fmt: skip
+        spec = {name: given[name] for name in names}
+        spec.update(cache_dir=str(self.cache.root), device=str(self.device))
+        self._feeder = Feeder(spec)
+        weakref.finalize(self, self._feeder.close)
 
     def __reduce__(self) -> Any:
         raise ArgumentTypeError(
@@ -210,6 +233,8 @@ class PreparedLoader:
         order = self.epoch_items(epoch)
         chunks = epoch_batches(order, self.batch_size, self.drop_last)
         skip, self._resume = self._resume, 0
+        if self._feeder is not None:
+            return self._feeder.run(self, epoch, skip, len(chunks))
         return self._run(chunks, epoch, skip)
 
     def _run(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
@@ -302,7 +327,9 @@ class PreparedLoader:
         return self.assembly.fold
 
     def close(self) -> None:
-        """Release the backend and the device tier."""
+        """Release the backend and the device tier (and stop the feeder process)."""
+        if self._feeder is not None:
+            self._feeder.close()
         self.reader.close()
         self.tier.clear()
 

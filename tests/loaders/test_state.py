@@ -22,6 +22,8 @@ CONFIGS = {
     "whole-reads-shard": {"gpu_budget": 0, "crop_read": False, "shard": (1, 2), "batch_size": 1},
     "gpu-tier-read-thread": {"gpu_budget": "1GiB", "tail_thread": True, "prefetch": 3, "device": "cuda:0"},
     "gpu-crops-tail-on-caller": {"gpu_budget": 0, "tail_thread": False, "prefetch": 2, "device": "cuda:0"},
+    "feeder-crops-shard": {"gpu_budget": 0, "prefetch": 2, "shard": (0, 2), "batch_size": 1, "feeder": True},
+    "gpu-feeder-tier": {"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0", "feeder": True},
 }
 
 
@@ -32,6 +34,11 @@ def _config(name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_cache(tmp_path_factory)
+
+
+def make_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A cache of seven small volumes made with the posneg-3d chain, and its pipeline file."""
     from prep.cache import prepare_cache
 
     root = tmp_path_factory.mktemp("state")

@@ -1,0 +1,69 @@
+"""PreparedLoader(feeder=True): the batches made in a process of their own are the in-process loader's, batch
+for batch, through epochs left early, reseeding and resuming; errors come back in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_state import _loader, _plain, _same, make_cache
+
+from loaders.feeder import FeederError
+
+OPTIONS: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_cache(tmp_path_factory)
+
+
+def _run(loader: Any) -> list[list[dict[str, Any]]]:
+    """Epoch 0 left after its first batch, epoch 1 whole, reseeded, epoch 2 whole, the state after it."""
+    out = [[_plain(next(iter(loader)))]]
+    out.append([_plain(b) for b in loader])
+    loader.set_random_state(9)
+    out.append([_plain(b) for b in loader])
+    return out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(OPTIONS, id="cpu"),
+        pytest.param({"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, id="gpu-tier", marks=pytest.mark.gpu),
+    ],
+)
+def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], options: dict[str, Any]) -> None:
+    want_loader = _loader(made, options)
+    want = _run(want_loader)
+    fed = _loader(made, {**options, "feeder": True})
+    try:
+        got = _run(fed)
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+        assert fed.state_dict() == want_loader.state_dict()
+        resumed = _loader(made, {**options, "feeder": True})
+        saved = want_loader.state_dict()
+        resumed.load_state_dict(saved)
+        _same([_plain(b) for b in resumed], [_plain(b) for b in want_loader], "resumed")
+        resumed.close()
+    finally:
+        fed.close()
+    assert fed._feeder._proc.poll() is not None  # the child is gone
+
+
+def test_feeder_refuses_what_cannot_be_sent(made: tuple[Path, Path]) -> None:
+    from monai.transforms import Compose, Lambdad
+
+    from loaders.loader import PreparedLoader
+
+    cache, pipeline = made
+    from test_folds import _transform
+
+    chain = _transform(pipeline)
+    local = Compose([*chain.transforms, Lambdad(keys="image", func=lambda x: x)])
+    with pytest.raises(FeederError, match="cannot be sent to a process of its own") as info:
+        PreparedLoader(cache, local, batch_size=2, device="cpu", gpu_budget=0, feeder=True)
+    assert "\n" not in str(info.value)
