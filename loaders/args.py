@@ -197,8 +197,10 @@ def check_loader(args: Mapping[str, Any]) -> None:
     count("batch_size", args["batch_size"])
     seed(args["seed"])
     device(args["device"], allow_none=True)
-    for name in ("shuffle", "drop_last", "verify", "tail_thread", "feeder"):
+    for name in ("shuffle", "drop_last", "verify", "feeder"):
         flag(name, args[name])
+    if args["tail_thread"] is not None:
+        flag("tail_thread", args["tail_thread"])
     flag("crop_read", args["crop_read"], also=("auto",))
     count("prefetch", args["prefetch"], 0)
     interval("switch_interval", args["switch_interval"])

@@ -64,7 +64,8 @@ class PreparedLoader:
     prefetch: batches prepared ahead. backend, backend_options, keys, verify: as for PreparedDataset
     (verify checks whole reads only: checksums cover whole tensors).
     tail_thread: upload, assemble and run the tail in the read thread (side CUDA stream, handed over with
-    an event); False: the training thread does it between steps. switch_interval: seconds for
+    an event); False: the training thread does it between steps; None (default): True, and False in a
+    feeder's child process (its main thread has no training loop to share the GIL with). switch_interval: seconds for
     `sys.setswitchinterval` while an epoch is iterated (restored after; None leaves it): how long a thread
     waiting for the GIL waits before the holder is made to drop it. copy_threads: threads copying a warm
     crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)). feeder: make
@@ -88,7 +89,7 @@ class PreparedLoader:
         backend_options: dict[str, Any] | None = None,
         keys: Sequence[str] | None = None,
         verify: bool = False,
-        tail_thread: bool = True,
+        tail_thread: bool | None = None,
         switch_interval: float | None = None,
         copy_threads: int | None = None,
         feeder: bool = False,
@@ -117,6 +118,8 @@ class PreparedLoader:
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
+        if tail_thread is None:  # the feeder's child has no training loop beside it: the tail on its main thread
+            tail_thread = not feeder
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
         self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=verify,
                              backend_options=backend_options, pooled=False, host_auto=True,

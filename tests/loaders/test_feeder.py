@@ -67,3 +67,26 @@ def test_feeder_refuses_what_cannot_be_sent(made: tuple[Path, Path]) -> None:
     with pytest.raises(FeederError, match="cannot be sent to a process of its own") as info:
         PreparedLoader(cache, local, batch_size=2, device="cpu", gpu_budget=0, feeder=True)
     assert "\n" not in str(info.value)
+
+
+def test_a_failure_in_the_feeder_comes_back_in_one_line(made: tuple[Path, Path], tmp_path: Path) -> None:
+    """A shard cut short after the loader was built: the child's read fails, the training process raises
+    FeederError naming it, in one line; the child is still there for the next epoch or close."""
+    import shutil
+
+    cache, pipeline = made
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    fed = _loader((copy, pipeline), {**OPTIONS, "feeder": True})
+    try:
+        assert fed.tail_thread is False  # in the child the tail runs on its main thread
+        for shard in (copy / "shards").iterdir():
+            with open(shard, "r+b") as f:
+                f.truncate(16)
+        with pytest.raises(FeederError) as info:
+            list(fed)
+        assert "\n" not in str(info.value) and "feeder=True" in str(info.value)
+        assert fed._feeder._proc.poll() is None
+    finally:
+        fed.close()
+    assert _loader(made, OPTIONS).tail_thread is True  # in process, the default is the read thread

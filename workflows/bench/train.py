@@ -295,6 +295,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("fast", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier (page cache), crop read")),
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
         ("fast-half", lambda: fast_path(pipeline, cache, opts, half, "GPU tier = half the dataset")),
+        ("fast-feeder", lambda: fast_path(pipeline, cache, opts, "auto", "defaults, feeder=True", feeder=True)),
         ("fast-budget", lambda: fast_path(pipeline, cache, opts, min(budget, nbytes), "GPU tier = --gpu-budget")),
     ]
     fast = {
@@ -368,8 +369,8 @@ def train(
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
             "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,fast-auto,fast,"
-            "fast-whole,fast-half,fast-budget; fast or fast-half with PreparedLoader options: "
-            "fast@tail_thread=False;switch_interval=0.0005"
+            "fast-whole,fast-half,fast-budget,fast-feeder; fast, fast-auto or fast-half with PreparedLoader "
+            "options: fast@tail_thread=False;switch_interval=0.0005"
         ),
     ] = "",
     ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,
