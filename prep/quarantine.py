@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,32 @@ def input_paths(entry: Mapping[str, Any]) -> list[str]:
 def check_entry(entry: Mapping[str, Any], max_bytes: int | None = None) -> tuple[str, str] | None:
     """(path, reason) of the first bad input file of an item, or None when all look sound; with `max_bytes`,
     a file whose header declares more decoded bytes is bad."""
+    bad, streams = split_checks(entry, max_bytes)
+    return bad or streams_check(streams)
+
+
+def split_checks(
+    entry: Mapping[str, Any], max_bytes: int | None = None
+) -> tuple[tuple[str, str] | None, list[tuple[str, Callable[[], str | None]]]]:
+    """The checks of an item's files in two parts: (path, reason) of the first file the cheap checks refuse
+    (missing, empty, a header over `max_bytes`, an unreadable NIfTI header or dtype, a short .nii), and the
+    stream checks left to run (each .gz decompressed whole so zlib checks its CRC and length, then a NIfTI's
+    length against its header), which `prep cache` runs beside the head: the head never decodes more than
+    the header allows (checked first), and its output is kept only when they pass."""
+    streams: list[tuple[str, Callable[[], str | None]]] = []
     for path in input_paths(entry):
-        reason = check_file(path, max_bytes)
+        reason, later = _check_now(Path(path), max_bytes)
+        if reason:
+            return (path, reason), []
+        if later is not None:
+            streams.append((path, later))
+    return None, streams
+
+
+def streams_check(streams: list[tuple[str, Callable[[], str | None]]]) -> tuple[str, str] | None:
+    """(path, reason) of the first file whose stream check fails, or None."""
+    for path, later in streams:
+        reason = later()
         if reason:
             return path, reason
     return None
@@ -45,30 +69,50 @@ def check_entry(entry: Mapping[str, Any], max_bytes: int | None = None) -> tuple
 def check_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> str | None:
     """Why a file cannot be prepared (missing, empty, over `max_bytes` decoded, corrupt/truncated stream,
     unsupported dtype), or None."""
-    path = Path(path)
+    reason, later = _check_now(Path(path), max_bytes)
+    return reason or (later() if later is not None else None)
+
+
+def _check_now(path: Path, max_bytes: int | None) -> tuple[str | None, Callable[[], str | None] | None]:
+    """(why the file is refused by the cheap checks, or None; the stream check left, or None)."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        return "missing file"
+        return "missing file", None
     except OSError as exc:
-        return f"unreadable ({exc.strerror})"
+        return f"unreadable ({exc.strerror})", None
     if size == 0:
-        return "empty file"
+        return "empty file", None
     if max_bytes is not None and (reason := _over_bound(path, max_bytes)):
-        return reason
-    data_bytes = size
-    if path.name.lower().endswith(".gz"):
-        # the header may sit in front of the voxels: 1 MiB over the bound is still no more than it declared
-        limit = None if max_bytes is None else max_bytes + _CHUNK
-        try:
-            data_bytes = _gzip_length(path, limit)
-        except (OSError, EOFError, zlib.error) as exc:
-            return f"corrupt or truncated gzip stream ({exc})"
-        if limit is not None and data_bytes > limit:
-            return (f"the gzip stream decompresses to more than {human(limit)}, over --max-item-bytes "
-                    f"{human(max_bytes or 0)}; pass a larger --max-item-bytes to prepare it")  # fmt: skip
+        return reason, None
+    gz = path.name.lower().endswith(".gz")
+    needed: int | None = None
     if path.name.lower().endswith((".nii", ".nii.gz")):
-        return _check_nifti(path, data_bytes)
+        got = _nifti_needs(path)
+        if isinstance(got, str):  # a damaged stream says so first, as when the stream was read before the header
+            return (_gzip_check(path, max_bytes, None) if gz else None) or got, None
+        needed = got
+    if not gz:
+        return _truncated(size, needed), None
+    return None, lambda: _gzip_check(path, max_bytes, needed)
+
+
+def _gzip_check(path: Path, max_bytes: int | None, needed: int | None) -> str | None:
+    # the header may sit in front of the voxels: 1 MiB over the bound is still no more than it declared
+    limit = None if max_bytes is None else max_bytes + _CHUNK
+    try:
+        data_bytes = _gzip_length(path, limit)
+    except (OSError, EOFError, zlib.error) as exc:
+        return f"corrupt or truncated gzip stream ({exc})"
+    if limit is not None and data_bytes > limit:
+        return (f"the gzip stream decompresses to more than {human(limit)}, over --max-item-bytes "
+                f"{human(max_bytes or 0)}; pass a larger --max-item-bytes to prepare it")  # fmt: skip
+    return _truncated(data_bytes, needed)
+
+
+def _truncated(data_bytes: int, needed: int | None) -> str | None:
+    if needed is not None and data_bytes < needed:
+        return f"truncated NIfTI: {data_bytes} bytes, header needs {needed}"
     return None
 
 
@@ -100,7 +144,8 @@ def _gzip_length(path: Path, limit: int | None = None) -> int:
     return total
 
 
-def _check_nifti(path: Path, data_bytes: int) -> str | None:
+def _nifti_needs(path: Path) -> int | str:
+    """The bytes a NIfTI's header says the file holds (offset + voxels), or why the header is refused."""
     import nibabel as nib
     import numpy as np
 
@@ -118,9 +163,7 @@ def _check_nifti(path: Path, data_bytes: int) -> str | None:
         dtype_code(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
     except FormatError as exc:
         return f"unsupported dtype: {exc}"
-    if data_bytes < needed:
-        return f"truncated NIfTI: {data_bytes} bytes, header needs {needed}"
-    return None
+    return needed
 
 
 def input_stats(entry: Mapping[str, Any]) -> dict[str, list[int] | None]:
