@@ -163,10 +163,10 @@ class Feeder:
         self._slots: list[dict[str, Any]] = []
         self._events: list[Any] = []
         self._fences: list[Any] = []
+        self._ready = False  # the child says so once it has built its loader (imports included: seconds)
         try:
             self._conn = self._accept()
             self._conn.send_bytes(payload)
-            self._expect("ready")
         except BaseException:
             self.close()
             raise
@@ -207,6 +207,9 @@ class Feeder:
 
     def run(self, loader: Any, epoch: int, skip: int, n: int) -> Iterator[dict[str, Any]]:
         """Batches skip..n-1 of `epoch`, made by the child; the loader's `_live` kept as in-process."""
+        if not self._ready:  # the child's start overlapped whatever the caller did since building the loader
+            self._expect("ready")
+            self._ready = True
         snap = loader._draws.take()
         self._send("epoch", epoch, skip, loader.rank, loader.world, dict(snap), loader.prefetch)
         loader._live = [epoch, skip, snap]

@@ -3,6 +3,7 @@ for batch, through epochs left early, reseeding and resuming; errors come back i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,36 @@ def test_a_failure_in_the_feeder_comes_back_in_one_line(made: tuple[Path, Path],
     finally:
         fed.close()
     assert _loader(made, OPTIONS).tail_thread is True  # in process, the default is the read thread
+
+
+class OnlyHere:
+    """Unpickles only in the process that made it (a stand-in for a transform that cannot be rebuilt)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["pid"] != os.getpid():
+            raise RuntimeError("this object refuses to be rebuilt in another process")
+        self.__dict__.update(state)
+
+
+def test_a_child_that_cannot_build_the_loader_says_so_at_the_first_epoch(made: tuple[Path, Path]) -> None:
+    """The child builds its loader while the caller goes on; its failure is raised at the first epoch, in one
+    line, and every later use says the feeder is gone."""
+    from test_folds import _transform
+
+    from loaders.loader import PreparedLoader
+
+    cache, pipeline = made
+    chain = _transform(pipeline)
+    chain.stowaway = OnlyHere()  # type: ignore[attr-defined]
+    fed = PreparedLoader(cache, chain, batch_size=2, device="cpu", gpu_budget=0, feeder=True)  # built: no wait
+    try:
+        with pytest.raises(FeederError, match="refuses to be rebuilt") as info:
+            next(iter(fed))
+        assert "\n" not in str(info.value)
+        with pytest.raises(FeederError, match="gone|refuses"):
+            next(iter(fed))
+    finally:
+        fed.close()
