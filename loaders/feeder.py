@@ -146,12 +146,14 @@ class Feeder:
     def __init__(self, spec: dict[str, Any]) -> None:
         from multiprocessing.connection import Listener
 
+        import cloudpickle  # dask's: functions of a script or a pipeline file (lambdas too) go by value
+
         try:
-            payload = pickle.dumps(spec)
-        except Exception as exc:  # noqa: BLE001  (lambdas, local classes, open handles in the transform)
+            payload = cloudpickle.dumps(spec)
+        except Exception as exc:  # noqa: BLE001  (locks, open files, handles held by the transform)
             raise FeederError(
                 f"PreparedLoader(feeder=True): the transform cannot be sent to a process of its own ({exc}); "
-                "use module-level transforms or feeder=False"
+                "keep locks and open files out of it, or use feeder=False"
             ) from None
         key = secrets.token_bytes(16)
         self._listener: Any = Listener(family="AF_UNIX", authkey=key)

@@ -56,6 +56,9 @@ def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], opti
 
 
 def test_feeder_refuses_what_cannot_be_sent(made: tuple[Path, Path]) -> None:
+    """A lambda goes by value (cloudpickle); a lock held by the transform cannot go at all."""
+    import threading
+
     from monai.transforms import Compose, Lambdad
 
     from loaders.loader import PreparedLoader
@@ -65,6 +68,8 @@ def test_feeder_refuses_what_cannot_be_sent(made: tuple[Path, Path]) -> None:
 
     chain = _transform(pipeline)
     local = Compose([*chain.transforms, Lambdad(keys="image", func=lambda x: x)])
+    PreparedLoader(cache, local, batch_size=2, device="cpu", gpu_budget=0, feeder=True).close()
+    local.guard = threading.Lock()  # type: ignore[attr-defined]
     with pytest.raises(FeederError, match="cannot be sent to a process of its own") as info:
         PreparedLoader(cache, local, batch_size=2, device="cpu", gpu_budget=0, feeder=True)
     assert "\n" not in str(info.value)

@@ -176,17 +176,21 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("crop_read", "budget", "tail_thread"),
-    [("auto", 0, True), ("auto", "1GiB", False), (False, 0, True), ("auto", 30000, True)],
-    ids=["crop-reads", "tier", "whole-reads", "part-tier"],
-)
-def test_label_crops_equal_monai(chain: tuple[str, Path, Path, Path], crop_read: Any, budget: Any, tail_thread: bool):
+    ("crop_read", "budget", "tail_thread", "feeder"),
+    [("auto", 0, True, False), ("auto", "1GiB", False, False), (False, 0, True, False), ("auto", 30000, True, False),
+     ("auto", "1GiB", None, True)],
+    ids=["crop-reads", "tier", "whole-reads", "part-tier", "feeder"],
+)  # fmt: skip
+def test_label_crops_equal_monai(
+    chain: tuple[str, Path, Path, Path], crop_read: Any, budget: Any, tail_thread: bool | None, feeder: bool
+) -> None:
     name, datalist, pipeline, cache = chain
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", seed=5, drop_last=False,
-                            crop_read=crop_read, gpu_budget=budget, tail_thread=tail_thread)  # fmt: skip
+                            crop_read=crop_read, gpu_budget=budget, tail_thread=tail_thread, feeder=feeder)  # fmt: skip
     assert loader.fold is not None and type(loader.fold).__name__ == "LabelCropFold"
     loader.set_random_state(9)
     got = [b for _ in range(2) for b in loader]
+    loader.close()
     orders = [[int(i) for i in loader.epoch_items(e)[k : k + 2]] for e in range(2) for k in range(0, 5, 2)]
     want = _monai_batches(datalist, pipeline, orders, 9)
     assert len(got) == len(want)
