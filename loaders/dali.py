@@ -296,17 +296,19 @@ class FileSource(_EpochSource):
         if self._own and self.backend is not None:
             self.backend.close()
 
+    def _paths(self, positions: list[int]) -> list[str]:
+        root, files = str(self.root), self.files
+        return [f"{root}/{files[i][0]}" for i in positions]
+
     def _hint(self, positions: list[int]) -> None:
         """Cold files of the batches after the one read ahead: WILLNEED, so the disk has them in flight."""
-        root, files = str(self.root), self.files
-        paths = [f"{root}/{files[i][0]}" for i in positions]
+        paths = self._paths(positions)
         if self.backend is None and paths and not _resident(paths[0]):
             hint_files(paths)
 
     def _batch(self, positions: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
-        root, files = str(self.root), self.files
-        paths = [f"{root}/{files[i][0]}" for i in positions]
-        labels = _labels(files, positions)
+        paths = self._paths(positions)
+        labels = _labels(self.files, positions)
         if self.backend is not None:
             return _read_files(self.backend, paths, [os.stat(p).st_size for p in paths]), labels
         if len(paths) < 8:

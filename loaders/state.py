@@ -74,10 +74,6 @@ class _Snapshot:
         self._aug = 0
         self._last: Any = None
 
-    def forget(self) -> None:
-        """The generator was set from outside (kept for generators read through get_state)."""
-        self._last = None
-
     def take(self, r: Any) -> Any:
         if r is not self._r:  # a new generator (set_random_state replaces R): find its bytes again
             self._r, self._last = r, None
@@ -198,8 +194,7 @@ class Draws:
     def put(self, snap: Mapping[int, tuple[Any, ...]]) -> None:
         """Set the random states back in place (objects sharing one RandomState stay sharing it)."""
         for i, state in snap.items():
-            self.objs[i].R.set_state(as_state(state))
-            self._snaps[i].forget()
+            self.objs[i].R.set_state(as_state(state))  # the next take reads the bytes set here
 
     def names(self) -> list[str]:
         return [type(o).__name__ for o in self.objs]

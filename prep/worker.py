@@ -204,10 +204,10 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
         try:
             last = time.monotonic()
             written = 0
+            beside = spec.torch_threads >= 2  # a core of its own to spare: the stream checks beside the head
             for n, (item, entry, section) in enumerate(items, 1):
                 if _stop.is_set():
                     break
-                beside = spec.torch_threads >= 2  # a core of its own to spare: the stream checks beside the head
                 pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes, beside))
                 statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
