@@ -147,6 +147,11 @@ def _registry() -> dict[type, Callable[[Any, Any], Fold | None]]:
     return {RandSpatialCropd: _spatial_fold, RandCropByPosNegLabeld: _label_fold, RandCropByLabelClassesd: _label_fold}
 
 
+def is_fold_crop(t: Any) -> bool:
+    """Whether `t` is of a crop class the loaders fold (drawn before the read), whatever its keys."""
+    return type(t) in _registry()
+
+
 def label_fold(tail: Sequence[Any], cache: Any) -> LabelCropFold | None:
     """The label-driven crop starting the tail, with its stored sets (None: no such crop, or no sets)."""
     first = tail[0] if tail else None
@@ -177,5 +182,6 @@ def crop_sets_of(tail: Sequence[Any]) -> dict[str, Any] | None:
 
 
 __all__ = [
-    "Fold", "LabelCropFold", "SpatialCropFold", "Window", "crop_sets_of", "draw_crop", "label_fold", "split_fold",
+    "Fold", "LabelCropFold", "SpatialCropFold", "Window", "crop_sets_of", "draw_crop", "is_fold_crop", "label_fold",
+    "split_fold",
 ]  # fmt: skip

@@ -89,19 +89,48 @@ class ReadyItems:
         return {key: t.clone() for key, t in self.templates.items()}
 
 
-def transport(opts: TrainOptions) -> TrainRow:
-    """`DataLoader(W)` (the peers' settings) over `ReadyItems` of the batch's shapes, into the same training loop."""
+class TailItems(ReadyItems):
+    """ReadyItems, each run through the workload's tail after its crop, per item (MONAI's own transforms): what a
+    Dataset that reads nothing still costs in `DataLoader(W)`'s workers when the user's tail runs per item there."""
+
+    def __init__(self, n: int, shapes: dict[str, tuple[tuple[int, ...], str]], seed: int, tail: Any) -> None:
+        super().__init__(n, shapes, seed)
+        self.tail = tail
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return dict(self.tail(super().__getitem__(index)))
+
+
+def transport(opts: TrainOptions, pipeline: Path | None = None) -> TrainRow:
+    """`DataLoader(W)` (the peers' settings) over `ReadyItems` of the batch's shapes, into the same training loop;
+    with `pipeline`, each item runs through the tail after the crop (`TailItems`: the `transport-tail` row)."""
     work = WORKLOADS[opts.workload]
     shapes = work.ceiling(opts)
     if not shapes or work.thread_loader:
         raise Unavailable(f"{opts.workload}: its peers run no DataLoader workers (no transport to measure)")
     rows = next(iter(shapes.values()))[0][0]  # rows of a batch: batch x samples
-    items = ReadyItems(
-        opts.count // opts.batch * rows, {k: (s[1:], kind) for k, (s, kind) in shapes.items()}, opts.seed
-    )
+    n, per_item = opts.count // opts.batch * rows, {k: (s[1:], kind) for k, (s, kind) in shapes.items()}
+    if pipeline is None:
+        items = ReadyItems(n, per_item, opts.seed)
+        name = f"DataLoader({opts.workers}) alone: ready-made items of the batch's shapes, no read, no transform"
+    else:
+        items = TailItems(n, per_item, opts.seed, _after_crop(pipeline, opts))
+        name = f"DataLoader({opts.workers}) + the tail after the crop per item: ready-made crops, no read"
     loader = _dataloader(items, opts, opts.workers, batch=rows)
-    name = f"DataLoader({opts.workers}) alone: ready-made items of the batch's shapes, no read, no transform"
     return time_loop(name, "reference", _loader_epochs(loader), opts)
+
+
+def _after_crop(pipeline: Path, opts: TrainOptions) -> Any:
+    """The workload's tail after its first (crop) transform, as one Compose with the chain's options."""
+    from monai.transforms import Compose
+
+    from loaders.chain import split
+    from loaders.folds import is_fold_crop
+
+    full = transform_of(pipeline, opts.seed)
+    _, tail = split(full)
+    rest = tail[1:] if tail and is_fold_crop(tail[0]) else tail
+    return Compose(rest, map_items=full.map_items, unpack_items=full.unpack_items)
 
 
 def _datalist(datalist: Path) -> list[dict[str, Any]]:
@@ -291,6 +320,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("drop-in", lambda: drop_in(datalist, pipeline, cache, opts, threads=False)),
         ("drop-in-threads", lambda: drop_in(datalist, pipeline, cache, opts, threads=True)),
         ("transport", lambda: transport(opts)),
+        ("transport-tail", lambda: transport(opts, pipeline)),
         ("fast-auto", lambda: fast_path(pipeline, cache, opts, "auto", "defaults (gpu_budget=auto)")),
         ("fast", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier (page cache), crop read")),
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
@@ -368,7 +398,7 @@ def train(
         str,
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
-            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,fast-auto,fast,"
+            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,transport-tail,fast-auto,fast,"
             "fast-whole,fast-half,fast-budget,fast-feeder; fast, fast-auto or fast-half with PreparedLoader "
             "options: fast@tail_thread=False;switch_interval=0.0005"
         ),
