@@ -197,8 +197,9 @@ def check_loader(args: Mapping[str, Any]) -> None:
     count("batch_size", args["batch_size"])
     seed(args["seed"])
     device(args["device"], allow_none=True)
-    for name in ("shuffle", "drop_last", "verify", "feeder"):
+    for name in ("shuffle", "drop_last", "verify"):
         flag(name, args[name])
+    flag("feeder", args["feeder"], also=("auto",))
     if args["tail_thread"] is not None:
         flag("tail_thread", args["tail_thread"])
     flag("crop_read", args["crop_read"], also=("auto",))

@@ -140,21 +140,25 @@ class _Ring:
 _IN_SLOT = "\x00blockprep-slot"
 
 
+def payload(spec: dict[str, Any]) -> bytes:
+    """The child's `PreparedLoader` arguments as sent, or a one-line FeederError where they cannot be sent."""
+    import cloudpickle  # dask's: functions of a script or a pipeline file (lambdas too) go by value
+
+    try:
+        return bytes(cloudpickle.dumps(spec))
+    except Exception as exc:  # noqa: BLE001  (locks, open files, handles held by the transform)
+        raise FeederError(
+            f"PreparedLoader(feeder=True): the transform cannot be sent to a process of its own ({exc}); "
+            "keep locks and open files out of it, or use feeder=False"
+        ) from None
+
+
 class Feeder:
     """The parent's end: starts the child, runs epochs through it, stops it on `close`."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, payload: bytes) -> None:
         from multiprocessing.connection import Listener
 
-        import cloudpickle  # dask's: functions of a script or a pipeline file (lambdas too) go by value
-
-        try:
-            payload = cloudpickle.dumps(spec)
-        except Exception as exc:  # noqa: BLE001  (locks, open files, handles held by the transform)
-            raise FeederError(
-                f"PreparedLoader(feeder=True): the transform cannot be sent to a process of its own ({exc}); "
-                "keep locks and open files out of it, or use feeder=False"
-            ) from None
         key = secrets.token_bytes(16)
         self._listener: Any = Listener(family="AF_UNIX", authkey=key)
         env = dict(os.environ)

@@ -70,7 +70,8 @@ class PreparedLoader:
     waiting for the GIL waits before the holder is made to drop it. copy_threads: threads copying a warm
     crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)). feeder: make
     the batches in a process of its own (`loaders.feeder`: the loader's Python off the training process's
-    interpreter lock; CUDA tensors handed over by IPC; needs a picklable transform and a backend by name).
+    interpreter lock; CUDA tensors handed over by IPC; needs a picklable transform and a backend by name);
+    "auto" (the default): on a CUDA device when both hold, else in this process.
     """
 
     def __init__(
@@ -92,7 +93,7 @@ class PreparedLoader:
         tail_thread: bool | None = None,
         switch_interval: float | None = None,
         copy_threads: int | None = None,
-        feeder: bool = False,
+        feeder: bool | str = "auto",
     ) -> None:
         from loaders import exact
         from loaders.monai import keep_random_states
@@ -118,8 +119,9 @@ class PreparedLoader:
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
         self.verify = verify
+        payload = self._feeder_payload(locals())  # the child's arguments, or None: batches made in this process
         if tail_thread is None:  # the feeder's child has no training loop beside it: the tail on its main thread
-            tail_thread = not feeder
+            tail_thread = payload is None
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
         self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=verify,
                              backend_options=backend_options, pooled=False, host_auto=True,
@@ -136,25 +138,38 @@ class PreparedLoader:
         self.epoch = 0
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
         self._feeder: Any = None
-        if feeder:
-            self._start_feeder(locals())
+        if payload is not None:
+            import weakref
 
-    def _start_feeder(self, given: dict[str, Any]) -> None:
-        """The child process that makes this loader's batches (loaders.feeder), built from the same arguments."""
-        import weakref
+            from loaders.feeder import Feeder
 
-        from loaders.feeder import Feeder
+            self._feeder = Feeder(payload)
+            weakref.finalize(self, self._feeder.close)
 
+    def _feeder_payload(self, given: dict[str, Any]) -> bytes | None:
+        """The feeder child's arguments (loaders.feeder) when this loader's batches are made in a process of their
+        own: feeder=True (a reason it cannot, one line), or "auto" on a CUDA device where it can."""
+        from loaders.feeder import FeederError, payload
+
+        auto = isinstance(given["feeder"], str)
+        if not (self.gpu if auto else given["feeder"]):
+            return None
         if not isinstance(given["backend"], str):
+            if auto:
+                return None
             raise ArgumentTypeError("PreparedLoader(feeder=True): pass the backend by name (a Backend object "
                                     "stays in this process)")  # fmt: skip
         names = ("cache_dir", "transform", "batch_size", "gpu_budget", "shuffle", "seed", "drop_last", "crop_read",
                  "prefetch", "backend", "backend_options", "keys", "verify", "tail_thread", "switch_interval",
                  "copy_threads")  # fmt: skip
         spec = {name: given[name] for name in names}
-        spec.update(cache_dir=str(self.cache.root), device=str(self.device))
-        self._feeder = Feeder(spec)
-        weakref.finalize(self, self._feeder.close)
+        spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False)
+        try:
+            return payload(spec)
+        except FeederError:
+            if auto:  # a lock or an open file in the transform: the same batches, made here
+                return None
+            raise
 
     def __reduce__(self) -> Any:
         raise ArgumentTypeError(

@@ -37,7 +37,7 @@ def _run(loader: Any) -> list[list[dict[str, Any]]]:
     ],
 )
 def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], options: dict[str, Any]) -> None:
-    want_loader = _loader(made, options)
+    want_loader = _loader(made, {**options, "feeder": False})
     want = _run(want_loader)
     fed = _loader(made, {**options, "feeder": True})
     try:
@@ -53,6 +53,37 @@ def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], opti
     finally:
         fed.close()
     assert fed._feeder._proc.poll() is not None  # the child is gone
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_auto_feeder_on_a_gpu_where_the_transform_can_go(made: tuple[Path, Path], device: str) -> None:
+    """feeder="auto" (the default): a child process on a CUDA device, in process on the CPU; a transform that
+    cannot be sent (a lock) or a Backend object keeps the batches in process instead of failing."""
+    import threading
+
+    from monai.transforms import Compose, Lambdad
+
+    from loaders.backends import get_backend
+    from loaders.loader import PreparedLoader
+
+    default = _loader(made, {"gpu_budget": 0, "device": device})
+    try:
+        assert (default._feeder is not None) == (device != "cpu")
+        assert default.tail_thread == (device == "cpu")  # the child runs the tail on its main thread
+    finally:
+        default.close()
+    cache, pipeline = made
+    from test_folds import _transform
+
+    local = Compose([*_transform(pipeline).transforms, Lambdad(keys="image", func=lambda x: x)])
+    local.guard = threading.Lock()  # type: ignore[attr-defined]
+    held = PreparedLoader(cache, local, batch_size=2, device=device, gpu_budget=0)
+    assert held._feeder is None
+    held.close()
+    backend = get_backend("posix", device)
+    given = PreparedLoader(cache, _transform(pipeline), batch_size=2, device=device, gpu_budget=0, backend=backend)
+    assert given._feeder is None
+    given.close()
 
 
 def test_feeder_refuses_what_cannot_be_sent(made: tuple[Path, Path]) -> None:

@@ -20,8 +20,20 @@ CONFIGS = {
     "crops-read-thread": {"gpu_budget": 0, "tail_thread": True, "prefetch": 3},
     "tier-tail-on-caller": {"gpu_budget": "1GiB", "tail_thread": False, "prefetch": 2},
     "whole-reads-shard": {"gpu_budget": 0, "crop_read": False, "shard": (1, 2), "batch_size": 1},
-    "gpu-tier-read-thread": {"gpu_budget": "1GiB", "tail_thread": True, "prefetch": 3, "device": "cuda:0"},
-    "gpu-crops-tail-on-caller": {"gpu_budget": 0, "tail_thread": False, "prefetch": 2, "device": "cuda:0"},
+    "gpu-tier-read-thread": {
+        "gpu_budget": "1GiB",
+        "tail_thread": True,
+        "prefetch": 3,
+        "device": "cuda:0",
+        "feeder": False,
+    },  # fmt: skip
+    "gpu-crops-tail-on-caller": {
+        "gpu_budget": 0,
+        "tail_thread": False,
+        "prefetch": 2,
+        "device": "cuda:0",
+        "feeder": False,
+    },  # fmt: skip
     "feeder-crops-shard": {"gpu_budget": 0, "prefetch": 2, "shard": (0, 2), "batch_size": 1, "feeder": True},
     "gpu-feeder-tier": {"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0", "feeder": True},
 }
