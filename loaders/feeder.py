@@ -282,6 +282,9 @@ class Feeder:
         """Stop the child (it leaves after its epoch's stop; killed if it does not within 10 s)."""
         if self._listener is None:
             return
+        # the child's buffers released here first: a producer that exits while a consumer still maps its CUDA
+        # memory prints torch's "Producer process has been terminated before all shared CUDA tensors released"
+        self._slots, self._events, self._fences = [], [], []
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._send("close")

@@ -40,6 +40,7 @@ from prep.cluster import (
     check_security,
     interrupt_scope,
     run_tasks,
+    threads_per_process,
     torch_threads_for,
     worker_mode,
 )
@@ -276,7 +277,8 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
                         run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes)  # fmt: skip
-        size = batch_size_for(len(todo), run.workers, run.batch_size, item_s)
+        at_once = run.workers * (threads_per_process(run.workers) if processes and not run.scheduler else 1)
+        size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
             run_tasks(client, spec, items, todo, size, run.progress, starter.pids)

@@ -1,7 +1,9 @@
 """Input checks run before an item's head: a bad file is quarantined with its path and reason, never cached.
 
 nibabel reads a .nii.gz lazily and may never reach the gzip trailer, so a flipped byte inside the stream can
-load silently; reading the whole stream here makes zlib check the CRC and length. With a bound (`prep cache
+load silently; reading the whole stream here makes zlib check the CRC and length. A NIfTI's decoded bytes can
+be kept (`streams_check(..., keep)`), so that the head reads them instead of inflating the file again
+(`prep.inflated`). With a bound (`prep cache
 --max-item-bytes`), what the header declares is compared with it first, and the stream is read no further
 than the bound: a header or a stream that claims more is refused before anything is decoded.
 """
@@ -39,15 +41,17 @@ def check_entry(entry: Mapping[str, Any], max_bytes: int | None = None) -> tuple
     return bad or streams_check(streams)
 
 
+Stream = Callable[[dict[str, bytes] | None], str | None]  # a .gz stream check: why it fails, or None
+
+
 def split_checks(
     entry: Mapping[str, Any], max_bytes: int | None = None
-) -> tuple[tuple[str, str] | None, list[tuple[str, Callable[[], str | None]]]]:
+) -> tuple[tuple[str, str] | None, list[tuple[str, Stream]]]:
     """The checks of an item's files in two parts: (path, reason) of the first file the cheap checks refuse
     (missing, empty, a header over `max_bytes`, an unreadable NIfTI header or dtype, a short .nii), and the
     stream checks left to run (each .gz decompressed whole so zlib checks its CRC and length, then a NIfTI's
-    length against its header), which `prep cache` runs beside the head: the head never decodes more than
-    the header allows (checked first), and its output is kept only when they pass."""
-    streams: list[tuple[str, Callable[[], str | None]]] = []
+    length against its header)."""
+    streams: list[tuple[str, Stream]] = []
     for path in input_paths(entry):
         reason, later = _check_now(Path(path), max_bytes)
         if reason:
@@ -57,10 +61,11 @@ def split_checks(
     return None, streams
 
 
-def streams_check(streams: list[tuple[str, Callable[[], str | None]]]) -> tuple[str, str] | None:
-    """(path, reason) of the first file whose stream check fails, or None."""
+def streams_check(streams: list[tuple[str, Stream]], keep: dict[str, bytes] | None = None) -> tuple[str, str] | None:
+    """(path, reason) of the first file whose stream check fails, or None; with `keep`, the decoded bytes of
+    each sound .nii.gz go into it by path (for `prep.inflated.served`)."""
     for path, later in streams:
-        reason = later()
+        reason = later(keep)
         if reason:
             return path, reason
     return None
@@ -70,10 +75,10 @@ def check_file(path: str | os.PathLike[str], max_bytes: int | None = None) -> st
     """Why a file cannot be prepared (missing, empty, over `max_bytes` decoded, corrupt/truncated stream,
     unsupported dtype), or None."""
     reason, later = _check_now(Path(path), max_bytes)
-    return reason or (later() if later is not None else None)
+    return reason or (later(None) if later is not None else None)
 
 
-def _check_now(path: Path, max_bytes: int | None) -> tuple[str | None, Callable[[], str | None] | None]:
+def _check_now(path: Path, max_bytes: int | None) -> tuple[str | None, Stream | None]:
     """(why the file is refused by the cheap checks, or None; the stream check left, or None)."""
     try:
         size = path.stat().st_size
@@ -94,20 +99,27 @@ def _check_now(path: Path, max_bytes: int | None) -> tuple[str | None, Callable[
         needed = got
     if not gz:
         return _truncated(size, needed), None
-    return None, lambda: _gzip_check(path, max_bytes, needed)
+    nifti = needed is not None
+    return None, lambda keep: _gzip_check(path, max_bytes, needed, keep if nifti else None)
 
 
-def _gzip_check(path: Path, max_bytes: int | None, needed: int | None) -> str | None:
+def _gzip_check(
+    path: Path, max_bytes: int | None, needed: int | None, keep: dict[str, bytes] | None = None
+) -> str | None:
     # the header may sit in front of the voxels: 1 MiB over the bound is still no more than it declared
     limit = None if max_bytes is None else max_bytes + _CHUNK
+    chunks: list[bytes] | None = [] if keep is not None else None
     try:
-        data_bytes = _gzip_length(path, limit)
+        data_bytes = _gzip_length(path, limit, chunks)
     except (OSError, EOFError, zlib.error) as exc:
         return f"corrupt or truncated gzip stream ({exc})"
     if limit is not None and data_bytes > limit:
         return (f"the gzip stream decompresses to more than {human(limit)}, over --max-item-bytes "
                 f"{human(max_bytes or 0)}; pass a larger --max-item-bytes to prepare it")  # fmt: skip
-    return _truncated(data_bytes, needed)
+    reason = _truncated(data_bytes, needed)
+    if keep is not None and chunks is not None and reason is None:
+        keep[str(path)] = b"".join(chunks)
+    return reason
 
 
 def _truncated(data_bytes: int, needed: int | None) -> str | None:
@@ -132,12 +144,15 @@ def _over_bound(path: Path, max_bytes: int) -> str | None:
             "pass a larger --max-item-bytes to prepare it")  # fmt: skip
 
 
-def _gzip_length(path: Path, limit: int | None = None) -> int:
-    """Decompress the stream (so zlib checks CRC32 and ISIZE); return the decompressed length. Stops once
-    the length passes `limit` (the result is then over it, and the stream's end unchecked)."""
+def _gzip_length(path: Path, limit: int | None = None, chunks: list[bytes] | None = None) -> int:
+    """Decompress the stream (so zlib checks CRC32 and ISIZE); return the decompressed length (its pieces into
+    `chunks` when given). Stops once the length passes `limit` (the result is then over it, and the stream's
+    end unchecked)."""
     total = 0
     with gzip.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
+            if chunks is not None:
+                chunks.append(chunk)
             total += len(chunk)
             if limit is not None and total > limit:
                 break

@@ -270,12 +270,7 @@ def _bad_inputs(root: Path) -> Path:
     return datalist
 
 
-@pytest.mark.parametrize("beside", [True, False], ids=["streams-beside-the-head", "streams-first"])
-def test_quarantine_each_bad_input_kind(tmp_path: Path, beside: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import prep.worker
-
-    real = prep.worker._prepare_one
-    monkeypatch.setattr(prep.worker, "_prepare_one", lambda *a, **k: real(*a[:6], beside=beside))
+def test_quarantine_each_bad_input_kind(tmp_path: Path) -> None:
     datalist = _bad_inputs(tmp_path / "data")
     out = tmp_path / "cache"
     summary = prepare_cache(datalist, SPHERES, out, workers=1, processes=False)
