@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loaders.errors import LoaderStateError, PrepError
+from loaders.state import same
 
 _CHILD = "from loaders.feeder import serve; serve()"
 _ENV = "BLOCKPREP_FEEDER"  # address and authkey of the parent's listener, for the child
@@ -318,6 +319,7 @@ def serve() -> None:
         return
     send("ready")
     ring = _Ring(loader.prefetch + 2)
+    ahead: _Ahead | None = None
     try:
         while True:
             msg = _loads(conn.recv_bytes())
@@ -326,20 +328,66 @@ def serve() -> None:
             if msg[0] == "fences":
                 ring.open_fences(msg[1])
             if msg[0] == "epoch":
-                _epoch(loader, conn, send, msg, ring)
+                ahead = _epoch(loader, conn, send, msg, ring, ahead)
     except (EOFError, OSError):
         return  # the parent is gone
     finally:
+        if ahead is not None:
+            ahead.drop(loader)
         loader.close()
 
 
-def _epoch(loader: Any, conn: Any, send: Any, msg: tuple[Any, ...], ring: _Ring) -> None:
+class _Ahead:
+    """The next epoch begun before the parent asks for it: its first batch made and the read thread reading on,
+    so that an epoch's start (the pipeline filled again: 12-step epochs on `spheres`, `gds-seed`) costs the
+    training process nothing. Used only when the parent asks for exactly that epoch (the next, from its
+    first batch, same shard, the random states as the last epoch left them); otherwise dropped, its draws
+    put back. Nothing of it is sent before it is asked for."""
+
+    def __init__(self, loader: Any, epoch: int, snap: dict[int, Any]) -> None:
+        self.key = (epoch, 0, loader.rank, loader.world, snap)
+        loader.epoch, loader._resume = epoch, 0
+        self.it: Any = iter(loader)
+        self.first: list[Any] = []
+        try:
+            self.first = [next(self.it)]
+        except StopIteration:
+            pass
+        except BaseException:  # noqa: BLE001  (made again when asked for, where the error is said)
+            self.it = None
+            loader._draws.put(snap)
+
+    def take(self, msg: tuple[Any, ...]) -> Any:
+        """The epoch's batches if `msg` asks for this epoch, else None."""
+        _, epoch, skip, rank, world, snap, _ = msg
+        if self.it is None or (epoch, skip, rank, world) != self.key[:4] or not same(snap, self.key[4]):
+            return None
+        import itertools
+
+        return itertools.chain(self.first, self.it)
+
+    def drop(self, loader: Any) -> None:
+        if self.it is not None:
+            self.it.close()  # the read thread stopped; the draws put back to before this epoch
+            self.it = None
+            loader._draws.put(self.key[4])
+
+
+def _epoch(loader: Any, conn: Any, send: Any, msg: tuple[Any, ...], ring: _Ring, ahead: _Ahead | None) -> _Ahead | None:
+    """One epoch as the parent asked (from `ahead` where it is that epoch); returns the next epoch begun."""
     _, epoch, skip, rank, world, snap, credits = msg
+    batches = ahead.take(msg) if ahead is not None else None
+    gen = ahead.it if batches is not None and ahead is not None else None
+    if batches is None and ahead is not None:
+        ahead.drop(loader)
+    finished = False
     try:
-        loader.shard(rank, world)
-        loader.epoch, loader._resume = epoch, skip
-        loader._draws.put(snap)
-        for batch in loader:
+        if batches is None:
+            loader.shard(rank, world)
+            loader.epoch, loader._resume = epoch, skip
+            loader._draws.put(snap)
+            batches = gen = iter(loader)
+        for batch in batches:
             stopped = False
             while credits == 0 or conn.poll():
                 got = _loads(conn.recv_bytes())
@@ -354,6 +402,8 @@ def _epoch(loader: Any, conn: Any, send: Any, msg: tuple[Any, ...], ring: _Ring)
             credits -= 1
             at, out = ring.pack(batch, send)
             send("batch", at, out, dict(loader._live[2]))
+        else:
+            finished = True
         send("end")
     except (EOFError, OSError):
         raise
@@ -361,3 +411,7 @@ def _epoch(loader: Any, conn: Any, send: Any, msg: tuple[Any, ...], ring: _Ring)
         send("error", str(exc))
     except BaseException as exc:  # noqa: BLE001
         send("error", f"{type(exc).__name__}: {exc}")
+    finally:
+        if gen is not None:
+            gen.close()  # an epoch left early: the read thread stopped, the draws as of the last batch sent
+    return _Ahead(loader, epoch + 1, dict(loader._draws.take())) if finished else None

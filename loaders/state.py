@@ -90,6 +90,20 @@ def _read(mt: int, aug: int) -> bytes:
     return ctypes.string_at(mt, _MT_BYTES) + ctypes.string_at(aug + 8, 4) + ctypes.string_at(aug + 16, 8)
 
 
+def same(a: Mapping[int, Any], b: Mapping[int, Any]) -> bool:
+    """Whether two `Draws` snapshots hold the same states (raw bytes or get_state tuples alike)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, bytes) and isinstance(y, bytes):
+            if x != y:
+                return False
+        elif not all(np.array_equal(p, q) for p, q in zip(as_state(x), as_state(y))):
+            return False
+    return True
+
+
 def as_state(snapshot: Any) -> tuple[Any, ...]:
     """A snapshot (raw bytes from `_Snapshot`, or a get_state tuple) as `RandomState.get_state()` gives it."""
     if isinstance(snapshot, tuple):

@@ -21,10 +21,14 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _run(loader: Any) -> list[list[dict[str, Any]]]:
-    """Epoch 0 left after its first batch, epoch 1 whole, reseeded, epoch 2 whole, the state after it."""
+    """Epoch 0 left after its first batch, epoch 1 whole, epoch 2 whole (the feeder's child began it before it
+    was asked for), reseeded, epoch 3 (the child's early start dropped), epoch 5 after set_epoch(5)."""
     out = [[_plain(next(iter(loader)))]]
     out.append([_plain(b) for b in loader])
+    out.append([_plain(b) for b in loader])
     loader.set_random_state(9)
+    out.append([_plain(b) for b in loader])
+    loader.set_epoch(5)
     out.append([_plain(b) for b in loader])
     return out
 
