@@ -101,6 +101,48 @@ class TailItems(ReadyItems):
         return dict(self.tail(super().__getitem__(index)))
 
 
+def _fresh(value: Any) -> Any:
+    """A transform's output made again: every tensor a copy (MetaTensors keep their meta), containers rebuilt."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fresh(v) for v in value)
+    return value
+
+
+class PeerItems:
+    """`PersistentDataset`'s own outputs for the first items (types, meta, `num_samples` lists), each handed
+    out as a fresh copy: what any Dataset that returns what `PersistentDataset` returns costs `DataLoader(W)`
+    to carry (collation of MetaTensors and their meta, the hand-over), with no read and no transform."""
+
+    def __init__(self, n: int, made: list[Any]) -> None:
+        self.n, self.made = n, made
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        return _fresh(self.made[index % len(self.made)])
+
+
+def transport_peer(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
+    """`DataLoader(W)` over `PeerItems` (the `transport-peer` row), into the same training loop."""
+    from monai.data import PersistentDataset
+
+    if WORKLOADS[opts.workload].thread_loader:
+        raise Unavailable(f"{opts.workload}: its peers run no DataLoader workers (no transport to measure)")
+    where = work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
+    ds = PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
+    made = [ds[i] for i in range(min(len(ds), 8))]
+    loader = _dataloader(PeerItems(len(ds), made), opts, opts.workers)
+    name = f"DataLoader({opts.workers}) alone: PersistentDataset's own outputs, made ahead, copied per item"
+    return time_loop(name, "reference", _loader_epochs(loader), opts)
+
+
 def transport(opts: TrainOptions, pipeline: Path | None = None) -> TrainRow:
     """`DataLoader(W)` (the peers' settings) over `ReadyItems` of the batch's shapes, into the same training loop;
     with `pipeline`, each item runs through the tail after the crop (`TailItems`: the `transport-tail` row)."""
@@ -321,6 +363,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("drop-in-threads", lambda: drop_in(datalist, pipeline, cache, opts, threads=True)),
         ("transport", lambda: transport(opts)),
         ("transport-tail", lambda: transport(opts, pipeline)),
+        ("transport-peer", lambda: transport_peer(datalist, pipeline, opts, work)),
         ("fast-auto", lambda: fast_path(pipeline, cache, opts, "auto", "defaults (gpu_budget=auto)")),
         ("fast", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier (page cache), crop read")),
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
@@ -398,7 +441,8 @@ def train(
         str,
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
-            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,transport-tail,fast-auto,fast,"
+            "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,transport-tail,transport-peer,"
+            "fast-auto,fast,"
             "fast-whole,fast-half,fast-budget,fast-feeder; fast, fast-auto or fast-half with PreparedLoader "
             "options: fast@tail_thread=False;switch_interval=0.0005"
         ),
