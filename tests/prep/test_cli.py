@@ -122,3 +122,16 @@ def test_version() -> None:
 
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"blockprep {__version__}"
+
+
+def test_the_cli_lets_idle_openmp_threads_sleep_unless_the_user_says_otherwise() -> None:
+    import subprocess
+    import sys
+
+    probe = "import prep.cli, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"
