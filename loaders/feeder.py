@@ -212,11 +212,20 @@ class Feeder:
     def _send(self, *msg: Any) -> None:
         self._conn.send_bytes(pickle.dumps(msg))
 
-    def run(self, loader: Any, epoch: int, skip: int, n: int) -> Iterator[dict[str, Any]]:
-        """Batches skip..n-1 of `epoch`, made by the child; the loader's `_live` kept as in-process."""
-        if not self._ready:  # the child's start overlapped whatever the caller did since building the loader
+    def wait_ready(self) -> None:
+        """Wait until the child has built its loader (its start overlapped whatever the caller did meanwhile);
+        FeederError where it could not."""
+        if not self._ready:
             self._expect("ready")
             self._ready = True
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def run(self, loader: Any, epoch: int, skip: int, n: int) -> Iterator[dict[str, Any]]:
+        """Batches skip..n-1 of `epoch`, made by the child; the loader's `_live` kept as in-process."""
+        self.wait_ready()
         snap = loader._draws.take()
         self._send("epoch", epoch, skip, loader.rank, loader.world, dict(snap), loader.prefetch)
         loader._live = [epoch, skip, snap]

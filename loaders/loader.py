@@ -120,6 +120,7 @@ class PreparedLoader:
         self.prefetch = max(1, prefetch)
         self.verify = verify
         payload = self._feeder_payload(locals())  # the child's arguments, or None: batches made in this process
+        self._feeder_auto, self._tail_default = isinstance(feeder, str), tail_thread is None
         if tail_thread is None:  # the feeder's child has no training loop beside it: the tail on its main thread
             tail_thread = payload is None
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
@@ -252,8 +253,28 @@ class PreparedLoader:
         chunks = epoch_batches(order, self.batch_size, self.drop_last)
         skip, self._resume = self._resume, 0
         if self._feeder is not None:
+            if self._feeder_auto and not self._feeder.ready:
+                return self._feeder_or_here(chunks, epoch, skip)
             return self._feeder.run(self, epoch, skip, len(chunks))
         return self._run(chunks, epoch, skip)
+
+    def _feeder_or_here(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        """feeder="auto": a child that could not start or build its loader leaves the batches to this process
+        (said once, with why), from the same random states; feeder=True raises it instead."""
+        import warnings
+
+        from loaders.feeder import FeederError
+
+        try:
+            self._feeder.wait_ready()
+        except FeederError as exc:
+            warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=2)
+            self._feeder.close()
+            self._feeder = None
+            self.tail_thread = self.tail_thread or self._tail_default
+            yield from self._run(chunks, epoch, skip)
+            return
+        yield from self._feeder.run(self, epoch, skip, len(chunks))
 
     def _run(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
         out: queue.Queue[Any] = queue.Queue(self.prefetch)

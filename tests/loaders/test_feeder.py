@@ -164,3 +164,29 @@ def test_a_child_that_cannot_build_the_loader_says_so_at_the_first_epoch(made: t
             next(iter(fed))
     finally:
         fed.close()
+
+
+def test_an_auto_feeder_that_cannot_start_leaves_the_batches_to_this_process(made: tuple[Path, Path]) -> None:
+    """feeder="auto" (the GPU default; forced here on the CPU): a child that cannot build the loader is said
+    once as a warning, and the same batches come from this process."""
+    from test_folds import _transform
+
+    from loaders.loader import PreparedLoader
+
+    cache, pipeline = made
+    want = _run(
+        PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", gpu_budget=0).set_random_state(5)
+    )
+    chain = _transform(pipeline)
+    chain.stowaway = OnlyHere()  # type: ignore[attr-defined]
+    fed = PreparedLoader(cache, chain, batch_size=2, device="cpu", gpu_budget=0, feeder=True, tail_thread=None)
+    fed._feeder_auto = True  # what feeder="auto" sets on a GPU
+    fed.set_random_state(5)
+    try:
+        with pytest.warns(RuntimeWarning, match="refuses to be rebuilt.*made in this process instead"):
+            got = _run(fed)
+        assert fed._feeder is None and fed.tail_thread
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+    finally:
+        fed.close()
