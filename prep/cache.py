@@ -39,8 +39,8 @@ from prep.cluster import (
     batch_size_for,
     check_security,
     interrupt_scope,
+    items_per_worker,
     run_tasks,
-    threads_per_process,
     torch_threads_for,
     worker_mode,
 )
@@ -277,7 +277,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
                         run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes)  # fmt: skip
-        at_once = run.workers * (threads_per_process(run.workers) if processes and not run.scheduler else 1)
+        at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
         size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
@@ -294,7 +294,10 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
-        summary.mode = f"{run.workers} {how}{' (auto)' if run.processes is None else ''}"
+        each = items_per_worker(run.workers)
+        summary.mode = (
+            f"{run.workers} {how}{f' x {each} items' if each > 1 else ''}{' (auto)' if run.processes is None else ''}"
+        )
     return summary
 
 

@@ -98,20 +98,27 @@ def local_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def threads_per_process(workers: int) -> int:
-    """Items each local worker process prepares at once (dask threads): the cores beyond one a process, up to
-    THREAD_SCALING. torch's intra-op threads scale poorly on a head's resampling (16-core box, spheres W4 with 4
-    torch threads a process: 21 items/s, where 4 one-thread processes made 19), items side by side better."""
-    return max(1, min(int(THREAD_SCALING), local_cores() // max(1, workers)))
+def items_per_worker(workers: int, cores: int | None = None) -> int:
+    """Items each local worker (a thread, or a process) prepares at once: the cores beyond one a worker, up to
+    THREAD_SCALING, so that a run with fewer workers than cores still fills them. torch's intra-op threads
+    scale poorly on a head's resampling (16-core box, spheres W4 with 4 torch threads a process: 21 items/s,
+    where 4 one-thread processes made 19); items side by side do better (2-core box, spheres 64 x 96^3, one
+    worker process: 11.0 -> 8.5 s with 2 items at once instead of 2 torch threads)."""
+    cores = local_cores() if cores is None else cores
+    return max(1, min(int(THREAD_SCALING), cores // max(1, workers)))
 
 
 def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
-    """Intra-op threads per task on a local cluster: its cores shared by the tasks that run at once, threads or
-    processes alike (a DataLoader's workers get 1 each, which leaves cores idle below one worker a core:
-    16-core box, spheres W4, 4 of 16 cores busy); 0 on a remote cluster: its workers keep their own setting."""
+    """Intra-op threads per item on a local cluster: cores / workers, threads or processes alike (a
+    DataLoader's workers get 1 each, which leaves cores idle below one worker a core: 16-core box, spheres W4,
+    4 of 16 cores busy); 0 on a remote cluster: its workers keep their own setting. Not divided again by the
+    items a worker runs side by side: the bits of torch's float ops can depend on its thread count (1 ULP where
+    a vectorised loop is split between threads), and one worker's cores as torch threads is what MONAI's own
+    chain gets in the caller's process (2-core box, `--workers 1`: 11.3 items/s with 1 thread an item, 11.5
+    with 2; OpenMP's idle threads sleep, `prep.cli`)."""
     if scheduler:
         return 0
-    return max(1, local_cores() // (workers * (threads_per_process(workers) if processes else 1)))
+    return max(1, local_cores() // workers)
 
 
 @contextmanager
@@ -193,9 +200,9 @@ class ClusterStarter:
                 # in-process: no memory limit, since a worker inside the caller's process would pause (and the
                 # run hang) at a share of memory the caller's own data may already hold; task results are tiny
                 shape: dict[str, Any] = (
-                    {"n_workers": workers, "threads_per_worker": threads_per_process(workers)}
+                    {"n_workers": workers, "threads_per_worker": items_per_worker(workers)}
                     if processes
-                    else {"n_workers": 1, "threads_per_worker": workers, "memory_limit": 0}
+                    else {"n_workers": 1, "threads_per_worker": workers * items_per_worker(workers), "memory_limit": 0}
                 )
                 with ExitStack() as env:
                     # dask's profiler samples every worker thread's stack each 10 ms, for a dashboard nobody opens
@@ -256,23 +263,26 @@ TASK_S = 1.0  # a task of small items holds at least this much work, so dask's p
 
 
 def choose_processes(
-    workers: int, n_todo: int, item_s: float | None, cuda: bool = False, start_s: float = PROCESS_START_S
-) -> bool:
+    workers: int, n_todo: int, item_s: float | None, cuda: bool = False, start_s: float = PROCESS_START_S,
+    cores: int | None = None,
+) -> bool:  # fmt: skip
     """The `--workers` mode auto: processes when they are expected to finish first, else threads; always
     threads for a head that touches CUDA (`cuda`): its work runs on the GPU outside the GIL, and each process
     would hold a CUDA context of its own.
 
-    Threads start at once but share the GIL: heads that release it (zlib, torch resampling) scale to about
-    THREAD_SCALING threads, mostly-Python heads of small items to about SMALL_THREAD_SCALING (no gain).
-    Processes scale with the workers and cost `start_s` to start (worker_mode adds what the forkserver has
-    left to import). `item_s` is the head's time on one item, measured on this process before the run (None:
-    not measured, threads).
+    Each worker runs `items_per_worker` items at once. Threads start at once but share one GIL: heads that
+    release it (zlib, torch resampling) scale to about THREAD_SCALING items in all, mostly-Python heads of
+    small items to about SMALL_THREAD_SCALING (no gain). Processes scale with the workers (each to
+    THREAD_SCALING items) and cost `start_s` to start (worker_mode adds what the forkserver has left to
+    import). `item_s` is the head's time on one item, measured on this process before the run (None: not
+    measured, threads). `cores`: this machine's (default `local_cores()`).
     """
-    if cuda or workers < 2 or item_s is None or n_todo <= workers:
+    at_once = workers * items_per_worker(workers, cores)
+    if cuda or at_once < 2 or item_s is None or n_todo <= at_once:
         return False
     scaling = THREAD_SCALING if item_s >= SMALL_ITEM_S else SMALL_THREAD_SCALING
-    threads_s = n_todo * item_s / min(workers, scaling)
-    processes_s = start_s + n_todo * item_s / workers
+    threads_s = n_todo * item_s / min(at_once, scaling)
+    processes_s = start_s + n_todo * item_s / (workers * min(items_per_worker(workers, cores), scaling))
     return processes_s < threads_s
 
 

@@ -11,20 +11,32 @@ from prep.cluster import PROCESS_START_S, TASK_S, batch_size_for, choose_process
 
 
 def test_auto_mode_threads_for_one_worker_few_items_or_no_probe() -> None:
-    assert not choose_processes(1, 10_000, 0.5)
-    assert not choose_processes(8, 8, 0.5)
-    assert not choose_processes(8, 10_000, None)
+    assert not choose_processes(1, 10_000, 0.5, cores=1)
+    assert not choose_processes(1, 10_000, 0.5, cores=16)  # one process of 4 items does what 4 threads do
+    assert not choose_processes(8, 8, 0.5, cores=8)
+    assert not choose_processes(8, 10_000, None, cores=8)
 
 
 def test_auto_mode_processes_once_they_repay_their_start() -> None:
     # volumes (GIL released): threads scale to ~4, so 8 processes win once the work outweighs their start
-    assert not choose_processes(2, 1_000, 0.1)  # 2 threads scale as 2 processes do, without the start
-    assert not choose_processes(8, 10, 0.1)  # 1 s of work: the start would not pay
-    assert choose_processes(8, 1_000, 0.1)
+    assert not choose_processes(2, 1_000, 0.1, cores=2)  # 2 threads scale as 2 processes do, without the start
+    assert not choose_processes(8, 10, 0.1, cores=8)  # 1 s of work: the start would not pay
+    assert choose_processes(8, 1_000, 0.1, cores=8)
     # small Python-bound items: threads gain nothing, so 2 processes win on a long enough run
-    assert choose_processes(2, 24_000, 0.002)
-    assert not choose_processes(2, 100, 0.002)  # 0.2 s of work
-    assert choose_processes(2, int(4 * PROCESS_START_S / 0.002), 0.002)
+    assert choose_processes(2, 24_000, 0.002, cores=2)
+    assert not choose_processes(2, 100, 0.002, cores=2)  # 0.2 s of work
+    assert choose_processes(2, int(4 * PROCESS_START_S / 0.002), 0.002, cores=2)
+
+
+def test_auto_mode_fills_the_cores_with_items_side_by_side() -> None:
+    """Fewer workers than cores: each worker runs cores / workers items at once (at most 4); one process's
+    threads stop gaining past ~4 items, so 4 workers on 16 cores are processes of 4 items each."""
+    from prep.cluster import items_per_worker
+
+    assert [items_per_worker(w, cores=16) for w in (1, 2, 4, 8, 16, 32)] == [4, 4, 4, 2, 1, 1]
+    assert items_per_worker(1, cores=2) == 2 and items_per_worker(2, cores=2) == 1
+    assert choose_processes(4, 1_000, 0.1, cores=16)  # 16 items at once against 4
+    assert not choose_processes(4, 1_000, 0.1, cores=4)  # one core a worker: threads do as well
 
 
 def test_items_per_task() -> None:

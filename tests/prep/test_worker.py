@@ -97,17 +97,18 @@ def test_worker_threads_bit_exact_and_torch_threads_restored(tmp_path: Path, nif
 
 
 def test_local_cluster_is_one_in_process_worker_of_n_threads_without_memory_pause() -> None:
-    from prep.cluster import ClusterStarter, local_cores, threads_per_process, torch_threads_for
+    from prep.cluster import ClusterStarter, items_per_worker, local_cores, torch_threads_for
 
     with ClusterStarter(3, None, processes=False) as starter:
         workers = starter.client().scheduler_info()["workers"].values()
-        assert [(w["nthreads"], w["memory_limit"]) for w in workers] == [(3, 0)]
+        assert [(w["nthreads"], w["memory_limit"]) for w in workers] == [(3 * items_per_worker(3), 0)]
+    # threads and processes alike: cores / workers torch threads (the caller's own at one worker) ...
     assert torch_threads_for(3, None) == max(1, local_cores() // 3) and torch_threads_for(3, "tcp://x:1") == 0
-    # processes share the cores out as items side by side first, then torch threads (idle cores at W < cores)
-    per = threads_per_process(3)
+    # ... and cores / workers items side by side, at most 4 (idle cores at W < cores otherwise)
+    per = items_per_worker(3)
     assert per == max(1, min(4, local_cores() // 3))
-    assert torch_threads_for(3, None, processes=True) == max(1, local_cores() // (3 * per))
-    assert threads_per_process(1) == min(4, local_cores()) and threads_per_process(64 * local_cores()) == 1
+    assert torch_threads_for(3, None, processes=True) == max(1, local_cores() // 3)
+    assert items_per_worker(1) == min(4, local_cores()) and items_per_worker(64 * local_cores()) == 1
     assert torch_threads_for(10 * local_cores(), None, processes=True) == 1
 
 
@@ -117,16 +118,15 @@ def _malloc_env() -> dict[str, str | None]:
 
 def test_worker_processes_spawn_without_dask_malloc_trim_and_with_passive_omp(monkeypatch: pytest.MonkeyPatch) -> None:
     """dask's default MALLOC_TRIM_THRESHOLD_ makes every tensor a fresh mmap (page faults, system time)."""
-    from prep.cluster import ClusterStarter, local_cores, threads_per_process
+    from prep.cluster import ClusterStarter, local_cores
 
     for key in ("MALLOC_TRIM_THRESHOLD_", "OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
         monkeypatch.delenv(key, raising=False)  # set by a worker restarted earlier in this session
     with ClusterStarter(1, None, processes=True) as starter:
         env = next(iter(starter.client().run(_malloc_env).values()))
         assert _malloc_env() == dict.fromkeys(env)  # the nanny's writes into this process's environment undone
-    # one worker process: the cores as items side by side (up to 4), the rest as its OMP threads
-    omp = str(max(1, local_cores() // threads_per_process(1)))
-    assert env == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": omp}
+    # one worker process: all the cores as its OMP threads
+    assert env == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(local_cores())}
 
 
 def _worker_origin() -> tuple[bool, bool, int]:
