@@ -55,7 +55,13 @@ def test_group_commit_fsyncs_shard_before_journal_lines(
     monkeypatch.setattr(worker.uuid, "uuid4", lambda: type("U", (), {"hex": "0" * 32})())
     journal = out / JOURNAL_DIR / "000007-test-00000000.jsonl"
     log = _fsync_log(monkeypatch, journal)
-    statuses = worker.run_batch(_spec(out), 7, items)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        statuses = worker.run_batch(_spec(out), 7, items)
+    finally:  # a worker sets its process's torch threads; this test runs it in pytest's own process
+        torch.set_num_threads(threads)
     assert [s["item"] for s in statuses] == [0, 1, 2] and not any(s["quarantined"] for s in statuses)
     commits = [n for n, (kind, lines) in enumerate(log) if kind == "journal" and lines > 0]
     # one journal fsync per group of items, not per item (interval 0: a group per item, unless items finish
