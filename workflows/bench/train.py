@@ -131,12 +131,9 @@ class PeerItems:
 
 def transport_peer(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
     """`DataLoader(W)` over `PeerItems` (the `transport-peer` row), into the same training loop."""
-    from monai.data import PersistentDataset
-
     if WORKLOADS[opts.workload].thread_loader:
         raise Unavailable(f"{opts.workload}: its peers run no DataLoader workers (no transport to measure)")
-    where = work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
-    ds = PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
+    ds = _persistent_dataset(datalist, pipeline, opts, work)
     made = [ds[i] for i in range(min(len(ds), 8))]
     loader = _dataloader(PeerItems(len(ds), made), opts, opts.workers)
     name = f"DataLoader({opts.workers}) alone: PersistentDataset's own outputs, made ahead, copied per item"
@@ -197,11 +194,16 @@ def _dataloader(dataset: Any, opts: TrainOptions, workers: int, threads: bool = 
 
 def persistent(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
     """MONAI PersistentDataset (.pt files) + DataLoader(W workers), tail on CPU."""
+    ds = _persistent_dataset(datalist, pipeline, opts, work)
+    return time_loop(persistent_name(opts), "peer", _loader_epochs(_dataloader(ds, opts, opts.workers)), opts)
+
+
+def _persistent_dataset(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> Any:
+    """The workload's MONAI PersistentDataset, its .pt files kept under `work` between rows and runs."""
     from monai.data import PersistentDataset
 
     where = work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
-    ds = PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
-    return time_loop(persistent_name(opts), "peer", _loader_epochs(_dataloader(ds, opts, opts.workers)), opts)
+    return PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
 
 
 def persistent_name(opts: TrainOptions) -> str:
