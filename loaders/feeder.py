@@ -309,10 +309,23 @@ class Feeder:
         self._listener = None
 
 
+def _bound_to_parent() -> None:
+    """The child lives and ends with the training process, whatever signals its process group gets: Ctrl-C
+    and SLURM's USR1/USR2 (`scancel --signal=USR1 JOBID` reaches every process of the step) are the training
+    script's to handle, and would otherwise kill the child (USR1's default) under a script that goes on to
+    save its state. It ends when the training process does: its socket closes, which the child sees at its
+    next message (no PR_SET_PDEATHSIG: that fires when the creating *thread* ends, which may be long before)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def serve() -> None:
     """The child's end: connect, build the loader, run the epochs asked for."""
     from multiprocessing.connection import Client
 
+    _bound_to_parent()
     address, key = os.environ.pop(_ENV).rsplit("|", 1)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(key))
 

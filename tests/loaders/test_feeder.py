@@ -190,3 +190,72 @@ def test_an_auto_feeder_that_cannot_start_leaves_the_batches_to_this_process(mad
             _same(g, w, f"epoch {e}")
     finally:
         fed.close()
+
+
+def test_the_child_ignores_the_signals_its_training_script_handles(made: tuple[Path, Path]) -> None:
+    """Ctrl-C and SLURM's USR1/USR2 reach a whole process group: the child takes none of them (USR1 would kill
+    it by default), so a script that saves its state on the signal goes on with the same batches."""
+    import signal
+    import time
+
+    want = _run(_loader(made, {**OPTIONS, "feeder": False}))
+    fed = _loader(made, {**OPTIONS, "feeder": True})
+    try:
+        fed._feeder.wait_ready()
+        for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+            os.kill(fed._feeder._proc.pid, sig)
+        time.sleep(0.2)
+        assert fed._feeder._proc.poll() is None
+        for e, (g, w) in enumerate(zip(_run(fed), want)):
+            _same(g, w, f"epoch {e}")
+    finally:
+        fed.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie whose parent is gone has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_child_ends_when_the_training_process_is_killed(made: tuple[Path, Path], tmp_path: Path) -> None:
+    """A training process killed outright (kill -9, the OOM killer, a job's end) leaves no feeder behind holding
+    memory: the child sees its socket close and exits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cache, pipeline = made
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time\n"
+        "from prep.pipeline import load_pipeline\n"
+        "from loaders.loader import PreparedLoader\n"
+        f"fed = PreparedLoader({str(cache)!r}, load_pipeline({str(pipeline)!r}).transform, batch_size=2, "
+        "device='cpu', gpu_budget=0, feeder=True)\n"
+        "next(iter(fed))\n"
+        "print(fed._feeder._proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _running(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(child), f"the feeder process {child} outlived its training process"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
