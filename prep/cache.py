@@ -38,6 +38,7 @@ from prep.cluster import (
     Progress,
     batch_size_for,
     check_security,
+    heads_at_once,
     interrupt_scope,
     items_per_worker,
     run_tasks,
@@ -59,7 +60,7 @@ from prep.journal import (
 )
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
 from prep.processes import start_forkserver
-from prep.quarantine import check_entry, to_retry
+from prep.quarantine import check_entry, input_paths, to_retry
 from prep.sampling import ensure_sets
 from prep.summary import CacheSummary, summary_of
 from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
@@ -275,8 +276,10 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
             ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
+        heads = 0 if run.scheduler else heads_at_once(run.workers, processes, _input_bytes(run, todo[0]),
+                                                      available_memory())  # fmt: skip
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes)  # fmt: skip
+                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes, heads)  # fmt: skip
         at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
         size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
@@ -299,6 +302,22 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
             f"{run.workers} {how}{f' x {each} items' if each > 1 else ''}{' (auto)' if run.processes is None else ''}"
         )
     return summary
+
+
+def _input_bytes(run: _Run, item: int) -> int | None:
+    """Decoded bytes the first item's inputs declare in their headers (None where no header says)."""
+    from prep.item_size import declared
+
+    total = 0
+    for path in input_paths(run.items[item][1]):
+        try:
+            found = declared(path)
+        except Exception:  # a damaged header: that item is quarantined by its task, with the reason
+            found = None
+        if found is None:
+            return None
+        total += found[0]
+    return total or None
 
 
 def _cuda_initialized() -> bool:

@@ -108,6 +108,25 @@ def items_per_worker(workers: int, cores: int | None = None) -> int:
     return max(1, min(int(THREAD_SCALING), cores // max(1, workers)))
 
 
+HEAD_PEAK_FACTOR = 4  # a head's peak memory per decoded input byte (a float32 copy of uint8/int16 data, resampling)
+
+
+def heads_at_once(
+    workers: int, processes: bool, item_bytes: int | None, available: int, cores: int | None = None
+) -> int:
+    """Heads each worker process may run at once: its workers' items side by side (`items_per_worker`), no more
+    than the memory allows for items of `item_bytes` decoded input bytes (HEAD_PEAK_FACTOR each), and never
+    fewer than one per worker, as before the items side by side. `item_bytes` None (not measured): one per
+    worker."""
+    each = items_per_worker(workers, cores)
+    per_process = each if processes else workers * each
+    floor = 1 if processes else workers
+    if not item_bytes:
+        return floor
+    fit = available // (HEAD_PEAK_FACTOR * item_bytes * (workers if processes else 1))
+    return max(floor, min(per_process, int(fit)))
+
+
 def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
     """Intra-op threads per item on a local cluster: cores / workers, threads or processes alike (a
     DataLoader's workers get 1 each, which leaves cores idle below one worker a core: 16-core box, spheres W4,

@@ -10,6 +10,7 @@ run prepares again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -70,6 +71,19 @@ class TaskSpec:
     run_id: str
     torch_threads: int = 0  # intra-op threads per task (cores / concurrent tasks); 0: leave the worker's setting
     max_item_bytes: int | None = None  # an input whose header declares more is quarantined before decoding
+    heads: int = 0  # heads a worker process runs at once (memory: prep.cluster.heads_at_once); 0: no bound
+
+
+_SLOTS: dict[int, threading.BoundedSemaphore] = {}  # heads at once in this process, by bound
+_SLOTS_LOCK = threading.Lock()
+
+
+def _head_slots(n: int) -> Any:
+    """The process-wide bound on heads running at once (a null context for 0)."""
+    if n <= 0:
+        return contextlib.nullcontext()
+    with _SLOTS_LOCK:
+        return _SLOTS.setdefault(n, threading.BoundedSemaphore(n))
 
 
 def _head(spec: TaskSpec) -> Any:
@@ -208,7 +222,8 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
             for n, (item, entry, section) in enumerate(items, 1):
                 if _stop.is_set():
                     break
-                pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes))
+                with _head_slots(spec.heads):
+                    pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes))
                 statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
                 shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left

@@ -91,3 +91,19 @@ def test_seconds_to_ready_counts_down_from_the_forkserver_start(monkeypatch: pyt
     monkeypatch.setattr(processes, "_started_at", 100.0)
     assert processes.seconds_to_ready(now=101.0) == processes.PRELOAD_S - 1.0
     assert processes.seconds_to_ready(now=100.0 + processes.PRELOAD_S + 5) == 0.0
+
+
+def test_heads_side_by_side_stay_within_memory() -> None:
+    """Items side by side only as far as memory allows (4x an item's decoded input bytes each), never fewer
+    heads than workers; not measured: one a worker."""
+    from prep.cluster import HEAD_PEAK_FACTOR, heads_at_once
+
+    gib = 1 << 30
+    assert heads_at_once(4, True, 100 << 20, 64 * gib, cores=16) == 4  # 4 processes x 4 items, room for all
+    assert heads_at_once(1, False, 100 << 20, 64 * gib, cores=16) == 4  # one thread worker, 4 items
+    assert heads_at_once(4, False, 100 << 20, 64 * gib, cores=16) == 16
+    big = 2 * gib  # 8 GiB at its peak
+    assert heads_at_once(1, False, big, 20 * gib, cores=16) == 20 // (HEAD_PEAK_FACTOR * 2)  # 2 fit, not 4
+    assert heads_at_once(4, True, big, 20 * gib, cores=16) == 1  # each process keeps one
+    assert heads_at_once(4, False, big, 4 * gib, cores=16) == 4  # one per worker even short of memory, as before
+    assert heads_at_once(2, False, None, 64 * gib, cores=16) == 2 and heads_at_once(2, True, None, 64 * gib) == 1

@@ -193,3 +193,46 @@ def test_forkserver_workers_warm_the_pipeline_and_prepare(nifti_dataset: Path, t
         run_tasks(client, _spec(tmp_path), items, list(range(len(items))), 3, pids=starter.pids)
     state = read_journals(tmp_path)
     assert sorted(state.done) == list(range(len(items))) and not state.quarantined
+
+
+_AT_ONCE = {"now": 0, "most": 0}
+_AT_ONCE_LOCK = threading.Lock()
+
+
+def _counted(x: Any) -> Any:
+    """A head step that notes how many heads run at once in this process (the test's thread workers)."""
+    import time
+
+    with _AT_ONCE_LOCK:
+        _AT_ONCE["now"] += 1
+        _AT_ONCE["most"] = max(_AT_ONCE["most"], _AT_ONCE["now"])
+    time.sleep(0.05)
+    with _AT_ONCE_LOCK:
+        _AT_ONCE["now"] -= 1
+    return x
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_heads_at_once_bound_the_items_side_by_side(
+    nifti_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, heads: int
+) -> None:
+    """prep cache's bound on heads running at once in a process (memory: prep.cluster.heads_at_once) holds
+    whatever threads dask has: 2 item threads here, heads=1 lets one head run at a time."""
+    import prep.cache
+    import prep.cluster
+    from prep.cache import prepare_cache
+
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(
+        "from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, Lambdad\n"
+        "from test_worker import _counted\n"
+        "transform = Compose([LoadImaged(keys=['image', 'label']), EnsureChannelFirstd(keys=['image', 'label']),\n"
+        "                     Lambdad(keys='image', func=_counted)])\n"
+    )
+    monkeypatch.setattr(prep.cache, "heads_at_once", lambda *a, **k: heads)
+    monkeypatch.setattr(prep.cache, "items_per_worker", lambda w: 2)
+    monkeypatch.setattr(prep.cluster, "items_per_worker", lambda w, cores=None: 2)
+    _AT_ONCE.update(now=0, most=0)
+    summary = prepare_cache(nifti_dataset, pipeline, tmp_path / "cache", workers=1, processes=False, batch_size=1)
+    assert summary.n_items == 6 and not summary.quarantined
+    assert _AT_ONCE["most"] == heads  # 2: the two item threads do overlap; 1: the bound holds them apart
