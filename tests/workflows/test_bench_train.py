@@ -46,7 +46,9 @@ def test_train_rows_table_and_files(out: Path, capsys: pytest.CaptureFixture[str
     doc = json.loads((out / "bench.json").read_text())
     for r in doc["results"]:
         assert 0 <= r["extra"]["waiting %"] < 100
-        assert 0 < r["extra"]["process CPU % of a core"] < 100 * (os.cpu_count() or 1) + 50
+        # this process's threads over the timed steps' spans: at most its cores (+1 for the jitter of CPU-time
+        # accounting over the few milliseconds of a tiny run), never the DataLoader workers' CPU too
+        assert 0 < r["extra"]["process CPU % of a core"] < 100 * ((os.cpu_count() or 1) + 1)
     assert (out / "bench.png").stat().st_size > 0
     assert "x ceiling" in printed and "blockprep PreparedLoader" in printed and "waiting %" in printed
 

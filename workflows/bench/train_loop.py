@@ -54,7 +54,7 @@ class TrainRow:
     steps: int = 0
     seconds: float = 0.0
     wait_seconds: float = 0.0
-    cpu_seconds: float = 0.0  # this process's CPU (every thread; not worker processes) over the timed steps
+    cpu_seconds: float = 0.0  # this process's CPU (every thread; not worker processes) over the timed steps' spans
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -149,9 +149,8 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
-        cpu0 = time.process_time()
         while True:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             batch = next(batches, None)
             if batch is None:
                 break
@@ -161,12 +160,11 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
             t1 = time.perf_counter()
             step(image, label)
             sync()
-            if epoch > 0:
+            if epoch > 0:  # CPU over the same spans as the time: a tiny run's epoch end is not a step
                 row.steps += 1
                 row.wait_seconds += t1 - t0
                 row.seconds += time.perf_counter() - t0
-        if epoch > 0:
-            row.cpu_seconds += time.process_time() - cpu0
+                row.cpu_seconds += time.process_time() - cpu0
         if expected is not None and seen < expected:  # a loader thread died: its error was printed above
             raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
     if row.steps == 0:
