@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loaders.errors import LoaderStateError, PrepError
+from loaders.nesting import map_leaves
 from loaders.state import same
 
 _CHILD = "from loaders.feeder import serve; serve()"
@@ -59,26 +60,19 @@ def _outgoing(value: Any) -> Any:
     tensors only (a tensor subclass would pickle its storage, which CUDA storages refuse)."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        plain = value.as_subclass(torch.Tensor) if type(value) is not torch.Tensor else value
+    def leaf(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        plain = v.as_subclass(torch.Tensor) if type(v) is not torch.Tensor else v
         return plain if plain.is_cuda else _Host(plain.numpy())
-    if isinstance(value, dict):
-        return {k: _outgoing(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_outgoing(v) for v in value)
-    return value
+
+    return map_leaves(value, leaf)
 
 
 def _incoming(value: Any) -> Any:
     import torch
 
-    if isinstance(value, _Host):
-        return torch.from_numpy(value.array)
-    if isinstance(value, dict):
-        return {k: _incoming(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_incoming(v) for v in value)
-    return value
+    return map_leaves(value, lambda v: torch.from_numpy(v.array) if isinstance(v, _Host) else v)
 
 
 class _Host:

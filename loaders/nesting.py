@@ -1,18 +1,28 @@
 """Nested outputs as path keys: {"image": t, "crops": [a, b]} <-> {"image": t, "crops/0": a, "crops/1": b}.
 
 The cache stores one tensor per path key (loaders.format); the loaders nest them again where a user's transform
-reads the structure the head made (ClassesToIndicesd's index list). `to_jsonable` turns metadata into plain JSON.
+reads the structure the head made (ClassesToIndicesd's index list). `to_jsonable` turns metadata into plain JSON;
+`map_leaves` rebuilds a nested value with its leaves mapped.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from loaders.errors import FormatError
+
+
+def map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """`value` rebuilt with every leaf (whatever is not a dict, list or tuple) replaced by `fn(leaf)`."""
+    if isinstance(value, dict):
+        return {k: map_leaves(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_leaves(v, fn) for v in value)
+    return fn(value)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

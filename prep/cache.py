@@ -48,7 +48,7 @@ from prep.cluster import (
 from prep.commit import commit
 from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
 from prep.errors import PrepError, StaleError, UsageError
-from prep.item_size import available_memory, default_max_item_bytes
+from prep.item_size import available_memory, declared_total, default_max_item_bytes
 from prep.journal import (
     CacheLock,
     JournalWriter,
@@ -276,8 +276,8 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
             ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
         )
         threads = torch_threads_for(run.workers, run.scheduler, processes)
-        heads = 0 if run.scheduler else heads_at_once(run.workers, processes, _input_bytes(run, todo[0]),
-                                                      available_memory())  # fmt: skip
+        first_bytes = declared_total(input_paths(run.items[todo[0]][1]))  # bounds the items side by side
+        heads = 0 if run.scheduler else heads_at_once(run.workers, processes, first_bytes, available_memory())
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
                         run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes, heads)  # fmt: skip
         at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
@@ -302,22 +302,6 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
             f"{run.workers} {how}{f' x {each} items' if each > 1 else ''}{' (auto)' if run.processes is None else ''}"
         )
     return summary
-
-
-def _input_bytes(run: _Run, item: int) -> int | None:
-    """Decoded bytes the first item's inputs declare in their headers (None where no header says)."""
-    from prep.item_size import declared
-
-    total = 0
-    for path in input_paths(run.items[item][1]):
-        try:
-            found = declared(path)
-        except Exception:  # a damaged header: that item is quarantined by its task, with the reason
-            found = None
-        if found is None:
-            return None
-        total += found[0]
-    return total or None
 
 
 def _cuda_initialized() -> bool:

@@ -13,6 +13,7 @@ import os
 import re
 import warnings
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -95,6 +96,21 @@ def declared(path: str | os.PathLike[str]) -> tuple[int, str] | None:
     if name.endswith((".mha", ".mhd")):
         return _text_header(path, r"^DimSize\s*=\s*(.+)$", r"^ElementType\s*=\s*(\S+)", _MET_TYPES, "=")
     return None
+
+
+def declared_total(paths: Iterable[str]) -> int | None:
+    """Decoded bytes an item's input files declare in their headers, together (None where one says nothing
+    or its header cannot be read: that item's own checks say why)."""
+    total = 0
+    for path in paths:
+        try:
+            found = declared(path)
+        except Exception:  # many parsers, many kinds of damage
+            found = None
+        if found is None:
+            return None
+        total += found[0]
+    return total or None
 
 
 def _describe(shape: tuple[int, ...] | list[int], dtype: str, itemsize: int) -> tuple[int, str]:

@@ -34,11 +34,14 @@ def input_paths(entry: Mapping[str, Any]) -> list[str]:
     return paths
 
 
-def check_entry(entry: Mapping[str, Any], max_bytes: int | None = None) -> tuple[str, str] | None:
+def check_entry(
+    entry: Mapping[str, Any], max_bytes: int | None = None, keep: dict[str, bytes] | None = None
+) -> tuple[str, str] | None:
     """(path, reason) of the first bad input file of an item, or None when all look sound; with `max_bytes`,
-    a file whose header declares more decoded bytes is bad."""
+    a file whose header declares more decoded bytes is bad; with `keep`, each sound .nii.gz's decoded bytes go
+    into it by path (`streams_check`)."""
     bad, streams = split_checks(entry, max_bytes)
-    return bad or streams_check(streams)
+    return bad or streams_check(streams, keep)
 
 
 Stream = Callable[[dict[str, bytes] | None], str | None]  # a .gz stream check: why it fails, or None

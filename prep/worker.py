@@ -30,7 +30,7 @@ from prep.errors import StaleError
 from prep.inflated import served
 from prep.journal import JournalWriter
 from prep.pipeline import Pipeline, load_pipeline
-from prep.quarantine import input_paths, input_stats, split_checks, streams_check
+from prep.quarantine import check_entry, input_paths, input_stats
 
 _PREALLOC_MAX = 256 << 20
 COMMIT_INTERVAL_S = 1.0  # group commit: one shard + journal fsync pair per second per writer, not per item
@@ -273,10 +273,8 @@ def _prepare_one(
     then reads those bytes (`prep.inflated`) instead of inflating each file again (2-core box, 2026-11-26, one
     torch thread: check + head of a spheres 96^3 item 129-137 -> 112-125 ms; LoadImaged of a 160^3 noisy
     volume 107-122 -> 25-29 ms)."""
-    bad, streams = split_checks(entry, max_bytes)
     decoded: dict[str, bytes] = {}
-    if not bad and streams:
-        bad = streams_check(streams, decoded)
+    bad = check_entry(entry, max_bytes, decoded)
     if bad:
         return _quarantined(item, entry, bad, max_bytes)
     try:

@@ -105,13 +105,9 @@ def _fresh(value: Any) -> Any:
     """A transform's output made again: every tensor a copy (MetaTensors keep their meta), containers rebuilt."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _fresh(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fresh(v) for v in value)
-    return value
+    from loaders.nesting import map_leaves
+
+    return map_leaves(value, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
 
 
 class PeerItems:
