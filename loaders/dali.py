@@ -426,10 +426,13 @@ class BmapSource(_EpochSource):
         records = self.bmap.files  # the raw records: a FileEntry per file only for its size costs microseconds
         read = iter(_read_files(self.backend, keys, [records[k]["size"] for k in keys]) if keys else [])
         changed = getattr(self.backend, "changed", None)
+        stale = changed(keys) if changed is not None else ()
+        if not unmapped and not stale:
+            return list(read), _labels(files, positions)
         data = []
         for r in rels:
             k = prefix + r
-            if r in unmapped or (changed is not None and changed(k)):
+            if r in unmapped or k in stale:
                 if r not in unmapped:
                     next(read)  # its raw bytes are not used: the size may have changed too, read it whole now
                 data.append(np.fromfile(self.bmap.file_path(k), dtype=np.uint8))

@@ -14,7 +14,7 @@ import errno
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -120,7 +120,8 @@ class BlockdevBackend(Backend):
 
     On its first read, each file is opened through the filesystem, fstat()ed and FIEMAPped to catch a stale
     map or moved blocks (on a small pool beside the data reads), and again (open, fstat, FIEMAP) on every later
-    read call, since defragmentation moves blocks without changing a stat field;
+    read call after a write reached the device, since defragmentation moves blocks without changing a stat
+    field (in between, one lstat a file: `MappedFiles.refresh`);
     `check_stale=False` skips that for data that cannot change (a read-only mount). `fallback=False`
     raises instead of reading through the filesystem."""
 
@@ -152,9 +153,9 @@ class BlockdevBackend(Backend):
         self._probe = PageCacheProbe()
         self._fast: dict[str, tuple[int, int, int] | None] = {}  # key -> its one extent (see _fast_entry)
 
-    def changed(self, key: str) -> bool:
-        """Whether the file was found changed since mapping (False until checked)."""
-        return self.guard.changed(key)
+    def changed(self, keys: Iterable[str]) -> set[str]:
+        """The keys among `keys` whose files were found changed since mapping (none until checked)."""
+        return self.guard.changed(keys)
 
     def _one(self, req: ReadRequest, buf: Any, room: int = 0) -> None:
         # room: bytes of buf past nbytes that this backend allocated itself and may overwrite

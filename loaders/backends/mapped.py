@@ -81,6 +81,51 @@ def window(bmap: BlockMap, source: RawSource) -> Window:
     )
 
 
+class WriteClock:
+    """The write counters of the block device a filesystem lies on, from sysfs: writes and discards done
+    (operations and sectors, `stat`) and writes in flight (`inflight`). While they stand still and nothing is
+    in flight, no byte on the device changed, so a file whose blocks were checked at that reading still has
+    its bytes there, even if the filesystem moved it in memory meanwhile (the old blocks are rewritten only by
+    a later write, which moves the counters). `now()` is None where that cannot be told: not a block device
+    sysfs describes (overlay, btrfs, network), I/O statistics off for its queue, or no write counted yet on a
+    writable filesystem (a driver that does not count)."""
+
+    def __init__(self, root: str) -> None:
+        self._stat = self._inflight = self._iostats = ""
+        try:
+            dev = os.stat(root).st_dev
+        except OSError:
+            return
+        sys_dir = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+        queue = sys_dir if os.path.isdir(f"{sys_dir}/queue") else os.path.dirname(sys_dir)  # a partition's disk
+        if os.path.isfile(f"{sys_dir}/stat") and os.path.isfile(f"{queue}/queue/iostats"):
+            self._stat, self._inflight = f"{sys_dir}/stat", f"{sys_dir}/inflight"
+            self._iostats = f"{queue}/queue/iostats"
+
+    def now(self) -> tuple[int, ...] | None:
+        """(write ops, write sectors, discard ops, discard sectors) now, or None: unknown, or writes in flight."""
+        if not self._stat:
+            return None
+        try:
+            if _read_small(self._iostats) != b"1\n":
+                return None
+            inflight = _read_small(self._inflight).split()
+            fields = [int(x) for x in _read_small(self._stat).split()]
+        except (OSError, ValueError):
+            return None
+        if len(inflight) != 2 or inflight[1] != b"0" or len(fields) < 7 or fields[4] == 0:
+            return None
+        return fields[4], fields[6], *fields[11:12], *fields[13:14]
+
+
+def _read_small(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
 def loop_image(device: str) -> str | None:
     """The image file behind loop device `device` (or a partition of it) when the loop driver reads that
     image through its page cache (`dio` off, the default), else None. Raw reads of the image itself then give
@@ -176,6 +221,8 @@ class MappedFiles:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._fs = FdCache(os.O_RDONLY)
+        self._clock = WriteClock(bmap.root) if self.check_stale else None
+        self._seen: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # key -> (its lstat, clock) when checked
 
     def reason(self, key: str) -> str | None:
         """Why `key` must be read through the filesystem (None: raw), checked on first use."""
@@ -195,20 +242,33 @@ class MappedFiles:
         (e4defrag keeps its inode, size and times), is noticed at the next call, not once per backend.
         While the filesystem is read-only (its superblock: `_read_only`, once per call) nothing in it can
         change or move, so the files are not opened again: on small files that check costs as much as reading
-        them. (Only root can make it writable, change files and make it read-only again between two calls.)"""
+        them. (Only root can make it writable, change files and make it read-only again between two calls.)
+        While nothing was written to the device since a file's last full check (`WriteClock`), one lstat
+        stands for it: its device, inode, size, mtime and ctime as then (a write into the page cache changes
+        mtime and ctime at once; a move leaves the old blocks as they were until a write reaches the device)."""
         if not self.check_stale or _read_only(self.bmap.root):
             return
-        files, root, why = self.bmap.files, self.bmap.root + "/", self.why
+        files, root, why, seen = self.bmap.files, self.bmap.root + "/", self.why, self._seen
+        clock = self._clock.now() if self._clock is not None else None
+        lstat = os.lstat
         for k in dict.fromkeys(keys):
             if k not in why or why[k] is not None:
                 continue
+            was = seen.get(k) if clock is not None else None
+            if was is not None and was[1] == clock:
+                try:
+                    st = lstat(root + k)
+                except OSError:
+                    st = None
+                if st is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == was[0]:
+                    continue
             try:
                 fd = os.open(root + k, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 del why[k]
                 continue
             try:
-                if self._compare(k, files[k], fd) is not None:
+                if self._compare(k, files[k], fd, clock) is not None:
                     del why[k]
             finally:
                 os.close(fd)
@@ -238,9 +298,11 @@ class MappedFiles:
         a flat map, whose one extent is compared on its own terms)."""
         return r["size"], r["inode"], r["mtime_ns"], None if self.bmap.flat else _runs(r["extents"], r["size"])
 
-    def _compare(self, key: str, r: dict[str, Any], fd: int) -> str | None:
+    def _compare(self, key: str, r: dict[str, Any], fd: int, clock: tuple[int, ...] | None = None) -> str | None:
         """The verdict of an open file: its stat and its extents now against its record (the record's side
-        made once per file: `refresh` compares every file of every read call)."""
+        made once per file: `refresh` compares every file of every read call). `clock`: the device's write
+        counters read before this check, kept with the file's stat when it is fresh (see `refresh`)."""
+        self._seen.pop(key, None)
         want = self._expect.get(key)
         if want is None:
             want = self._expect[key] = self._expected(r)
@@ -256,12 +318,17 @@ class MappedFiles:
             same = len(runs) == 1 and runs[0][:2] == (0, ph) and runs[0][2] >= r["size"] and not runs[0][3]
         else:
             same = _runs(now, r["size"]) == want[3]
-        return None if same else f"changed since it was mapped ({MOVED})"
+        if not same:
+            return f"changed since it was mapped ({MOVED})"
+        if clock is not None:
+            self._seen[key] = ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), clock)
+        return None
 
     def check_many(self, keys: Iterable[str]) -> None:
         """Verdicts of `keys`: open through the filesystem, fstat, one FIEMAP, close (for batches: the
         blockdev backend runs this on a small pool beside its data reads)."""
         files, root, open_, close = self.bmap.files, self.bmap.root + "/", os.open, os.close
+        clock = self._clock.now() if self._clock is not None else None
         for k in keys:
             if self.precheck(k) is not None:
                 continue
@@ -274,13 +341,14 @@ class MappedFiles:
                 self.why[k] = self._stale(k) or f"changed since it was mapped (cannot open it now: {exc.strerror})"
                 continue
             try:
-                self.why[k] = self._compare(k, files[k], fd)
+                self.why[k] = self._compare(k, files[k], fd, clock)
             finally:
                 close(fd)
 
-    def changed(self, key: str) -> bool:
-        """Whether the file was found changed since mapping (False until checked)."""
-        return (self.why.get(key) or "").startswith("changed")
+    def changed(self, keys: Iterable[str]) -> set[str]:
+        """The keys among `keys` whose files were found changed since mapping (none until checked)."""
+        why = self.why.get
+        return {k for k in keys if (w := why(k)) is not None and w.startswith("changed")}
 
     def fs_read(self, key: str, why: str, req: ReadRequest, buf: memoryview) -> None:
         """Read `req` through the filesystem into `buf` (warning once per file), or raise without fallback."""

@@ -13,7 +13,7 @@ import ctypes
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -259,9 +259,9 @@ class XnvmeBmapBackend(Backend):
         for dest, data in zip(dests, self.xnvme.read_device_ranges(ranges) if ranges else []):
             dest[:] = data
 
-    def changed(self, key: str) -> bool:
-        """Whether the file was found changed since mapping (False until checked)."""
-        return self.guard.changed(key)
+    def changed(self, keys: Iterable[str]) -> set[str]:
+        """The keys among `keys` whose files were found changed since mapping (none until checked)."""
+        return self.guard.changed(keys)
 
     def close(self) -> None:
         super().close()

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from fsutil import fill_free_space, interleaved_appends
 
 from loaders.backends import ReadRequest, get_backend
 from loaders.backends.blockdev import BlockdevBackend, RawDevice
+from loaders.backends.mapped import WriteClock
 from loaders.bmap import BlockMap
 from loaders.errors import BackendError
 from prep.mapping import build_bmap
@@ -247,6 +249,9 @@ def test_defragmented_file_reads_its_current_bytes(make_loopfs: Callable[..., An
     (mnt / "train" / "a").mkdir(parents=True)
     content = interleaved_appends(mnt, ["train/a/victim.jpg", "train/a/other.jpg"], rounds=12)
     build_bmap(mnt, tmp_path / "m.json")
+    want = content["train/a/victim.jpg"]
+    early = BlockdevBackend(tmp_path / "m.json", device_path=fs.image, threads=4)  # checked it before the move
+    assert bytes(early.read([ReadRequest("train/a/victim.jpg", 0, len(want))])[0]) == want
     before, st0 = fiemap(mnt / "train/a/victim.jpg"), os.stat(mnt / "train/a/victim.jpg")
     subprocess.run(["e4defrag", str(mnt / "train/a/victim.jpg")], check=True, capture_output=True)
     st1 = os.stat(mnt / "train/a/victim.jpg")
@@ -260,7 +265,8 @@ def test_defragmented_file_reads_its_current_bytes(make_loopfs: Callable[..., An
         st0.st_ctime_ns,
     )
     fill_free_space(mnt, 0xEE)  # the blocks the map points at now hold other bytes
-    want = content["train/a/victim.jpg"]
+    with early, pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):
+        assert bytes(early.read([ReadRequest("train/a/victim.jpg", 0, len(want))])[0]) == want
     for read in _readers(tmp_path / "m.json", fs.image):
         with pytest.warns(RuntimeWarning, match="victim.jpg: changed since it was mapped .*moved"):
             assert read("train/a/victim.jpg", len(want)) == want, read.__name__
@@ -288,9 +294,10 @@ def test_read_only_filesystem_is_not_rechecked_every_call(make_loopfs: Callable[
         return sorted(set(checked))  # a file read on the slow path (1 KiB blocks here) is checked twice
 
     with BlockdevBackend(tmp_path / "m.json", threads=4) as b:
+        b.guard._clock = None  # as on a device whose writes cannot be counted (the next test has the counted case)
         read(b)  # the first check of each file
         compare = b.guard._compare
-        b.guard._compare = lambda key, r, fd: checked.append(key) or compare(key, r, fd)  # type: ignore[method-assign]
+        b.guard._compare = lambda key, *a: checked.append(key) or compare(key, *a)  # type: ignore[method-assign]
         assert read(b) == ["a", "b"]
         subprocess.run(["mount", "--bind", str(mnt), str(bind)], check=True)
         try:
@@ -302,6 +309,61 @@ def test_read_only_filesystem_is_not_rechecked_every_call(make_loopfs: Callable[
         assert read(b) == []
         subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
         assert read(b) == ["a", "b"]
+
+
+def _quiet(clock: WriteClock) -> tuple[int, ...]:
+    """Sync, then wait until the device's write counters stand still (ext4's journal commits, lazy init)."""
+    os.sync()
+    last, deadline = clock.now(), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = clock.now()
+        if now is not None and now == last:
+            return now
+        last = now
+    pytest.skip(f"the loop device kept being written for 10 s (its counters: {last})")
+
+
+def test_files_are_rechecked_by_lstat_while_nothing_is_written(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """A later read call opens and FIEMAPs a file again only after a write reached the device since its last
+    check (a move leaves its old blocks as they were until then); in between one lstat stands for it, and a
+    file rewritten in place that is not yet written back is still caught by its times."""
+    fs = make_loopfs("ext4", mkfs_args=("-E", "lazy_itable_init=0,lazy_journal_init=0"))
+    mnt: Path = fs.mountpoint
+    content = {name: os.urandom(9000 + i) for i, name in enumerate(("a", "b"))}
+    for name, data in content.items():
+        (mnt / name).write_bytes(data)
+    build_bmap(mnt, tmp_path / "m.json")
+    assert WriteClock(str(mnt)).now() is not None, "a loop device counts its writes in sysfs"
+    assert WriteClock("/proc").now() is None  # no block device behind it: every call checks every file
+    checked: list[str] = []
+
+    def read(b: BlockdevBackend) -> list[str]:
+        checked.clear()
+        got = b.read([ReadRequest(k, 0, len(v)) for k, v in content.items()])
+        assert [bytes(g) for g in got] == list(content.values())
+        return sorted(set(checked))
+
+    with BlockdevBackend(tmp_path / "m.json", threads=4) as b:
+        clock = b.guard._clock
+        assert clock is not None
+        _quiet(clock)
+        compare = b.guard._compare
+        b.guard._compare = lambda key, *a: checked.append(key) or compare(key, *a)  # type: ignore[method-assign]
+        assert read(b) == ["a", "b"]  # the first check of each file
+        assert read(b) == []  # nothing written since: one lstat each
+        (mnt / "elsewhere").write_bytes(os.urandom(50000))
+        _quiet(clock)
+        assert read(b) == ["a", "b"]  # a write reached the device: every file is checked in full again
+        assert read(b) == []
+        content["a"] = os.urandom(9000)
+        with open(mnt / "a", "r+b") as f:  # same inode and size, its new bytes only in the page cache
+            f.write(content["a"])
+        still = clock.now()
+        with pytest.warns(RuntimeWarning, match="a: changed since it was mapped"):
+            again = read(b)
+        if clock.now() == still:  # nothing reached the device: the lstat alone sent it to its full check
+            assert again == ["a"]
 
 
 def _edited_map(out: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
