@@ -60,10 +60,10 @@ from prep.journal import (
 )
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
 from prep.processes import start_forkserver
-from prep.quarantine import check_entry, input_paths, to_retry
+from prep.quarantine import input_paths, to_retry
 from prep.sampling import ensure_sets
 from prep.summary import CacheSummary, summary_of
-from prep.worker import TaskSpec, keep_pipeline, set_torch_threads
+from prep.worker import TaskSpec, keep_pipeline, run_batch, set_torch_threads
 
 DEFAULT_SHARD_SIZE = 1 << 30
 _COMMITTED = "committed.jsonl"  # a committed cache's items as journal lines, while its quarantine is retried
@@ -265,12 +265,19 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     write_plan(root, run.plan)
     before = read_journals(root)
     todo = [i for i in range(len(items)) if i not in before.finished]
+    n_todo = len(todo)  # the probe's items (prepared before the tasks) count as this run's
     if run.progress:
         run.progress(0, len(todo))
     processes = False
+    item_s, probed = None, 0
     if todo:
         keep_pipeline(run.pipe)
-        item_s = _probe(run, todo[0]) if len(todo) > run.workers and not run.scheduler else None
+        if len(todo) > run.workers and not run.scheduler:
+            item_s, probed = _probe(run, todo)
+        if run.progress and probed:
+            run.progress(probed, len(todo))
+    progress, todo = _counting(run.progress, probed), todo[probed:]
+    if todo:
         processes = worker_mode(run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)
         starter = starter or stack.enter_context(
             ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
@@ -284,7 +291,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
-            run_tasks(client, spec, items, todo, size, run.progress, starter.pids)
+            run_tasks(client, spec, items, todo, size, progress, starter.pids)
     if starter is not None:
         starter.close()  # before the commit: no worker may still write
     worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
@@ -293,7 +300,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if missing:
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
     manifest, bmap_note = commit(root, run.plan, run.pipe, items, state)
-    summary = summary_of(root, manifest, len(items), len(todo), len(items) - len(todo), time.perf_counter() - t0)
+    summary = summary_of(root, manifest, len(items), n_todo, len(items) - n_todo, time.perf_counter() - t0)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
@@ -304,6 +311,13 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     return summary
 
 
+def _counting(progress: Progress | None, done: int) -> Progress | None:
+    """`progress` for the tasks, whose count leaves out the `done` items the probe prepared."""
+    if progress is None or not done:
+        return progress
+    return lambda advance, total: progress(advance, total + done)
+
+
 def _cuda_initialized() -> bool:
     """Whether this process has initialised CUDA (the probe of a CUDA head does): its forks could not use it."""
     import torch
@@ -311,28 +325,29 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())
 
 
-def _probe(run: _Run, item: int) -> float | None:
-    """Seconds the head takes on one item here, on one torch thread (None if it fails, or its inputs would be
-    quarantined: the task will say why)."""
+def _probe(run: _Run, todo: list[int]) -> tuple[float | None, int]:
+    """(seconds an item takes here on one torch thread, items prepared): the first item of `todo` prepared in
+    this process as a task prepares it (checked, its head run, written and journaled), and a second one where
+    the first was quick enough for its readers' first imports to dominate. None where an item is
+    quarantined (its journal says why). The probe's items are not prepared again by the tasks (2-core box,
+    2026-11-26: timing an item that was then thrown away, twice when quick, cost 0.3 s of a 6 s run)."""
     import torch
 
-    if check_entry(run.items[item][1], run.max_item_bytes):
-        return None
-    head = run.pipe.head_compose()
     threads = torch.get_num_threads()
-    set_torch_threads(1)
+    spec = TaskSpec(str(run.root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
+                    run.shard_size, "probe" + uuid.uuid4().hex[:3], 1, run.max_item_bytes)  # fmt: skip
+    seconds: float | None = None
+    probed = 0
     try:
-        for _ in range(2):  # the first call also imports readers: timed again when that could dominate
-            t0 = time.perf_counter()
-            head(dict(run.items[item][1]))
-            seconds = time.perf_counter() - t0
-            if seconds > 0.2:
+        for n, item in enumerate(todo[:2]):
+            status = run_batch(spec, n, [(item, run.items[item][1], run.items[item][0])])[0]
+            probed += 1
+            seconds = None if status["quarantined"] else float(status["seconds"])
+            if seconds is None or seconds > 0.2:
                 break
-        return seconds
-    except Exception:  # the item is quarantined by its task, with the reason
-        return None
     finally:
         set_torch_threads(threads)
+    return seconds, probed
 
 
 @contextmanager

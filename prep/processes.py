@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PRELOAD = ("distributed", "torch", "monai.transforms", "prep.worker")
+PRELOAD = ("prep.nosigint", "distributed", "torch", "monai.transforms", "prep.worker")
 PRELOAD_S = 4.0  # the forkserver's imports of PRELOAD (2-core box: 3-5.5 s, shared with other work)
 _lock = threading.Lock()
 _started_at: float | None = None  # time.monotonic() when this process started its forkserver

@@ -222,9 +222,11 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
             for n, (item, entry, section) in enumerate(items, 1):
                 if _stop.is_set():
                     break
+                t0 = time.perf_counter()
                 with _head_slots(spec.heads):
                     pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes))
-                statuses.append({"item": item, "quarantined": pending[-1].get("quarantined")})
+                seconds = time.perf_counter() - t0
+                statuses.append({"item": item, "quarantined": pending[-1].get("quarantined"), "seconds": seconds})
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
                 shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
                 if time.monotonic() - last >= COMMIT_INTERVAL_S and (inflight is None or inflight.done()):

@@ -103,6 +103,37 @@ def test_cache_equals_monai_head_bit_exact(tmp_path: Path, nifti_dataset: Path) 
     assert summary.bytes_on_disk >= summary.tensor_bytes > 0
 
 
+COUNTING_PIPELINE = """
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
+
+class Count(MapTransform):  # each run of the head on an item: one line in LOG
+    def __call__(self, d):
+        with open(LOG, "a") as f:
+            f.write(str(d["image"].meta["filename_or_obj"]) + "\\n")
+        return d
+
+transform = Compose([LoadImaged(keys=["image"]), EnsureChannelFirstd(keys=["image"]), Count(keys=["image"]),
+                     RandFlipd(keys=["image"], prob=0.5)])
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_item_is_prepared_once_the_probes_too(tmp_path: Path, nifti_dataset: Path, workers: int) -> None:
+    """The items the auto choice times its head on are prepared for real (journaled, in the cache) and their
+    head is not run again by the tasks."""
+    log = tmp_path / "heads.log"
+    pipe = _pipeline_file(tmp_path, f"LOG = {str(log)!r}\n" + COUNTING_PIPELINE)
+    summary = prepare_cache(nifti_dataset, pipe, tmp_path / "c", workers=workers, processes=False)
+    assert summary.n_items == 6 and summary.n_new == 6 and summary.n_resumed == 0 and not summary.quarantined
+    runs = log.read_text().splitlines()
+    assert len(runs) == 6 and len(set(runs)) == 6, runs
+    cache = PreparedCache(tmp_path / "c")
+    head = load_pipeline(pipe).head_compose()
+    for item, (_, entry) in enumerate(load_datalist(nifti_dataset)):
+        (e,) = cache.entries(item)
+        assert np.array_equal(_read(e), _to_numpy(head(dict(entry))["image"]))
+
+
 SLOW_PIPELINE = """
 import time
 from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
