@@ -82,9 +82,9 @@ def window(bmap: BlockMap, source: RawSource) -> Window:
 
 
 class WriteClock:
-    """The write counters of the block device a filesystem lies on, from sysfs: writes and discards done
-    (operations and sectors, `stat`) and writes in flight (`inflight`). While they stand still and nothing is
-    in flight, no byte on the device changed, so a file whose blocks were checked at that reading still has
+    """The write counters of the block device a filesystem lies on, from sysfs: sectors written and discarded
+    (`stat`) and writes in flight (`inflight`). While they stand still and nothing is in flight, no byte on
+    the device changed (a cache flush, as `sync` sends, counts a write of no sectors: not counted here), so a file whose blocks were checked at that reading still has
     its bytes there, even if the filesystem moved it in memory meanwhile (the old blocks are rewritten only by
     a later write, which moves the counters). `now()` is None where that cannot be told: not a block device
     sysfs describes (overlay, btrfs, network), I/O statistics off for its queue, or no write counted yet on a
@@ -103,7 +103,7 @@ class WriteClock:
             self._iostats = f"{queue}/queue/iostats"
 
     def now(self) -> tuple[int, ...] | None:
-        """(write ops, write sectors, discard ops, discard sectors) now, or None: unknown, or writes in flight."""
+        """(sectors written, sectors discarded) now, or None: unknown, or writes in flight."""
         if not self._stat:
             return None
         try:
@@ -115,7 +115,7 @@ class WriteClock:
             return None
         if len(inflight) != 2 or inflight[1] != b"0" or len(fields) < 7 or fields[4] == 0:
             return None
-        return fields[4], fields[6], *fields[11:12], *fields[13:14]
+        return fields[6], *fields[13:14]
 
 
 def _read_small(path: str) -> bytes:
