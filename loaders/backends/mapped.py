@@ -86,9 +86,10 @@ class WriteClock:
     (`stat`) and writes in flight (`inflight`). While they stand still and nothing is in flight, no byte on
     the device changed (a cache flush, as `sync` sends, is a write of no sectors: it moves nothing here), so
     a file whose blocks were checked at that reading still has its bytes there, even if the filesystem moved
-    it in memory meanwhile (the old blocks are rewritten only by a later write, which moves the counters). `now()` is None where that cannot be told: not a block device
-    sysfs describes (overlay, btrfs, network), I/O statistics off for its queue, or no write counted yet on a
-    writable filesystem (a driver that does not count)."""
+    it in memory meanwhile (the old blocks are rewritten only by a later write, which moves the counters).
+    `now()` is None where that cannot be told: not a block device sysfs describes (overlay, btrfs, network),
+    I/O statistics off for its queue, or no write counted yet on a writable filesystem (a driver that does
+    not count)."""
 
     def __init__(self, root: str) -> None:
         self._stat = self._inflight = self._iostats = ""
