@@ -153,6 +153,13 @@ class BlockdevBackend(Backend):
         self._probe = PageCacheProbe()
         self._fast: dict[str, tuple[int, int, int] | None] = {}  # key -> its one extent (see _fast_entry)
 
+    def cached(self, key: str) -> bool:
+        """Whether a raw read of `key` would now come from the page cache, with no disk wait: a loop image read
+        through its page cache, the file in one extent and all of it resident (cachestat). False for O_DIRECT
+        reads and where it cannot be told."""
+        f = None if self._raw.direct else self._fast_entry(key)
+        return f is not None and f[2] > f[1] and self._probe.resident(self._raw.fd(), f[0] + f[1], f[2] - f[1])
+
     def changed(self, keys: Iterable[str]) -> set[str]:
         """The keys among `keys` whose files were found changed since mapping (none until checked)."""
         return self.guard.changed(keys)

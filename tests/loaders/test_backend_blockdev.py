@@ -368,6 +368,32 @@ def test_files_are_rechecked_by_lstat_while_nothing_is_written(make_loopfs: Call
             assert again == ["a"]
 
 
+def test_cached_says_whether_a_raw_read_would_wait(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """Through the loop image's page cache: True once the file's blocks are resident, False after they are
+    dropped; O_DIRECT reads of the device always wait (BmapSource reads ahead only batches that would)."""
+    from loaders.backends.base import PageCacheProbe
+
+    if not PageCacheProbe().available:
+        pytest.skip("no cachestat(2) here: residency cannot be told")
+    fs = make_loopfs("ext4")
+    data = os.urandom(40000)
+    (fs.mountpoint / "a").write_bytes(data)
+    build_bmap(fs.mountpoint, tmp_path / "m.json")
+    with BlockdevBackend(tmp_path / "m.json", threads=4) as b:
+        if b._raw.direct:
+            pytest.skip("this loop device reads its image with direct I/O")
+        assert bytes(b.read([ReadRequest("a", 0, len(data))])[0]) == data
+        assert b.cached("a")
+        fd = os.open(fs.image, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        assert not b.cached("a")
+    with BlockdevBackend(tmp_path / "m.json", device_path=fs.device, threads=4) as direct:
+        assert direct._raw.direct and not direct.cached("a")
+
+
 def _edited_map(out: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
     from loaders.bmap import encode_document
 

@@ -287,9 +287,16 @@ def test_flat_maps_research_and_seed_form(make_loopfs: Callable[..., Any], tmp_p
                 assert d.tobytes()[: len(want)] == want and len(d) % 512 == 0
 
 
-def test_read_ahead_keeps_batches_and_epochs_exact(image_tree: Path) -> None:
-    """The next batch is read on a thread: an epoch cut short, a reshuffled epoch and a closed and reopened
-    source still give exactly the files and labels of their positions."""
+@pytest.mark.parametrize("cold", [True, False])
+def test_read_ahead_keeps_batches_and_epochs_exact(
+    image_tree: Path, monkeypatch: pytest.MonkeyPatch, cold: bool
+) -> None:
+    """The next batch is read on a thread where its files are cold (read when asked where they are cached):
+    an epoch cut short, a reshuffled epoch and a closed and reopened source still give exactly the files and
+    labels of their positions."""
+    import loaders.dali as dali_mod
+
+    monkeypatch.setattr(dali_mod, "_resident", lambda path: not cold)
     pairs = list_labeled_files(image_tree)
     src = FileSource(image_tree, batch_size=4, shuffle=True, seed=9)
     assert src.readahead
@@ -299,8 +306,9 @@ def test_read_ahead_keeps_batches_and_epochs_exact(image_tree: Path) -> None:
         assert [int(x[0]) for x in labels] == [pairs[i][1] for i in positions]
 
     it = iter(src)
-    data, labels = next(it)  # the second batch is now being read ahead; this epoch stops here
+    data, labels = next(it)  # cold: the second batch is now being read ahead; this epoch stops here
     check(data, labels, src._order[:4].tolist())
+    assert (src._ahead is not None) == cold
     for _ in range(2):
         it = iter(src)
         got = [b for b in it]
