@@ -329,8 +329,8 @@ def _probe(run: _Run, todo: list[int]) -> tuple[float | None, int]:
     """(seconds an item takes here on one torch thread, items prepared): the first item of `todo` prepared in
     this process as a task prepares it (checked, its head run, written and journaled), and a second one where
     the first was quick enough for its readers' first imports to dominate. None where an item is
-    quarantined (its journal says why). The probe's items are not prepared again by the tasks (2-core box,
-    2026-11-26: timing an item that was then thrown away, twice when quick, cost 0.3 s of a 6 s run)."""
+    quarantined (its journal says why). The probe's items are not prepared again by the tasks: one or two
+    items' work a run (on the 2-core box, within the spread of a whole run of 64 spheres at 2 workers)."""
     import torch
 
     threads = torch.get_num_threads()
