@@ -384,8 +384,10 @@ def test_cached_says_whether_a_raw_read_would_wait(make_loopfs: Callable[..., An
             pytest.skip("this loop device reads its image with direct I/O")
         assert bytes(b.read([ReadRequest("a", 0, len(data))])[0]) == data
         assert b.cached("a")
+        os.sync()  # the loop driver's writes of the image: DONTNEED leaves dirty pages where they are
         fd = os.open(fs.image, os.O_RDONLY)
         try:
+            os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
