@@ -88,8 +88,8 @@ class WriteClock:
     a file whose blocks were checked at that reading still has its bytes there, even if the filesystem moved
     it in memory meanwhile (the old blocks are rewritten only by a later write, which moves the counters).
     `now()` is None where that cannot be told: not a block device sysfs describes (overlay, btrfs, network),
-    I/O statistics off for its queue, or no write counted yet on a writable filesystem (a driver that does
-    not count)."""
+    a DAX device (persistent memory: writes are memory stores, not counted requests), I/O statistics off for
+    its queue, or no write counted yet on a writable filesystem (a driver that does not count)."""
 
     def __init__(self, root: str) -> None:
         self._stat = self._inflight = self._iostats = ""
@@ -99,7 +99,8 @@ class WriteClock:
             return
         sys_dir = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
         queue = sys_dir if os.path.isdir(f"{sys_dir}/queue") else os.path.dirname(sys_dir)  # a partition's disk
-        if os.path.isfile(f"{sys_dir}/stat") and os.path.isfile(f"{queue}/queue/iostats"):
+        dax = _sysfs(f"{queue}/queue/dax") == "1"  # a DAX filesystem writes by memory stores: nothing is counted
+        if os.path.isfile(f"{sys_dir}/stat") and os.path.isfile(f"{queue}/queue/iostats") and not dax:
             self._stat, self._inflight = f"{sys_dir}/stat", f"{sys_dir}/inflight"
             self._iostats = f"{queue}/queue/iostats"
 
