@@ -114,25 +114,37 @@ def _stored_size(nvox: int) -> int:
     return -(-nvox // 64) * 8 + (-(-nvox // BLOCK_BITS) + 1) * 8
 
 
+Packed = list[tuple[int, bytes, int]]  # one item's sets as stored: (voxels, bits and running counts, members)
+
+
+def packed_sets(sig: Mapping[str, Any], label: Any, image: Any = None) -> Packed:
+    """One item's sets as `write_sets` stores them, from its label (and image) as the tail sees them."""
+    return [(len(m), *_packed(m)) for m in compute_sets(sig, label, image)]
+
+
 def write_sets(
     cache_root: str | os.PathLike[str],
     sig: Mapping[str, Any],
-    read: Callable[[int], tuple[Any, Any]],
+    read: Callable[[int], tuple[Any, Any]] | None,
     n_items: int,
     generation: str,
     workers: int = 2,
+    made: Callable[[int], Packed] | None = None,
 ) -> Path:
     """Compute every item's sets (`read(item)` -> (label, image or None) as the tail sees them) and commit them:
-    bits and rows first, the manifest last (an interrupted run leaves no manifest and is redone)."""
+    bits and rows first, the manifest last (an interrupted run leaves no manifest and is redone). `made`
+    instead of `read`: each item's sets as `packed_sets` made them already (`prep cache`'s workers)."""
     where = folder(cache_root, sig)
     where.mkdir(parents=True, exist_ok=True)
     (where / MANIFEST).unlink(missing_ok=True)
     rows: list[tuple[int, int, int, int, int]] = []
     pos = 0
 
-    def one(item: int) -> list[tuple[int, bytes, int]]:
-        label, image = read(item)
-        return [(len(m), *_packed(m)) for m in compute_sets(sig, label, image)]
+    def one(item: int) -> Packed:
+        if made is not None:
+            return made(item)
+        assert read is not None
+        return packed_sets(sig, *read(item))
 
     with open(where / BITS, "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
         for item, sets in zip(range(n_items), _ordered(pool, one, n_items, 2 * max(1, workers))):

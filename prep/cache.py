@@ -14,12 +14,13 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loaders import chain, layout, sampling
+from loaders.folds import crop_sets_of
 from loaders.format import (
     BMAP,
     INDEX,
@@ -36,6 +37,7 @@ from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
     Progress,
+    Sink,
     batch_size_for,
     check_security,
     heads_at_once,
@@ -61,7 +63,7 @@ from prep.journal import (
 from prep.pipeline import Pipeline, file_sha256, load_pipeline
 from prep.processes import start_forkserver
 from prep.quarantine import input_paths, to_retry
-from prep.sampling import ensure_sets
+from prep.sampling import WorkerSets, ensure_sets
 from prep.summary import CacheSummary, summary_of
 from prep.worker import TaskSpec, keep_pipeline, run_batch, set_torch_threads
 
@@ -158,7 +160,7 @@ def prepare_cache(
             summary = _prepare(run, stack, starter, t0)
         summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
         summary.repeats = repeats.note()
-        if summary.n_items:
+        if summary.n_items and not summary.sampling:  # none made by the workers (or a resumed run's)
             summary.sampling = ensure_sets(root, pipe.tail, workers)
         _verify(summary, root, verify)
     return summary
@@ -270,10 +272,13 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         run.progress(0, len(todo))
     processes = False
     item_s, probed = None, 0
+    sig = crop_sets_of(run.pipe.tail) if todo else None
+    made = stack.enter_context(closing(WorkerSets(root, sig))) if sig is not None else None
+    sink = made.add if made is not None else None
     if todo:
         keep_pipeline(run.pipe)
         if len(todo) > run.workers and not run.scheduler:
-            item_s, probed = _probe(run, todo)
+            item_s, probed = _probe(run, todo, sig, sink)
         if run.progress and probed:
             run.progress(probed, len(todo))
     progress, todo = _counting(run.progress, probed), todo[probed:]
@@ -286,12 +291,12 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         first_bytes = declared_total(input_paths(run.items[todo[0]][1]))  # bounds the items side by side
         heads = 0 if run.scheduler else heads_at_once(run.workers, processes, first_bytes, available_memory())
         spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes, heads)  # fmt: skip
+                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes, heads, sig)  # fmt: skip
         at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
         size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
-            run_tasks(client, spec, items, todo, size, progress, starter.pids)
+            run_tasks(client, spec, items, todo, size, progress, starter.pids, sink)
     if starter is not None:
         starter.close()  # before the commit: no worker may still write
     worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
@@ -301,6 +306,8 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
     manifest, bmap_note = commit(root, run.plan, run.pipe, items, state)
     summary = summary_of(root, manifest, len(items), n_todo, len(items) - n_todo, time.perf_counter() - t0)
+    if made is not None:  # "" where a resumed run's items have none: prepare_cache's pass makes them
+        summary.sampling = made.write(state.order(len(items)), run.pipe.tail)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
@@ -325,7 +332,9 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())
 
 
-def _probe(run: _Run, todo: list[int]) -> tuple[float | None, int]:
+def _probe(
+    run: _Run, todo: list[int], sets: dict[str, Any] | None = None, sink: Sink | None = None
+) -> tuple[float | None, int]:
     """(seconds an item takes here on one torch thread, items prepared): the first item of `todo` prepared in
     this process as a task prepares it (checked, its head run, written and journaled), and a second one where
     the first was quick enough for its readers' first imports to dominate. None where an item is
@@ -335,12 +344,15 @@ def _probe(run: _Run, todo: list[int]) -> tuple[float | None, int]:
 
     threads = torch.get_num_threads()
     spec = TaskSpec(str(run.root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                    run.shard_size, "probe" + uuid.uuid4().hex[:3], 1, run.max_item_bytes)  # fmt: skip
+                    run.shard_size, "probe" + uuid.uuid4().hex[:3], 1, run.max_item_bytes, 0, sets)  # fmt: skip
     seconds: float | None = None
     probed = 0
     try:
         for n, item in enumerate(todo[:2]):
-            status = run_batch(spec, n, [(item, run.items[item][1], run.items[item][0])])[0]
+            statuses = run_batch(spec, n, [(item, run.items[item][1], run.items[item][0])])
+            if sink is not None:
+                sink(statuses)
+            status = statuses[0]
             probed += 1
             seconds = None if status["quarantined"] else float(status["seconds"])
             if seconds is None or seconds > 0.2:

@@ -29,6 +29,7 @@ from prep.processes import cpu_seconds, seconds_to_ready, start_forkserver, work
 from prep.worker import TaskSpec, clear_stop, ignore_sigint, request_stop, run_batch, warm, warm_torch
 
 Progress = Callable[[int, int], None]  # (items just finished, items this run will do)
+Sink = Callable[[list[dict[str, Any]]], None]  # a finished task's statuses (`prep.worker.run_batch`)
 TLS_OPTIONS = "--tls-ca-file, --tls-cert and --tls-key"
 STOP_WAIT_S = 60.0  # after Ctrl-C, how long running tasks get to finish their current item
 
@@ -361,9 +362,11 @@ def run_tasks(
     size: int,
     progress: Progress | None = None,
     pids: list[int] | None = None,
+    sink: Sink | None = None,
 ) -> None:
     """Submit one task per batch of `size` items and wait; a worker that keeps dying becomes a PrepError.
-    Ctrl-C stops the tasks after their current item (a second one exits at once); `pids`: local workers."""
+    Ctrl-C stops the tasks after their current item (a second one exits at once); `pids`: local workers;
+    `sink` takes each finished task's statuses (`run_batch`)."""
 
     clear_stop()
     quiet = _QuietAfterInterrupt()
@@ -372,7 +375,7 @@ def run_tasks(
     if threading.current_thread() is threading.main_thread():  # interrupt_scope restores the handler
         signal.signal(signal.SIGINT, quiet.interrupt)
     try:
-        _wait_tasks(client, spec, items, todo, size, progress, pids)
+        _wait_tasks(client, spec, items, todo, size, progress, pids, sink)
     finally:
         tornado_log.removeFilter(quiet)
 
@@ -402,6 +405,7 @@ def _wait_tasks(
     size: int,
     progress: Progress | None,
     pids: list[int] | None,
+    sink: Sink | None = None,
 ) -> None:
     from distributed import as_completed
 
@@ -413,6 +417,8 @@ def _wait_tasks(
     try:
         for future in as_completed(futures, loop=client.loop):
             statuses = future.result()
+            if sink is not None:
+                sink(statuses)
             if progress:
                 progress(len(statuses), len(todo))
     except KeyboardInterrupt:

@@ -27,7 +27,7 @@ def commit(
     file's checksum), drop the journals. Returns the manifest and why no block map was written ("" if one was)."""
     for stale_tmp in root.glob(".*.tmp*"):  # temp files of a commit that ran out of space or was killed
         stale_tmp.unlink()
-    order = [i for i in range(len(items)) if i in state.done]
+    order = state.order(len(items))
     records = [state.done[i] for i in order]
     keys = sorted({t["key"] for r in records for t in r["tensors"]})
     shards = sorted({r["shard"] for r in records})

@@ -159,6 +159,10 @@ class JournalState:
         """Items that need no more work."""
         return set(self.done) | set(self.quarantined)
 
+    def order(self, n_items: int) -> list[int]:
+        """The prepared items of a plan of `n_items`, in the committed cache's item order."""
+        return [i for i in range(n_items) if i in self.done]
+
 
 def read_journals(cache_dir: Path) -> JournalState:
     """Every trustworthy record of every journal. The first valid record of an item wins."""

@@ -7,6 +7,7 @@ a cache made before (the head is not run again: the sets come from the cached la
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -50,3 +51,57 @@ def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force:
         f"sampling sets: {len(cache)} items for {type(tail[0]).__name__} in {time.perf_counter() - t0:.1f} s "
         f"({where.relative_to(cache.root)})"
     )
+
+
+class WorkerSets:
+    """The sampling sets `prep cache`'s workers made beside each item (`TaskSpec.sets`), kept in a file of
+    the cache's sampling folder as their tasks finish (memory stays bounded), then written as the cache's
+    sets after the commit, in its item order, without reading a label back. `add` takes a task's statuses."""
+
+    def __init__(self, root: Path, sig: dict[str, Any]) -> None:
+        import threading
+        import uuid
+
+        self.root, self.sig = Path(root), sig
+        self.path = self.root / sampling.DIR / f".worker-sets-{uuid.uuid4().hex[:8]}.bin"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w+b")  # noqa: SIM115  (closed by close())
+        self._at: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # item -> (offset, (nvox, nbytes, count))
+        self._lock = threading.Lock()
+
+    def add(self, statuses: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for s in statuses:
+                sets = s.get("sets")
+                if sets is None:
+                    continue
+                at = self._file.seek(0, os.SEEK_END)
+                for _, data, _ in sets:
+                    self._file.write(data)
+                self._at[int(s["item"])] = (at, [(int(n), len(d), int(c)) for n, d, c in sets])
+
+    def _made(self, item: int) -> sampling.Packed:
+        at, rows = self._at[item]
+        with self._lock:
+            self._file.seek(at)
+            return [(n, self._file.read(k), c) for n, k, c in rows]
+
+    def write(self, order: list[int], tail: list[Any]) -> str:
+        """The summary line of the sets written for the committed items `order` (plan numbers, in the cache's
+        item order); "" where a worker did not make an item's sets (a resumed run: the pass after the commit
+        makes them from the cache)."""
+        if not order or any(i not in self._at for i in order):
+            return ""
+        t0 = time.perf_counter()
+        self._file.flush()
+        cache = PreparedCache(self.root)
+        where = sampling.write_sets(self.root, self.sig, None, len(order), str(cache.generation), 1,
+                                    made=lambda n: self._made(order[n]))  # fmt: skip
+        return (
+            f"sampling sets: {len(order)} items for {type(tail[0]).__name__}, made by the workers, written in "
+            f"{time.perf_counter() - t0:.1f} s ({where.relative_to(self.root)})"
+        )
+
+    def close(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)

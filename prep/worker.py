@@ -72,6 +72,7 @@ class TaskSpec:
     torch_threads: int = 0  # intra-op threads per task (cores / concurrent tasks); 0: leave the worker's setting
     max_item_bytes: int | None = None  # an input whose header declares more is quarantined before decoding
     heads: int = 0  # heads a worker process runs at once (memory: prep.cluster.heads_at_once); 0: no bound
+    sets: dict[str, Any] | None = None  # the tail's label-driven crop signature: its sampling sets made here too
 
 
 _SLOTS: dict[int, threading.BoundedSemaphore] = {}  # heads at once in this process, by bound
@@ -224,9 +225,13 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
                     break
                 t0 = time.perf_counter()
                 with _head_slots(spec.heads):
-                    pending.append(_prepare_one(head, shards, item, entry, section, spec.max_item_bytes))
+                    record = _prepare_one(head, shards, item, entry, section, spec.max_item_bytes, spec.sets)
+                sets = record.pop("_sets", None)  # bytes for `prep cache`, not for the journal
+                pending.append(record)
                 seconds = time.perf_counter() - t0
-                statuses.append({"item": item, "quarantined": pending[-1].get("quarantined"), "seconds": seconds})
+                statuses.append({"item": item, "quarantined": record.get("quarantined"), "seconds": seconds})
+                if sets is not None:
+                    statuses[-1]["sets"] = sets
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
                 shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
                 if time.monotonic() - last >= COMMIT_INTERVAL_S and (inflight is None or inflight.done()):
@@ -268,8 +273,10 @@ def _prepare_one(
     entry: dict[str, Any],
     section: str,
     max_bytes: int | None = None,
+    sets: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Check, transform and write one item; returns its journal record (prepared or quarantined).
+    """Check, transform and write one item; returns its journal record (prepared or quarantined), with its
+    sampling sets under "_sets" where `sets` (a crop signature) asks for them and they can be made.
 
     The .gz streams are inflated once, by their check (CRC and length, `prep.quarantine`); the head's nibabel
     then reads those bytes (`prep.inflated`) instead of inflating each file again (2-core box, 2026-11-26, one
@@ -296,7 +303,29 @@ def _prepare_one(
              "shape": list(array.shape), "xxh3": xxh3}
         )  # fmt: skip
     line = meta_line(entry, section, parts)
-    return {"item": item, "shard": shards.rel, "tensors": tensors, "meta": line}
+    record = {"item": item, "shard": shards.rel, "tensors": tensors, "meta": line}
+    made = _sets_of(sets, arrays) if sets else None
+    if made is not None:
+        record["_sets"] = made
+    return record
+
+
+def _sets_of(sig: dict[str, Any], arrays: dict[str, Any]) -> Any:
+    """An item's sampling sets from the arrays just written, as the tail will see them (torch tensors, as
+    `prep.sampling` reads them back); None where they cannot be made here (the set pass after the commit
+    makes them from the cache then)."""
+    import torch
+
+    from loaders.sampling import packed_sets
+
+    label, key = arrays.get(sig["label_key"]), sig["image_key"]
+    image = arrays.get(key) if key else None
+    if label is None or (key and image is None):
+        return None
+    try:
+        return packed_sets(sig, torch.from_numpy(label), None if image is None else torch.from_numpy(image))
+    except Exception:  # noqa: BLE001  (the pass after the commit makes them, or says why)
+        return None
 
 
 def _quarantined(item: int, entry: dict[str, Any], bad: tuple[str, str], max_bytes: int | None) -> dict[str, Any]:

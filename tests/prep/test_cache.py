@@ -134,6 +134,24 @@ def test_each_item_is_prepared_once_the_probes_too(tmp_path: Path, nifti_dataset
         assert np.array_equal(_read(e), _to_numpy(head(dict(entry))["image"]))
 
 
+@pytest.mark.parametrize("processes", [False, True])
+def test_sampling_sets_made_by_the_workers_equal_the_pass_after_the_commit(
+    tmp_path: Path, nifti_dataset: Path, processes: bool
+) -> None:
+    """A tail that starts with a label-driven crop: each worker makes its items' sets beside them, and the
+    store written after the commit is byte for byte the one `prep sampling --force` makes from the cache."""
+    from prep.sampling import ensure_sets
+
+    out = tmp_path / "c"
+    summary = prepare_cache(nifti_dataset, SPHERES, out, workers=2, processes=processes)
+    assert "sampling sets: 6 items for RandCropByPosNegLabeld, made by the workers" in summary.sampling
+    (folder,) = (p for p in (out / "sampling").iterdir())  # no file of the workers' sets left beside it
+    made = {f.name: f.read_bytes() for f in folder.iterdir()}
+    ensure_sets(out, load_pipeline(SPHERES).tail, force=True)  # the pass after the commit, from the cache
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == made
+    assert verify_cache(out) == []
+
+
 SLOW_PIPELINE = """
 import time
 from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd

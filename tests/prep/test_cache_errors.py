@@ -194,5 +194,7 @@ def test_double_ctrl_c_exits_at_once_with_one_line_and_resumes(tmp_path: Path, m
     assert not (out / "manifest.json").exists()
     summary = prepare_cache(datalist, SPHERES, out, workers=2, processes=False)
     assert summary.n_resumed > 0 and summary.n_items == 24
+    # the resumed items' sampling sets were not made by this run's workers: made from the cache after it
+    assert summary.sampling.startswith("sampling sets: 24 items") and "by the workers" not in summary.sampling
     clean = prepare_cache(datalist, SPHERES, tmp_path / "clean", workers=1, processes=False)
     assert clean.n_items == 24 and _xxh3_per_item(out) == _xxh3_per_item(tmp_path / "clean")
