@@ -65,6 +65,8 @@ class WorkerSets:
         self.root, self.sig = Path(root), sig
         self.path = self.root / sampling.DIR / f".worker-sets-{uuid.uuid4().hex[:8]}.bin"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.path.parent.glob(".worker-sets-*.bin"):  # a killed run's (the cache lock is held)
+            stale.unlink(missing_ok=True)
         self._file = open(self.path, "w+b")  # noqa: SIM115  (closed by close())
         self._at: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # item -> (offset, (nvox, nbytes, count))
         self._lock = threading.Lock()

@@ -310,22 +310,33 @@ def _prepare_one(
     return record
 
 
+# An item's sets travel back with its task's statuses: larger ones are made by the pass after the commit (a task
+# of 32 items then carries at most 128 MiB; 4 MiB is two sets of a 256^3 label, 1 bit a voxel)
+WORKER_SETS_MAX_BYTES = 4 << 20
+
+
 def _sets_of(sig: dict[str, Any], arrays: dict[str, Any]) -> Any:
     """An item's sampling sets from the arrays just written, as the tail will see them (torch tensors, as
-    `prep.sampling` reads them back); None where they cannot be made here (the set pass after the commit
+    `prep.sampling` reads them back); None where they are not made here (the set pass after the commit
     makes them from the cache then)."""
+    import math
+
     import torch
 
     from loaders.sampling import packed_sets
 
     label, key = arrays.get(sig["label_key"]), sig["image_key"]
     image = arrays.get(key) if key else None
-    if label is None or (key and image is None):
+    if label is None or (key and image is None) or label.ndim < 2:
+        return None
+    n_sets = 2 if sig["kind"] == "posneg" else int(sig.get("num_classes") or label.shape[0])
+    if math.prod(label.shape[1:]) * n_sets // 8 > WORKER_SETS_MAX_BYTES:
         return None
     try:
-        return packed_sets(sig, torch.from_numpy(label), None if image is None else torch.from_numpy(image))
+        made = packed_sets(sig, torch.from_numpy(label), None if image is None else torch.from_numpy(image))
     except Exception:  # noqa: BLE001  (the pass after the commit makes them, or says why)
         return None
+    return made if sum(len(d) for _, d, _ in made) <= WORKER_SETS_MAX_BYTES * 5 // 4 else None
 
 
 def _quarantined(item: int, entry: dict[str, Any], bad: tuple[str, str], max_bytes: int | None) -> dict[str, Any]:

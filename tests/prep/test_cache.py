@@ -152,6 +152,17 @@ def test_sampling_sets_made_by_the_workers_equal_the_pass_after_the_commit(
     assert verify_cache(out) == []
 
 
+def test_sampling_sets_too_large_to_send_back_are_made_after_the_commit(
+    tmp_path: Path, nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import prep.worker
+
+    monkeypatch.setattr(prep.worker, "WORKER_SETS_MAX_BYTES", 64)  # smaller than any item's sets here
+    summary = prepare_cache(nifti_dataset, SPHERES, tmp_path / "c", workers=2, processes=False)
+    assert summary.sampling.startswith("sampling sets: 6 items") and "by the workers" not in summary.sampling
+    assert verify_cache(tmp_path / "c") == []
+
+
 SLOW_PIPELINE = """
 import time
 from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
