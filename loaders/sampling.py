@@ -125,29 +125,21 @@ def packed_sets(sig: Mapping[str, Any], label: Any, image: Any = None) -> Packed
 def write_sets(
     cache_root: str | os.PathLike[str],
     sig: Mapping[str, Any],
-    read: Callable[[int], tuple[Any, Any]] | None,
+    sets_of: Callable[[int], Packed],
     n_items: int,
     generation: str,
     workers: int = 2,
-    made: Callable[[int], Packed] | None = None,
 ) -> Path:
-    """Compute every item's sets (`read(item)` -> (label, image or None) as the tail sees them) and commit them:
-    bits and rows first, the manifest last (an interrupted run leaves no manifest and is redone). `made`
-    instead of `read`: each item's sets as `packed_sets` made them already (`prep cache`'s workers)."""
+    """Commit every item's sets (`sets_of(item)`, as `packed_sets` makes them; on `workers` threads): bits and
+    rows first, the manifest last (an interrupted run leaves no manifest and is redone)."""
     where = folder(cache_root, sig)
     where.mkdir(parents=True, exist_ok=True)
     (where / MANIFEST).unlink(missing_ok=True)
     rows: list[tuple[int, int, int, int, int]] = []
     pos = 0
 
-    def one(item: int) -> Packed:
-        if made is not None:
-            return made(item)
-        assert read is not None
-        return packed_sets(sig, *read(item))
-
     with open(where / BITS, "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
-        for item, sets in zip(range(n_items), _ordered(pool, one, n_items, 2 * max(1, workers))):
+        for item, sets in zip(range(n_items), _ordered(pool, sets_of, n_items, 2 * max(1, workers))):
             if len(sets) > MAX_SETS:
                 raise FormatError(f"{where}: item {item} has {len(sets)} classes; at most {MAX_SETS} are kept")
             for s, (nvox, data, count) in enumerate(sets):

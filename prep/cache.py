@@ -290,8 +290,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         threads = torch_threads_for(run.workers, run.scheduler, processes)
         first_bytes = declared_total(input_paths(run.items[todo[0]][1]))  # bounds the items side by side
         heads = 0 if run.scheduler else heads_at_once(run.workers, processes, first_bytes, available_memory())
-        spec = TaskSpec(str(root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                        run.shard_size, uuid.uuid4().hex[:8], threads, run.max_item_bytes, heads, sig)  # fmt: skip
+        spec = _spec(run, uuid.uuid4().hex[:8], threads, heads, sig)
         at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
         size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
@@ -316,6 +315,12 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
             f"{run.workers} {how}{f' x {each} items' if each > 1 else ''}{' (auto)' if run.processes is None else ''}"
         )
     return summary
+
+
+def _spec(run: _Run, run_id: str, threads: int, heads: int, sets: dict[str, Any] | None) -> TaskSpec:
+    """The tasks' spec of this run (the probe's too): where to write, which pipeline, how to run it."""
+    return TaskSpec(str(run.root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
+                    run.shard_size, run_id, threads, run.max_item_bytes, heads, sets)  # fmt: skip
 
 
 def _counting(progress: Progress | None, done: int) -> Progress | None:
@@ -343,8 +348,7 @@ def _probe(
     import torch
 
     threads = torch.get_num_threads()
-    spec = TaskSpec(str(run.root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                    run.shard_size, "probe" + uuid.uuid4().hex[:3], 1, run.max_item_bytes, 0, sets)  # fmt: skip
+    spec = _spec(run, "probe" + uuid.uuid4().hex[:3], 1, 0, sets)
     seconds: float | None = None
     probed = 0
     try:

@@ -39,12 +39,12 @@ def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force:
 
     ds = PreparedDataset(cache.root, keys=keys, meta=False)
 
-    def read(item: int) -> tuple[Any, Any]:
+    def sets_of(item: int) -> sampling.Packed:
         got = ds[item]
-        return got[sig["label_key"]], got.get(sig["image_key"]) if sig["image_key"] else None
+        return sampling.packed_sets(sig, got[sig["label_key"]], got.get(sig["image_key"]) if sig["image_key"] else None)
 
     try:
-        where = sampling.write_sets(cache.root, sig, read, len(cache), str(cache.generation), workers)
+        where = sampling.write_sets(cache.root, sig, sets_of, len(cache), str(cache.generation), workers)
     finally:
         ds.close()  # its backend's open shards would keep the cache's filesystem busy
     return (
@@ -97,8 +97,8 @@ class WorkerSets:
         t0 = time.perf_counter()
         self._file.flush()
         cache = PreparedCache(self.root)
-        where = sampling.write_sets(self.root, self.sig, None, len(order), str(cache.generation), 1,
-                                    made=lambda n: self._made(order[n]))  # fmt: skip
+        where = sampling.write_sets(self.root, self.sig, lambda n: self._made(order[n]), len(order),
+                                    str(cache.generation), 1)  # fmt: skip
         return (
             f"sampling sets: {len(order)} items for {type(tail[0]).__name__}, made by the workers, written in "
             f"{time.perf_counter() - t0:.1f} s ({where.relative_to(self.root)})"
