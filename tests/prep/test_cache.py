@@ -117,13 +117,15 @@ transform = Compose([LoadImaged(keys=["image"]), EnsureChannelFirstd(keys=["imag
 """
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_each_item_is_prepared_once_the_probes_too(tmp_path: Path, nifti_dataset: Path, workers: int) -> None:
-    """The items the auto choice times its head on are prepared for real (journaled, in the cache) and their
-    head is not run again by the tasks."""
+@pytest.mark.parametrize(("workers", "processes"), [(1, False), (2, False), (2, True)])
+def test_each_item_is_prepared_once_the_probes_too(
+    tmp_path: Path, nifti_dataset: Path, workers: int, processes: bool
+) -> None:
+    """The items the auto choice times its head on (while worker processes start, where asked for) are prepared
+    for real (journaled, in the cache) and their head is not run again by the tasks."""
     log = tmp_path / "heads.log"
     pipe = _pipeline_file(tmp_path, f"LOG = {str(log)!r}\n" + COUNTING_PIPELINE)
-    summary = prepare_cache(nifti_dataset, pipe, tmp_path / "c", workers=workers, processes=False)
+    summary = prepare_cache(nifti_dataset, pipe, tmp_path / "c", workers=workers, processes=processes)
     assert summary.n_items == 6 and summary.n_new == 6 and summary.n_resumed == 0 and not summary.quarantined
     runs = log.read_text().splitlines()
     assert len(runs) == 6 and len(set(runs)) == 6, runs
@@ -512,3 +514,24 @@ def test_nibabel_test_volumes_big_endian_included_equal_monai(tmp_path: Path) ->
         (entry,) = cache.entries(item)
         assert np.array_equal(_read(entry), _to_numpy(want), equal_nan=True), name  # NaN voxels in one file
         assert np.array_equal(np.asarray(line_meta(cache.meta(item))["image"]["affine"]), want.affine.numpy()), name
+
+
+def test_worker_processes_start_before_the_probe_where_they_will_be_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes asked for start while this process probes; auto starts them early only on a machine of 8 cores
+    or more with 4 workers or more; never for threads, a scheduler's run or a run no larger than the workers."""
+    from types import SimpleNamespace
+
+    from monai.transforms import LoadImaged
+
+    import prep.cache as cache_module
+
+    def run(workers: int, processes: bool | None, scheduler: str | None = None) -> SimpleNamespace:
+        pipe = SimpleNamespace(head=[LoadImaged(keys="image")])
+        return SimpleNamespace(workers=workers, processes=processes, scheduler=scheduler, pipe=pipe)
+
+    start_early = cache_module._start_early
+    for cores, expected_auto in ((2, False), (16, True)):
+        monkeypatch.setattr(cache_module, "local_cores", lambda cores=cores: cores)
+        assert start_early(run(2, True), 10) and not start_early(run(2, False), 10)
+        assert start_early(run(4, None), 10) is expected_auto and not start_early(run(2, None), 10)
+        assert not start_early(run(4, True, "tcp://host:8786"), 10) and not start_early(run(4, True), 4)
