@@ -378,8 +378,8 @@ def test_hint_files_bring_cold_files_into_the_page_cache_up_to_the_limit(tmp_pat
 def test_filesource_hints_the_batches_after_the_one_read_ahead(
     image_tree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Cold batches past the read-ahead are hinted once each, HINT_BATCHES ahead; warm ones are not; the
-    batches are the same either way."""
+    """Cold batches are hinted once each: a cold epoch's first HINT_BATCHES batches as it starts, then
+    HINT_BATCHES ahead of the one read ahead; warm ones are not; the batches are the same either way."""
     import loaders.dali as dali_mod
 
     pairs = list_labeled_files(image_tree)
@@ -393,5 +393,30 @@ def test_filesource_hints_the_batches_after_the_one_read_ahead(
         with FileSource(image_tree, batch_size=2) as src:
             got[cold] = list(src)
             order = [f"{image_tree}/{pairs[i][0]}" for i in src._order.tolist()]
-        assert sorted(hinted) == (sorted(order[4:]) if cold else [])  # batches 2.. (0 read, 1 read ahead)
+        assert sorted(hinted) == (sorted(order) if cold else [])
     assert [[a.tobytes() for a in d] for d, _ in got[True]] == [[a.tobytes() for a in d] for d, _ in got[False]]
+
+
+def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
+    image_tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hinted batches come in and the next batch is warm: the hints go on to the cold batches after them (the
+    disk kept busy), where they used to wait until a cold batch was next. Here batches 0-2 are warm, 3 on cold:
+    batch 3 is hinted while batch 2 is next, and every cold file once."""
+    import loaders.dali as dali_mod
+
+    pairs = list_labeled_files(image_tree)
+    assert len(pairs) >= 10
+    cold = {f"{image_tree}/{p}" for p, _ in pairs[6:]}
+    hinted: list[str] = []
+    monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
+    monkeypatch.setattr(dali_mod, "HINT_BATCHES", 2)
+    monkeypatch.setattr(dali_mod, "_resident", lambda path: path not in cold)
+    with FileSource(image_tree, batch_size=2) as src:
+        it = iter(src)
+        next(it), next(it)  # batch 2 is next, warm: not read ahead
+        assert src._ahead is None and sorted(hinted) == sorted(f"{image_tree}/{p}" for p, _ in pairs[6:10])
+        rest = []
+        while (batch := next(it, None)) is not None:  # list(it) would start a new epoch: iter(src) is src's
+            rest.append(batch)
+    assert sorted(hinted) == sorted(cold) and len(rest) == len(src) - 2
