@@ -144,6 +144,8 @@ def prepare_cache(
         if early and (scheduler or processes is False or (processes is None and workers == 1)):
             # threads start while the main thread plans; processes once the head is timed (worker_mode)
             starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
+        elif early and processes:  # processes asked for: they start while this thread plans and probes
+            starter = stack.enter_context(ClusterStarter(workers, None, True, pipeline, bundle_key, security))
         elif early:  # processes may run: the forkserver imports torch and MONAI while this thread plans
             start_forkserver(torch_threads_for(workers, None, processes=True))
         pipe = load_pipeline(pipeline, bundle_key)
@@ -278,11 +280,10 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     sink = made.add if made is not None else None
     if todo:
         keep_pipeline(run.pipe)
-        early = None
-        if _start_early(run, len(todo)) and starter is None:
+        if starter is None and _start_early(run, len(todo)):
             # worker processes start (about 1 s for 16 on the 16-core box) while this process probes
-            early = starter = _starter(run, True)
-            stack.callback(early.close)
+            starter = _starter(run, True)
+            stack.callback(starter.close)
         if len(todo) > run.workers and not run.scheduler:
             item_s, probed = _probe(run, todo, sig, sink)
         if run.progress and probed:
@@ -290,8 +291,8 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     progress, todo = _counting(run.progress, probed), todo[probed:]
     if todo:
         processes = worker_mode(run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)
-        if early is not None and not processes:  # the auto choice took threads after all
-            early.close()
+        if starter is not None and not run.scheduler and starter.processes != processes:
+            starter.close()  # started before the choice, which went the other way
             starter = None
         starter = starter or stack.enter_context(_starter(run, processes))
         threads = torch_threads_for(run.workers, run.scheduler, processes)

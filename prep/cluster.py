@@ -192,6 +192,7 @@ class ClusterStarter:
         self._client: Any = None
         self._error: BaseException | None = None
         self._in_process = not (processes or scheduler)
+        self.processes = bool(processes) and not scheduler  # local worker processes (not threads, not a scheduler)
         self.pids: list[int] = []  # local worker processes
         self.worker_cpu_s = 0.0
         target = None
