@@ -332,6 +332,7 @@ def _spec(run: _Run, run_id: str, threads: int, heads: int, sets: dict[str, Any]
 
 
 def _starter(run: _Run, processes: bool) -> ClusterStarter:
+    """This run's cluster (threads or processes), starting on its thread."""
     return ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
 
 
