@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,12 @@ def main_ddp(opts: TrainOptions) -> Rows:
             return out
     finally:
         dist.destroy_process_group()
-    raise SystemExit(0)  # ranks > 0: rank 0 reports
+    # ranks > 0: rank 0 reports. They leave without the interpreter's teardown: on the 2-core box one CI run in
+    # several saw a rank whose work was done abort there ("terminate called without an active exception", a
+    # C++ thread still joinable as torch's statics went), failing the whole torchrun (2026-11-26)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _epochs(loader: Any, seen: list[list[int]] | None) -> Any:
