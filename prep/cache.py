@@ -141,11 +141,11 @@ def prepare_cache(
         stack.enter_context(interrupt_scope())
         stack.enter_context(CacheLock(root))
         starter = None
-        if early and (scheduler or processes is False or (processes is None and workers == 1)):
-            # threads start while the main thread plans; processes once the head is timed (worker_mode)
-            starter = stack.enter_context(ClusterStarter(workers, scheduler, False, pipeline, bundle_key, security))
-        elif early and processes:  # processes asked for: they start while this thread plans and probes
-            starter = stack.enter_context(ClusterStarter(workers, None, True, pipeline, bundle_key, security))
+        if early and (scheduler or processes is not None or workers == 1):
+            # the kind is known (a scheduler, threads or processes asked for, one worker's threads): it starts
+            # while this thread plans; otherwise once the head is timed (worker_mode)
+            asked = bool(processes) and not scheduler
+            starter = stack.enter_context(ClusterStarter(workers, scheduler, asked, pipeline, bundle_key, security))
         elif early:  # processes may run: the forkserver imports torch and MONAI while this thread plans
             start_forkserver(torch_threads_for(workers, None, processes=True))
         pipe = load_pipeline(pipeline, bundle_key)
