@@ -23,8 +23,9 @@ from typing import Annotated, Any
 
 import typer
 
+from loaders.errors import PrepError
 from workflows.bench import Scenario, load_scenarios
-from workflows.bench.core import Options
+from workflows.bench.core import Options, Unavailable
 from workflows.bench.report import finish
 
 # global option -> takes a value; these may also follow the subcommand (the research code's lines put
@@ -87,7 +88,12 @@ def _command(entry: Scenario) -> Any:
         opts: Options = ctx.obj
         mode = "cold" if opts.cold else "warm"
         print(f"benchmark {entry.name}: {mode}, {opts.batches} batches of {opts.batchsize}, device {opts.device}")
-        raise typer.Exit(finish(fn(opts, **options), opts))
+        try:
+            results = fn(opts, **options)
+        except (Unavailable, PrepError) as exc:  # the scenario's own data is unusable: say so in one line
+            print(f"benchmark {entry.name}: {exc}", file=sys.stderr)
+            raise typer.Exit(2) from None
+        raise typer.Exit(finish(results, opts))
 
     ctx_param = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
     command.__signature__ = signature.replace(parameters=[ctx_param, *params])  # type: ignore[attr-defined]

@@ -74,6 +74,13 @@ def test_datadir_is_the_folder_holding_train(research_data: Path) -> None:
     assert status == 1 and "no train/ folder" in out and "folder holding train/" in out, out
 
 
+def test_dali_readers_on_a_folder_without_train_says_so_in_one_line(research_data: Path) -> None:
+    """A scenario whose own data is unusable: one line naming the folder and the fix, exit 2, no traceback."""
+    status, out = _run("--batchsize 64 --batches 1000 dali-readers --datadir /data/train", research_data)
+    assert status == 2 and "Traceback" not in out, out
+    assert [x for x in out.splitlines() if "no train/ folder" in x and "--datadir is the folder holding" in x], out
+
+
 def test_dali_readers_smoke(research_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from workflows import benchmark
 
