@@ -104,6 +104,7 @@ class _EpochSource:
         self._ahead: tuple[tuple[int, int], Future[Any]] | None = None  # ((epoch, start), the read running)
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._hinted = 0
+        self._cold_epoch = False
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -116,6 +117,7 @@ class _EpochSource:
         self._chunks = epoch_batches(self._order, self.batch_size, drop_last=False)
         self._next = 0
         self._hinted = 0  # the last batch of this epoch hinted to the kernel (batch 0 is read at once)
+        self._cold_epoch = False  # it started cold: hints go on without a probe on this thread (`_hint` probes)
         return self
 
     def __next__(self) -> Any:
@@ -129,7 +131,7 @@ class _EpochSource:
         ahead, self._ahead = self._ahead, None
         if k == 0 and self._hints and self._waits(chunk):  # a cold epoch: the kernel gets its first batches at once
             first = self._chunks[: min(HINT_BATCHES, len(self._chunks))]
-            self._hinted = len(first) - 1
+            self._hinted, self._cold_epoch = len(first) - 1, True
             self._pool_ahead().submit(self._hint, [int(i) for c in first for i in c])
         batch = ahead[1].result() if ahead is not None and ahead[0] == (self.epoch, k) else self._batch(chunk)
         if self._next < len(self._chunks):
@@ -137,7 +139,7 @@ class _EpochSource:
             if self._waits(nxt):  # cold: read it on the read-ahead thread, hint the batches after it
                 self._ahead = ((self.epoch, self._next), self._pool_ahead().submit(self._batch, nxt))
                 self._hint_to(self._next + HINT_BATCHES)
-            elif self._hints and self._cold_beyond_hints():  # hinted batches came in: keep the disk busy
+            elif self._hints and (self._cold_epoch or self._cold_beyond_hints()):  # keep the disk busy
                 self._hint_to(self._next + HINT_BATCHES)
         return batch
 
@@ -247,23 +249,38 @@ HINT_BYTES = 64 << 20  # at most this much hinted at a time (large files: the pa
 # read a cold loop-mounted tree at 0.57x fn.readers.file with its one warm-data thread (2026-11-25)
 COLD_READ_THREADS = 8
 _probe: Any = None  # one cachestat(2) probe per process (a ctypes handle: not pickled with a source)
+_ONE_BYTE = bytearray(1)  # where `_resident`'s probing reads land (their byte is not used)
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0x8)  # Linux's value; Python has the name on Linux since 3.7
 
 
 def _resident(path: str) -> bool:
-    """Whether all of the file at `path` is in the page cache (True where that cannot be told: no cachestat)."""
+    """Whether the file at `path` is in the page cache and readable now: a one-byte RWF_NOWAIT read of its
+    first and last pages (EAGAIN: not there, or still being read in). cachestat(2) counts a page whose read
+    is still in flight as cached, so a hinted batch looked warm and its read waited on the pipeline's
+    thread. Where the kernel has no RWF_NOWAIT for this file: cachestat; True where neither tells."""
     global _probe
-    from loaders.backends.base import PageCacheProbe
-
-    if _probe is None:
-        _probe = PageCacheProbe()
-    if not _probe.available:
-        return True
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return True  # read_whole_files says what is wrong with it
     try:
-        return bool(_probe.resident(fd, 0, max(os.fstat(fd).st_size, 1)))
+        n = os.fstat(fd).st_size
+        if n == 0:
+            return True
+        try:
+            os.preadv(fd, [_ONE_BYTE], n - 1, _NOWAIT)
+            if n > 4096:
+                os.preadv(fd, [_ONE_BYTE], 0, _NOWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:  # EOPNOTSUPP / EINVAL: no RWF_NOWAIT here
+            pass
+        from loaders.backends.base import PageCacheProbe
+
+        if _probe is None:
+            _probe = PageCacheProbe()
+        return not _probe.available or bool(_probe.resident(fd, 0, n))
     finally:
         os.close(fd)
 
@@ -322,7 +339,11 @@ class FileSource(_EpochSource):
     readahead = True
 
     def _waits(self, positions: list[int]) -> bool:
-        return self.backend is not None or not _resident(self._paths(positions[:1])[0])
+        """The first and the last file tell: hints are queued in order, and a batch half read in waits."""
+        if self.backend is not None:
+            return True
+        ends = self._paths([positions[0], positions[-1]] if len(positions) > 1 else positions)
+        return not all(_resident(p) for p in ends)
 
     def close(self) -> None:
         super().close()

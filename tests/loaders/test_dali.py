@@ -420,3 +420,56 @@ def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
         while (batch := next(it, None)) is not None:  # list(it) would start a new epoch: iter(src) is src's
             rest.append(batch)
     assert sorted(hinted) == sorted(cold) and len(rest) == len(src) - 2
+
+
+def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
+    image_tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a cold file reads its inode from the disk: in a cold epoch, the pipeline's thread probes only
+    files already hinted (the next batch's ends); the hints go on without it, every file hinted once."""
+    import threading
+
+    import loaders.dali as dali_mod
+
+    pairs = list_labeled_files(image_tree)
+    hinted: list[str] = []
+    main = threading.get_ident()
+    unhinted_probes: list[str] = []
+
+    def resident(path: str) -> bool:
+        if threading.get_ident() == main and path not in hinted:
+            unhinted_probes.append(path)
+        return path in hinted  # a hinted file is in at once; the rest is cold
+
+    monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
+    monkeypatch.setattr(dali_mod, "HINT_BATCHES", 2)
+    monkeypatch.setattr(dali_mod, "_resident", resident)
+    with FileSource(image_tree, batch_size=2) as src:
+        it = iter(src)
+        first = next(it)
+        src._pool_ahead().submit(lambda: None).result()  # the first hints are in
+        unhinted_probes.clear()  # batch 0 itself is probed to tell the epoch cold
+        got = [first]
+        while (batch := next(it, None)) is not None:  # not list(it): iter(src) starts a new epoch
+            got.append(batch)
+        src._settle()
+        order = [f"{image_tree}/{pairs[i][0]}" for i in src._order.tolist()]
+    assert [order.index(p) for p in unhinted_probes] == []
+    assert sorted(hinted) == sorted(order[2:]) or sorted(hinted) == sorted(order)
+    assert [a.tobytes() for d, _ in got for a in d] == [Path(p).read_bytes() for p in order]
+
+
+def test_resident_tells_an_evicted_file_from_one_read(tmp_path: Path) -> None:
+    """The real probe (RWF_NOWAIT reads, cachestat where the kernel has none): evicted -> False, read -> True."""
+    from loaders.dali import _resident
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 14, dtype=np.uint8).tobytes())
+    _evicted([path])
+    if _resident(str(path)):
+        pytest.skip("eviction not honoured here")
+    path.read_bytes()
+    assert _resident(str(path))
+    assert _resident(str(tmp_path / "missing.bin"))  # the read says what is wrong with it
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert _resident(str(tmp_path / "empty.bin"))
