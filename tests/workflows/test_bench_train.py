@@ -91,6 +91,22 @@ def test_rounds_interleave_every_row_and_keep_each_rounds_ratios(out: Path, caps
             assert float(extra["x peer per round"]) > 0 and float(extra["x ceiling per round"]) > 0
 
 
+def test_min_seconds_adds_epochs_until_the_timed_steps_add_up(out: Path) -> None:
+    """--min-seconds S: epochs past --epochs until the timed steps add up to S (a GPU's default is 3 s: a
+    spheres epoch on an H100 is 0.06 s); CPU keeps --epochs."""
+    from workflows.bench.train import MIN_SECONDS_GPU, _min_seconds
+
+    assert _min_seconds(None, "cpu") == 0 and _min_seconds(None, "cuda:0") == MIN_SECONDS_GPU
+    assert _min_seconds(0.5, "cuda:0") == 0.5
+    args = ["train", *TINY, "--rows", "fast", "--out", str(out / "m")]
+    assert benchmark.main(args) == 0
+    plain = {r["name"]: int(r["items"]) for r in _rows(out / "m" / "bench.csv")}
+    assert set(plain.values()) == {2}  # one timed epoch of 2 steps
+    assert benchmark.main([*args, "--min-seconds", "0.5"]) == 0
+    for r in _rows(out / "m" / "bench.csv"):
+        assert float(r["seconds"]) >= 0.5 and int(r["items"]) > 2 and int(r["items"]) % 2 == 0, r
+
+
 def test_bad_options_exit_2() -> None:
     assert benchmark.main(["train", "--epochs", "1"]) == 2
     assert benchmark.main(["train", "--crop", "64", "--size", "32"]) == 2

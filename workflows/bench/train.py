@@ -348,8 +348,8 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     steps = opts.count // opts.batch
     half = nbytes // 2
     what = WORKLOADS[opts.workload].describe(opts)
-    rows = Rows(title=f"training {opts.workload}: {what}, batch {opts.batch}, {opts.epochs - 1} timed epochs, "
-                "items/s = steps/s")  # fmt: skip
+    timed = f"{opts.epochs - 1} timed epochs" + (f" or more ({opts.min_seconds:g} s)" if opts.min_seconds else "")
+    rows = Rows(title=f"training {opts.workload}: {what}, batch {opts.batch}, {timed}, items/s = steps/s")
     rows.peers[data_name(opts)] = persistent_name(opts)
     jobs: list[tuple[str, Callable[[], TrainRow]]] = [
         ("ceiling", lambda: ceiling(opts, steps)),
@@ -409,6 +409,16 @@ DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
+MIN_SECONDS_GPU = 3.0  # a row's timed steps on a GPU at least add up to this (a spheres epoch is 0.06 s on an H100)
+
+
+def _min_seconds(given: float | None, device: str) -> float:
+    """--min-seconds as given, else MIN_SECONDS_GPU on a CUDA device and 0 on CPU (whose steps take seconds)."""
+    if given is not None:
+        return given
+    return MIN_SECONDS_GPU if device.startswith("cuda") else 0.0
+
+
 def _spacing(text: str | None) -> tuple[float, float] | None:
     if text is None:
         return None
@@ -449,6 +459,10 @@ def train(
     rounds: Annotated[
         int, typer.Option(min=1, help="every row N times, interleaved; rows are medians, ratios per round")
     ] = 1,
+    min_seconds: Annotated[
+        float | None,
+        typer.Option(min=0, help="more epochs until a row's timed steps add up to this; default 3 on a GPU, 0 on CPU"),
+    ] = None,
     shape_range: Annotated[
         float | None, typer.Option(help="volumes' edges vary by +- this fraction (NIfTI workloads); default own")
     ] = None,
@@ -471,7 +485,7 @@ def train(
                              tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
                              rows=tuple(r for r in rows.split(",") if r), workload=name,
                              shape_range=shape_range, spacing_range=_spacing(spacing_range),
-                             rounds=rounds)  # fmt: skip
+                             rounds=rounds, min_seconds=_min_seconds(min_seconds, opts.device))  # fmt: skip
         if name == "mednist":  # 2D classification: no crop
             topts.crop = topts.size
         if topts.crop > topts.size * 1.4 or topts.count < topts.batch:

@@ -38,6 +38,7 @@ class TrainOptions:
     shape_range: float | None = None  # volumes' edges vary by +-this fraction; None: the workload's own
     spacing_range: tuple[float, float] | None = None  # voxel spacings in mm drawn from this range; None: own
     rounds: int = 1  # every row this many times, interleaved; a row is its median round
+    min_seconds: float = 0.0  # epochs after `epochs` run until the timed steps add up to this many seconds
 
     @property
     def gpu(self) -> bool:
@@ -137,7 +138,9 @@ def on_device(x: Any, device: str) -> Any:
 
 def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts: TrainOptions,
               device: str | None = None, ddp: bool = False, note: str = "") -> TrainRow:  # fmt: skip
-    """Train `opts.epochs` epochs over `epochs(e)`; time every epoch after the first."""
+    """Train `opts.epochs` epochs over `epochs(e)`, and more until the timed steps add up to `opts.min_seconds`
+    (a `spheres` epoch is 12 steps of 5 ms on an H100: two timed epochs were 0.12 s, and one configuration's
+    rounds differed by 1.7x); time every epoch after the first."""
     import torch
 
     device = device or opts.device
@@ -145,7 +148,8 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
     # the training stream, as loss.item() syncs it; a loader's own stream (batches ahead) is not waited for
     sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.startswith("cuda") else (lambda: None)
     row = TrainRow(name, kind, note=note)
-    for epoch in range(opts.epochs):
+    epoch = 0
+    while epoch < opts.epochs or (epoch > 1 and row.seconds < opts.min_seconds):
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
@@ -167,6 +171,7 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
                 row.cpu_seconds += time.process_time() - cpu0
         if expected is not None and seen < expected:  # a loader thread died: its error was printed above
             raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
+        epoch += 1
     if row.steps == 0:
         raise Unavailable(f"{name}: no timed steps (need --epochs >= 2 and count >= batch)")
     return row
