@@ -159,7 +159,7 @@ def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
-def _stat_key(path: Path) -> tuple[int, int, int] | None:
+def _stat_key(path: str | Path) -> tuple[int, int, int] | None:
     """(inode, size, mtime) of a file, None when missing: manifest.json is replaced by rename on a rebuild."""
     try:
         st = os.stat(path)
@@ -184,7 +184,8 @@ class PreparedCache:
         args.cache_dir(cache_dir)
         # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
         self.root = Path(cache_dir).absolute()
-        self._manifest_stat = _stat_key(self.root / MANIFEST)
+        self._manifest_path = str(self.root / MANIFEST)  # stat'ed before every read (check_current)
+        self._manifest_stat = _stat_key(self._manifest_path)
         self.manifest = read_manifest(self.root)
         self.generation = self.manifest.get("generation")
         self.files = self._file_checks()
@@ -247,10 +248,10 @@ class PreparedCache:
     def check_current(self) -> None:
         """FormatError in one line when the cache was rebuilt (or removed) since this reader opened it: a
         stat of manifest.json when nothing changed, its generation compared when it did."""
-        path = self.root / MANIFEST
-        key = _stat_key(path)
+        key = _stat_key(self._manifest_path)
         if key == self._manifest_stat and key is not None:
             return
+        path = self.root / MANIFEST
         try:
             generation = json.loads(path.read_bytes()).get("generation")
         except (OSError, ValueError, AttributeError, RecursionError):

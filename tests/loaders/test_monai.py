@@ -104,6 +104,20 @@ def test_matches_by_source_when_reordered(prepared: dict[str, Any]) -> None:
         PreparedPersistentDataset(extra, transform, prepared["cache"], backend="posix")[6]
 
 
+def test_an_entry_changed_in_place_is_looked_up_again(prepared: dict[str, Any]) -> None:
+    """A position found in place is not read again per item, but an entry the user changed since (in place, or
+    by set_data) is looked up again, as PersistentDataset hashes each entry when it reads it."""
+    from loaders.monai import PreparedPersistentDataset
+
+    data = [dict(e) for e in prepared["data"]]
+    ours = PreparedPersistentDataset(data, _transform(prepared["pipeline"]), prepared["cache"], backend="posix")
+    assert ours._lookup(0) == 0 and ours._lookup(0) == 0
+    data[0].update(prepared["data"][1])  # in place: now it names item 1's files
+    assert ours._lookup(0) == 1
+    ours.set_data(list(reversed(prepared["data"])))
+    assert ours._lookup(0) == len(prepared["data"]) - 1
+
+
 def test_stale_pipeline_is_refused(prepared: dict[str, Any]) -> None:
     from loaders.monai import PreparedPersistentDataset
 
