@@ -28,21 +28,22 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_train_rows_table_and_files(out: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rows_wanted = "persistent,drop-in,transport,transport-tail,transport-peer,fast,fast-half"
+    rows_wanted = "persistent,drop-in,transport,transport-tail,transport-peer,transport-tail-meta,fast,fast-half"
     status = benchmark.main(["train", *TINY, "--rows", rows_wanted, "--out", str(out)])
     printed = capsys.readouterr().out
     assert status == 0, printed
     rows = _rows(out / "bench.csv")
     names = [r["name"] for r in rows]
-    assert names[0].startswith("compute only") and len(rows) == 8, names
+    assert names[0].startswith("compute only") and len(rows) == 9, names
     for r in rows:
         assert int(r["items"]) == 2 and float(r["items_per_s"]) > 0 and r["data"] == "train"
     assert float(rows[0]["x_ceiling"]) == pytest.approx(1.0)
     persistent = next(r for r in rows if r["name"].startswith("monai PersistentDataset"))
     assert float(persistent["x_peer"]) == pytest.approx(1.0)
     transport = [r for r in rows if r["name"].startswith("DataLoader(")]  # the DataLoader's own ceilings
-    assert [r["kind"] for r in transport] == ["reference"] * 3 and "x best MONAI" not in transport[0]["note"]
+    assert [r["kind"] for r in transport] == ["reference"] * 4 and "x best MONAI" not in transport[0]["note"]
     assert "the tail after the crop" in transport[1]["name"] and "PersistentDataset's own" in transport[2]["name"]
+    assert "MONAI's own crops (MetaTensors)" in transport[3]["name"]
     doc = json.loads((out / "bench.json").read_text())
     for r in doc["results"]:
         assert 0 <= r["extra"]["waiting %"] < 100

@@ -136,6 +136,34 @@ def transport_peer(datalist: Path, pipeline: Path, opts: TrainOptions, work: Pat
     return time_loop(name, "reference", _loader_epochs(loader), opts)
 
 
+class CropItems(PeerItems):
+    """MONAI's own crops of `PersistentDataset`'s cached head outputs (MetaTensors, their meta and applied
+    operations), made once; each item a fresh copy run through the tail after the crop: what the tail costs
+    per item on what a drop-in hands it, with no read and no crop draw."""
+
+    def __init__(self, n: int, made: list[Any], tail: Any) -> None:
+        super().__init__(n, made)
+        self.tail = tail
+
+    def __getitem__(self, index: int) -> Any:
+        return self.tail(super().__getitem__(index))
+
+
+def transport_tail_meta(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
+    """`DataLoader(W)` over `CropItems` (the `transport-tail-meta` row), into the same training loop."""
+    from loaders.chain import split
+    from loaders.folds import is_fold_crop
+
+    _, tail = split(transform_of(pipeline, opts.seed))
+    if WORKLOADS[opts.workload].thread_loader or not tail or not is_fold_crop(tail[0]):
+        raise Unavailable(f"{opts.workload}: no crop first in its tail, or no DataLoader workers (see transport-peer)")
+    ds = _persistent_dataset(datalist, pipeline, opts, work)
+    made = [tail[0](_fresh(ds._cachecheck(ds.data[i]))) for i in range(min(len(ds), 8))]
+    loader = _dataloader(CropItems(len(ds), made, _after_crop(pipeline, opts)), opts, opts.workers)
+    name = f"DataLoader({opts.workers}) + the tail after the crop per item: MONAI's own crops (MetaTensors), made ahead"
+    return time_loop(name, "reference", _loader_epochs(loader), opts)
+
+
 def transport(opts: TrainOptions, pipeline: Path | None = None) -> TrainRow:
     """`DataLoader(W)` (the peers' settings) over `ReadyItems` of the batch's shapes, into the same training loop;
     with `pipeline`, each item runs through the tail after the crop (`TailItems`: the `transport-tail` row)."""
@@ -362,6 +390,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("transport", lambda: transport(opts)),
         ("transport-tail", lambda: transport(opts, pipeline)),
         ("transport-peer", lambda: transport_peer(datalist, pipeline, opts, work)),
+        ("transport-tail-meta", lambda: transport_tail_meta(datalist, pipeline, opts, work)),
         ("fast-auto", lambda: fast_path(pipeline, cache, opts, "auto", "defaults (gpu_budget=auto)")),
         ("fast", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier (page cache), crop read")),
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
@@ -450,6 +479,7 @@ def train(
         typer.Option(
             help="only these rows, comma-separated (the ceiling always runs): "
             "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,transport-tail,transport-peer,"
+            "transport-tail-meta,"
             "fast-auto,fast,"
             "fast-whole,fast-half,fast-budget,fast-feeder; fast, fast-auto or fast-half with PreparedLoader "
             "options: fast@tail_thread=False;switch_interval=0.0005"
