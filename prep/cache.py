@@ -277,7 +277,13 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     item_s, probed = None, 0
     sig = crop_sets_of(run.pipe.tail) if todo else None
     made = stack.enter_context(closing(WorkerSets(root, sig))) if sig is not None else None
-    sink = made.add if made is not None else None
+    item_cpu = [0.0]  # the items' own CPU seconds on their threads (statuses), against the workers' whole
+
+    def sink(statuses: list[dict[str, Any]]) -> None:
+        item_cpu[0] += sum(float(s.get("cpu") or 0.0) for s in statuses)
+        if made is not None:
+            made.add(statuses)
+
     if todo:
         keep_pipeline(run.pipe)
         if starter is None and _start_early(run, len(todo)):
@@ -316,6 +322,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if made is not None:  # "" where a resumed run's items have none: prepare_cache's pass makes them
         summary.sampling = made.write(state.order(len(items)), run.pipe.tail)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
+    summary.item_cpu_s = item_cpu[0]
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
         each = items_per_worker(run.workers)

@@ -223,13 +223,20 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
             for n, (item, entry, section) in enumerate(items, 1):
                 if _stop.is_set():
                     break
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 with _head_slots(spec.heads):
                     record = _prepare_one(head, shards, item, entry, section, spec.max_item_bytes, spec.sets)
                 sets = record.pop("_sets", None)  # bytes for `prep cache`, not for the journal
                 pending.append(record)
                 seconds = time.perf_counter() - t0
-                statuses.append({"item": item, "quarantined": record.get("quarantined"), "seconds": seconds})
+                statuses.append(
+                    {
+                        "item": item,
+                        "quarantined": record.get("quarantined"),
+                        "seconds": seconds,
+                        "cpu": time.thread_time() - c0,
+                    }
+                )  # this thread's: torch's other threads not counted
                 if sets is not None:
                     statuses[-1]["sets"] = sets
                 written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))

@@ -91,6 +91,7 @@ def test_worker_threads_bit_exact_and_torch_threads_restored(tmp_path: Path, nif
     before = torch.get_num_threads()
     summary = prepare_cache(nifti_dataset, SPHERES, tmp_path / "cache", workers=2, batch_size=1)
     assert summary.n_items == 6 and torch.get_num_threads() == before
+    assert summary.item_cpu_s > 0  # every item's own CPU came back with its status, the probe's items' too
     cache = PreparedCache(tmp_path / "cache")
     head = load_pipeline(SPHERES).head_compose()  # this thread, torch's default threads
     for item, (_, entry) in enumerate(load_datalist(nifti_dataset)):
