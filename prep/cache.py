@@ -313,6 +313,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if starter is not None:
         starter.close()  # before the commit: no worker may still write
     worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
+    start_cpu_s = starter.start_cpu_s if starter is not None else 0.0
     state = read_journals(root)
     missing = [i for i in range(len(items)) if i not in state.finished]
     if missing:
@@ -322,7 +323,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if made is not None:  # "" where a resumed run's items have none: prepare_cache's pass makes them
         summary.sampling = made.write(state.order(len(items)), run.pipe.tail)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
-    summary.item_cpu_s = item_cpu[0]
+    summary.item_cpu_s, summary.worker_start_cpu_s = item_cpu[0], start_cpu_s
     if todo and not run.scheduler:
         how = "processes" if processes else "threads"
         each = items_per_worker(run.workers)

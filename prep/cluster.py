@@ -182,7 +182,7 @@ class ClusterStarter:
     """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or processes forked
     by the forkserver, see prep.processes), on a thread; then loads `pipeline` on every worker process.
     `client()` waits for it; use as a context manager. `worker_cpu_s`: after close, the CPU seconds the local
-    worker processes used (they are not this process's children)."""
+    worker processes used (they are not this process's children); `start_cpu_s`: theirs once started."""
 
     def __init__(
         self, workers: int, scheduler: str | None, processes: bool = True, pipeline: str | Path | None = None,
@@ -195,6 +195,7 @@ class ClusterStarter:
         self.processes = bool(processes) and not scheduler  # local worker processes (not threads, not a scheduler)
         self.pids: list[int] = []  # local worker processes
         self.worker_cpu_s = 0.0
+        self.start_cpu_s = 0.0  # the local worker processes' CPU seconds once started and warm
         target = None
         if pipeline is not None:
             path = Path(pipeline).resolve()
@@ -249,6 +250,9 @@ class ClusterStarter:
             # the tasks themselves report a pipeline that does not load, with its reason
             with suppress(Exception):
                 self._client.run(warm, *target)
+        if processes and not scheduler:  # what starting them cost (on this thread: beside the probe)
+            with suppress(Exception):
+                self.start_cpu_s = sum(self._client.run(cpu_seconds).values())
 
     def client(self) -> Any:
         """The connected distributed.Client (waits for the start; re-raises its error)."""

@@ -37,6 +37,7 @@ class CacheSummary:
     sampling: str = ""  # the label-driven crop's sampling sets (prep.sampling), when the tail starts with one
     worker_cpu_s: float = 0.0  # CPU seconds of the local worker processes (not this process's children)
     item_cpu_s: float = 0.0  # CPU seconds of this run's items on their own threads (check, head, write, sets)
+    worker_start_cpu_s: float = 0.0  # the local worker processes' CPU seconds once started and warm
     repeats: str = ""  # repeated datalist entries, said once (prep.datalist.Repeats.note)
 
     @property

@@ -194,6 +194,7 @@ def test_forkserver_workers_warm_the_pipeline_and_prepare(nifti_dataset: Path, t
         run_tasks(client, _spec(tmp_path), items, list(range(len(items))), 3, pids=starter.pids)
     state = read_journals(tmp_path)
     assert sorted(state.done) == list(range(len(items))) and not state.quarantined
+    assert 0 < starter.start_cpu_s < starter.worker_cpu_s  # started and warm, then the tasks' CPU on top
 
 
 _AT_ONCE = {"now": 0, "most": 0}

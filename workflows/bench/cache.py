@@ -109,6 +109,7 @@ def prep(data: str, datalist: Path, pipeline: Path, out: Path, workers: int, pro
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0 + summary.worker_cpu_s
     extra = {"CPU ms/item": cpu / summary.n_items * 1e3,
              "items' own CPU ms/item": summary.item_cpu_s / summary.n_items * 1e3,
+             "workers' start CPU ms/item": summary.worker_start_cpu_s / summary.n_items * 1e3,
              "disk/tensor bytes": summary.bytes_on_disk / max(1, summary.tensor_bytes)}  # fmt: skip
     return Result(f"{data}: prep cache, {summary.mode}", data, summary.n_items, seconds, summary.tensor_bytes,
                   "ours", "start-up and commit included", extra)  # fmt: skip
