@@ -108,6 +108,16 @@ def test_min_seconds_adds_epochs_until_the_timed_steps_add_up(out: Path) -> None
         assert float(r["seconds"]) >= 0.5 and int(r["items"]) > 2 and int(r["items"]) % 2 == 0, r
 
 
+def test_min_seconds_stops_on_a_source_with_no_batches() -> None:
+    """Epochs with no steps never add up to --min-seconds: the row stops and says so instead of looping."""
+    from workflows.bench.core import Unavailable
+    from workflows.bench.train_loop import TrainOptions, time_loop
+
+    opts = TrainOptions(size=24, crop=16, batch=2, epochs=2, device="cpu", channels=(4, 8), min_seconds=60.0)
+    with pytest.raises(Unavailable, match="no timed steps"):
+        time_loop("empty", "ours", lambda epoch: [], opts)
+
+
 def test_bad_options_exit_2() -> None:
     assert benchmark.main(["train", "--epochs", "1"]) == 2
     assert benchmark.main(["train", "--crop", "64", "--size", "32"]) == 2

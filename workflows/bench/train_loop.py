@@ -149,7 +149,7 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
     sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.startswith("cuda") else (lambda: None)
     row = TrainRow(name, kind, note=note)
     epoch = 0
-    while epoch < opts.epochs or (epoch > 1 and row.seconds < opts.min_seconds):
+    while epoch < opts.epochs or (epoch > 1 and row.steps and row.seconds < opts.min_seconds):  # none: stop
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
