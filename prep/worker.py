@@ -27,6 +27,7 @@ from loaders.format import JOURNAL_DIR, SHARD_DIR, align_up
 from loaders.meta import meta_line, split_output
 from loaders.writing import ShardWriter
 from prep.errors import StaleError
+from prep.grids import shared_grids
 from prep.inflated import served
 from prep.journal import JournalWriter
 from prep.pipeline import Pipeline, load_pipeline
@@ -294,7 +295,7 @@ def _prepare_one(
     if bad:
         return _quarantined(item, entry, bad, max_bytes)
     try:
-        with served(decoded):
+        with served(decoded), shared_grids():
             arrays, parts = split_output(head(dict(entry)))
     except Exception as exc:  # any failure of the user's head on this input quarantines the item
         reason = _root_cause(exc)
