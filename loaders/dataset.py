@@ -237,10 +237,14 @@ class DatasetCore:
         return unflatten(flat)
 
     def _read_item(self, item: int) -> dict[str, Any]:
-        """One item into a reused host buffer with one backend call: {key: tensor view of the buffer}."""
+        """One item: {key: tensor}, views of copy-on-write mappings of its bytes where read buffered on the host
+        (`Reader.mapped`), else of one host buffer read with one backend call."""
         import torch
 
         plan = self._plan(item)
+        arrays = None if plan.read.small else self.reader.mapped(plan.read)
+        if arrays is not None:  # buffered reads: the page cache's pages, mapped, none copied
+            return {k: torch.from_numpy(a).view(dt).reshape(shape) for (k, *_, dt, shape), a in zip(plan.views, arrays)}
         # In a DataLoader worker process the workers are the parallelism (torch gives each one intra-op
         # thread): a thread handoff per piece only costs CPU there, so one tensor per call.
         worker = not plan.read.small and torch.utils.data.get_worker_info() is not None

@@ -409,6 +409,16 @@ class Reader:
                 check(e, host_array(buf[at : at + e.nbytes]))
         return Fetched(plan, buf, plan.nbytes, backend.gpu, into if self.gpu and not backend.gpu else None)
 
+    def mapped(self, plan: ReadPlan) -> list[np.ndarray] | None:
+        """The whole tensors of `plan` (in `plan.tensors` order) as copy-on-write mappings of their bytes
+        (`PosixBackend.mapped`: nothing copied, only the pages touched come in), or None where this reader does
+        not read buffered on the host (another backend, a GPU, checksums to verify, regions) or a shard is
+        short: then `fetch` reads them."""
+        backend = self.backend
+        if self.verify or self.gpu or plan.regions or not hasattr(backend, "mapped"):
+            return None
+        return backend.mapped([ReadRequest(e.shard, e.offset, e.nbytes) for _, e, _ in plan.tensors])
+
     def _fetch_regions(self, plan: ReadPlan, into: Slot | None) -> Fetched:
         reads = [r for _, r in plan.regions]
         if not plan.packed:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from loaders.backends.base import Backend, FdCache, ReadRequest, pread_full, short_read
 
@@ -41,6 +44,29 @@ class PosixBackend(Backend):
         """One pread per request on the calling thread: buffered reads of a small item need no pool."""
         for req, buf in zip(requests, buffers):
             self._one(req, buf)
+
+    def mapped(self, requests: Sequence[ReadRequest]) -> list[np.ndarray] | None:
+        """Each request's bytes as a writable copy-on-write private mapping of the file (no copy: pages of the
+        page cache come in as they are touched; a write makes this process's own copy of that page, never the
+        file's), or None when a file is shorter than a request (the read path then names the short read).
+        The mapping lives as long as the array (or a tensor over it) does. A tensor that is cropped and then
+        copied touches only the crop's pages (spheres 160^3, a 32^3 crop: 0.1 ms, where reading the item
+        into a new buffer took 2.4-20 ms, 2-core box); a file truncated while mapped would fault (SIGBUS):
+        a committed cache's shards are never truncated (`prep.commit` trims shards before the commit)."""
+        out = []
+        for req in requests:
+            fd = self._fds.get(req.path)
+            if os.fstat(fd).st_size < req.offset + req.nbytes:
+                return None
+            start = req.offset - req.offset % mmap.ALLOCATIONGRANULARITY
+            skip = req.offset - start
+            if req.nbytes == 0:
+                out.append(np.empty(0, dtype=np.uint8))
+                continue
+            mm = mmap.mmap(fd, skip + req.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=start)  # fmt: skip
+            out.append(np.frombuffer(mm, dtype=np.uint8)[skip:])
+        return out
 
     def close(self) -> None:
         super().close()

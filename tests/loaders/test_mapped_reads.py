@@ -1,0 +1,77 @@
+"""Items read buffered on the host come as copy-on-write mappings of the page cache (`Reader.mapped`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders.errors import BackendError, ChecksumError
+from loaders.writing import write_items
+
+torch = pytest.importorskip("torch")
+from loaders.dataset import PreparedDataset  # noqa: E402
+from loaders.reads import Reader  # noqa: E402
+
+
+def _cache(root: Path, n: int = 3) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(2)
+    items = [{"image": rng.random((1, 64, 64, 64), dtype=np.float32),  # 1 MiB: not a small item
+              "label": rng.integers(0, 3, (1, 64, 64, 64), dtype=np.uint8)} for _ in range(n)]  # fmt: skip
+    write_items(root, items)
+    return items
+
+
+def test_item_tensors_are_mappings_with_the_stored_values_and_writes_stay_private(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    items = _cache(root)
+    shards = {p: p.read_bytes() for p in (root / "shards").glob("*.bin")}
+    ds = PreparedDataset(root, backend="posix", meta=False)
+    assert ds.reader.mapped(ds._plan(0).read) is not None  # this is the mapped path
+    for i, item in enumerate(items):
+        got = ds[i]
+        for key in ("image", "label"):
+            assert np.array_equal(got[key].numpy(), item[key]), key
+    first = ds[0]
+    first["image"].add_(1.0)  # a tail writing in place: this process's own pages
+    first["label"][:, :8] = 9
+    again = ds[0]
+    assert np.array_equal(again["image"].numpy(), items[0]["image"])
+    assert np.array_equal(again["label"].numpy(), items[0]["label"])
+    assert {p: p.read_bytes() for p in shards} == shards  # the files are untouched
+    ds.close()
+
+
+def test_a_short_shard_is_named_not_mapped(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    _cache(root)
+    (shard,) = (root / "shards").glob("*.bin")
+    ds = PreparedDataset(root, backend="posix", meta=False)  # opened whole: the open checks the extents
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - (3 << 20))  # the last item's image is past the end now
+    assert ds.reader.mapped(ds._plan(2).read) is None
+    with pytest.raises(BackendError, match="short read"):
+        ds[2]
+    ds.close()
+
+
+def test_checksums_and_other_backends_read_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "c"
+    items = _cache(root)
+    (shard,) = (root / "shards").glob("*.bin")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF  # in the first item's first tensor
+    shard.write_bytes(bytes(data))
+    checked = PreparedDataset(root, backend="posix", meta=False, verify=True)
+    assert checked.reader.mapped(checked._plan(0).read) is None
+    with pytest.raises(ChecksumError):
+        checked[0]
+    checked.close()
+    calls: list[int] = []
+    real = Reader.mapped
+    monkeypatch.setattr(Reader, "mapped", lambda self, plan: calls.append(1) or real(self, plan))
+    direct = PreparedDataset(root, backend="direct", meta=False)
+    assert np.array_equal(direct[1]["image"].numpy(), items[1]["image"])
+    assert calls and direct.reader.mapped(direct._plan(1).read) is None  # O_DIRECT: never the page cache
+    direct.close()
