@@ -7,7 +7,9 @@ warns of deadlocks in the children on every version, and a process where CUDA is
 at all. The forkserver is a fresh single-threaded interpreter that never touches CUDA and forks each worker
 from its own main thread, one at a time.
 
-It preloads torch, MONAI's transforms and `prep.worker` (PRELOAD), and `prep cache` starts it while it plans
+It preloads torch, MONAI's transforms and `prep.worker` (PRELOAD), then freezes those objects (`prep.frozen`:
+the workers' garbage collector leaves their shared pages alone; H200 box, spheres W16, 2026-11-26: 0.77 -> 0.26
+CPU s a worker at its start, 51.7k -> 12.5k page faults), and `prep cache` starts it while it plans
 and times the head on one item, so its imports overlap that work. Measured on the 2-core box (2026-11-25,
 spheres head, until every worker has loaded the pipeline; the box shared with other jobs): 2 / 4 workers
 forked from `prep cache` 1.75 / 1.87 s; forkserver with distributed's preload (each worker imports torch and
@@ -24,7 +26,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PRELOAD = ("prep.nosigint", "distributed", "torch", "monai.transforms", "prep.worker")
+PRELOAD = ("prep.nosigint", "distributed", "torch", "monai.transforms", "prep.worker", "prep.frozen")
 PRELOAD_S = 4.0  # the forkserver's imports of PRELOAD (2-core box: 3-5.5 s, shared with other work)
 _lock = threading.Lock()
 _started_at: float | None = None  # time.monotonic() when this process started its forkserver
