@@ -248,8 +248,10 @@ class ClusterStarter:
         # an in-process worker shares the main thread's imports: nothing to warm
         if target is not None and (processes or scheduler):
             # the tasks themselves report a pipeline that does not load, with its reason
+            # local processes take what this process found of the transforms' classes (same installation)
+            found = chain.runtime_attrs_found() if processes and not scheduler else None
             with suppress(Exception):
-                self._client.run(warm, *target)
+                self._client.run(warm, *target, found)
         if processes and not scheduler:  # what starting them cost (on this thread: beside the probe)
             with suppress(Exception):
                 self.start_cpu_s = sum(self._client.run(cpu_seconds).values())

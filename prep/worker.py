@@ -145,10 +145,15 @@ def warm_torch() -> None:
             _torch_warmed = True
 
 
-def warm(pipeline: str, bundle_key: str | None) -> str:
+def warm(pipeline: str, bundle_key: str | None, found: dict[str, list[str]] | None = None) -> str:
     """Load a pipeline into this worker's cache ahead of its tasks (unless this process has it: forked from
-    `prep cache`, which did, see `keep_pipeline`); returns its fingerprint."""
+    `prep cache`, which did, see `keep_pipeline`); returns its fingerprint. `found`: what `prep cache`'s own
+    process found of the transforms' classes (`loaders.chain.runtime_attrs_found`; local worker processes)."""
     warm_torch()
+    if found:
+        from loaders.chain import take_runtime_attrs
+
+        take_runtime_attrs(found)
     with _lock:
         known = [key[2] for key in _pipelines if key[:2] == (pipeline, bundle_key)]
     if known:

@@ -58,6 +58,26 @@ def test_fingerprint_ignores_random_state() -> None:
     assert chain.fingerprint([a]) == chain.fingerprint([b])
 
 
+def test_a_process_given_what_another_found_fingerprints_alike_without_reading_sources(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    head = chain.split(_chain())[0]
+    want = chain.fingerprint(head)
+    found = chain.runtime_attrs_found()
+    assert "monai.transforms.spatial.dictionary:Spacingd" in found
+    monkeypatch.setattr(chain, "_RUNTIME", {})  # a fresh worker process
+    monkeypatch.setattr(chain, "_GIVEN", {})
+
+    def no_sources(cls: type) -> frozenset[str]:
+        raise AssertionError(f"{cls.__qualname__}: read its source")
+
+    monkeypatch.setattr(chain, "_source_runtime_attrs", no_sources)
+    chain.take_runtime_attrs(found)
+    assert chain.fingerprint(head) == want
+    with pytest.raises(AssertionError, match="RandFlipd: read its source"):  # a class nobody gave: its source
+        chain.fingerprint([RandFlipd(keys=["image"])])
+
+
 @pytest.mark.slow
 def test_fingerprint_same_in_another_process() -> None:
     code = (

@@ -57,25 +57,39 @@ FROZEN = """
 import gc
 import json
 
+import sys
+
+
+def given():
+    from loaders import chain
+
+    return len(chain._GIVEN)
+
+
 if __name__ == "__main__":
     from prep.cluster import ClusterStarter
+    from prep.pipeline import load_pipeline
 
-    with ClusterStarter(2, None, processes=True) as starter:
+    load_pipeline(sys.argv[1])  # prep cache's planning: its fingerprint analyses the transforms' classes
+    with ClusterStarter(2, None, processes=True, pipeline=sys.argv[1]) as starter:
         counts = starter.client().run(gc.get_freeze_count)
-    print(json.dumps({"workers": sorted(counts.values()), "own": gc.get_freeze_count()}))
+        taken = starter.client().run(given)
+    print(json.dumps({"workers": sorted(counts.values()), "own": gc.get_freeze_count(), "given": list(taken.values())}))
 """
 
 
 @pytest.mark.slow
-def test_worker_processes_start_with_the_forkservers_imports_frozen(tmp_path: Path) -> None:
+def test_worker_processes_start_frozen_and_take_the_planners_class_analysis(tmp_path: Path) -> None:
     """The forkserver freezes what it imported (prep.frozen): a worker's garbage collector leaves those objects'
     shared pages alone (16-core box, spheres W16: 51.7k -> 12.5k page faults and 0.77 -> 0.26 CPU s a worker
-    at its start); `prep cache`'s own process is not frozen."""
+    at its start); `prep cache`'s own process is not frozen. Workers warm with what the planner found of the
+    transforms' classes (`loaders.chain.take_runtime_attrs`)."""
     script = tmp_path / "frozen.py"
     script.write_text(FROZEN)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([sys.executable, str(script), str(SPHERES)], capture_output=True, text=True, timeout=600,
                           env=subprocess_env())  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(got["workers"]) == 2 and all(n > 10_000 for n in got["workers"]), proc.stdout  # torch, MONAI
     assert got["own"] == 0
+    assert len(got["given"]) == 2 and min(got["given"]) >= 4  # the head's classes, analysed once by the planner
