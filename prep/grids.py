@@ -23,6 +23,7 @@ from typing import Any
 
 _LOCAL = threading.local()  # .on (inside shared_grids), .last: (key, grid, grid._version)
 _INSTALLED: list[Any] = []
+_INSTALL_LOCK = threading.Lock()  # threads of one worker start items at once
 MIN_POINTS = 32**3  # smaller grids cost less than the key
 
 
@@ -61,12 +62,13 @@ def _shared(original: Any) -> Any:
 
 def _install() -> None:
     """Put the sharing function in front of torch's `affine_grid` (once per process)."""
-    if _INSTALLED:
-        return
-    import torch.nn.functional as F
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        import torch.nn.functional as F
 
-    F.affine_grid = _shared(F.affine_grid)
-    _INSTALLED.append(True)
+        F.affine_grid = _shared(F.affine_grid)
+        _INSTALLED.append(True)
 
 
 @contextmanager

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from loaders.backends.base import Backend, FdCache, ReadRequest, pread_full, short_read
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _private_map(fd: int, offset: int, length: int) -> np.ndarray | None:
+    """`length` bytes of `fd` from `offset` (page-aligned) as a uint8 array over a MAP_PRIVATE mapping, unmapped
+    when the array's buffer is collected; None when mmap fails (too many mappings: the caller reads instead).
+    Python's `mmap.mmap` would keep a duplicate descriptor open per mapping: items held in memory would use up
+    the process's descriptors."""
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    buffer = (ctypes.c_ubyte * length).from_address(addr)
+    weakref.finalize(buffer, _libc.munmap, addr, length)
+    return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
 
 
 class PosixBackend(Backend):
@@ -48,24 +69,25 @@ class PosixBackend(Backend):
     def mapped(self, requests: Sequence[ReadRequest]) -> list[np.ndarray] | None:
         """Each request's bytes as a writable copy-on-write private mapping of the file (no copy: pages of the
         page cache come in as they are touched; a write makes this process's own copy of that page, never the
-        file's), or None when a file is shorter than a request (the read path then names the short read).
-        The mapping lives as long as the array (or a tensor over it) does. A tensor that is cropped and then
-        copied touches only the crop's pages (spheres 160^3, a 32^3 crop: 0.1 ms, where reading the item
-        into a new buffer took 2.4-20 ms, 2-core box); a file truncated while mapped would fault (SIGBUS):
-        a committed cache's shards are never truncated (`prep.commit` trims shards before the commit)."""
+        file's), or None when a file is shorter than a request or the mapping fails (the read path then reads,
+        or names the short read). A mapping holds no file descriptor and is unmapped when the array and every
+        view of it (a tensor over it) are gone. A tensor that is cropped and then copied touches only the crop's
+        pages (spheres 160^3, a 32^3 crop: 0.1 ms, where reading the item into a new buffer took 2.4-20 ms,
+        2-core box); a file truncated while mapped would fault (SIGBUS): a committed cache's shards are never
+        truncated (`prep.commit` trims shards before the commit)."""
         out = []
         for req in requests:
             fd = self._fds.get(req.path)
             if os.fstat(fd).st_size < req.offset + req.nbytes:
                 return None
-            start = req.offset - req.offset % mmap.ALLOCATIONGRANULARITY
-            skip = req.offset - start
             if req.nbytes == 0:
                 out.append(np.empty(0, dtype=np.uint8))
                 continue
-            mm = mmap.mmap(fd, skip + req.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                           offset=start)  # fmt: skip
-            out.append(np.frombuffer(mm, dtype=np.uint8)[skip:])
+            start = req.offset - req.offset % mmap.ALLOCATIONGRANULARITY
+            array = _private_map(fd, start, req.offset - start + req.nbytes)
+            if array is None:
+                return None
+            out.append(array[req.offset - start :])
         return out
 
     def close(self) -> None:

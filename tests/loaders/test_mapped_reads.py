@@ -75,3 +75,26 @@ def test_checksums_and_other_backends_read_as_before(tmp_path: Path, monkeypatch
     assert np.array_equal(direct[1]["image"].numpy(), items[1]["image"])
     assert calls and direct.reader.mapped(direct._plan(1).read) is None  # O_DIRECT: never the page cache
     direct.close()
+
+
+def test_items_held_in_memory_hold_no_descriptors(tmp_path: Path) -> None:
+    """Mappings hold no file descriptor (Python's mmap keeps a duplicate one each): a user keeping 2,000 items'
+    tensors (4,000 mappings) uses none, and every mapping goes once its tensors are gone."""
+    import os
+
+    root = tmp_path / "c"
+    items = _cache(root, n=2)
+    ds = PreparedDataset(root, backend="posix", meta=False)
+    ds[0]  # the shard's descriptor opened once
+    fds = len(os.listdir("/proc/self/fd"))
+    maps = Path("/proc/self/maps").read_text().count(str(root))
+    held = [ds[i % 2] for i in range(2000)]
+    assert len(os.listdir("/proc/self/fd")) <= fds + 8  # (other tests' descriptors may close meanwhile)
+    assert Path("/proc/self/maps").read_text().count(str(root)) >= maps + 4000 - 64
+    assert np.array_equal(held[-1]["image"].numpy(), items[1]["image"])
+    del held
+    import gc
+
+    gc.collect()
+    assert Path("/proc/self/maps").read_text().count(str(root)) <= maps + 2
+    ds.close()
