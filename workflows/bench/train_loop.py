@@ -85,7 +85,11 @@ def build_data(opts: TrainOptions, work: Path) -> tuple[Path, Path, Path]:
     root = work / f"train_{tag}{opts.count}x{opts.size}_crop{opts.crop}{vary}".replace(" ", "")
     root.mkdir(parents=True, exist_ok=True)
     pipeline = root / "pipeline.py"
-    pipeline.write_text(load.pipeline(opts))
+    text = load.pipeline(opts)
+    if not pipeline.is_file() or pipeline.read_text() != text:  # DDP ranks call this at once: never truncate
+        part = pipeline.with_name(f".pipeline.{os.getpid()}.py")  # a file another rank may be loading
+        part.write_text(text)
+        os.replace(part, pipeline)
     datalist = root / "nifti" / "dataset.json"
     if not datalist.is_file():
         load.data(opts, root / "nifti")
