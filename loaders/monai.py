@@ -287,8 +287,10 @@ class PersistentCore:
             entry = self.data[index]
             if index in self._in_place and self._in_place[index] == entry:  # a rebuilt cache: the read refuses
                 return index
-            if index < len(cache) and _key(line_source(cache.meta(index))) == _key(entry):
+            line = cache.meta(index) if index < len(cache) else None
+            if line is not None and _key(line_source(line)) == _key(entry):
                 self._in_place[index] = copy.deepcopy(entry)
+                self.dataset.hand_meta(index, line)  # the item's first read needs it too
                 return index
             bases = _source_bases(cache.manifest)
             self._items = {_key(_resolved(line_source(cache.meta(i)), bases)): i for i in range(len(cache))}

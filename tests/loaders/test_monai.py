@@ -118,6 +118,24 @@ def test_an_entry_changed_in_place_is_looked_up_again(prepared: dict[str, Any]) 
     assert ours._lookup(0) == len(prepared["data"]) - 1
 
 
+def test_a_first_read_of_a_position_reads_its_meta_line_once(
+    prepared: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup's meta line goes on to the item's first read (`hand_meta`), with the same output."""
+    from loaders.format import PreparedCache
+    from loaders.monai import PreparedPersistentDataset
+
+    reads: list[int] = []
+    real = PreparedCache.meta
+    monkeypatch.setattr(PreparedCache, "meta", lambda self, item: reads.append(item) or real(self, item))
+    ours = PreparedPersistentDataset(prepared["data"], _transform(prepared["pipeline"]), prepared["cache"],
+                                     backend="posix")  # fmt: skip
+    ours[1]
+    assert reads == [1]  # the lookup's read, handed on (the item's own read of it made it [1, 1])
+    ours[1]
+    assert reads == [1]
+
+
 def test_stale_pipeline_is_refused(prepared: dict[str, Any]) -> None:
     from loaders.monai import PreparedPersistentDataset
 
