@@ -76,3 +76,32 @@ def _under_each_loader() -> list[Any]:
 @pytest.mark.parametrize(("row", "kind"), _under_each_loader())
 def test_dropin_equals_persistent_dataset_under_each_loader(row: Row, kind: str, caches: Any, tmp_path: Path) -> None:
     check_dropin(row, caches, tmp_path, kind)
+
+
+MAPPED_ROWS = ["nested-compose", "ho-nested-head-and-tail", "same-object-twice", "intensity-all-fire",
+               "crop-flip-rot90", "ho-copy-in-head"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [(n, "dataloader-0") for n in MAPPED_ROWS] + [("nested-compose", "dataloader-2")]
+)
+def test_dropin_through_mapped_item_reads_equals_persistent_dataset(
+    name: str, kind: str, caches: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every item read as copy-on-write mappings (`Reader.mapped`: these rows' items are small, so the threshold
+    is lowered to 0), with nested Composes and tails that write in place: batches equal PersistentDataset's."""
+    from loaders import reads
+
+    monkeypatch.setattr(reads, "INLINE_BYTES", 0)
+    mapped: list[bool] = []
+    real = reads.Reader.mapped
+
+    def spy(self: Any, plan: Any) -> Any:
+        got = real(self, plan)
+        mapped.append(got is not None)
+        return got
+
+    monkeypatch.setattr(reads.Reader, "mapped", spy)
+    check_dropin(ALL[name], caches, tmp_path, kind)
+    if kind == "dataloader-0":
+        assert mapped and all(mapped)  # every item of this process came mapped
