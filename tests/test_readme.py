@@ -187,7 +187,7 @@ def test_readme_benchmark_lines_parse(line: str, argv: list[str]) -> None:
     command.make_context(args[at], args[at + 1 :], parent=ctx)  # ... and on the subcommand's options
 
 
-@pytest.mark.parametrize("argv", [["cache", "--rounds", "4"], ["--batchsize", "x", "dali", "--datadir", "d"],
+@pytest.mark.parametrize("argv", [["cache", "--laps", "4"], ["--batchsize", "x", "dali", "--datadir", "d"],
                                   ["nope"], ["dali"]])  # fmt: skip
 def test_the_benchmark_line_check_refuses_drift(argv: list[str]) -> None:
     with pytest.raises((AssertionError, click_error())):

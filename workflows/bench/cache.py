@@ -182,6 +182,8 @@ def cache_scenario(
     images: Annotated[int, typer.Option(min=1, help="mednist: 64x64 JPEGs")] = 2000,
     scaling: Annotated[str, typer.Option(help="worker counts, each capped at this machine's cores")] = "1,4,8,16",
     modes: Annotated[str, typer.Option(help="prep cache modes: auto, threads, processes (comma-separated)")] = "auto",
+    rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds of every way at each W; rows are medians")] = 1,
+    limit: Annotated[bool, typer.Option(help="add the head alone on W warm processes (the limit)")] = True,
 ) -> Rows:
     from prep.cluster import local_cores
 
@@ -204,40 +206,72 @@ def cache_scenario(
             _warm_up(datalist, pipeline, work / "prep")
         print(f" {name}: {what}", flush=True)
         for w in counts:
-            _race(rows, work, f"{name} W{w}", datalist, pipeline, w, [chosen[m] for m in picked])
+            _race(rows, work, f"{name} W{w}", datalist, pipeline, w, [chosen[m] for m in picked], rounds, limit)
     rows.footer = curve(rows, names, counts)
     return rows
 
 
-def _race(rows: Rows, work: Path, data: str, datalist: Path, pipeline: Path, w: int, modes: list[bool | None]) -> None:
-    """The MONAI ways and `prep cache` at `w` workers; the faster MONAI way is the data set's peer."""
-    monai = rows.add(f"{data} CacheDataset", partial(cache_dataset, data, datalist, pipeline, w))
-    monai += rows.add(f"{data} DataLoader", partial(persistent, data, datalist, pipeline, work / "pt", w))
+def _race(
+    rows: Rows, work: Path, data: str, datalist: Path, pipeline: Path, w: int, modes: list[bool | None],
+    rounds: int = 1, limit: bool = False,
+) -> None:  # fmt: skip
+    """The MONAI ways, `prep cache` and (`limit`) the head alone at `w` workers, `rounds` times interleaved;
+    the faster MONAI way (median rows) is the data set's peer."""
+    from prep.cluster import torch_threads_for
+    from workflows.bench.cache_limit import head_alone
+
+    jobs = [(f"{data} CacheDataset", partial(cache_dataset, data, datalist, pipeline, w)),
+            (f"{data} DataLoader", partial(persistent, data, datalist, pipeline, work / "pt", w))]  # fmt: skip
+    jobs += [(f"{data} prep cache {mode}", partial(prep, data, datalist, pipeline, work / "prep", w, mode))
+             for mode in modes]  # fmt: skip
+    if limit:
+        threads = torch_threads_for(w, None, True)
+        jobs.append((f"{data} limit", partial(head_alone, data, _entries(datalist), pipeline, w, threads)))
+    if rounds == 1:
+        for label, job in jobs:
+            rows.add(label, job)
+    else:
+        rows.add_rounds(jobs, rounds)
+    monai = [r for r in rows.results if r.data == data and r.kind == "peer"]
     if monai:
         rows.peers[data] = max(monai, key=lambda r: r.items_per_s).name
-    for mode in modes:
-        rows.add(f"{data} prep cache", partial(prep, data, datalist, pipeline, work / "prep", w, mode))
+
+
+def per_round_ratio(ours: Result, monai: list[Result]) -> str:
+    """Median over rounds of `ours` / the faster MONAI way of the same round ("" with one round)."""
+    mine = ours.extra.get("per round") or []
+    theirs = [r.extra.get("per round") or [] for r in monai]
+    if len(mine) < 2 or any(len(t) != len(mine) for t in theirs) or not theirs:
+        return ""
+    return f"{float(np.median([m / max(t[i] for t in theirs) for i, m in enumerate(mine)])):.2f}"
 
 
 def curve(rows: Rows, names: list[str], counts: list[int]) -> list[str]:
-    """items/s per workload and worker count, one column per way, and prep cache / the faster MONAI way."""
-    head = ["workload", "W", "CacheDataset", "DataLoader", "prep cache", "x best MONAI"]
+    """items/s per workload and worker count, one column per way; prep cache / the head alone (the limit), and
+    / the faster MONAI way (per round: the median of the rounds' ratios, each against that round's faster)."""
+    head = ["workload", "W", "CacheDataset", "DataLoader", "limit", "prep cache", "x limit", "per round",
+            "x best MONAI"]  # fmt: skip
     cells = []
     for name in names:
         for w in counts:
             data = f"{name} W{w}"
             mine = [r for r in rows.results if r.data == data]
-            monai = [next((r.items_per_s for r in mine if way in r.name), None) for way in ("CacheDataset(", "+ Data")]
-            best = max((v for v in monai if v), default=None)
+            monai = [next((r for r in mine if way in r.name), None) for way in ("CacheDataset(", "+ Data")]
+            best = max((r.items_per_s for r in monai if r), default=None)
+            limit = next((r.items_per_s for r in mine if r.kind == "ceiling"), None)
             ours: list[Result | None] = [r for r in mine if r.kind == "ours"]
             for r in ours or [None]:
                 ratio = f"{r.items_per_s / best:.2f}" if r and best else "-"
                 way = r.name.split("prep cache, ")[-1] if r else "-"
-                cells.append([name, str(w), *(f"{v:.1f}" if v else "-" for v in monai),
-                              f"{r.items_per_s:.1f} ({way})" if r else "-", ratio])  # fmt: skip
+                of_limit = f"{r.items_per_s / limit:.2f}" if r and limit else "-"
+                rounds = (per_round_ratio(r, [m for m in monai if m]) if r else "") or "-"
+                cells.append([name, str(w), *(f"{m.items_per_s:.1f}" if m else "-" for m in monai),
+                              f"{limit:.1f}" if limit else "-", f"{r.items_per_s:.1f} ({way})" if r else "-",
+                              of_limit, rounds, ratio])  # fmt: skip
     widths = [max(len(c) for c in col) for col in zip(head, *cells)]
     line = "  ".join(f"{{:<{n}}}" for n in widths)
-    return ["curve: items/s at each worker count; x best MONAI = prep cache / the faster MONAI way",
+    return ["curve: items/s at each worker count; x limit = prep cache / the head alone on W warm processes; "
+            "x best MONAI = prep cache / the faster MONAI way (per round: median of each round's ratio)",
             line.format(*head), *(line.format(*c).rstrip() for c in cells)]  # fmt: skip
 
 

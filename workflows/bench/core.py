@@ -138,6 +138,7 @@ class Rows:
             if len(made) > 1:
                 rates = [x.items_per_s for x in made]
                 row.extra.update(rounds=len(made), min=min(rates), max=max(rates))
+                row.extra["per round"] = [round(x, 3) for x in rates]
                 for key, base in against.items():
                     if base is not None and row.name != base[0].name and len(base) == len(made):
                         per_round = [x.items_per_s / b.items_per_s for x, b in zip(made, base)]
