@@ -160,13 +160,15 @@ def _atomic_save(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]]) -> None:
-    """Write meta.jsonl (one line per item, in item order) and its offsets."""
+def write_meta(cache_dir: str | os.PathLike[str], metas: list[dict[str, Any]], parsed: bool = False) -> None:
+    """Write meta.jsonl (one line per item, in item order) and its offsets. `parsed`: the metas came from
+    `json.loads` (journal records), so they are plain JSON already and skip `to_jsonable`, which is the
+    identity on them (192 spheres items: most of the commit's time)."""
     offsets = np.zeros(len(metas), dtype="<u8")
     chunks = []
     pos = 0
     for i, meta in enumerate(metas):
-        line = (json.dumps(to_jsonable(meta), separators=(",", ":")) + "\n").encode()
+        line = (json.dumps(meta if parsed else to_jsonable(meta), separators=(",", ":")) + "\n").encode()
         if len(line) > MAX_META_LINE:  # readers refuse such a line: say so here, naming the item's source
             source = str(meta.get("source", "?"))[:80] if isinstance(meta, Mapping) else "?"
             raise FormatError(f"item {i} ({source}): its meta is {len(line)} bytes, over the {MAX_META_LINE >> 20} "

@@ -40,7 +40,7 @@ def commit(
         for t in r["tensors"]
     ]
     write_index(root, make_rows(rows))
-    write_meta(root, [r["meta"] for r in records])
+    write_meta(root, [r["meta"] for r in records], parsed=True)  # journal lines, parsed by read_journals
     (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
     _, bmap_note = write_bmap(root)  # before the manifest: a committed cache has its map (where FIEMAP works)
     quarantined = [

@@ -100,7 +100,7 @@ class JournalWriter:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        fsync_dir(self.path.parent)
+        self._named = False  # the folder's entry of this file made durable (with the first lines)
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record as one line and fsync it."""
@@ -113,6 +113,9 @@ class JournalWriter:
         while done < len(data):
             done += os.write(self._fd, data[done:])
         os.fsync(self._fd)
+        if not self._named:  # until then a crash may lose the file, and with it lines nobody could trust yet
+            fsync_dir(self.path.parent)
+            self._named = True
 
     def close(self) -> None:
         """Close the journal file."""

@@ -27,6 +27,7 @@ from loaders.format import JOURNAL_DIR, SHARD_DIR, align_up
 from loaders.meta import meta_line, split_output
 from loaders.writing import ShardWriter
 from prep.errors import StaleError
+from prep.finish import finish_later, raise_failed
 from prep.grids import shared_grids
 from prep.inflated import served
 from prep.journal import JournalWriter
@@ -207,10 +208,15 @@ class _Shards:
             self.writer = None
 
 
-def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any], str]]) -> list[dict[str, Any]]:
-    """Prepare (item number, resolved entry, section) triples; returns one small status dict per item."""
+def run_batch(
+    spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any], str]], commit_later: bool = False
+) -> list[dict[str, Any]]:
+    """Prepare (item number, resolved entry, section) triples; returns one small status dict per item.
+    `commit_later`: the task's last commit runs after it returns (`prep.finish`; the caller then waits for
+    `wait_commits` before reading the journals), else before."""
     root = Path(spec.output)
     _quiet_disk_full()
+    raise_failed()  # an earlier task's last commit that failed (a full disk) stops this one
     warm_torch()
     set_torch_threads(spec.torch_threads)
     head = _head(spec)
@@ -218,48 +224,78 @@ def run_batch(spec: TaskSpec, batch: int, items: list[tuple[int, dict[str, Any],
     (root / SHARD_DIR).mkdir(exist_ok=True)
     shards = _Shards(root, name, spec.shard_size)
     pending: list[dict[str, Any]] = []
-    statuses = []
+    statuses: list[dict[str, Any]] = []
     # commits run on a thread, one at a time, so the head goes on computing while the disk writes back
     committer = ThreadPoolExecutor(1, thread_name_prefix="blockprep-commit")
-    inflight: Future[None] | None = None
-    with JournalWriter(root / JOURNAL_DIR / f"{name}.jsonl") as journal:
-        try:
-            last = time.monotonic()
-            written = 0
-            for n, (item, entry, section) in enumerate(items, 1):
-                if _stop.is_set():
-                    break
-                t0, c0 = time.perf_counter(), time.thread_time()
-                with _head_slots(spec.heads):
-                    record = _prepare_one(head, shards, item, entry, section, spec.max_item_bytes, spec.sets)
-                sets = record.pop("_sets", None)  # bytes for `prep cache`, not for the journal
-                pending.append(record)
-                seconds = time.perf_counter() - t0
-                statuses.append(
-                    {
-                        "item": item,
-                        "quarantined": record.get("quarantined"),
-                        "seconds": seconds,
-                        "cpu": time.thread_time() - c0,
-                    }
-                )  # this thread's: torch's other threads not counted
-                if sets is not None:
-                    statuses[-1]["sets"] = sets
-                written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
-                shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
-                if time.monotonic() - last >= COMMIT_INTERVAL_S and (inflight is None or inflight.done()):
-                    if inflight is not None:
-                        inflight.result()  # re-raise its error (a full disk) here
-                    inflight = committer.submit(_commit_group, root, journal, pending[:])
-                    pending.clear()
-                    last = time.monotonic()
-            if inflight is not None:
-                inflight.result()
-            _commit_group(root, journal, pending)
-        finally:
-            committer.shutdown(wait=True)  # before the journal closes
-            shards.close()
+    journal = JournalWriter(root / JOURNAL_DIR / f"{name}.jsonl")
+    inflight: list[Future[None]] = []
+    ending = False
+    try:
+        _run_items(spec, head, shards, items, journal, committer, pending, statuses, inflight)
+        ending = True
+    finally:
+        if not ending:  # an error: close what this task opened, commit nothing more
+            _close_task(committer, shards, journal)
+    if commit_later:
+        finish_later(_end_task, root, journal, pending, inflight, committer, shards)
+    else:
+        _end_task(root, journal, pending, inflight, committer, shards)
     return statuses
+
+
+def _run_items(
+    spec: TaskSpec, head: Any, shards: _Shards, items: list[tuple[int, dict[str, Any], str]],
+    journal: JournalWriter, committer: ThreadPoolExecutor, pending: list[dict[str, Any]],
+    statuses: list[dict[str, Any]], inflight: list[Future[None]],
+) -> None:  # fmt: skip
+    """The task's items, one after another; a group of finished items is committed about every
+    COMMIT_INTERVAL_S on `committer` (its future last in `inflight`), the rest stay in `pending`."""
+    root = Path(spec.output)
+    last = time.monotonic()
+    written = 0
+    for n, (item, entry, section) in enumerate(items, 1):
+        if _stop.is_set():
+            break
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with _head_slots(spec.heads):
+            record = _prepare_one(head, shards, item, entry, section, spec.max_item_bytes, spec.sets)
+        sets = record.pop("_sets", None)  # bytes for `prep cache`, not for the journal
+        pending.append(record)
+        # the CPU is this thread's: torch's other threads are not counted
+        status = {"item": item, "quarantined": record.get("quarantined"), "seconds": time.perf_counter() - t0,
+                  "cpu": time.thread_time() - c0}  # fmt: skip
+        if sets is not None:
+            status["sets"] = sets
+        statuses.append(status)
+        written += sum(align_up(int(t["nbytes"])) for t in pending[-1].get("tensors", []))
+        shards.expect(written * (len(items) - n) // n)  # the mean item so far, times the items left
+        if time.monotonic() - last >= COMMIT_INTERVAL_S and (not inflight or inflight[-1].done()):
+            if inflight:
+                inflight.pop().result()  # re-raise its error (a full disk) here
+            inflight.append(committer.submit(_commit_group, root, journal, pending[:]))
+            pending.clear()
+            last = time.monotonic()
+
+
+def _end_task(
+    root: Path, journal: JournalWriter, pending: list[dict[str, Any]], inflight: list[Future[None]],
+    committer: ThreadPoolExecutor, shards: _Shards,
+) -> None:  # fmt: skip
+    """Commit a task's last items (after its group commit in flight), then close its files."""
+    try:
+        for future in inflight:
+            future.result()
+        _commit_group(root, journal, pending)
+    finally:
+        _close_task(committer, shards, journal)
+
+
+def _close_task(committer: ThreadPoolExecutor, shards: _Shards, journal: JournalWriter) -> None:
+    committer.shutdown(wait=True)  # before the journal closes
+    try:
+        shards.close()
+    finally:
+        journal.close()
 
 
 def _commit_group(root: Path, journal: JournalWriter, group: list[dict[str, Any]]) -> None:

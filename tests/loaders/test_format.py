@@ -102,3 +102,20 @@ def test_every_tensor_aligned_and_disjoint(sizes: list[int], tmp_path_factory: p
     for (_, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0
     assert path.stat().st_size == spans[-1][1]
+
+
+def test_meta_lines_of_parsed_journal_records_equal_those_of_the_original_metas(tmp_path: Path) -> None:
+    """commit writes the journal's parsed metas as they are (`parsed=True`): the same bytes as converting the
+    original metas (numpy arrays and scalars, tuples, nested lists, NaN, non-ASCII text, int keys)."""
+    metas = [
+        {"affine": np.eye(4) * 1.5, "spacing": (np.float32(0.8), 1.0), "n": np.int64(7), "ok": np.bool_(True),
+         "nested": {"a": [np.arange(3), {"b": float("nan")}], 3: "drei"}, "name": "Milz ü", "none": None},
+        {},
+    ]  # fmt: skip
+    parsed = [json.loads(json.dumps(nesting.to_jsonable(m))) for m in metas]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    writing.write_meta(tmp_path / "a", metas)
+    writing.write_meta(tmp_path / "b", parsed, parsed=True)
+    for name in (fmt.META, fmt.META_OFFSETS):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

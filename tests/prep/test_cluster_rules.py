@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from prep import processes
-from prep.cluster import PROCESS_START_S, TASK_S, batch_size_for, choose_processes, worker_mode
+from prep.cluster import PROCESS_START_S, TASK_S, batch_size_for, choose_processes, task_batches, worker_mode
 
 
 def test_auto_mode_threads_for_one_worker_few_items_or_no_probe() -> None:
@@ -45,6 +45,16 @@ def test_items_per_task() -> None:
     small = batch_size_for(24_000, 16, item_s=0.001)  # 2D images: ~8 tasks per worker, not 750 of 32
     assert small == 24_000 // (16 * 8) + 1 and small * 0.001 <= 2 * TASK_S
     assert batch_size_for(24_000, 2, item_s=0.001) == int(TASK_S / 0.001)  # capped at TASK_S of work
+
+
+def test_the_last_items_go_one_a_task() -> None:
+    todo = list(range(3, 20))
+    batches = task_batches(todo, 3, singles=4)
+    assert [i for b in batches for i in b] == todo  # every item once, in order
+    assert batches[-4:] == [[16], [17], [18], [19]] and all(len(b) == 3 for b in batches[:-5])
+    assert task_batches(todo, 3) == [todo[i : i + 3] for i in range(0, len(todo), 3)]
+    assert task_batches(todo, 1, singles=4) == [[i] for i in todo]
+    assert task_batches([1, 2], 5, singles=8) == [[1], [2]]
 
 
 def _head(device: str) -> list[Any]:
