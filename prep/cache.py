@@ -311,9 +311,10 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
         with _torch_threads_kept(in_process=not (processes or run.scheduler)):
             client = starter.client()
             singles = 0 if run.batch_size or run.scheduler else at_once
-            run_tasks(client, spec, items, todo, size, progress, starter.pids, sink, singles)
-    # every task has returned, after its commit: no worker writes any more, so the cluster closes (0.1 s for 16
-    # processes) while the journals are read and committed
+            local = not run.scheduler
+            run_tasks(client, spec, items, todo, size, progress, starter.pids, sink, singles, commit_later=local)
+    # every task has returned and every worker's last commits are done (run_tasks waited): no worker
+    # writes any more, so the cluster closes (0.1 s for 16 processes) while the journals are read and committed
     closer = threading.Thread(target=starter.close, name="blockprep-close") if starter is not None else None
     if closer is not None:
         closer.start()

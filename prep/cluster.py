@@ -386,11 +386,14 @@ def run_tasks(
     pids: list[int] | None = None,
     sink: Sink | None = None,
     singles: int = 0,
+    commit_later: bool = False,
 ) -> None:
-    """Submit one task per batch of `size` items (the last `singles` items one a task) and wait, until every
-    worker has made its tasks' last items durable (`prep.finish`); a worker that keeps dying becomes a
-    PrepError. Ctrl-C stops the tasks after their current item (a second one exits at once); `pids`: local
-    workers; `sink` takes each finished task's statuses (`run_batch`)."""
+    """Submit one task per batch of `size` items (the last `singles` items one a task) and wait; with
+    `commit_later`, tasks make their last items durable after they return (`prep.finish`) and this waits for
+    that on every worker too (a local cluster: a remote worker may be lost after its task returned, which dask
+    would not notice). A worker that keeps dying becomes a PrepError. Ctrl-C stops the tasks after their
+    current item (a second one exits at once); `pids`: local workers; `sink` takes each finished task's
+    statuses (`run_batch`)."""
 
     clear_stop()
     quiet = _QuietAfterInterrupt()
@@ -399,8 +402,10 @@ def run_tasks(
     if threading.current_thread() is threading.main_thread():  # interrupt_scope restores the handler
         signal.signal(signal.SIGINT, quiet.interrupt)
     try:
-        _wait_tasks(client, spec, items, todo, task_batches(todo, size, singles), progress, pids, sink)
-        client.run(wait_commits)
+        batches = task_batches(todo, size, singles)
+        _wait_tasks(client, spec, items, todo, batches, progress, pids, sink, commit_later)
+        if commit_later:
+            client.run(wait_commits)
     finally:
         tornado_log.removeFilter(quiet)
 
@@ -431,11 +436,12 @@ def _wait_tasks(
     progress: Progress | None,
     pids: list[int] | None,
     sink: Sink | None = None,
+    commit_later: bool = False,
 ) -> None:
     from distributed import as_completed
 
     futures = [
-        client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], commit_later=True,
+        client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], commit_later=commit_later,
                       pure=False, key=f"blockprep-{spec.run_id}-{b}")
         for b, batch in enumerate(batches)
     ]  # fmt: skip

@@ -7,7 +7,8 @@ this process's finishing threads and returns; the run's end (and a Ctrl-C) waits
 `wait_commits` before the journals are read, so a journal line is still never on disk before its bytes, and
 the cache is committed only from what the journals say. A process that dies with endings pending loses
 those items' lines, as a crash always could: the next run prepares them again. An ending's error (a full
-disk) is raised by the process's next task and by `wait_commits`.
+disk) is raised by the process's next task and by `wait_commits`. Only local clusters' tasks end this way
+(`prep.cluster.run_tasks`): a remote worker lost after its task returned would lose items dask counts as done.
 """
 
 from __future__ import annotations
