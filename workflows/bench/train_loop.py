@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loaders.writing import atomic_write_bytes
 from workflows.bench.core import Result, Unavailable
 from workflows.bench.workloads import WORKLOADS, model_and_loss
 
@@ -87,9 +88,7 @@ def build_data(opts: TrainOptions, work: Path) -> tuple[Path, Path, Path]:
     pipeline = root / "pipeline.py"
     text = load.pipeline(opts)
     if not pipeline.is_file() or pipeline.read_text() != text:  # DDP ranks call this at once: never truncate
-        part = pipeline.with_name(f".pipeline.{os.getpid()}.py")  # a file another rank may be loading
-        part.write_text(text)
-        os.replace(part, pipeline)
+        atomic_write_bytes(pipeline, text.encode())  # a file another rank may be loading
     datalist = root / "nifti" / "dataset.json"
     if not datalist.is_file():
         load.data(opts, root / "nifti")
