@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders import args
+from loaders import args, uring
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
 from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError
 from loaders.order import dali_shard, epoch_batches, epoch_order
@@ -71,20 +71,21 @@ def list_labeled_files(
 
 class _EpochSource:
     """Batches of positions over `n` samples: shard, per-epoch shuffle, short last batch. With `readahead`
-    on, the next batch of the epoch is read on a background thread while the pipeline uses this one, when
-    its reads would wait on the disk (`_waits`); a batch already in memory is read when it is asked for, on
-    the pipeline's thread. Read ahead, its Python contends with the pipeline's for the interpreter lock: on
-    the 2-core box (2026-11-26, 5,000 warm JPEGs, 5 rounds) reading every batch ahead gave 0.92-0.93 of
-    `readers.file`'s files/s for both sources, reading it when asked 1.07-1.11; cold, reading ahead keeps
-    the disk busy while the pipeline works (`FileSource` 0.74 without it).
+    on, the next batch of the epoch is read ahead (`_start`) while the pipeline uses this one, when its reads
+    would wait on the disk (`_waits`); a batch already in memory is read when it is asked for, on the
+    pipeline's thread. Read ahead on a thread, its Python contends with the pipeline's for the interpreter
+    lock: on the 2-core box (2026-11-26, 5,000 warm JPEGs, 5 rounds) reading every batch ahead gave 0.92-0.93
+    of `readers.file`'s files/s for both sources, reading it when asked 1.07-1.11.
 
-    A source whose `_hint` acts (FileSource) hints a cold epoch's first HINT_BATCHES batches as it starts,
-    and goes on hinting HINT_BATCHES ahead while the next batch is warm and the first batch not yet hinted
-    is cold: the kernel queues each file's read at once, and adjacent files' reads merge (3,200 cold 17 KiB
-    files on a loop-mounted ext4, one thread: 10.5k files/s read one by one, 29k after a WILLNEED of each).
-    Hints used to stop once hinted batches came in, so the disk idled until a cold batch was next."""
+    With `cold_epochs` (FileSource), an epoch whose first batch is cold is cold throughout: its first
+    `_depth()` batches are started at once and kept that many ahead, with no probe of each next batch
+    (FileSource's io_uring reads: 4 batches in flight). A source whose reads are plain and whose `_hint` acts
+    hints a cold epoch's first HINT_BATCHES batches as it starts and keeps hinting HINT_BATCHES past the
+    batches read ahead, on a thread of its own so that the hints reach the disk in the epoch's order; outside
+    a cold epoch, it goes on hinting while the first batch not yet hinted is cold."""
 
     readahead = False
+    cold_epochs = False  # a cold first batch makes the epoch cold: batches are read ahead without probes
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, shard_id: int, num_shards: int) -> None:
         args.check_epoch_source(batch_size, shuffle, seed, shard_id, num_shards)  # subclasses call it first too
@@ -101,8 +102,9 @@ class _EpochSource:
         self._order: np.ndarray = self.positions
         self._chunks: list[np.ndarray] = []
         self._next = 0  # the epoch's next batch
-        self._ahead: tuple[tuple[int, int], Future[Any]] | None = None  # ((epoch, start), the read running)
+        self._ahead: dict[tuple[int, int], Future[Any]] = {}  # (epoch, batch): its read, running or done
         self._ahead_pool: ThreadPoolExecutor | None = None
+        self._hint_pool: ThreadPoolExecutor | None = None
         self._hinted = 0
         self._cold_epoch = False
 
@@ -128,20 +130,46 @@ class _EpochSource:
         self._next += 1
         if not self.readahead:
             return self._batch(chunk)
-        ahead, self._ahead = self._ahead, None
-        if k == 0 and self._hints and self._waits(chunk):  # a cold epoch: the kernel gets its first batches at once
-            first = self._chunks[: min(HINT_BATCHES, len(self._chunks))]
-            self._hinted, self._cold_epoch = len(first) - 1, True
-            self._pool_ahead().submit(self._hint, [int(i) for c in first for i in c])
-        batch = ahead[1].result() if ahead is not None and ahead[0] == (self.epoch, k) else self._batch(chunk)
-        if self._next < len(self._chunks):
-            nxt = [int(i) for i in self._chunks[self._next]]
-            if self._waits(nxt):  # cold: read it on the read-ahead thread, hint the batches after it
-                self._ahead = ((self.epoch, self._next), self._pool_ahead().submit(self._batch, nxt))
-                self._hint_to(self._next + HINT_BATCHES)
-            elif self._hints and (self._cold_epoch or self._cold_beyond_hints()):  # keep the disk busy
-                self._hint_to(self._next + HINT_BATCHES)
+        if k == 0 and self.cold_epochs and self._waits(chunk):  # a cold epoch: its first batches go at once
+            self._cold_epoch = True
+            if self._hints:
+                first = self._chunks[: min(HINT_BATCHES, len(self._chunks))]
+                self._hinted = len(first) - 1
+                self._pool_hints().submit(self._hint, [int(i) for c in first for i in c])
+            self._plan_ahead(0)
+        ahead = self._ahead.pop((self.epoch, k), None)
+        batch = ahead.result() if ahead is not None else self._batch(chunk)
+        self._plan_ahead(self._next)
         return batch
+
+    def _plan_ahead(self, first: int) -> None:
+        """Batch `first` on: in a cold epoch keep the next `_depth()` batches being read (no probe: it
+        started cold); otherwise read the next batch ahead only if it would wait on the disk. Hint the
+        batches after those read ahead."""
+        if first >= len(self._chunks):
+            return
+        if self._cold_epoch:
+            last = min(first + self._depth(), len(self._chunks))
+            for j in range(first, last):
+                if (self.epoch, j) not in self._ahead:
+                    self._ahead[(self.epoch, j)] = self._start([int(i) for i in self._chunks[j]])
+            if self._hints:
+                self._hint_to(last - 1 + HINT_BATCHES)
+            return
+        nxt = [int(i) for i in self._chunks[first]]
+        if self._waits(nxt):  # cold: read it ahead, hint the batches after it
+            self._ahead[(self.epoch, first)] = self._start(nxt)
+            self._hint_to(first + HINT_BATCHES)
+        elif self._hints and self._cold_beyond_hints():  # keep the disk busy
+            self._hint_to(first + HINT_BATCHES)
+
+    def _start(self, positions: list[int]) -> Any:
+        """Begin reading a batch ahead; the result has `result()` (the batch) and `exception()`."""
+        return self._pool_ahead().submit(self._batch, positions)
+
+    def _depth(self) -> int:
+        """Batches a cold epoch keeps being read ahead."""
+        return 1
 
     @property
     def _hints(self) -> bool:
@@ -164,22 +192,28 @@ class _EpochSource:
         if not len(later):
             return
         self._hinted = later[-1]
-        self._pool_ahead().submit(self._hint, [int(i) for j in later for i in self._chunks[j]])
+        self._pool_hints().submit(self._hint, [int(i) for j in later for i in self._chunks[j]])
 
     def _pool_ahead(self) -> ThreadPoolExecutor:
-        """Two threads: the batch read ahead, and the hints of the batches after it."""
+        """One thread: the batch read ahead."""
         if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(2, thread_name_prefix="blockprep-readahead")
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="blockprep-readahead")
         return self._ahead_pool
+
+    def _pool_hints(self) -> ThreadPoolExecutor:
+        """One thread: the hints, in the epoch's order."""
+        if self._hint_pool is None:
+            self._hint_pool = ThreadPoolExecutor(1, thread_name_prefix="blockprep-hints")
+        return self._hint_pool
 
     def _hint(self, positions: list[int]) -> None:
         """Tell the kernel that these samples are read soon (no-op here; FileSource: cold files' WILLNEED)."""
 
     def _settle(self) -> None:
         """Wait for a read-ahead nobody will take (its errors belong to a batch never asked for)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[1].exception()
+        ahead, self._ahead = self._ahead, {}
+        for read in ahead.values():
+            read.exception()
 
     def _batch(self, positions: list[int]) -> Any:
         raise NotImplementedError
@@ -187,9 +221,10 @@ class _EpochSource:
     def close(self) -> None:
         """Release the descriptors and threads this source opened (it may be iterated again after)."""
         self._settle()
-        if self._ahead_pool is not None:
-            self._ahead_pool.shutdown(wait=True)
-            self._ahead_pool = None
+        for pool in (self._ahead_pool, self._hint_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._ahead_pool = self._hint_pool = None
 
     def __enter__(self) -> Any:
         return self
@@ -210,27 +245,47 @@ def _read_files(backend: Backend, paths: Sequence[str], sizes: Sequence[int]) ->
     return [np.asarray(b) for b in buffers]
 
 
+# Files read_whole_files opens at a time (and puts in one buffer): bounded, so a large batch never nears the
+# process's descriptor limit
+OPEN_AT_ONCE = 64
+
+
 def read_whole_files(paths: Sequence[str]) -> list[np.ndarray]:
-    """Whole files, each into a fresh uint8 array: open, fstat, one read (a loop only for a short one), close.
-    The size comes from the open file, so a file that changed between listing and reading is read whole."""
-    out = []
-    open_, fstat, readv, close, empty = os.open, os.fstat, os.readv, os.close, np.empty
-    for p in paths:
-        fd = open_(p, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            n = fstat(fd).st_size
-            buf = empty(n, np.uint8)
-            view = buf.data
-            got = readv(fd, [view]) if n else 0
-            while got < n:  # interrupted or a file that shrank while read: finish or stop at its end
-                k = os.preadv(fd, [view[got:]], got)
+    """Whole files as uint8 arrays: up to OPEN_AT_ONCE files are opened and fstat'd, read into one fresh
+    buffer (each file's array is a view of it: one allocation, not one a file), and closed. The size comes
+    from the open file, so a file that changed between listing and reading is read whole; one that shrank
+    while read gives what it holds. On the 2-core box (2026-11-27, 3,200 warm 17 KiB files, one thread)
+    20.6 us a file with an array allocated a file, 13.7 with one buffer for 64."""
+    out: list[np.ndarray] = []
+    for i in range(0, len(paths), OPEN_AT_ONCE):
+        out += _read_group(paths[i : i + OPEN_AT_ONCE])
+    return out
+
+
+def _read_group(paths: Sequence[str]) -> list[np.ndarray]:
+    open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
+    fds: list[int] = []
+    try:
+        sizes = []
+        for p in paths:
+            fds.append(open_(p, os.O_RDONLY | os.O_CLOEXEC))
+            sizes.append(fstat(fds[-1]).st_size)
+        buf = np.empty(sum(sizes), np.uint8)
+        view = buf.data
+        out, at = [], 0
+        for fd, n in zip(fds, sizes):
+            got = readv(fd, [view[at : at + n]]) if n else 0
+            while 0 < got < n:  # interrupted or a file that shrank while read: finish or stop at its end
+                k = os.preadv(fd, [view[at + got : at + n]], got)
                 if k == 0:
                     break
                 got += k
-        finally:
+            out.append(buf[at : at + got])
+            at += n
+        return out
+    finally:
+        for fd in fds:
             close(fd)
-        out.append(buf[:got] if got < n else buf)
-    return out
 
 
 def read_threads(cores: int) -> int:
@@ -248,6 +303,10 @@ HINT_BYTES = 64 << 20  # at most this much hinted at a time (large files: the pa
 # FileSource's read threads for a batch whose first file is not in the page cache (cold data): the 2-core CPU box
 # read a cold loop-mounted tree at 0.57x fn.readers.file with its one warm-data thread (2026-11-25)
 COLD_READ_THREADS = 8
+# FileSource's io_uring reads (`loaders.uring`): in a cold epoch up to URING_BATCHES batches are in flight, at most
+# URING_FILES files (each holds a descriptor while in flight); a batch of more files is read with plain reads
+URING_BATCHES = 4
+URING_FILES = 256
 _probe: Any = None  # one cachestat(2) probe per process (a ctypes handle: not pickled with a source)
 _ONE_BYTE = bytearray(1)  # where `_resident`'s probing reads land (their byte is not used)
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0x8)  # Linux's value; Python has the name on Linux since 3.7
@@ -292,10 +351,12 @@ class FileSource(_EpochSource):
     outputs; use
     `fn.external_source(source=src, num_outputs=2, batch=True)`. `files` holds the (path, label) list.
 
-    backend "auto" (default): whole files through the page cache, each batch split over `threads` threads
-    in a few slices (one open + fstat + read + close per file: the per-file Python is the cost on small
-    files, so no per-file task); `threads=None`: `read_threads(os.cpu_count())`; a batch whose first file is
-    not in the page cache (cachestat) is read on `COLD_READ_THREADS` threads, since waiting reads hold no GIL.
+    backend "auto" (default): whole files through the page cache. Where io_uring can be used
+    (`loaders.uring.available()`), a batch's reads are submitted together, so the kernel merges the reads of
+    files that lie next to each other on the disk, and a cold epoch keeps 4 batches in flight with no thread
+    (2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs: 1.06-1.20x `fn.readers.file`). Elsewhere each batch is
+    read in a few slices on `threads` threads (`threads=None`: `read_threads(os.cpu_count())`), a batch whose
+    first file is not in the page cache on `COLD_READ_THREADS` threads, with WILLNEED hints ahead.
     Any other name or Backend: that backend, sizes from one stat per file."""
 
     def __init__(
@@ -331,12 +392,43 @@ class FileSource(_EpochSource):
         self._pool_size = 0
         self._own = not isinstance(backend, Backend)
         self.backend: Backend | None = None
+        self._uring: uring.BatchReader | None = None
+        self._started_bytes = 0  # bytes of the last batch whose reads were submitted (bounds the depth)
         if isinstance(backend, Backend):
             self.backend = backend
         elif backend != "auto":
             self.backend = get_backend(backend)
 
     readahead = True
+    cold_epochs = True
+
+    def _reader(self) -> uring.BatchReader | None:
+        """The auto backend's io_uring reader (None: plain reads, with threads and hints when cold)."""
+        if self.backend is not None or not uring.available():
+            return None
+        if self._uring is None:
+            self._uring = uring.BatchReader()
+        return self._uring
+
+    @property
+    def _hints(self) -> bool:
+        """WILLNEED hints only where reads are plain (io_uring reads of the batches ahead are in flight)."""
+        return self.backend is None and self._reader() is None
+
+    def _depth(self) -> int:
+        """io_uring: up to URING_BATCHES batches in flight, at most URING_FILES files and about HINT_BYTES."""
+        if self._reader() is None:
+            return 1
+        by_bytes = HINT_BYTES // max(1, self._started_bytes)
+        return max(1, min(URING_BATCHES, URING_FILES // self.batch_size, by_bytes))
+
+    def _start(self, positions: list[int]) -> Any:
+        reader = self._reader()
+        if reader is None or len(positions) > URING_FILES:
+            return super()._start(positions)
+        batch = reader.start(self._paths(positions))
+        self._started_bytes = int(batch.size.sum())
+        return _Reading(reader, batch, _labels(self.files, positions))
 
     def _waits(self, positions: list[int]) -> bool:
         """The first and the last file tell: hints are queued in order, and a batch half read in waits."""
@@ -350,6 +442,9 @@ class FileSource(_EpochSource):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._uring is not None:
+            self._uring.close()
+            self._uring = None
         if self._own and self.backend is not None:
             self.backend.close()
 
@@ -368,6 +463,9 @@ class FileSource(_EpochSource):
         labels = _labels(self.files, positions)
         if self.backend is not None:
             return _read_files(self.backend, paths, [os.stat(p).st_size for p in paths]), labels
+        reader = self._reader()
+        if reader is not None and len(paths) <= URING_FILES:  # one submission: adjacent cold files merge
+            return reader.finish(reader.start(paths)), labels
         if len(paths) < 8:
             return read_whole_files(paths), labels
         threads = self.threads
@@ -382,6 +480,24 @@ class FileSource(_EpochSource):
         step = -(-len(paths) // threads)
         parts = [self._pool.submit(read_whole_files, paths[i : i + step]) for i in range(0, len(paths), step)]
         return [a for part in parts for a in part.result()], labels
+
+
+class _Reading:
+    """A FileSource batch whose io_uring reads are in flight (`result()` waits; as a Future's)."""
+
+    def __init__(self, reader: uring.BatchReader, batch: Any, labels: np.ndarray) -> None:
+        self.reader, self.batch, self.labels = reader, batch, labels
+
+    def result(self) -> tuple[list[np.ndarray], np.ndarray]:
+        return self.reader.finish(self.batch), self.labels
+
+    def exception(self) -> BaseException | None:
+        """Wait for it and drop it (an epoch left early): its error, if any, belongs to nobody."""
+        try:
+            self.result()
+        except Exception as exc:  # noqa: BLE001 - handed back, as Future.exception does
+            return exc
+        return None
 
 
 def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:

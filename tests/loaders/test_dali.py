@@ -287,15 +287,28 @@ def test_flat_maps_research_and_seed_form(make_loopfs: Callable[..., Any], tmp_p
                 assert d.tobytes()[: len(want)] == want and len(d) % 512 == 0
 
 
+def _plain_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FileSource without io_uring: plain reads, threads and hints (as where the kernel has none)."""
+    import loaders.uring
+
+    monkeypatch.setattr(loaders.uring, "available", lambda: False)
+
+
+@pytest.mark.parametrize("io_uring", [True, False])
 @pytest.mark.parametrize("cold", [True, False])
 def test_read_ahead_keeps_batches_and_epochs_exact(
-    image_tree: Path, monkeypatch: pytest.MonkeyPatch, cold: bool
+    image_tree: Path, monkeypatch: pytest.MonkeyPatch, cold: bool, io_uring: bool
 ) -> None:
-    """The next batch is read on a thread where its files are cold (read when asked where they are cached):
-    an epoch cut short, a reshuffled epoch and a closed and reopened source still give exactly the files and
-    labels of their positions."""
+    """The next batches are read ahead where the epoch starts cold (io_uring reads in flight, or a thread),
+    and read when asked where they are cached: an epoch cut short, a reshuffled epoch and a closed and
+    reopened source still give exactly the files and labels of their positions."""
     import loaders.dali as dali_mod
+    import loaders.uring
 
+    if io_uring and not loaders.uring.available():
+        pytest.skip("no io_uring here (old kernel, seccomp or kernel.io_uring_disabled)")
+    if not io_uring:
+        _plain_reads(monkeypatch)
     monkeypatch.setattr(dali_mod, "_resident", lambda path: not cold)
     pairs = list_labeled_files(image_tree)
     src = FileSource(image_tree, batch_size=4, shuffle=True, seed=9)
@@ -308,7 +321,8 @@ def test_read_ahead_keeps_batches_and_epochs_exact(
     it = iter(src)
     data, labels = next(it)  # cold: the second batch is now being read ahead; this epoch stops here
     check(data, labels, src._order[:4].tolist())
-    assert (src._ahead is not None) == cold
+    assert bool(src._ahead) == cold
+    assert (src._reader() is not None) == io_uring
     for _ in range(2):
         it = iter(src)
         got = [b for b in it]
@@ -328,9 +342,11 @@ def test_read_threads_leave_half_the_cores_to_dali() -> None:
 
 
 def test_cold_batches_read_on_more_threads(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch whose first file is not in the page cache is read on COLD_READ_THREADS threads, in order."""
+    """Plain reads: a batch whose first file is not in the page cache is read on COLD_READ_THREADS threads,
+    in order."""
     import loaders.dali as dali_mod
 
+    _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
     want = [(image_tree / p).read_bytes() for p, _ in pairs[:12]]
     for cold in (False, True):
@@ -382,6 +398,7 @@ def test_filesource_hints_the_batches_after_the_one_read_ahead(
     HINT_BATCHES ahead of the one read ahead; warm ones are not; the batches are the same either way."""
     import loaders.dali as dali_mod
 
+    _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
     hinted: list[str] = []
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
@@ -405,6 +422,7 @@ def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
     batch 3 is hinted while batch 2 is next, and every cold file once."""
     import loaders.dali as dali_mod
 
+    _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
     assert len(pairs) >= 10
     cold = {f"{image_tree}/{p}" for p, _ in pairs[6:]}
@@ -415,7 +433,7 @@ def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
     with FileSource(image_tree, batch_size=2) as src:
         it = iter(src)
         next(it), next(it)  # batch 2 is next, warm: not read ahead
-        assert src._ahead is None and sorted(hinted) == sorted(f"{image_tree}/{p}" for p, _ in pairs[6:10])
+        assert not src._ahead and sorted(hinted) == sorted(f"{image_tree}/{p}" for p, _ in pairs[6:10])
         rest = []
         while (batch := next(it, None)) is not None:  # list(it) would start a new epoch: iter(src) is src's
             rest.append(batch)
@@ -431,6 +449,7 @@ def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
 
     import loaders.dali as dali_mod
 
+    _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
     hinted: list[str] = []
     main = threading.get_ident()
@@ -447,7 +466,7 @@ def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
     with FileSource(image_tree, batch_size=2) as src:
         it = iter(src)
         first = next(it)
-        src._pool_ahead().submit(lambda: None).result()  # the first hints are in
+        src._pool_hints().submit(lambda: None).result()  # the first hints are in
         unhinted_probes.clear()  # batch 0 itself is probed to tell the epoch cold
         got = [first]
         while (batch := next(it, None)) is not None:  # not list(it): iter(src) starts a new epoch

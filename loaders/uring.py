@@ -1,0 +1,299 @@
+"""Whole-file reads submitted together through Linux's io_uring, so the kernel merges adjacent files' reads.
+
+A batch of small files read one `read()` at a time reaches the block device as one request a file. Submitted
+as one io_uring batch, every read's readahead is issued under the same block-layer plug, and reads of files
+that lie next to each other on the disk merge into one request. On the 2-core box (2026-11-27; 3,200 cold
+17 KiB JPEGs on a loop-mounted ext4, batches of 64) the loop device saw 674 requests instead of 3,200, and the
+files came in at 39-44k files/s against 26-35k with one WILLNEED hint a file and one reader thread.
+
+Pure Python: the two syscalls through ctypes (which releases the interpreter lock while the kernel works), the
+rings mapped with `mmap` and filled with numpy, so a batch costs a few vectorised writes and one syscall.
+
+`available()` says whether it can be used: Linux on x86-64 (the rings are read without memory barriers, which
+only x86's ordering makes safe), kernel 5.6+ (IORING_OP_READ), io_uring not disabled (the sysctl
+`kernel.io_uring_disabled`, a container's seccomp profile), and `BLOCKPREP_IO_URING` not `0`. Where it cannot,
+callers read with plain syscalls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import struct
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+_SETUP, _ENTER, _REGISTER = 425, 426, 427  # the same numbers on every architecture since Linux 5.1
+_OP_READ = 22
+_ENTER_GETEVENTS = 1
+_REGISTER_PROBE = 8
+_OP_SUPPORTED = 1
+_FEAT_SINGLE_MMAP = 1
+_OFF_CQ_RING, _OFF_SQES = 0x8000000, 0x10000000
+ENV = "BLOCKPREP_IO_URING"  # "0": never use io_uring (plain reads)
+
+_SQE = np.dtype(
+    {
+        "names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data", "rest"],
+        "formats": [np.uint8, np.uint8, np.uint16, np.int32, np.uint64, np.uint64, np.uint32, np.uint32,
+                    np.uint64, (np.uint8, 24)],
+        "offsets": [0, 1, 2, 4, 8, 16, 24, 28, 32, 40],
+        "itemsize": 64,
+    }
+)  # fmt: skip
+_CQE = np.dtype({"names": ["user_data", "res"], "formats": [np.uint64, np.int32], "offsets": [0, 8], "itemsize": 16})
+
+_libc: ctypes.CDLL | None = None
+_usable: bool | None = None
+
+
+def _syscall(*args: object) -> int:
+    assert _libc is not None
+    while True:
+        got = int(_libc.syscall(*args))
+        if got >= 0:
+            return got
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise OSError(err, os.strerror(err))
+
+
+def available() -> bool:
+    """Whether io_uring reads can be used in this process (checked once: a ring is made and probed)."""
+    global _libc, _usable
+    if _usable is None:
+        _usable = False
+        if sys.platform == "linux" and platform.machine() == "x86_64" and os.environ.get(ENV, "1") != "0":
+            try:
+                _libc = ctypes.CDLL(None, use_errno=True)
+                _libc.syscall.restype = ctypes.c_long
+                Ring(8).close()
+                _usable = True
+            except (OSError, AttributeError):
+                _usable = False
+    return _usable
+
+
+class Ring:
+    """One io_uring instance: submit reads, wait for their completions by tag. Not shared between threads
+    (callers serialise) and not between processes (a forked child makes its own: see `ring_for`)."""
+
+    def __init__(self, entries: int = 256) -> None:
+        params = ctypes.create_string_buffer(120)  # struct io_uring_params
+        self.fd = _syscall(_SETUP, ctypes.c_uint(entries), params)
+        self._maps: list[mmap.mmap] = []
+        try:
+            self._map(params.raw)
+            self._probe()
+        except BaseException:
+            self.close()
+            raise
+        self.pid = os.getpid()
+        self.done: dict[int, int] = {}  # tag: result, reaped and not yet taken
+        self.inflight = 0
+        self._tag = 0
+
+    def _map(self, raw: bytes) -> None:
+        sq_entries, cq_entries, _flags, _cpu, _idle, features = struct.unpack_from("6I", raw, 0)
+        sq = struct.unpack_from("7I", raw, 40)  # head, tail, ring_mask, ring_entries, flags, dropped, array
+        cq = struct.unpack_from("6I", raw, 80)  # head, tail, ring_mask, ring_entries, overflow, cqes
+        sq_size, cq_size = sq[6] + sq_entries * 4, cq[5] + cq_entries * 16
+        if features & _FEAT_SINGLE_MMAP:
+            sq_size = cq_size = max(sq_size, cq_size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        sq_map = mmap.mmap(self.fd, sq_size, flags, offset=0)
+        cq_map = sq_map if features & _FEAT_SINGLE_MMAP else mmap.mmap(self.fd, cq_size, flags, offset=_OFF_CQ_RING)
+        sqe_map = mmap.mmap(self.fd, sq_entries * 64, flags, offset=_OFF_SQES)
+        self._maps = [m for m in (sq_map, cq_map, sqe_map) if m is not None]
+        self.entries = sq_entries
+        self._sq_tail = np.frombuffer(sq_map, np.uint32, 1, sq[1])
+        self._sq_mask = int(np.frombuffer(sq_map, np.uint32, 1, sq[2])[0])
+        np.frombuffer(sq_map, np.uint32, sq_entries, sq[6])[:] = np.arange(sq_entries, dtype=np.uint32)
+        self._cq_head = np.frombuffer(cq_map, np.uint32, 1, cq[0])
+        self._cq_tail = np.frombuffer(cq_map, np.uint32, 1, cq[1])
+        self._cq_mask = int(np.frombuffer(cq_map, np.uint32, 1, cq[2])[0])
+        self._cqes = np.frombuffer(cq_map, _CQE, cq_entries, cq[5])
+        self._sqes = np.frombuffer(sqe_map, _SQE, sq_entries)
+
+    def _probe(self) -> None:
+        """IORING_OP_READ must be supported (5.6+); the probe itself is 5.6+ too."""
+        buf = ctypes.create_string_buffer(16 + 8 * 64)
+        _syscall(_REGISTER, self.fd, _REGISTER_PROBE, buf, 64)
+        ops_len = buf.raw[1]
+        op = buf.raw[16 + 8 * _OP_READ : 16 + 8 * _OP_READ + 4] if ops_len > _OP_READ else b"\0" * 4
+        if not struct.unpack_from("H", op, 2)[0] & _OP_SUPPORTED:
+            raise OSError(errno.EINVAL, "io_uring: IORING_OP_READ is not supported by this kernel")
+
+    def submit_reads(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """Queue reads of lens[i] bytes at offset 0 of fds[i] into addrs[i] and submit them in one syscall
+        (more than the ring holds: in slices). Returns their tags. The buffers must stay alive until `wait`
+        has returned their tags."""
+        n = len(fds)
+        tags = np.arange(self._tag, self._tag + n, dtype=np.uint64)
+        self._tag += n
+        for at in range(0, n, self.entries):
+            part = slice(at, min(n, at + self.entries))
+            while self.inflight + (part.stop - part.start) > self.entries:  # completions must fit the ring
+                self._reap(1)
+            self._push(fds[part], addrs[part], lens[part], tags[part])
+        return tags
+
+    def _push(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray, tags: np.ndarray) -> None:
+        n = len(fds)
+        tail = int(self._sq_tail[0])
+        idx = (tail + np.arange(n, dtype=np.int64)) & self._sq_mask
+        sqe = np.zeros(n, _SQE)
+        sqe["opcode"], sqe["fd"], sqe["addr"], sqe["len"], sqe["user_data"] = _OP_READ, fds, addrs, lens, tags
+        self._sqes[idx] = sqe
+        self._sq_tail[0] = (tail + n) & 0xFFFFFFFF
+        self.inflight += n
+        sent = 0
+        while sent < n:  # the kernel may take fewer than asked (it then says why, or takes the rest next time)
+            sent += _syscall(_ENTER, self.fd, ctypes.c_uint(n - sent), 0, 0, None, 0)
+
+    def _reap(self, want: int) -> None:
+        """Move completions into `done`, waiting in the kernel until at least `want` are there."""
+        want = min(want, self.inflight)
+        head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
+        while (tail - head) & 0xFFFFFFFF < want:
+            _syscall(_ENTER, self.fd, 0, ctypes.c_uint(want - ((tail - head) & 0xFFFFFFFF)), _ENTER_GETEVENTS, None, 0)
+            tail = int(self._cq_tail[0])
+        count = (tail - head) & 0xFFFFFFFF
+        cqes = self._cqes[(head + np.arange(count, dtype=np.int64)) & self._cq_mask]
+        self.done.update(zip(cqes["user_data"].tolist(), cqes["res"].tolist()))
+        self._cq_head[0] = tail
+        self.inflight -= count
+
+    def wait(self, tags: np.ndarray) -> list[int]:
+        """The results of these reads (bytes read, or -errno), waiting for those not yet complete."""
+        wanted = tags.tolist()
+        missing = sum(1 for t in wanted if t not in self.done)
+        while missing:
+            if missing > self.inflight:
+                raise RuntimeError("io_uring: waiting for reads that were never submitted")
+            self._reap(missing)
+            missing = sum(1 for t in wanted if t not in self.done)
+        return [self.done.pop(t) for t in wanted]
+
+    def close(self) -> None:
+        """Wait for every read in flight (their buffers may be freed after), then release the ring."""
+        if getattr(self, "pid", None) == os.getpid():
+            while self.inflight > 0:
+                self._reap(self.inflight)
+        self.done = {}
+        # numpy views of the maps first: a map with views cannot be closed
+        for name in ("_sq_tail", "_cq_head", "_cq_tail", "_cqes", "_sqes"):
+            self.__dict__.pop(name, None)
+        for m in getattr(self, "_maps", []):
+            m.close()
+        self._maps = []
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class BatchReader:
+    """Whole files read through one ring: `start(paths)` opens, sizes and submits a batch's reads and returns
+    at once; `finish(handle)` waits for them and gives the files as uint8 arrays, views of one buffer a batch
+    (a file that shrank while read gives what it holds; one that grew, its size when opened). Thread-safe;
+    a forked child makes its own ring."""
+
+    def __init__(self, entries: int = 256) -> None:
+        self.entries = entries
+        self._ring: Ring | None = None
+        self._lock = threading.Lock()
+        self._open: list[_Batch] = []
+
+    def _ring_here(self) -> Ring:
+        if self._ring is None or self._ring.pid != os.getpid():
+            if not available():
+                raise OSError(errno.ENOSYS, "io_uring is not available here (loaders.uring.available())")
+            self._ring, self._open = Ring(self.entries), []  # a parent's reads are not this process's
+        return self._ring
+
+    def start(self, paths: Sequence[str]) -> _Batch:
+        fds: list[int] = []
+        try:
+            open_, fstat = os.open, os.fstat
+            sizes = []
+            for p in paths:
+                fds.append(open_(p, os.O_RDONLY | os.O_CLOEXEC))
+                sizes.append(fstat(fds[-1]).st_size)
+            size = np.array(sizes, dtype=np.int64)
+            if (size >= 1 << 31).any():
+                raise OSError(errno.EFBIG, f"{paths[int(np.argmax(size))]}: over 2 GiB, too large for one read")
+            ends = np.cumsum(size)
+            buf = np.empty(int(ends[-1]) if len(ends) else 0, np.uint8)
+            addrs = (buf.ctypes.data + ends - size).astype(np.uint64)
+            batch = _Batch(self, list(paths), fds, size, buf)
+            with self._lock:
+                batch.tags = self._ring_here().submit_reads(np.array(fds, np.int32), addrs, size.astype(np.uint32))
+                batch.ring = self._ring
+                self._open.append(batch)
+            return batch
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def finish(self, batch: _Batch) -> list[np.ndarray]:
+        with self._lock:
+            if batch.ring is None or batch.ring is not self._ring or batch.ring.pid != os.getpid():
+                raise RuntimeError("io_uring batch of another process or of a closed reader")
+            try:
+                results = batch.ring.wait(batch.tags)
+            finally:
+                self._open.remove(batch)
+        return batch.arrays(results)
+
+    def __del__(self) -> None:  # the kernel may still be writing into buffers that would be freed with it
+        self.close()
+
+    def close(self) -> None:
+        """Wait for every batch in flight, close their files and the ring."""
+        with self._lock:
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                ring.close()  # waits for the kernel to finish writing into the buffers
+            for batch in self._open:
+                batch.close()
+            self._open = []
+
+
+class _Batch:
+    """A batch's files in flight: descriptors, sizes, the buffer the kernel writes into, the reads' tags."""
+
+    def __init__(self, reader: BatchReader, paths: list[str], fds: list[int], size: np.ndarray, buf: np.ndarray):
+        self.paths, self.fds, self.size, self.buf = paths, fds, size, buf
+        self.tags = np.empty(0, np.uint64)
+        self.ring: Ring | None = None
+
+    def arrays(self, results: list[int]) -> list[np.ndarray]:
+        """Each file's bytes; a read that came back short is finished with plain reads (a file that
+        shrank stops at its end), a failed one raises OSError naming its file. The files are closed."""
+        try:
+            out, at, view = [], 0, self.buf.data
+            for path, fd, n, got in zip(self.paths, self.fds, self.size.tolist(), results):
+                if got < 0:
+                    raise OSError(-got, f"{path}: {os.strerror(-got)}")
+                while 0 < got < n:
+                    k = os.preadv(fd, [view[at + got : at + n]], got)
+                    if k == 0:
+                        break
+                    got += k
+                out.append(self.buf[at : at + got])
+                at += n
+            return out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
