@@ -38,6 +38,9 @@ def test_batches_in_flight_give_each_file_exactly(tmp_path: Path) -> None:
     """Two batches submitted before either is finished, finished in the other order; empty and large files;
     more files than the ring holds (submitted in slices)."""
     paths = _files(tmp_path, [0, 1, 4095, 4096, 4097, 300_000] + [17_000] * 150)
+    empty = uring.BatchReader()
+    assert empty.finish(empty.start([])) == []
+    empty.close()
     fds = _open_fds()
     reader = uring.BatchReader(entries=32)
     first, second = reader.start(paths[:6]), reader.start(paths[6:])
