@@ -393,6 +393,7 @@ class FileSource(_EpochSource):
         self._own = not isinstance(backend, Backend)
         self.backend: Backend | None = None
         self._uring: uring.BatchReader | None = None
+        self._sizes = np.full(len(self.files), -1, np.int64)  # each file's size when last read (-1: not yet)
         self._started_bytes = 0  # bytes of the last batch whose reads were submitted (bounds the depth)
         if isinstance(backend, Backend):
             self.backend = backend
@@ -426,9 +427,20 @@ class FileSource(_EpochSource):
         reader = self._reader()
         if reader is None or len(positions) > URING_FILES:
             return super()._start(positions)
-        batch = reader.start(self._paths(positions))
+        batch = self._uring_start(reader, positions)
         self._started_bytes = int(batch.size.sum())
-        return _Reading(reader, batch, _labels(self.files, positions))
+        return _Reading(self, reader, batch, positions)
+
+    def _uring_start(self, reader: uring.BatchReader, positions: list[int]) -> Any:
+        """Submit a batch's reads; where every file's size is known from an earlier read, the opens go
+        through the ring too."""
+        known = self._sizes[positions]
+        return reader.start(self._paths(positions), known if bool((known >= 0).all()) else None)
+
+    def _uring_read(self, reader: uring.BatchReader, positions: list[int]) -> list[np.ndarray]:
+        data = reader.finish(self._uring_start(reader, positions))
+        self._sizes[positions] = [len(a) for a in data]
+        return data
 
     def _waits(self, positions: list[int]) -> bool:
         """The first and the last file tell: hints are queued in order, and a batch half read in waits."""
@@ -465,7 +477,7 @@ class FileSource(_EpochSource):
             return _read_files(self.backend, paths, [os.stat(p).st_size for p in paths]), labels
         reader = self._reader()
         if reader is not None and len(paths) <= URING_FILES:  # one submission: adjacent cold files merge
-            return reader.finish(reader.start(paths)), labels
+            return self._uring_read(reader, positions), labels
         if len(paths) < 8:
             return read_whole_files(paths), labels
         threads = self.threads
@@ -485,11 +497,13 @@ class FileSource(_EpochSource):
 class _Reading:
     """A FileSource batch whose io_uring reads are in flight (`result()` waits; as a Future's)."""
 
-    def __init__(self, reader: uring.BatchReader, batch: Any, labels: np.ndarray) -> None:
-        self.reader, self.batch, self.labels = reader, batch, labels
+    def __init__(self, source: FileSource, reader: uring.BatchReader, batch: Any, positions: list[int]) -> None:
+        self.source, self.reader, self.batch, self.positions = source, reader, batch, positions
 
     def result(self) -> tuple[list[np.ndarray], np.ndarray]:
-        return self.reader.finish(self.batch), self.labels
+        data = self.reader.finish(self.batch)
+        self.source._sizes[self.positions] = [len(a) for a in data]
+        return data, _labels(self.source.files, self.positions)
 
     def exception(self) -> BaseException | None:
         """Wait for it and drop it (an epoch left early): its error, if any, belongs to nobody."""

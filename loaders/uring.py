@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 
 _SETUP, _ENTER, _REGISTER = 425, 426, 427  # the same numbers on every architecture since Linux 5.1
-_OP_READ = 22
+_OP_OPENAT, _OP_READ = 18, 22
+_AT_FDCWD = -100
 _ENTER_GETEVENTS = 1
 _REGISTER_PROBE = 8
 _OP_SUPPORTED = 1
@@ -126,31 +127,35 @@ class Ring:
         buf = ctypes.create_string_buffer(16 + 8 * 64)
         _syscall(_REGISTER, self.fd, _REGISTER_PROBE, buf, 64)
         ops_len = buf.raw[1]
-        op = buf.raw[16 + 8 * _OP_READ : 16 + 8 * _OP_READ + 4] if ops_len > _OP_READ else b"\0" * 4
-        if not struct.unpack_from("H", op, 2)[0] & _OP_SUPPORTED:
-            raise OSError(errno.EINVAL, "io_uring: IORING_OP_READ is not supported by this kernel")
+        for code in (_OP_OPENAT, _OP_READ):
+            op = buf.raw[16 + 8 * code : 16 + 8 * code + 4] if ops_len > code else b"\0" * 4
+            if not struct.unpack_from("H", op, 2)[0] & _OP_SUPPORTED:
+                raise OSError(errno.EINVAL, f"io_uring: operation {code} is not supported by this kernel")
 
     def submit_reads(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        """Queue reads of lens[i] bytes at offset 0 of fds[i] into addrs[i] and submit them in one syscall
-        (more than the ring holds: in slices). Returns their tags. The buffers must stay alive until `wait`
-        has returned their tags."""
-        n = len(fds)
+        """Queue reads of lens[i] bytes at offset 0 of fds[i] into addrs[i]; see `submit`."""
+        sqes = np.zeros(len(fds), _SQE)
+        sqes["opcode"], sqes["fd"], sqes["addr"], sqes["len"] = _OP_READ, fds, addrs, lens
+        return self.submit(sqes)
+
+    def submit(self, sqes: np.ndarray) -> np.ndarray:
+        """Submit these SQEs (their user_data set here) in one syscall (more than the ring holds: in
+        slices). Returns their tags. What they point to must stay alive until `wait` has returned them."""
+        n = len(sqes)
         tags = np.arange(self._tag, self._tag + n, dtype=np.uint64)
         self._tag += n
+        sqes["user_data"] = tags
         for at in range(0, n, self.entries):
-            part = slice(at, min(n, at + self.entries))
-            while self.inflight + (part.stop - part.start) > self.entries:  # completions must fit the ring
+            part = sqes[at : at + self.entries]
+            while self.inflight + len(part) > self.entries:  # completions must fit the ring
                 self._reap(1)
-            self._push(fds[part], addrs[part], lens[part], tags[part])
+            self._push(part)
         return tags
 
-    def _push(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray, tags: np.ndarray) -> None:
-        n = len(fds)
+    def _push(self, sqes: np.ndarray) -> None:
+        n = len(sqes)
         tail = int(self._sq_tail[0])
-        idx = (tail + np.arange(n, dtype=np.int64)) & self._sq_mask
-        sqe = np.zeros(n, _SQE)
-        sqe["opcode"], sqe["fd"], sqe["addr"], sqe["len"], sqe["user_data"] = _OP_READ, fds, addrs, lens, tags
-        self._sqes[idx] = sqe
+        self._sqes[(tail + np.arange(n, dtype=np.int64)) & self._sq_mask] = sqes
         self._sq_tail[0] = (tail + n) & 0xFFFFFFFF
         self.inflight += n
         sent = 0
@@ -217,30 +222,62 @@ class BatchReader:
             self._ring, self._open = Ring(self.entries), []  # a parent's reads are not this process's
         return self._ring
 
-    def start(self, paths: Sequence[str]) -> _Batch:
+    def start(self, paths: Sequence[str], sizes: np.ndarray | None = None) -> _Batch:
+        """Open the files, size them and submit their reads; returns without waiting for the reads. With
+        `sizes` (what the files held when last read), the opens go through the ring too (one syscall, no
+        fstat) and each read asks for one byte more than its size: a read that gets it found a file that
+        grew, which `finish` reads again whole."""
+        if sizes is not None and len(paths):
+            return self._start_sized(paths, np.asarray(sizes, np.int64))
         fds: list[int] = []
         try:
             open_, fstat = os.open, os.fstat
-            sizes = []
+            found = []
             for p in paths:
                 fds.append(open_(p, os.O_RDONLY | os.O_CLOEXEC))
-                sizes.append(fstat(fds[-1]).st_size)
-            size = np.array(sizes, dtype=np.int64)
-            if (size >= 1 << 31).any():
-                raise OSError(errno.EFBIG, f"{paths[int(np.argmax(size))]}: over 2 GiB, too large for one read")
-            ends = np.cumsum(size)
-            buf = np.empty(int(ends[-1]) if len(ends) else 0, np.uint8)
-            addrs = (buf.ctypes.data + ends - size).astype(np.uint64)
-            batch = _Batch(self, list(paths), fds, size, buf)
-            with self._lock:
-                batch.tags = self._ring_here().submit_reads(np.array(fds, np.int32), addrs, size.astype(np.uint32))
-                batch.ring = self._ring
-                self._open.append(batch)
-            return batch
+                found.append(fstat(fds[-1]).st_size)
+            size = np.array(found, dtype=np.int64)
+            return self._submit(list(paths), fds, size, size)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+
+    def _start_sized(self, paths: Sequence[str], size: np.ndarray) -> _Batch:
+        names = [os.fsencode(p) for p in paths]
+        blob = np.frombuffer(b"\0".join(names) + b"\0", np.uint8)
+        at = np.concatenate(([0], np.cumsum([len(b) + 1 for b in names])[:-1])).astype(np.int64)
+        opens = np.zeros(len(names), _SQE)
+        opens["opcode"], opens["fd"], opens["addr"] = _OP_OPENAT, _AT_FDCWD, blob.ctypes.data + at
+        opens["rw_flags"] = os.O_RDONLY | os.O_CLOEXEC
+        with self._lock:
+            ring = self._ring_here()
+            fds = ring.wait(ring.submit(opens))
+        bad = next((i for i, fd in enumerate(fds) if fd < 0), None)
+        if bad is not None:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+            raise OSError(-fds[bad], os.strerror(-fds[bad]), paths[bad])
+        try:
+            return self._submit(list(paths), fds, size, size + 1)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _submit(self, paths: list[str], fds: list[int], size: np.ndarray, room: np.ndarray) -> _Batch:
+        if (room >= 1 << 31).any():
+            raise OSError(errno.EFBIG, "over 2 GiB, too large for one read", paths[int(np.argmax(room))])
+        ends = np.cumsum(room)
+        buf = np.empty(int(ends[-1]) if len(ends) else 0, np.uint8)
+        addrs = (buf.ctypes.data + ends - room).astype(np.uint64)
+        batch = _Batch(paths, fds, size, buf, room)
+        with self._lock:
+            batch.tags = self._ring_here().submit_reads(np.array(fds, np.int32), addrs, room.astype(np.uint32))
+            batch.ring = self._ring
+            self._open.append(batch)
+        return batch
 
     def finish(self, batch: _Batch) -> list[np.ndarray]:
         with self._lock:
@@ -269,26 +306,31 @@ class BatchReader:
 class _Batch:
     """A batch's files in flight: descriptors, sizes, the buffer the kernel writes into, the reads' tags."""
 
-    def __init__(self, reader: BatchReader, paths: list[str], fds: list[int], size: np.ndarray, buf: np.ndarray):
-        self.paths, self.fds, self.size, self.buf = paths, fds, size, buf
+    def __init__(self, paths: list[str], fds: list[int], size: np.ndarray, buf: np.ndarray, room: np.ndarray):
+        self.paths, self.fds, self.size, self.buf, self.room = paths, fds, size, buf, room
         self.tags = np.empty(0, np.uint64)
         self.ring: Ring | None = None
 
     def arrays(self, results: list[int]) -> list[np.ndarray]:
         """Each file's bytes; a read that came back short is finished with plain reads (a file that
-        shrank stops at its end), a failed one raises OSError naming its file. The files are closed."""
+        shrank stops at its end), one that got more than the file's known size (it grew) is read again
+        whole, a failed one raises OSError naming its file. The files are closed."""
         try:
             out, at, view = [], 0, self.buf.data
-            for path, fd, n, got in zip(self.paths, self.fds, self.size.tolist(), results):
+            for path, fd, n, room, got in zip(self.paths, self.fds, self.size.tolist(), self.room.tolist(), results):
                 if got < 0:
                     raise OSError(-got, f"{path}: {os.strerror(-got)}")
+                if got > n:
+                    out.append(_read_fd(fd))
+                    at += room
+                    continue
                 while 0 < got < n:
                     k = os.preadv(fd, [view[at + got : at + n]], got)
                     if k == 0:
                         break
                     got += k
                 out.append(self.buf[at : at + got])
-                at += n
+                at += room
             return out
         finally:
             self.close()
@@ -297,3 +339,15 @@ class _Batch:
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)
+
+
+def _read_fd(fd: int) -> np.ndarray:
+    """A whole open file, as it is now."""
+    buf = np.empty(os.fstat(fd).st_size, np.uint8)
+    got = 0
+    while got < len(buf):
+        k = os.preadv(fd, [buf.data[got:]], got)
+        if k == 0:
+            break
+        got += k
+    return buf[:got]

@@ -335,6 +335,27 @@ def test_read_ahead_keeps_batches_and_epochs_exact(
     src.close()
 
 
+def test_filesource_reads_files_that_changed_since_the_last_epoch_as_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second epoch reads with the sizes the first one found (io_uring: opens through the ring); files
+    rewritten longer or shorter in between still come whole, as the filesystem holds them."""
+    import loaders.uring
+    from prep.synth import image_tree as make
+
+    if not loaders.uring.available():
+        pytest.skip("no io_uring here (old kernel, seccomp or kernel.io_uring_disabled)")
+    tree = make(tmp_path / "tree", classes=2, per_class=3, size=16, seed=5)
+    with FileSource(tree, batch_size=4) as src:
+        first = [a.tobytes() for d, _ in src for a in d]
+        assert (src._sizes == [len(b) for b in first]).all()
+        paths = [tree / p for p, _ in src.files]
+        paths[0].write_bytes(paths[0].read_bytes() + b"\0" * 999)
+        paths[1].write_bytes(paths[1].read_bytes()[:10])
+        second = [a.tobytes() for d, _ in src for a in d]
+    assert second == [p.read_bytes() for p in paths]
+
+
 def test_read_threads_leave_half_the_cores_to_dali() -> None:
     from loaders.dali import read_threads
 

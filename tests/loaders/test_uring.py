@@ -155,3 +155,24 @@ def test_adjacent_cold_files_reach_the_device_as_merged_requests(make_loopfs: Ca
     one_by_one = requests(lambda ps: [Path(p).read_bytes() for p in ps])
     assert one_by_one >= 48, f"the files were not cold: {one_by_one} device reads for 64 files"
     assert merged * 4 <= one_by_one, f"io_uring: {merged} device reads, one read a file: {one_by_one}"
+
+
+@needs_uring
+def test_known_sizes_open_through_the_ring_and_files_that_changed_are_read_as_they_are(tmp_path: Path) -> None:
+    """With the sizes of an earlier read the opens go through the ring; a file that grew since is read again
+    whole, one that shrank gives what it holds, a missing one is named and nothing stays open."""
+    paths = _files(tmp_path, [5000, 6000, 7000, 0])
+    reader = uring.BatchReader()
+    sizes = np.array([len(a) for a in reader.finish(reader.start(paths))])
+    assert sizes.tolist() == [5000, 6000, 7000, 0]
+    with open(paths[0], "ab") as f:
+        f.write(b"x" * 4000)  # grew
+    with open(paths[1], "r+b") as f:
+        f.truncate(100)  # shrank
+    got = reader.finish(reader.start(paths, sizes))
+    assert [a.tobytes() for a in got] == [Path(p).read_bytes() for p in paths]
+    fds = _open_fds()
+    with pytest.raises(FileNotFoundError, match="gone.bin"):
+        reader.start([paths[2], str(tmp_path / "gone.bin")], sizes[2:4])
+    assert _open_fds() == fds
+    reader.close()
