@@ -32,6 +32,7 @@ import numpy as np
 from loaders import args, uring
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
 from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError
+from loaders.files import HINT_BYTES, _resident, hint_files, read_whole_files
 from loaders.order import dali_shard, epoch_batches, epoch_order
 
 # fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
@@ -245,61 +246,18 @@ def _read_files(backend: Backend, paths: Sequence[str], sizes: Sequence[int]) ->
     return [np.asarray(b) for b in buffers]
 
 
-# Files read_whole_files opens at a time (and puts in one buffer): bounded, so a large batch never nears the
-# process's descriptor limit
-OPEN_AT_ONCE = 64
-
-
-def read_whole_files(paths: Sequence[str]) -> list[np.ndarray]:
-    """Whole files as uint8 arrays: up to OPEN_AT_ONCE files are opened and fstat'd, read into one fresh
-    buffer (each file's array is a view of it: one allocation, not one a file), and closed. The size comes
-    from the open file, so a file that changed between listing and reading is read whole; one that shrank
-    while read gives what it holds. On the 2-core box (2026-11-27, 3,200 warm 17 KiB files, one thread)
-    20.6 us a file with an array allocated a file, 13.7 with one buffer for 64."""
-    out: list[np.ndarray] = []
-    for i in range(0, len(paths), OPEN_AT_ONCE):
-        out += _read_group(paths[i : i + OPEN_AT_ONCE])
-    return out
-
-
-def _read_group(paths: Sequence[str]) -> list[np.ndarray]:
-    open_, fstat, readv, close = os.open, os.fstat, os.readv, os.close
-    fds: list[int] = []
-    try:
-        sizes = []
-        for p in paths:
-            fds.append(open_(p, os.O_RDONLY | os.O_CLOEXEC))
-            sizes.append(fstat(fds[-1]).st_size)
-        buf = np.empty(sum(sizes), np.uint8)
-        view = buf.data
-        out, at = [], 0
-        for fd, n in zip(fds, sizes):
-            got = readv(fd, [view[at : at + n]]) if n else 0
-            while 0 < got < n:  # interrupted or a file that shrank while read: finish or stop at its end
-                k = os.preadv(fd, [view[at + got : at + n]], got)
-                if k == 0:
-                    break
-                got += k
-            out.append(buf[at : at + got])
-            at += n
-        return out
-    finally:
-        for fd in fds:
-            close(fd)
-
-
 def read_threads(cores: int) -> int:
-    """FileSource's read threads on a machine of `cores`: half of them (the other half run DALI's own
-    threads and the pipeline's Python), at most 4. Reading holds the GIL for its per-file Python, so more
-    threads than that contend: 2-core box (2026-11-24), files/s through a DALI pipeline, 1 thread 45,300,
-    2 threads 41,700, 4 threads 29,900 (readers.file 41,500)."""
-    return max(1, min(4, cores // 2))
+    """FileSource's read threads for warm batches: one, whatever the cores. Reading holds the GIL for its
+    per-file Python, and each thread waits for it again after every syscall. Files/s through a DALI pipeline,
+    warm, no decode: 2-core box (2026-11-24) 1 thread 45,300, 2 threads 41,700, 4 threads 29,900 (readers.file
+    41,500); 16-core H200 box (2026-11-27, 5 rounds, two passes) 4 threads 0.37-0.39x readers.file, 1 thread
+    0.81-0.99x. `cores` is kept for callers that pass it."""
+    return 1
 
 
 # Batches past the one read ahead whose files FileSource hints to the kernel (posix_fadvise WILLNEED) when they are
 # cold: the kernel reads them asynchronously, so the disk has more requests in flight than the read threads make
 HINT_BATCHES = 6
-HINT_BYTES = 64 << 20  # at most this much hinted at a time (large files: the page cache is not flooded)
 # FileSource's read threads for a batch whose first file is not in the page cache (cold data): the 2-core CPU box
 # read a cold loop-mounted tree at 0.57x fn.readers.file with its one warm-data thread (2026-11-25)
 COLD_READ_THREADS = 8
@@ -307,41 +265,6 @@ COLD_READ_THREADS = 8
 # URING_FILES files (each holds a descriptor while in flight); a batch of more files is read with plain reads
 URING_BATCHES = 4
 URING_FILES = 256
-_probe: Any = None  # one cachestat(2) probe per process (a ctypes handle: not pickled with a source)
-_ONE_BYTE = bytearray(1)  # where `_resident`'s probing reads land (their byte is not used)
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0x8)  # Linux's value; Python has the name on Linux since 3.7
-
-
-def _resident(path: str) -> bool:
-    """Whether the file at `path` is in the page cache and readable now: a one-byte RWF_NOWAIT read of its
-    first and last pages (EAGAIN: not there, or still being read in). cachestat(2) counts a page whose read
-    is still in flight as cached, so a hinted batch looked warm and its read waited on the pipeline's
-    thread. Where the kernel has no RWF_NOWAIT for this file: cachestat; True where neither tells."""
-    global _probe
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return True  # read_whole_files says what is wrong with it
-    try:
-        n = os.fstat(fd).st_size
-        if n == 0:
-            return True
-        try:
-            os.preadv(fd, [_ONE_BYTE], n - 1, _NOWAIT)
-            if n > 4096:
-                os.preadv(fd, [_ONE_BYTE], 0, _NOWAIT)
-            return True
-        except BlockingIOError:
-            return False
-        except OSError:  # EOPNOTSUPP / EINVAL: no RWF_NOWAIT here
-            pass
-        from loaders.backends.base import PageCacheProbe
-
-        if _probe is None:
-            _probe = PageCacheProbe()
-        return not _probe.available or bool(_probe.resident(fd, 0, n))
-    finally:
-        os.close(fd)
 
 
 class FileSource(_EpochSource):
@@ -351,12 +274,12 @@ class FileSource(_EpochSource):
     outputs; use
     `fn.external_source(source=src, num_outputs=2, batch=True)`. `files` holds the (path, label) list.
 
-    backend "auto" (default): whole files through the page cache. Where io_uring can be used
-    (`loaders.uring.available()`), a batch's reads are submitted together, so the kernel merges the reads of
-    files that lie next to each other on the disk, and a cold epoch keeps 4 batches in flight with no thread
-    (2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs: 1.06-1.20x `fn.readers.file`). Elsewhere each batch is
-    read in a few slices on `threads` threads (`threads=None`: `read_threads(os.cpu_count())`), a batch whose
-    first file is not in the page cache on `COLD_READ_THREADS` threads, with WILLNEED hints ahead.
+    backend "auto" (default): whole files through the page cache. Batches read when asked for (warm ones)
+    are read on `threads` threads (`threads=None`: `read_threads(os.cpu_count())`, one). In a cold epoch,
+    where io_uring can be used (`loaders.uring.available()`), 4 batches are kept in flight, each batch's
+    reads submitted together, so the kernel merges the reads of files that lie next to each other on the
+    disk (2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs: 1.06-1.20x `fn.readers.file`); elsewhere a cold
+    batch is read on `COLD_READ_THREADS` threads, with WILLNEED hints ahead.
     Any other name or Backend: that backend, sizes from one stat per file."""
 
     def __init__(
@@ -437,11 +360,6 @@ class FileSource(_EpochSource):
         known = self._sizes[positions]
         return reader.start(self._paths(positions), known if bool((known >= 0).all()) else None)
 
-    def _uring_read(self, reader: uring.BatchReader, positions: list[int]) -> list[np.ndarray]:
-        data = reader.finish(self._uring_start(reader, positions))
-        self._sizes[positions] = [len(a) for a in data]
-        return data
-
     def _waits(self, positions: list[int]) -> bool:
         """The first and the last file tell: hints are queued in order, and a batch half read in waits."""
         if self.backend is not None:
@@ -475,23 +393,23 @@ class FileSource(_EpochSource):
         labels = _labels(self.files, positions)
         if self.backend is not None:
             return _read_files(self.backend, paths, [os.stat(p).st_size for p in paths]), labels
-        reader = self._reader()
-        if reader is not None and len(paths) <= URING_FILES:  # one submission: adjacent cold files merge
-            return self._uring_read(reader, positions), labels
-        if len(paths) < 8:
-            return read_whole_files(paths), labels
+        data = self._read_plain(paths)
+        self._sizes[positions] = [len(a) for a in data]  # later reads through the ring open without fstat
+        return data, labels
+
+    def _read_plain(self, paths: list[str]) -> list[np.ndarray]:
         threads = self.threads
-        if threads < COLD_READ_THREADS and not _resident(paths[0]):
+        if len(paths) >= 8 and threads < COLD_READ_THREADS and not _resident(paths[0]):
             threads = COLD_READ_THREADS  # reads that wait on the disk hold no GIL: keep several in flight
-        if threads == 1:
-            return read_whole_files(paths), labels
+        if len(paths) < 8 or threads == 1:
+            return read_whole_files(paths)
         if self._pool is None or self._pool_size != threads:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="blockprep-files"), threads
         step = -(-len(paths) // threads)
         parts = [self._pool.submit(read_whole_files, paths[i : i + step]) for i in range(0, len(paths), step)]
-        return [a for part in parts for a in part.result()], labels
+        return [a for part in parts for a in part.result()]
 
 
 class _Reading:
@@ -512,27 +430,6 @@ class _Reading:
         except Exception as exc:  # noqa: BLE001 - handed back, as Future.exception does
             return exc
         return None
-
-
-def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:
-    """posix_fadvise(WILLNEED) on each file, in order, up to `limit` bytes in all (the kernel starts reading
-    each into the page cache and returns); a file that cannot be opened is left to the read that follows,
-    which says what is wrong with it."""
-    open_, close, fstat, fadvise, willneed = os.open, os.close, os.fstat, os.posix_fadvise, os.POSIX_FADV_WILLNEED
-    for p in paths:
-        try:
-            fd = open_(p, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            limit -= fstat(fd).st_size
-            fadvise(fd, 0, 0, willneed)
-        except OSError:
-            pass
-        finally:
-            close(fd)
-        if limit <= 0:
-            return
 
 
 class BmapSource(_EpochSource):

@@ -269,10 +269,12 @@ class BatchReader:
     def _submit(self, paths: list[str], fds: list[int], size: np.ndarray, room: np.ndarray) -> _Batch:
         if (room >= 1 << 31).any():
             raise OSError(errno.EFBIG, "over 2 GiB, too large for one read", paths[int(np.argmax(room))])
-        ends = np.cumsum(room)
-        buf = np.empty(int(ends[-1]) if len(ends) else 0, np.uint8)
-        addrs = (buf.ctypes.data + ends - room).astype(np.uint64)
-        batch = _Batch(paths, fds, size, buf, room)
+        # one array a file: a buffer for the whole batch would be a large allocation, which the C library
+        # maps fresh (and the kernel zeroes page by page) batch after batch
+        empty = np.empty
+        bufs = [empty(n, np.uint8) for n in room.tolist()]
+        addrs = np.fromiter((b.__array_interface__["data"][0] for b in bufs), np.uint64, len(bufs))
+        batch = _Batch(paths, fds, size, bufs, room)
         with self._lock:
             batch.tags = self._ring_here().submit_reads(np.array(fds, np.int32), addrs, room.astype(np.uint32))
             batch.ring = self._ring
@@ -306,8 +308,8 @@ class BatchReader:
 class _Batch:
     """A batch's files in flight: descriptors, sizes, the buffer the kernel writes into, the reads' tags."""
 
-    def __init__(self, paths: list[str], fds: list[int], size: np.ndarray, buf: np.ndarray, room: np.ndarray):
-        self.paths, self.fds, self.size, self.buf, self.room = paths, fds, size, buf, room
+    def __init__(self, paths: list[str], fds: list[int], size: np.ndarray, bufs: list[np.ndarray], room: np.ndarray):
+        self.paths, self.fds, self.size, self.bufs, self.room = paths, fds, size, bufs, room
         self.tags = np.empty(0, np.uint64)
         self.ring: Ring | None = None
 
@@ -316,21 +318,19 @@ class _Batch:
         shrank stops at its end), one that got more than the file's known size (it grew) is read again
         whole, a failed one raises OSError naming its file. The files are closed."""
         try:
-            out, at, view = [], 0, self.buf.data
-            for path, fd, n, room, got in zip(self.paths, self.fds, self.size.tolist(), self.room.tolist(), results):
+            out = []
+            for path, fd, n, buf, got in zip(self.paths, self.fds, self.size.tolist(), self.bufs, results):
                 if got < 0:
                     raise OSError(-got, f"{path}: {os.strerror(-got)}")
                 if got > n:
                     out.append(_read_fd(fd))
-                    at += room
                     continue
                 while 0 < got < n:
-                    k = os.preadv(fd, [view[at + got : at + n]], got)
+                    k = os.preadv(fd, [buf.data[got:n]], got)
                     if k == 0:
                         break
                     got += k
-                out.append(self.buf[at : at + got])
-                at += room
+                out.append(buf if got == len(buf) else buf[:got])
             return out
         finally:
             self.close()

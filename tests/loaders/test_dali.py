@@ -345,21 +345,30 @@ def test_filesource_reads_files_that_changed_since_the_last_epoch_as_they_are(
 
     if not loaders.uring.available():
         pytest.skip("no io_uring here (old kernel, seccomp or kernel.io_uring_disabled)")
+    import loaders.dali as dali_mod
+
     tree = make(tmp_path / "tree", classes=2, per_class=3, size=16, seed=5)
     with FileSource(tree, batch_size=4) as src:
-        first = [a.tobytes() for d, _ in src for a in d]
+        first = [a.tobytes() for d, _ in src for a in d]  # warm: plain reads, which note the sizes
         assert (src._sizes == [len(b) for b in first]).all()
         paths = [tree / p for p, _ in src.files]
         paths[0].write_bytes(paths[0].read_bytes() + b"\0" * 999)
         paths[1].write_bytes(paths[1].read_bytes()[:10])
+        monkeypatch.setattr(dali_mod, "_resident", lambda path: False)  # a cold epoch: through the ring
+        opened: list[object] = []
+        start = src._reader().start
+        monkeypatch.setattr(src._reader(), "start", lambda ps, sizes=None: opened.append(sizes) or start(ps, sizes))
         second = [a.tobytes() for d, _ in src for a in d]
     assert second == [p.read_bytes() for p in paths]
+    assert opened and all(sizes is not None for sizes in opened)  # every batch opened with the known sizes
 
 
-def test_read_threads_leave_half_the_cores_to_dali() -> None:
+def test_warm_batches_are_read_on_one_thread_whatever_the_cores(image_tree: Path) -> None:
     from loaders.dali import read_threads
 
-    assert [read_threads(c) for c in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+    assert [read_threads(c) for c in (1, 2, 3, 4, 8, 64)] == [1] * 6
+    with FileSource(image_tree) as src, FileSource(image_tree, threads=3) as three:
+        assert (src.threads, three.threads) == (1, 3)
 
 
 def test_cold_batches_read_on_more_threads(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
