@@ -26,6 +26,23 @@ def read_whole_files(paths: Sequence[str]) -> list[np.ndarray]:
     return out
 
 
+def finish_read(fd: int, buf: np.ndarray, got: int, n: int) -> int:
+    """Bytes of `buf[:n]` filled after a read of the file from offset 0 returned `got`: a short read
+    (interrupted, or a file that shrank while read) is finished with plain reads, stopping at the file's end."""
+    while 0 < got < n:
+        k = os.preadv(fd, [buf.data[got:n]], got)
+        if k == 0:
+            break
+        got += k
+    return got
+
+
+def read_fd(fd: int) -> np.ndarray:
+    """A whole open file, as it is now."""
+    buf = np.empty(os.fstat(fd).st_size, np.uint8)
+    return buf[: finish_read(fd, buf, os.preadv(fd, [buf.data], 0) if len(buf) else 0, len(buf))]
+
+
 def _read_group(paths: Sequence[str]) -> list[np.ndarray]:
     open_, fstat, readv, close, empty = os.open, os.fstat, os.readv, os.close, np.empty
     fds: list[int] = []
@@ -37,12 +54,7 @@ def _read_group(paths: Sequence[str]) -> list[np.ndarray]:
         out = []
         for fd, buf in zip(fds, bufs):
             n = len(buf)
-            got = readv(fd, [buf.data]) if n else 0
-            while 0 < got < n:  # interrupted or a file that shrank while read: finish or stop at its end
-                k = os.preadv(fd, [buf.data[got:]], got)
-                if k == 0:
-                    break
-                got += k
+            got = finish_read(fd, buf, readv(fd, [buf.data]) if n else 0, n)
             out.append(buf if got == n else buf[:got])
         return out
     finally:

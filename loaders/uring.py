@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from loaders.files import finish_read, read_fd
+
 _SETUP, _ENTER, _REGISTER = 425, 426, 427  # the same numbers on every architecture since Linux 5.1
 _OP_OPENAT, _OP_READ = 18, 22
 _AT_FDCWD = -100
@@ -205,8 +207,8 @@ class Ring:
 
 class BatchReader:
     """Whole files read through one ring: `start(paths)` opens, sizes and submits a batch's reads and returns
-    at once; `finish(handle)` waits for them and gives the files as uint8 arrays, views of one buffer a batch
-    (a file that shrank while read gives what it holds; one that grew, its size when opened). Thread-safe;
+    at once; `finish(handle)` waits for them and gives the files as uint8 arrays, one a file (a file that
+    shrank while read gives what it holds; one that grew, its size when opened). Thread-safe;
     a forked child makes its own ring."""
 
     def __init__(self, entries: int = 256) -> None:
@@ -274,7 +276,7 @@ class BatchReader:
         empty = np.empty
         bufs = [empty(n, np.uint8) for n in room.tolist()]
         addrs = np.fromiter((b.__array_interface__["data"][0] for b in bufs), np.uint64, len(bufs))
-        batch = _Batch(paths, fds, size, bufs, room)
+        batch = _Batch(paths, fds, size, bufs)
         with self._lock:
             batch.tags = self._ring_here().submit_reads(np.array(fds, np.int32), addrs, room.astype(np.uint32))
             batch.ring = self._ring
@@ -306,10 +308,10 @@ class BatchReader:
 
 
 class _Batch:
-    """A batch's files in flight: descriptors, sizes, the buffer the kernel writes into, the reads' tags."""
+    """A batch's files in flight: descriptors, sizes, the arrays the kernel writes into, the reads' tags."""
 
-    def __init__(self, paths: list[str], fds: list[int], size: np.ndarray, bufs: list[np.ndarray], room: np.ndarray):
-        self.paths, self.fds, self.size, self.bufs, self.room = paths, fds, size, bufs, room
+    def __init__(self, paths: list[str], fds: list[int], size: np.ndarray, bufs: list[np.ndarray]) -> None:
+        self.paths, self.fds, self.size, self.bufs = paths, fds, size, bufs
         self.tags = np.empty(0, np.uint64)
         self.ring: Ring | None = None
 
@@ -323,13 +325,9 @@ class _Batch:
                 if got < 0:
                     raise OSError(-got, f"{path}: {os.strerror(-got)}")
                 if got > n:
-                    out.append(_read_fd(fd))
+                    out.append(read_fd(fd))
                     continue
-                while 0 < got < n:
-                    k = os.preadv(fd, [buf.data[got:n]], got)
-                    if k == 0:
-                        break
-                    got += k
+                got = finish_read(fd, buf, got, n)
                 out.append(buf if got == len(buf) else buf[:got])
             return out
         finally:
@@ -339,15 +337,3 @@ class _Batch:
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)
-
-
-def _read_fd(fd: int) -> np.ndarray:
-    """A whole open file, as it is now."""
-    buf = np.empty(os.fstat(fd).st_size, np.uint8)
-    got = 0
-    while got < len(buf):
-        k = os.preadv(fd, [buf.data[got:]], got)
-        if k == 0:
-            break
-        got += k
-    return buf[:got]
