@@ -163,6 +163,40 @@ def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path:
         assert seen == len(src.files) == 12
 
 
+@pytest.mark.loopdev
+def test_bmap_source_cold_epochs_read_batches_ahead_exactly(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
+    """An epoch whose first batch would wait on the disk keeps BMAP_COLD_BATCHES batches being read ahead; an
+    epoch cut short, a reshuffled one and a reopened source still give their positions' files and labels."""
+    import loaders.dali as dali_mod
+    from prep.mapping import build_bmap
+    from prep.synth import image_tree
+
+    fs = make_loopfs("ext4")
+    root = image_tree(fs.mountpoint, classes=3, per_class=7, size=32, seed=2)
+    build_bmap(fs.mountpoint, tmp_path / "bmap.json")
+    with BmapSource(tmp_path / "bmap.json", batch_size=2, folder="train", shuffle=True, seed=4) as src:
+        src._waits = lambda positions: True  # type: ignore[method-assign]  # as O_DIRECT reads: always cold
+        assert src._depth() == dali_mod.BMAP_COLD_BATCHES
+
+        def check(batch: Any, positions: list[int]) -> None:
+            data, labels = batch
+            assert [d.tobytes() for d in data] == [(root / src.files[i][0]).read_bytes() for i in positions]
+            assert [int(x[0]) for x in labels] == [src.files[i][1] for i in positions]
+
+        it = iter(src)
+        check(next(it), src._order[:2].tolist())  # this epoch stops here, its batches ahead unused
+        assert sorted(k for _, k in src._ahead) == list(range(1, 1 + dali_mod.BMAP_COLD_BATCHES))
+        for _ in range(2):
+            it = iter(src)
+            got = list(it)
+            order = src._order.tolist()
+            for k, batch in enumerate(got):
+                check(batch, order[2 * k : 2 * k + 2])
+            assert sum(len(d) for d, _ in got) == len(src.files) == 21
+        src.close()
+        check(next(iter(src)), src._order[:2].tolist())
+
+
 @pytest.mark.gpu
 def test_cache_source_on_gpu(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
