@@ -88,10 +88,17 @@ def test_dali_readers_smoke(research_data: Path, tmp_path: Path, capsys: pytest.
     status = benchmark.main([*argv, "--datadir", str(research_data / "data")])
     out = capsys.readouterr().out
     assert status == 0, out
-    for row in ("dali readers.file", "research Python iterator", "blockprep FileSource"):
+    for row in (
+        "ceiling DALI, one batch held",
+        "dali readers.file",
+        "research Python iterator",
+        "blockprep FileSource",
+    ):
         assert f"  {row}: " in out, out
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert {r["name"] for r in rows["results"]} >= {"blockprep FileSource", "dali readers.file"}
+    held = next(r for r in rows["results"] if r["name"] == "ceiling DALI, one batch held")
+    assert held["kind"] == "ceiling" and held["items"] == 8 and held["nbytes"] > 0  # 2 batches of 4 delivered
 
 
 def test_dali_readers_rounds_give_one_median_row_per_way(research_data: Path, tmp_path: Path) -> None:

@@ -193,6 +193,24 @@ def external(files: list[str], read: Reader, opts: Options, name: str) -> Result
     return run_pipeline(build, files, opts, name)
 
 
+def held_batch(datadir: str | os.PathLike[str], opts: Options) -> Result:
+    """The pipeline's own bound: an `external_source` handed the same batch, read once, every time (no
+    reading; with --decode, the decoder's rate). No way that feeds this pipeline can go faster."""
+    dali = _dali()
+    files, _ = tree_files(datadir)
+    batch = python_read([files[i] for i in cycle(len(files), opts.batchsize)])
+
+    def build() -> Any:
+        pipe = _pipeline(opts)
+        with pipe:
+            encoded = dali.fn.external_source(source=lambda: batch, batch=True, dtype=dali.types.UINT8)
+            pipe.set_outputs(_decode(encoded, files, opts))
+        pipe.build()
+        return pipe
+
+    return run_pipeline(build, files, opts, "ceiling DALI, one batch held", kind="ceiling")
+
+
 def python_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
     """Python file reads into an `external_source`."""
     _dali()
@@ -514,6 +532,7 @@ def dali_readers(
     rows.peers["images"] = peer = "dali readers.file"
     token, check = DECODE.set(decode), LABELS.set(True)
     jobs: list[tuple[str, Callable[[], Result]]] = [
+        ("held batch", lambda: held_batch(tree, opts)),
         ("dali", lambda: dali_file(tree, opts)),
         ("research iterator", lambda: research_iterator(tree, opts)),
         ("FileSource", lambda: blockprep_dali(opts, tree, name="blockprep FileSource")),
