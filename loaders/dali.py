@@ -31,7 +31,6 @@ import numpy as np
 
 from loaders import args, uring
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, get_backend
-from loaders.deps import local_cores
 from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError
 from loaders.files import HINT_BYTES, _resident, hint_files, read_whole_files
 from loaders.order import dali_shard, epoch_batches, epoch_order
@@ -148,15 +147,9 @@ class _EpochSource:
     def _plan_ahead(self, first: int) -> None:
         """Batch `first` on: in a cold epoch keep the next `_depth()` batches being read (no probe: it
         started cold); otherwise read the next batch ahead only if it would wait on the disk. Hint the
-        batches after those read ahead. A batch the source reads ahead whatever the cache holds
-        (`_always_ahead`: FileSource's chains) is started without a probe."""
+        batches after those read ahead."""
         if first >= len(self._chunks):
             return
-        if not self._cold_epoch and (self.epoch, first) not in self._ahead:
-            nxt = [int(i) for i in self._chunks[first]]
-            if self._always_ahead(nxt):
-                self._ahead[(self.epoch, first)] = self._start(nxt)
-                return
         if self._cold_epoch:
             last = min(first + self._depth(), len(self._chunks))
             for j in range(first, last):
@@ -175,11 +168,6 @@ class _EpochSource:
     def _start(self, positions: list[int]) -> Any:
         """Begin reading a batch ahead; the result has `result()` (the batch) and `exception()`."""
         return self._pool_ahead().submit(self._batch, positions)
-
-    def _always_ahead(self, positions: list[int]) -> bool:
-        """Whether this batch of a warm epoch is read ahead whatever the page cache holds (no: only a batch
-        that would wait on the disk is)."""
-        return False
 
     def _depth(self) -> int:
         """Batches a cold epoch keeps being read ahead."""
@@ -278,12 +266,6 @@ COLD_READ_THREADS = 8
 # URING_FILES files (each holds a descriptor while in flight); a batch of more files is read with plain reads
 URING_BATCHES = 4
 URING_FILES = 256
-URING_ENTRIES = 1024  # the ring's entries (a warm batch of URING_FILES files is 3 entries a file when chained)
-# FileSource's warm batches where the process may use this many cores or more: each read ahead as chains of the
-# kernel's own work (`uring.BatchReader.start_chained`), which run on its worker threads, so the pipeline's thread
-# only hands DALI the files. Warm, no decode, 5 rounds, against fn.readers.file's files/s (2026-11-27): 16-core
-# H200 box 1.06x chained, 0.87x read on the pipeline's thread; 2-core box 0.92x chained, 1.12x on the pipeline's
-CHAIN_CORES = 8
 # BmapSource's cold epochs: up to this many batches read ahead, one after another on the read-ahead thread (each
 # batch's device ranges in parallel), at most about HINT_BYTES. 2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs
 # on a loop-mounted ext4, 5 rounds: one batch ahead 1.09x fn.readers.file's files/s, two 1.42x, three 1.36x
@@ -340,7 +322,6 @@ class FileSource(_EpochSource):
         self.backend: Backend | None = None
         self._uring: uring.BatchReader | None = None
         self._sizes = np.full(len(self.files), -1, np.int64)  # each file's size when last read (-1: not yet)
-        self._chains: bool | None = None  # warm batches read ahead as chains (None: not decided yet)
         self._started_bytes = 0  # bytes of the last batch whose reads were submitted (bounds the depth)
         if isinstance(backend, Backend):
             self.backend = backend
@@ -355,16 +336,8 @@ class FileSource(_EpochSource):
         if self.backend is not None or not uring.available():
             return None
         if self._uring is None:
-            self._uring = uring.BatchReader(URING_ENTRIES)
+            self._uring = uring.BatchReader()
         return self._uring
-
-    def _chained(self, positions: list[int]) -> bool:
-        """Whether this warm batch is read ahead as chains (CHAIN_CORES or more cores, a kernel that runs
-        them, every size known from an earlier read)."""
-        if self._chains is None:
-            reader = self._reader()
-            self._chains = reader is not None and local_cores() >= CHAIN_CORES and reader.chains()
-        return self._chains and len(positions) <= URING_FILES and bool((self._sizes[positions] >= 0).all())
 
     @property
     def _hints(self) -> bool:
@@ -378,17 +351,10 @@ class FileSource(_EpochSource):
         by_bytes = HINT_BYTES // max(1, self._started_bytes)
         return max(1, min(URING_BATCHES, URING_FILES // self.batch_size, by_bytes))
 
-    def _always_ahead(self, positions: list[int]) -> bool:
-        return self._chained(positions)
-
     def _start(self, positions: list[int]) -> Any:
         reader = self._reader()
         if reader is None or len(positions) > URING_FILES:
             return super()._start(positions)
-        if not self._cold_epoch and self._chained(positions):
-            return _Reading(
-                self, reader, reader.start_chained(self._paths(positions), self._sizes[positions]), positions
-            )
         batch = self._uring_start(reader, positions)
         self._started_bytes = int(batch.size.sum())
         return _Reading(self, reader, batch, positions)

@@ -1,11 +1,9 @@
-"""Availability of optional packages, checked once and cached (no heavy import at `import loaders`), and the
-CPU cores this process may use."""
+"""Availability of optional packages, checked once and cached (no heavy import at `import loaders`)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from functools import cache
 from types import ModuleType
 
@@ -52,8 +50,3 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def local_cores() -> int:
-    """CPU cores this process may run on (its affinity: a SLURM job's share, not the whole node)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

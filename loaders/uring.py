@@ -26,11 +26,10 @@ import struct
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-from loaders.files import finish_read, read_fd, read_whole_files
+from loaders.files import finish_read, read_fd
 
 _SETUP, _ENTER, _REGISTER = 425, 426, 427  # the same numbers on every architecture since Linux 5.1
 _OP_OPENAT, _OP_READ = 18, 22
@@ -42,16 +41,12 @@ _FEAT_SINGLE_MMAP = 1
 _OFF_CQ_RING, _OFF_SQES = 0x8000000, 0x10000000
 ENV = "BLOCKPREP_IO_URING"  # "0": never use io_uring (plain reads)
 
-_OP_CLOSE = 19
-_REGISTER_FILES = 2
-_SQE_FIXED_FILE, _SQE_HARDLINK, _SQE_ASYNC = 1, 8, 16
 _SQE = np.dtype(
     {
-        "names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data", "file_index",
-                  "rest"],
+        "names": ["opcode", "flags", "ioprio", "fd", "off", "addr", "len", "rw_flags", "user_data", "rest"],
         "formats": [np.uint8, np.uint8, np.uint16, np.int32, np.uint64, np.uint64, np.uint32, np.uint32,
-                    np.uint64, np.uint32, (np.uint8, 16)],
-        "offsets": [0, 1, 2, 4, 8, 16, 24, 28, 32, 44, 48],
+                    np.uint64, (np.uint8, 24)],
+        "offsets": [0, 1, 2, 4, 8, 16, 24, 28, 32, 40],
         "itemsize": 64,
     }
 )  # fmt: skip
@@ -139,29 +134,21 @@ class Ring:
             if not struct.unpack_from("H", op, 2)[0] & _OP_SUPPORTED:
                 raise OSError(errno.EINVAL, f"io_uring: operation {code} is not supported by this kernel")
 
-    def register_slots(self, n: int) -> None:
-        """A table of `n` empty fixed-file slots (descriptors the kernel holds for the ring, outside the
-        process's own table), which chained opens fill and chained closes empty."""
-        table = (ctypes.c_int32 * n)(*([-1] * n))
-        _syscall(_REGISTER, self.fd, _REGISTER_FILES, table, n)
-
     def submit_reads(self, fds: np.ndarray, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Queue reads of lens[i] bytes at offset 0 of fds[i] into addrs[i]; see `submit`."""
         sqes = np.zeros(len(fds), _SQE)
         sqes["opcode"], sqes["fd"], sqes["addr"], sqes["len"] = _OP_READ, fds, addrs, lens
         return self.submit(sqes)
 
-    def submit(self, sqes: np.ndarray, group: int = 1) -> np.ndarray:
+    def submit(self, sqes: np.ndarray) -> np.ndarray:
         """Submit these SQEs (their user_data set here) in one syscall (more than the ring holds: in
-        slices of whole groups of `group`, so that a chain of linked SQEs is never cut). Returns their tags.
-        What they point to must stay alive until `wait` has returned them."""
+        slices). Returns their tags. What they point to must stay alive until `wait` has returned them."""
         n = len(sqes)
         tags = np.arange(self._tag, self._tag + n, dtype=np.uint64)
         self._tag += n
         sqes["user_data"] = tags
-        step = self.entries // group * group
-        for at in range(0, n, step):
-            part = sqes[at : at + step]
+        for at in range(0, n, self.entries):
+            part = sqes[at : at + self.entries]
             while self.inflight + len(part) > self.entries:  # completions must fit the ring
                 self._reap(1)
             self._push(part)
@@ -229,75 +216,13 @@ class BatchReader:
         self._ring: Ring | None = None
         self._lock = threading.Lock()
         self._open: list[_Batch] = []
-        self._slots: list[int] | None = None  # free fixed-file slots of the ring (None: none registered yet)
-        self._chains: bool | None = None  # whether this kernel runs chained reads (checked once a process)
 
     def _ring_here(self) -> Ring:
         if self._ring is None or self._ring.pid != os.getpid():
             if not available():
                 raise OSError(errno.ENOSYS, "io_uring is not available here (loaders.uring.available())")
-            # a parent's reads and slots are not this process's
-            self._ring, self._open, self._slots, self._chains = Ring(self.entries), [], None, None
+            self._ring, self._open = Ring(self.entries), []  # a parent's reads are not this process's
         return self._ring
-
-    def chains(self) -> bool:
-        """Whether `start_chained` can be used: fixed-file slots, opens into them and closes of them (Linux
-        5.15+), checked by reading this module's own file through one chain."""
-        with self._lock:
-            ring = self._ring_here()  # a forked child checks again, with a ring of its own
-            if self._chains is not None:
-                return self._chains
-            try:
-                ring.register_slots(self.entries)
-                self._slots, self._chains = list(range(self.entries)), True
-            except OSError:
-                self._chains = False
-                return False
-        here = Path(__file__).resolve()
-        try:
-            got = self.finish(self.start_chained([str(here)], np.array([here.stat().st_size])), plain=False)
-            self._chains = got[0].tobytes() == here.read_bytes()
-        except OSError:
-            self._chains = False
-        return self._chains
-
-    def start_chained(self, paths: Sequence[str], sizes: np.ndarray) -> _Batch:
-        """Submit each file's open, read (of its known size and one byte more) and close as one chain of the
-        kernel's own work, done by its worker threads (IOSQE_ASYNC): the caller's thread spends a few
-        vectorised writes and one syscall on a batch, however many cores its files' reads take. Needs
-        `chains()`. `finish` reads a file again with plain reads where its chain did not give exactly its
-        known size (it changed, or failed: the plain read says why)."""
-        n = len(paths)
-        size = np.asarray(sizes, np.int64)
-        if (size + 1 >= 1 << 31).any():
-            raise OSError(errno.EFBIG, "over 2 GiB, too large for one read", paths[int(np.argmax(size))])
-        names = [os.fsencode(p) for p in paths]
-        blob = np.frombuffer(b"\0".join(names) + b"\0", np.uint8)
-        at = np.concatenate(([0], np.cumsum([len(b) + 1 for b in names])[:-1])).astype(np.int64)
-        bufs = [np.empty(k, np.uint8) for k in (size + 1).tolist()]
-        sqes = np.zeros(3 * n, _SQE)
-        opens, reads, closes = sqes[0::3], sqes[1::3], sqes[2::3]
-        with self._lock:
-            ring = self._ring_here()
-            if self._slots is None or len(self._slots) < n:
-                raise OSError(errno.EBUSY, f"io_uring: {n} files in flight, more than its {self.entries} slots")
-            slots = np.array(self._slots[-n:], np.uint32)
-            del self._slots[-n:]
-            # hard links: a failed open or read still runs the steps after it, so every slot is emptied
-            opens["opcode"], opens["fd"], opens["rw_flags"] = _OP_OPENAT, _AT_FDCWD, os.O_RDONLY
-            opens["addr"] = blob.ctypes.data + at
-            opens["flags"], opens["file_index"] = _SQE_HARDLINK | _SQE_ASYNC, slots + 1
-            reads["opcode"], reads["fd"], reads["len"] = _OP_READ, slots, size + 1
-            reads["addr"] = np.fromiter((b.__array_interface__["data"][0] for b in bufs), np.uint64, n)
-            reads["flags"] = _SQE_FIXED_FILE | _SQE_HARDLINK | _SQE_ASYNC
-            closes["opcode"], closes["flags"], closes["file_index"] = _OP_CLOSE, _SQE_ASYNC, slots + 1
-            batch = _Batch(list(paths), [], size, bufs)
-            batch.slots, batch.keep = slots.tolist(), blob
-            # kept before the submit: if it fails part-way, what went in is waited for by `close` (buffers alive)
-            self._open.append(batch)
-            batch.tags = ring.submit(sqes, group=3)
-            batch.ring = ring
-        return batch
 
     def start(self, paths: Sequence[str], sizes: np.ndarray | None = None) -> _Batch:
         """Open the files, size them and submit their reads; returns without waiting for the reads. With
@@ -358,7 +283,7 @@ class BatchReader:
             self._open.append(batch)
         return batch
 
-    def finish(self, batch: _Batch, plain: bool = True) -> list[np.ndarray]:
+    def finish(self, batch: _Batch) -> list[np.ndarray]:
         with self._lock:
             if batch.ring is None or batch.ring is not self._ring or batch.ring.pid != os.getpid():
                 raise RuntimeError("io_uring batch of another process or of a closed reader")
@@ -366,10 +291,6 @@ class BatchReader:
                 results = batch.ring.wait(batch.tags)
             finally:
                 self._open.remove(batch)
-                if batch.slots and self._slots is not None:
-                    self._slots += batch.slots  # its chains are over: every slot was closed
-        if batch.slots:
-            return batch.chained(results, plain)
         return batch.arrays(results)
 
     def __del__(self) -> None:  # the kernel may still be writing into buffers that would be freed with it
@@ -393,22 +314,6 @@ class _Batch:
         self.paths, self.fds, self.size, self.bufs = paths, fds, size, bufs
         self.tags = np.empty(0, np.uint64)
         self.ring: Ring | None = None
-        self.slots: list[int] = []  # chained reads: the fixed-file slots its files were opened into
-        self.keep: np.ndarray | None = None  # chained reads: the paths the kernel reads, alive until done
-
-    def chained(self, results: list[int], plain: bool) -> list[np.ndarray]:
-        """Each file's bytes from its chain's (open, read, close) results: a read of exactly the known size,
-        or else the file read again with plain reads as it is now (`plain=False`: OSError instead)."""
-        got = results[1::3]
-        out = []
-        for path, n, buf, k, opened in zip(self.paths, self.size.tolist(), self.bufs, got, results[0::3]):
-            if k == n and opened >= 0:
-                out.append(buf[:n])
-            elif plain:
-                out += read_whole_files([path])  # changed, or failed: the plain read gives it or names why
-            else:
-                raise OSError(-min(k, opened, -errno.EIO), f"{path}: chained read gave {k} of {n} bytes")
-        return out
 
     def arrays(self, results: list[int]) -> list[np.ndarray]:
         """Each file's bytes; a read that came back short is finished with plain reads (a file that

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from loaders import chain
-from loaders.deps import local_cores
 from prep.errors import PrepError, UsageError
 from prep.finish import wait_commits
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
@@ -94,6 +93,11 @@ def check_security(scheduler: str | None, security: Any) -> None:
         return
     if not (scheduler or "").startswith("tls://"):
         raise UsageError(f"a Security was given for {scheduler or 'a local cluster'}; it applies to tls:// schedulers")
+
+
+def local_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def items_per_worker(workers: int, cores: int | None = None) -> int:

@@ -397,50 +397,6 @@ def test_filesource_reads_files_that_changed_since_the_last_epoch_as_they_are(
     assert opened and all(sizes is not None for sizes in opened)  # every batch opened with the known sizes
 
 
-def test_warm_batches_on_many_cores_are_read_ahead_as_chains_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With CHAIN_CORES cores, once every size is known, each warm batch is read ahead as chains on the
-    kernel's workers; the batches are exact, files changed between epochs come as they are now, and a file
-    removed is named. With fewer cores, no chains."""
-    import loaders.dali as dali_mod
-    import loaders.uring
-    from prep.synth import image_tree as make
-
-    if not loaders.uring.available() or not loaders.uring.BatchReader(8).chains():
-        pytest.skip("no io_uring fixed-file opens and closes here (Linux 5.15+)")
-    root = make(tmp_path / "tree", classes=2, per_class=7, size=24, seed=3)
-    monkeypatch.setattr(dali_mod, "_resident", lambda path: True)  # warm
-    with FileSource(root, batch_size=3, shuffle=True, seed=1) as few:
-        list(iter(few)), list(iter(few))
-        assert few._chains is False and not few._ahead
-    monkeypatch.setattr(dali_mod, "local_cores", lambda: dali_mod.CHAIN_CORES)
-    with FileSource(root, batch_size=3, shuffle=True, seed=1) as src:
-        paths = [root / p for p, _ in src.files]
-
-        def epoch(chained: bool = True) -> list[tuple[bytes, int]]:
-            got, it = [], iter(src)
-            while (batch := next(it, None)) is not None:
-                got += [(a.tobytes(), int(lab[0])) for a, lab in zip(*batch)]
-                if chained and src._next < len(src):  # the next batch is in flight as chains
-                    assert src._ahead[(src.epoch, src._next)].batch.slots
-            order = src._order.tolist()
-            assert got == [(paths[i].read_bytes(), src.files[i][1]) for i in order]
-            return got
-
-        epoch(chained=False)  # sizes unknown: each batch read when asked
-        assert not src._ahead
-        epoch()
-        with open(paths[0], "ab") as f:
-            f.write(b"grown")
-        with open(paths[1], "r+b") as f:
-            f.truncate(10)
-        epoch()
-        paths[2].unlink()
-        with pytest.raises(FileNotFoundError, match=paths[2].name):
-            epoch()
-
-
 def test_warm_batches_are_read_on_one_thread_whatever_the_cores(image_tree: Path) -> None:
     from loaders.dali import read_threads
 

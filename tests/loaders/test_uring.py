@@ -176,36 +176,3 @@ def test_known_sizes_open_through_the_ring_and_files_that_changed_are_read_as_th
         reader.start([paths[2], str(tmp_path / "gone.bin")], sizes[2:4])
     assert _open_fds() == fds
     reader.close()
-
-
-@needs_uring
-def test_chained_reads_give_each_file_exactly_and_read_changed_files_again(tmp_path: Path) -> None:
-    """Open, read and close chained on the kernel's workers: two batches in flight, finished in the other
-    order, more files than one submission holds; every slot comes back. A file that grew, shrank or was
-    replaced since it was sized is read again as it is now; a missing one is named; the process's own
-    descriptor table is never used."""
-    reader = uring.BatchReader(entries=64)
-    if not reader.chains():
-        pytest.skip("this kernel has no io_uring fixed-file opens and closes (Linux 5.15+)")
-    paths = _files(tmp_path, [0, 1, 4096, 300_000] + [17_000] * 30)
-    sizes = np.array([os.path.getsize(p) for p in paths])
-    fds = _open_fds()
-    first, second = reader.start_chained(paths[:4], sizes[:4]), reader.start_chained(paths[4:], sizes[4:])
-    assert _open_fds() == fds
-    got = reader.finish(second)
-    got = reader.finish(first) + got
-    assert [a.tobytes() for a in got] == [Path(p).read_bytes() for p in paths]
-    assert reader._slots is not None and sorted(reader._slots) == list(range(64))
-    with open(paths[1], "ab") as f:
-        f.write(b"grown")
-    with open(paths[3], "r+b") as f:
-        f.truncate(1000)
-    os.replace(_files(tmp_path / "new", [17_000], seed=5)[0], paths[5])  # same size, other bytes
-    got = reader.finish(reader.start_chained(paths[:6], sizes[:6]))
-    assert [a.tobytes() for a in got] == [Path(p).read_bytes() for p in paths[:6]]
-    with pytest.raises(FileNotFoundError, match="gone.bin"):
-        reader.finish(reader.start_chained([paths[6], str(tmp_path / "gone.bin")], sizes[6:8]))
-    assert sorted(reader._slots) == list(range(64)) and _open_fds() == fds
-    with pytest.raises(OSError, match="more than its 64 slots"):
-        reader.start_chained(paths[:1] * 65, np.repeat(sizes[:1], 65))
-    reader.close()
