@@ -147,6 +147,9 @@ def test_helpers(tmp_path: Path) -> None:
 
     batch = {"image": torch.zeros(2, 3, dtype=torch.float32), "_items": torch.arange(2), "x": [np.zeros(4, np.uint8)]}
     assert nbytes_of(batch) == 2 * 3 * 4 + 4
+    tensors = pytest.importorskip("nvidia.dali.tensors")  # a TensorList: from its shapes and dtype, no copy
+    ragged = tensors.TensorListCPU([np.zeros((3, 4), np.float32), np.zeros((5, 2), np.float32)])
+    assert nbytes_of([ragged]) == (12 + 10) * 4
     assert cycle(3, 7) == [0, 1, 2, 0, 1, 2, 0]
     with pytest.raises(Unavailable):
         cycle(0, 1)

@@ -168,9 +168,13 @@ def nbytes_of(obj: Any) -> int:
         return int(obj.nbytes)
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):  # torch.Tensor without importing torch
         return int(obj.element_size() * obj.numel())
-    if hasattr(obj, "as_array") or hasattr(obj, "as_cpu"):  # DALI TensorList(CPU|GPU)
-        cpu = obj.as_cpu() if hasattr(obj, "as_cpu") else obj
-        return sum(int(np.asarray(cpu[i]).nbytes) for i in range(len(cpu)))
+    if hasattr(obj, "as_array") or hasattr(obj, "as_cpu"):  # DALI TensorList(CPU|GPU): from its shapes
+        # no copy: a GPU batch copied to the host here would sit on the thread that also runs an external
+        # source's reads, and a training loop hands GPU batches on as they are
+        from nvidia.dali.types import to_numpy_type
+
+        itemsize = np.dtype(to_numpy_type(obj.dtype)).itemsize
+        return itemsize * sum(int(np.prod(shape, dtype=np.int64)) for shape in obj.shape())
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return len(obj)
     return 0

@@ -102,14 +102,22 @@ def run_pipeline(
     labels: list[np.ndarray] = []  # the output after the counted ones (the labels), copied: DALI reuses it
     keep_labels = LABELS.get()
 
+    last: list[Any] = []
+
     def batches() -> Iterator[Any]:
         while True:
             out = list(pipe.run())
             if keep_labels and len(out) > outputs:
                 labels.append(np.array(out[outputs].as_tensor()).ravel())
+            last[:] = out[:outputs]
             yield out[:outputs]
 
-    seconds, nbytes = time_batches(batches(), opts.batches)
+    def sync() -> None:  # the last batch's GPU work is done before the clock stops
+        for out in last:
+            if hasattr(out, "as_cpu"):
+                out.as_cpu()
+
+    seconds, nbytes = time_batches(batches(), opts.batches, sync=sync if opts.gpu else None)
     result = Result(name, data, opts.items, seconds, nbytes, kind, how)
     if labels:
         result.extra["labels"] = labels_digest(np.concatenate(labels))
