@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,13 +71,27 @@ def list_labeled_files(
     return out
 
 
+# A warm batch is read ahead on a thread where the consumer spends more than this many times a batch's read between
+# two batches (H200 box, 2026-11-27, DALI's GPU decoder, 5,000 warm JPEGs, 5 rounds: read ahead on a thread
+# FileSource 1.26x fn.readers.file's images/s, read when asked 1.08x); where it comes back at once, reading ahead on a
+# thread lost (2-core box, no decode: 0.92 against 1.07-1.11 read when asked)
+IDLE_READS = 2.0
+
+
+def _average(mean: float, value: float) -> float:
+    """A moving average that follows the last few values (the first one as it is)."""
+    return value if mean == 0 else mean + 0.25 * (value - mean)
+
+
 class _EpochSource:
     """Batches of positions over `n` samples: shard, per-epoch shuffle, short last batch. With `readahead`
     on, the next batch of the epoch is read ahead (`_start`) while the pipeline uses this one, when its reads
     would wait on the disk (`_waits`); a batch already in memory is read when it is asked for, on the
     pipeline's thread. Read ahead on a thread, its Python contends with the pipeline's for the interpreter
     lock: on the 2-core box (2026-11-26, 5,000 warm JPEGs, 5 rounds) reading every batch ahead gave 0.92-0.93
-    of `readers.file`'s files/s for both sources, reading it when asked 1.07-1.11.
+    of `readers.file`'s files/s for both sources, reading it when asked 1.07-1.11. Where the consumer spends
+    longer between batches than IDLE_READS reads (a pipeline that decodes), warm batches are read ahead on the
+    thread: its reads then overlap the time the pipeline's thread waits.
 
     With `cold_epochs` (FileSource, BmapSource), an epoch whose first batch is cold is cold throughout: its
     first `_depth()` batches are started at once and kept that many ahead, with no probe of each next batch
@@ -109,6 +124,9 @@ class _EpochSource:
         self._hint_pool: ThreadPoolExecutor | None = None
         self._hinted = 0
         self._cold_epoch = False
+        self._read_s = 0.0  # seconds a batch read when asked took (moving average)
+        self._idle_s = 0.0  # seconds the consumer spent between two batches (moving average)
+        self._left = 0.0  # when the last batch was handed over (0: none yet this epoch)
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -122,6 +140,7 @@ class _EpochSource:
         self._next = 0
         self._hinted = 0  # the last batch of this epoch hinted to the kernel (batch 0 is read at once)
         self._cold_epoch = False  # it started cold: hints go on without a probe on this thread (`_hint` probes)
+        self._left = 0.0
         return self
 
     def __next__(self) -> Any:
@@ -139,15 +158,30 @@ class _EpochSource:
                 self._hinted = len(first) - 1
                 self._pool_hints().submit(self._hint, [int(i) for c in first for i in c])
             self._plan_ahead(0)
+        start = time.perf_counter()
+        if self._left:
+            self._idle_s = _average(self._idle_s, start - self._left)
         ahead = self._ahead.pop((self.epoch, k), None)
-        batch = ahead.result() if ahead is not None else self._batch(chunk)
+        if ahead is not None:
+            batch = ahead.result()
+        else:
+            batch = self._batch(chunk)
+            self._read_s = _average(self._read_s, time.perf_counter() - start)
         self._plan_ahead(self._next)
+        self._left = time.perf_counter()
         return batch
+
+    def _consumer_idle(self) -> bool:
+        """Whether the consumer spends more than IDLE_READS times a batch's read away between two batches (a
+        pipeline that decodes): a batch read ahead on a thread then overlaps that time. Where it comes back at
+        once (no decode), the thread's Python would only contend with the pipeline's for the interpreter lock."""
+        return 0 < self._read_s * IDLE_READS < self._idle_s
 
     def _plan_ahead(self, first: int) -> None:
         """Batch `first` on: in a cold epoch keep the next `_depth()` batches being read (no probe: it
-        started cold); otherwise read the next batch ahead only if it would wait on the disk. Hint the
-        batches after those read ahead."""
+        started cold); otherwise read the next batch ahead only if it would wait on the disk, or, on the
+        read-ahead thread, if the consumer leaves time for it (`_consumer_idle`). Hint the batches after those
+        read ahead."""
         if first >= len(self._chunks):
             return
         if self._cold_epoch:
@@ -162,6 +196,8 @@ class _EpochSource:
         if self._waits(nxt):  # cold: read it ahead, hint the batches after it
             self._ahead[(self.epoch, first)] = self._start(nxt)
             self._hint_to(first + HINT_BATCHES)
+        elif self._consumer_idle():  # warm, and the consumer leaves time: read it on the read-ahead thread
+            self._ahead[(self.epoch, first)] = _EpochSource._start(self, nxt)
         elif self._hints and self._cold_beyond_hints():  # keep the disk busy
             self._hint_to(first + HINT_BATCHES)
 
