@@ -391,15 +391,18 @@ class FileSource(_EpochSource):
         reader = self._reader()
         if reader is None or len(positions) > URING_FILES:
             return super()._start(positions)
+        if self._consumer_idle():  # the opens and the submission go on the read-ahead thread, in order
+            return _Reading(self, reader, self._pool_ahead().submit(self._uring_start, reader, positions), positions)
         batch = self._uring_start(reader, positions)
-        self._started_bytes = int(batch.size.sum())
         return _Reading(self, reader, batch, positions)
 
     def _uring_start(self, reader: uring.BatchReader, positions: list[int]) -> Any:
         """Submit a batch's reads; where every file's size is known from an earlier read, the opens go
         through the ring too."""
         known = self._sizes[positions]
-        return reader.start(self._paths(positions), known if bool((known >= 0).all()) else None)
+        batch = reader.start(self._paths(positions), known if bool((known >= 0).all()) else None)
+        self._started_bytes = int(batch.size.sum())
+        return batch
 
     def _waits(self, positions: list[int]) -> bool:
         """The first and the last file tell: hints are queued in order, and a batch half read in waits."""
@@ -454,13 +457,15 @@ class FileSource(_EpochSource):
 
 
 class _Reading:
-    """A FileSource batch whose io_uring reads are in flight (`result()` waits; as a Future's)."""
+    """A FileSource batch whose io_uring reads are in flight, or being submitted on the read-ahead thread
+    (`batch` a Future of it): `result()` waits, as a Future's."""
 
     def __init__(self, source: FileSource, reader: uring.BatchReader, batch: Any, positions: list[int]) -> None:
         self.source, self.reader, self.batch, self.positions = source, reader, batch, positions
 
     def result(self) -> tuple[list[np.ndarray], np.ndarray]:
-        data = self.reader.finish(self.batch)
+        batch = self.batch.result() if isinstance(self.batch, Future) else self.batch
+        data = self.reader.finish(batch)
         self.source._sizes[self.positions] = [len(a) for a in data]
         return data, _labels(self.source.files, self.positions)
 

@@ -397,28 +397,34 @@ def test_filesource_reads_files_that_changed_since_the_last_epoch_as_they_are(
     assert opened and all(sizes is not None for sizes in opened)  # every batch opened with the known sizes
 
 
-def test_warm_batches_are_read_ahead_on_a_thread_while_the_consumer_is_away(
-    image_tree: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("cold", [False, True])
+def test_batches_are_read_ahead_on_a_thread_while_the_consumer_is_away(
+    image_tree: Path, monkeypatch: pytest.MonkeyPatch, cold: bool
 ) -> None:
     """A consumer that spends more than IDLE_READS reads between batches (a pipeline that decodes) gets warm
-    batches read ahead on the read-ahead thread, exactly; one that comes back at once gets them read when
-    asked (a thread's Python would contend with its own)."""
+    batches read ahead on the read-ahead thread, and a cold epoch's io_uring reads submitted there, exactly;
+    one that comes back at once gets warm batches read when asked (a thread's Python would contend with its
+    own)."""
     import time
     from concurrent.futures import Future
 
     import loaders.dali as dali_mod
 
-    monkeypatch.setattr(dali_mod, "_resident", lambda path: True)  # warm
     pairs = list_labeled_files(image_tree)
     with FileSource(image_tree, batch_size=2, shuffle=True, seed=5) as src:
+        monkeypatch.setattr(dali_mod, "_resident", lambda path: True)  # warm, so the consumer's pace is measured
+        for _ in iter(src):
+            time.sleep(0.03)  # decoding, elsewhere
+        monkeypatch.setattr(dali_mod, "_resident", lambda path: not cold)
         it = iter(src)
         got, threaded = [], 0
         while (batch := next(it, None)) is not None:
             got += [(a.tobytes(), int(lab[0])) for a, lab in zip(*batch)]
-            threaded += isinstance(src._ahead.get((src.epoch, src._next)), Future)
-            time.sleep(0.03)  # decoding, elsewhere
+            ahead = src._ahead.get((src.epoch, src._next))
+            threaded += isinstance(ahead, Future) or isinstance(getattr(ahead, "batch", None), Future)
+            time.sleep(0.03)
         assert got == [((image_tree / pairs[i][0]).read_bytes(), pairs[i][1]) for i in src._order.tolist()]
-        assert threaded >= len(src) - 3  # from the second batch's read on, every next one is read ahead
+        assert threaded >= len(src) - 2  # every next batch is read (or submitted) on the thread
         assert src._consumer_idle()
         src._read_s, src._idle_s = 0.001, 0.0015  # back at once: read when asked
         assert not src._consumer_idle()
