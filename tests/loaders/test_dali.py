@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fsutil import interleaved_appends
 
+import loaders.dali_base
 from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
 from loaders.writing import write_items
 
@@ -501,7 +502,7 @@ def test_filesource_hints_the_batches_after_the_one_read_ahead(
     pairs = list_labeled_files(image_tree)
     hinted: list[str] = []
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
-    monkeypatch.setattr(dali_mod, "HINT_BATCHES", 2)
+    monkeypatch.setattr(loaders.dali_base, "HINT_BATCHES", 2)
     got = {}
     for cold in (False, True):
         hinted.clear()
@@ -527,7 +528,7 @@ def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
     cold = {f"{image_tree}/{p}" for p, _ in pairs[6:]}
     hinted: list[str] = []
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
-    monkeypatch.setattr(dali_mod, "HINT_BATCHES", 2)
+    monkeypatch.setattr(loaders.dali_base, "HINT_BATCHES", 2)
     monkeypatch.setattr(dali_mod, "_resident", lambda path: path not in cold)
     with FileSource(image_tree, batch_size=2) as src:
         it = iter(src)
@@ -560,7 +561,7 @@ def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
         return path in hinted  # a hinted file is in at once; the rest is cold
 
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
-    monkeypatch.setattr(dali_mod, "HINT_BATCHES", 2)
+    monkeypatch.setattr(loaders.dali_base, "HINT_BATCHES", 2)
     monkeypatch.setattr(dali_mod, "_resident", resident)
     with FileSource(image_tree, batch_size=2) as src:
         it = iter(src)
