@@ -132,3 +132,21 @@ def test_labels_that_differ_from_readers_file_are_named() -> None:
     same_labels(rows, "dali readers.file")
     assert [r.extra.get("labels") for r in rows.results] == [None, "= peer", "DIFFER"]
     assert rows.footer == ["labels: DIFFER in b"]
+
+
+def test_short_rounds_earn_a_footer_and_long_ones_none() -> None:
+    """Ratios of rounds shorter than SHORT_ROUND_S (the peer's median) do not hold between runs: the table
+    says so under it; rounds as long or longer say nothing."""
+    from workflows.bench.core import SHORT_ROUND_S, Result, Rows
+
+    for seconds, said in ((SHORT_ROUND_S / 4, True), (SHORT_ROUND_S * 2, False)):
+        rows = Rows()
+        jobs = [(n, lambda n=n, s=seconds: Result(n, "images", 100, s, 1000)) for n in ("peer", "ours")]
+        rows.add_rounds(jobs, 3, peer="peer")
+        lines = [x for x in rows.footer if x.startswith("rounds: peer's took")]
+        assert len(lines) == (1 if said else 0), rows.footer
+        if said:
+            assert f"{seconds:.2f} s (median)" in lines[0] and "--batches" in lines[0]
+    one = Rows()
+    one.add_rounds([("peer", lambda: Result("peer", "images", 100, 0.01, 1000))], 1, peer="peer")
+    assert one.footer == []  # one round: no ratios between rounds to speak of

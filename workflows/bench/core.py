@@ -21,6 +21,11 @@ import numpy as np
 from loaders.deps import cuda_available, require
 from loaders.errors import MissingDependencyError, PrepError
 
+# The peer's median round under this many seconds earns a footer: such rounds do not hold their ratios from run
+# to run (H100, 2026-11-27, DALI's GPU decoder, cold: 0.16 s rounds of 3,200 files gave FileSource 1.13x and then
+# 0.91x readers.file; on an H200, 0.8 s rounds of 16,000 files gave 1.11x and 1.07x)
+SHORT_ROUND_S = 0.5
+
 
 class Unavailable(Exception):  # noqa: N818  (a state, not an error: the run goes on)
     """This way of loading cannot run here; the message says why in one line."""
@@ -133,6 +138,7 @@ class Rows:
                 runs[first] = [max(a, b, key=lambda x: x.items_per_s) for a, b in pairs]
         against = {key: next((v for v in runs.values() if v[0].name == name), None)
                    for key, name in (("x peer per round", peer), ("x ceiling per round", ceiling)) if name}  # fmt: skip
+        self._short_rounds(against.get("x peer per round"), peer)
         for made in runs.values():
             row = sorted(made, key=lambda x: x.seconds)[(len(made) - 1) // 2]
             if len(made) > 1:
@@ -144,6 +150,18 @@ class Rows:
                         per_round = [x.items_per_s / b.items_per_s for x, b in zip(made, base)]
                         row.extra[key] = f"{float(np.median(per_round)):.2f}"
             self.results.append(row)
+
+    def _short_rounds(self, peer_runs: list[Result] | None, peer: str) -> None:
+        """A footer where the peer's median round was shorter than SHORT_ROUND_S (ratios of such rounds do
+        not hold from run to run)."""
+        if not peer_runs or len(peer_runs) < 2:
+            return
+        seconds = float(np.median([x.seconds for x in peer_runs]))
+        if seconds < SHORT_ROUND_S:
+            self.footer.append(
+                f"rounds: {peer}'s took {seconds:.2f} s (median); ratios of rounds under {SHORT_ROUND_S} s move by "
+                "tens of percent between runs: time longer rounds (more --batches, over more items) for ones that hold"
+            )
 
     def skip(self, label: str, why: str) -> None:
         """Keep (and print) that `label` cannot run here, and why."""
