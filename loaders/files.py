@@ -69,9 +69,10 @@ _NOWAIT = getattr(os, "RWF_NOWAIT", 0x8)  # Linux's value; Python has the name o
 
 def _resident(path: str) -> bool:
     """Whether the file at `path` is in the page cache and readable now: a one-byte RWF_NOWAIT read of its
-    first and last pages (EAGAIN: not there, or still being read in). cachestat(2) counts a page whose read
-    is still in flight as cached, so a hinted batch looked warm and its read waited on the pipeline's
-    thread. Where the kernel has no RWF_NOWAIT for this file: cachestat; True where neither tells."""
+    first and last pages (EAGAIN: not there, or still being read in; a page not there is read in by that
+    probe, so on a fast disk it may be there by the time the probe returns: True then). cachestat(2) counts a
+    page whose read is still in flight as cached, so a hinted batch looked warm and its read waited on the
+    pipeline's thread. Where the kernel has no RWF_NOWAIT for this file: cachestat; True where neither tells."""
     global _probe
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -483,9 +483,9 @@ def test_hint_files_bring_cold_files_into_the_page_cache_up_to_the_limit(tmp_pat
     if not probe.available:
         pytest.skip("no cachestat(2) here: residency cannot be told")
 
-    def cached(p: Path) -> bool:  # cachestat: `_resident`'s RWF_NOWAIT read answered True for 2 of 8 files
-        fd = os.open(p, os.O_RDONLY)  # just evicted on the 2-core box's virtio disk (cachestat: not cached,
-        try:  # then and 50 ms later), and this test is about the page cache, not about that probe
+    def cached(p: Path) -> bool:  # cachestat, which reads nothing in: `_resident`'s RWF_NOWAIT read of a page
+        fd = os.open(p, os.O_RDONLY)  # not cached starts reading it in (cachestat counts it after, 20 of 20 on the
+        try:  # 2-core box), and half the time it is there before the probe returns: files past the limit warm up
             return bool(probe.resident(fd, 0, 64 << 10))
         finally:
             os.close(fd)
@@ -593,7 +593,7 @@ def test_resident_tells_an_evicted_file_from_one_read(tmp_path: Path) -> None:
 
     path = tmp_path / "f.bin"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 14, dtype=np.uint8).tobytes())
-    for _ in range(5):  # the probe answered True for a file just evicted now and then here: ask again
+    for _ in range(5):  # the probe reads a missing page in, and on a fast disk may find it there: again
         _evicted([path])
         if not _resident(str(path)):
             break
