@@ -598,7 +598,7 @@ def test_resident_tells_an_evicted_file_from_one_read(tmp_path: Path) -> None:
         if not _resident(str(path)):
             break
     else:
-        pytest.skip("5 tries: each time the probe read the evicted page in before it returned (a fast disk)")
+        pytest.skip("5 tries, the page there each time: eviction not honoured, or the probe read it in that fast")
     path.read_bytes()
     assert _resident(str(path))
     assert _resident(str(tmp_path / "missing.bin"))  # the read says what is wrong with it
