@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from seedlines import SEED_LINES
 
 from workflows import benchmark
 from workflows.bench import ceilings, report
-from workflows.bench.core import Options, Result, Unavailable, cycle, evict, nbytes_of
+from workflows.bench.core import Options, Result, Unavailable, cycle, evict, nbytes_of, start_pass
 
 PIPELINE = Path(benchmark.__file__).parent / "pipelines" / "spheres.py"
 
@@ -156,6 +157,36 @@ def test_helpers(tmp_path: Path) -> None:
     f = tmp_path / "f.bin"
     f.write_bytes(b"x" * 8192)
     assert evict([f, tmp_path / "missing"], drop_caches=False) == "fadvise(1 files)"
+
+
+def _dirty_pages(path: Path) -> int | None:
+    """Dirty pages of the file by cachestat(2) (None: no cachestat here)."""
+    import ctypes
+
+    from loaders.backends.base import PageCacheProbe, _Range, _Stat
+
+    probe = PageCacheProbe()
+    if not probe.available or probe._libc is None:
+        return None
+    rng, st = _Range(0, path.stat().st_size), _Stat()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return None if probe._libc.syscall(probe.NR, fd, ctypes.byref(rng), ctypes.byref(st), 0) else st.dirty
+    finally:
+        os.close(fd)
+
+
+def test_a_timed_pass_starts_with_nothing_dirty(tmp_path: Path) -> None:
+    """`start_pass` writes out what earlier reads and writes left dirty (a relatime atime, a journal) before a
+    warm pass is timed, and evicts for a cold one."""
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"x" * 65536)
+    dirty = _dirty_pages(f)
+    if not dirty:
+        pytest.skip("no dirty page to see: no cachestat(2) here, or the file was already written back")
+    assert start_pass([f], cold=False) == "warm"
+    assert _dirty_pages(f) == 0
+    assert start_pass([f], cold=True).startswith("fadvise(1 files)")
 
 
 @pytest.mark.loopdev

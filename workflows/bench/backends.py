@@ -22,7 +22,7 @@ import typer
 
 from loaders.backends import ReadRequest, get_backend
 from workflows.bench import ceilings, scenario
-from workflows.bench.core import Options, Result, Rows, cuda_sync, evict
+from workflows.bench.core import Options, Result, Rows, cuda_sync, start_pass
 
 MiB = 1 << 20
 
@@ -83,7 +83,7 @@ def run_backend(name: str, items: Sequence[ReadRequest], paths: Sequence[Path], 
     with get_backend(name, device=opts.device, threads=threads) as b:
         bufs = [b.allocate(max(r.nbytes for r in items)) for _ in range(batch)]
         b.read_into(items[:batch], bufs[: len(items[:batch])])
-        how = evict(paths) if opts.cold else "warm"
+        how = start_pass(paths, opts.cold)
         sync = (cuda_sync(opts.device) if b.gpu else None) or (lambda: None)
         sync()
         start = time.perf_counter()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workflows.bench.core import Options, Result, Rows, Unavailable, cycle, evict, optional, require_gpu
+from workflows.bench.core import Options, Result, Rows, Unavailable, cycle, optional, require_gpu, start_pass
 
 ALIGN = 4096
 
@@ -79,7 +79,7 @@ def read_direct(spans: list[Span], depth: int = 16, cold: bool = True) -> tuple[
         local.buf = memoryview(raw[start : start + biggest])  # type: ignore[arg-type]
         barrier.wait()
 
-    how = evict(fds) if cold else "warm"
+    how = start_pass(fds, cold)
     barrier = threading.Barrier(depth)
     try:
         with ThreadPoolExecutor(depth) as pool:
@@ -121,7 +121,7 @@ def kvikio_bulk(items: list[list[Span]], opts: Options, data: str) -> Result:
     spans = _pick(items, opts)
     with cupy.cuda.Device(int(opts.device.partition(":")[2] or 0)):
         bufs = [cupy.empty(s.nbytes, dtype=cupy.uint8) for s in spans]
-        how = evict(_files(spans)) if opts.cold else "warm"
+        how = start_pass(_files(spans), opts.cold)
         handles = {p: kvikio.CuFile(p, "r") for p in _files(spans)}
         try:
             start = time.perf_counter()

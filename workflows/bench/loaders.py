@@ -24,7 +24,7 @@ from loaders.errors import PrepError
 from loaders.format import PreparedCache, read_manifest
 from loaders.writing import write_items
 from workflows.bench import ceilings, scenario
-from workflows.bench.core import Options, Result, Rows, evict
+from workflows.bench.core import Options, Result, Rows, evict, start_pass
 
 HOST_BACKENDS = ("posix", "direct")
 PERSISTENT = "MONAI PersistentDataset"
@@ -69,7 +69,7 @@ def _timed(name: str, group: str, kind: str, cache: PreparedCache, run: Callable
            cold: bool) -> Result:  # fmt: skip
     """A warm-up pass under the timed pass's conditions (cold: evicted first), then the timed pass."""
     for _ in range(2):
-        how = evict(files) if cold else "warm"
+        how = start_pass(files, cold)
         start = time.perf_counter()
         run()
         seconds = time.perf_counter() - start

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workflows.bench.core import Options, Result, Unavailable, cuda_sync, cycle, evict, files_under, time_batches
+from workflows.bench.core import Options, Result, Unavailable, cuda_sync, cycle, files_under, start_pass, time_batches
 
 BACKENDS = ("posix", "direct", "blockdev", "kvikio", "xnvme", "auto")
 
@@ -39,7 +39,7 @@ def prepared(cache_dir: str | os.PathLike[str], backend: str, opts: Options, **b
     try:
         for _ in batches():  # untimed pass: one-time costs (threads, imports) stay out; warm fills the cache
             pass
-        how = evict(shards) if opts.cold else "warm"
+        how = start_pass(shards, opts.cold)
         seconds, nbytes = time_batches(batches(), opts.batches, cuda_sync(opts.device))
     except PrepError as exc:
         raise _backend_error(backend, exc) from exc

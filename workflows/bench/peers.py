@@ -23,10 +23,10 @@ from workflows.bench.core import (
     Unavailable,
     cuda_sync,
     cycle,
-    evict,
     files_under,
     optional,
     require_gpu,
+    start_pass,
     time_batches,
 )
 from workflows.bench.report import PERSISTENT
@@ -75,7 +75,7 @@ def _batches(dataset: Any, opts: Options) -> Iterator[Any]:
 
 
 def _timed(dataset: Any, files: list[str], opts: Options, name: str, note: str = "") -> Result:
-    how = evict(files) if opts.cold else "warm"
+    how = start_pass(files, opts.cold)
     seconds, nbytes = time_batches(_batches(dataset, opts), opts.batches, cuda_sync(opts.device))
     return Result(name, "volumes", opts.items, seconds, nbytes, "peer", note or how)
 

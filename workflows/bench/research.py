@@ -22,7 +22,7 @@ import numpy as np
 import typer
 
 from workflows.bench import ceilings, scenario
-from workflows.bench.core import Options, Result, Rows, Unavailable, cycle, evict, optional, time_batches
+from workflows.bench.core import Options, Result, Rows, Unavailable, cycle, optional, start_pass, time_batches
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 Reader = Callable[[list[str]], list[np.ndarray]]
@@ -98,7 +98,7 @@ def run_pipeline(
     # drop_caches, so the untimed pipeline must be gone before `--cold` evicts (else "cold" reads are warm)
     gc.collect()
     pipe = build()
-    how = evict(files) if opts.cold else "warm"
+    how = start_pass(files, opts.cold)
     labels: list[np.ndarray] = []  # the output after the counted ones (the labels), copied: DALI reuses it
     keep_labels = LABELS.get()
 
