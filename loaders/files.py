@@ -100,6 +100,28 @@ def _resident(path: str) -> bool:
         os.close(fd)
 
 
+def cached_whole(path: str) -> bool:
+    """Whether every page of the file at `path` is in the page cache now, by cachestat(2): no I/O and no
+    readahead (`_resident`'s probe reads a missing page in). False where it cannot be told (no cachestat, a
+    file that cannot be opened); an empty file is cached."""
+    global _probe
+    if _probe is None:
+        from loaders.backends.base import PageCacheProbe
+
+        _probe = PageCacheProbe()
+    if not _probe.available:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        n = os.fstat(fd).st_size
+        return n == 0 or bool(_probe.resident(fd, 0, n))
+    finally:
+        os.close(fd)
+
+
 def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:
     """posix_fadvise(WILLNEED) on each file, in order, up to `limit` bytes in all (the kernel starts reading
     each into the page cache and returns); a file that cannot be opened is left to the read that follows,

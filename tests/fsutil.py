@@ -57,3 +57,15 @@ def fill_free_space(mnt: Path, byte: int) -> None:
             f.flush()
         os.fsync(f.fileno())
     (mnt / "filler").unlink()
+
+
+def evict_tree(root: Path) -> None:
+    """Every file under `root` out of the page cache (written out first): a raw reader that reads from memory
+    what memory holds (`BmapSource`) then reads these raw."""
+    os.sync()
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fsutil import fill_free_space, interleaved_appends
+from fsutil import evict_tree, fill_free_space, interleaved_appends
 
 from loaders.backends import ReadRequest, get_backend
 from loaders.backends.blockdev import BlockdevBackend, RawDevice
@@ -229,6 +229,7 @@ def _readers(out: Path, image: Path) -> list[Callable[[str, int], bytes]]:
 
     def source(key: str, n: int) -> bytes:
         folder, _, name = key.rpartition("/")
+        evict_tree(Path(BlockMap.load(out).root) / folder)  # not in memory: BmapSource reads it raw
         with BmapSource(out, batch_size=8, folder=folder.rpartition("/")[0], device_path=str(image)) as src:
             (data, _labels) = next(iter(src))
             return bytes(data[[p for p, _ in src.files].index(key.split("/", 1)[1])].tobytes())

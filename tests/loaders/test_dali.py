@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fsutil import interleaved_appends
+from fsutil import evict_tree, interleaved_appends
 
 import loaders.dali_base
 from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
@@ -154,6 +154,7 @@ def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path:
         grown = root / src.files[7][0]
         with open(grown, "ab") as f:  # appended after mapping: read whole through the filesystem, not cut short
             f.write(b"appended" * 100)
+        evict_tree(root)  # not in memory: read raw (a batch the page cache holds is read through the filesystem)
         seen = 0
         with pytest.warns(RuntimeWarning, match="changed since it was mapped"):
             for data, labels in src:
@@ -162,6 +163,33 @@ def test_bmap_source_reads_raw_ranges(make_loopfs: Callable[..., Any], tmp_path:
                     assert raw.tobytes() == (root / path).read_bytes() and int(label[0]) == want
                     seen += 1
         assert seen == len(src.files) == 12
+
+
+@pytest.mark.loopdev
+def test_bmap_source_reads_a_batch_in_memory_through_the_filesystem(
+    make_loopfs: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A batch whose files the page cache holds is read from there, exact, with no raw read: a file rewritten
+    after mapping gives its new bytes even where raw reads of changed files are refused (fallback=False).
+    Evicted, the same batch is read raw, and the raw read refuses that file."""
+    from loaders.errors import BackendError
+    from prep.mapping import build_bmap
+    from prep.synth import image_tree
+
+    fs = make_loopfs("ext4")
+    root = image_tree(fs.mountpoint, classes=2, per_class=3, size=32, seed=3)
+    build_bmap(fs.mountpoint, tmp_path / "bmap.json")
+    opts = {"fallback": False}
+    with BmapSource(tmp_path / "bmap.json", batch_size=6, folder="train", backend_options=opts) as src:
+        changed = root / src.files[2][0]
+        changed.write_bytes(changed.read_bytes()[::-1])  # same size, other bytes, after mapping
+        want = [(root / p).read_bytes() for p, _ in src.files]  # every file in memory now
+        data, labels = next(iter(src))
+        assert [d.tobytes() for d in data] == want
+        assert labels.ravel().tolist() == [x for _, x in src.files]
+        evict_tree(root)
+        with pytest.raises(BackendError, match="changed since it was mapped"):
+            next(iter(src))
 
 
 @pytest.mark.loopdev
