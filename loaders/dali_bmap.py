@@ -77,6 +77,7 @@ class BmapSource(_EpochSource):
         self.files = list_labeled_files(tree, file_filters) if mounted else self._from_keys(file_filters)
         self._tree = str(tree) if mounted else None  # where the files are read through the filesystem
         self._misses = 0  # batches since the page cache was last found without a batch (0: ask next time)
+        self._asked: tuple[int, int, bool] | None = None  # (first, last position, in memory) of the last answer
         if not self.files:
             raise ArgumentValueError(f"BmapSource: no files of {self.bmap.path} under folder={folder!r} "
                                      f"({tree}/<class>/<file>); {_folder_hint(self.bmap.files)}")  # fmt: skip
@@ -115,12 +116,17 @@ class BmapSource(_EpochSource):
         """Whether the filesystem's page cache holds the batch: its first and last files, whole."""
         if self._tree is None:
             return False
+        ends = (positions[0], positions[-1])
+        last = self._asked
+        if last is not None and last[:2] == ends:  # planned ahead (`_waits`), then read (`_batch`): asked once
+            self._asked = None  # an answer serves one read: a later epoch asks again
+            return last[2]
         if self._misses % MEMORY_PROBES_AFTER_MISS:  # cold data: opening files to ask costs milliseconds
             self._misses += 1
             return False
-        ends = positions if len(positions) < 2 else [positions[0], positions[-1]]
-        hit = all(cached_whole(f"{self._tree}/{self.files[i][0]}") for i in ends)
+        hit = all(cached_whole(f"{self._tree}/{self.files[i][0]}") for i in dict.fromkeys(ends))
         self._misses = 0 if hit else 1
+        self._asked = (*ends, hit)
         return hit
 
     def _waits(self, positions: list[int]) -> bool:

@@ -67,13 +67,22 @@ _ONE_BYTE = bytearray(1)  # where `_resident`'s probing reads land (their byte i
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0x8)  # Linux's value; Python has the name on Linux since 3.7
 
 
+def _page_probe() -> Any:
+    """The process's one cachestat(2) probe (`PageCacheProbe`), made on first use."""
+    global _probe
+    if _probe is None:
+        from loaders.backends.base import PageCacheProbe
+
+        _probe = PageCacheProbe()
+    return _probe
+
+
 def _resident(path: str) -> bool:
     """Whether the file at `path` is in the page cache and readable now: a one-byte RWF_NOWAIT read of its
     first and last pages (EAGAIN: not there, or still being read in; a page not there is read in by that
     probe, so on a fast disk it may be there by the time the probe returns: True then). cachestat(2) counts a
     page whose read is still in flight as cached, so a hinted batch looked warm and its read waited on the
     pipeline's thread. Where the kernel has no RWF_NOWAIT for this file: cachestat; True where neither tells."""
-    global _probe
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -91,11 +100,8 @@ def _resident(path: str) -> bool:
             return False
         except OSError:  # EOPNOTSUPP / EINVAL: no RWF_NOWAIT here
             pass
-        from loaders.backends.base import PageCacheProbe
-
-        if _probe is None:
-            _probe = PageCacheProbe()
-        return not _probe.available or bool(_probe.resident(fd, 0, n))
+        probe = _page_probe()
+        return not probe.available or bool(probe.resident(fd, 0, n))
     finally:
         os.close(fd)
 
@@ -104,12 +110,8 @@ def cached_whole(path: str) -> bool:
     """Whether every page of the file at `path` is in the page cache now, by cachestat(2): no I/O and no
     readahead (`_resident`'s probe reads a missing page in). False where it cannot be told (no cachestat, a
     file that cannot be opened); an empty file is cached."""
-    global _probe
-    if _probe is None:
-        from loaders.backends.base import PageCacheProbe
-
-        _probe = PageCacheProbe()
-    if not _probe.available:
+    probe = _page_probe()
+    if not probe.available:
         return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -117,7 +119,7 @@ def cached_whole(path: str) -> bool:
         return False
     try:
         n = os.fstat(fd).st_size
-        return n == 0 or bool(_probe.resident(fd, 0, n))
+        return n == 0 or bool(probe.resident(fd, 0, n))
     finally:
         os.close(fd)
 

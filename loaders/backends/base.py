@@ -117,16 +117,21 @@ class PageCacheProbe:
         self.available = self.NR is not None and sys.platform == "linux"
         self._libc = ctypes.CDLL(None, use_errno=True) if self.available else None
 
-    def resident(self, fd: int, offset: int, nbytes: int) -> bool:
-        """True when every page of [offset, offset + nbytes) is cached (False when unknown)."""
+    def counts(self, fd: int, offset: int, nbytes: int) -> _Stat | None:
+        """cachestat's page counts of [offset, offset + nbytes): cache, dirty, writeback, ... (None when unknown)."""
         if not self.available or self._libc is None:
-            return False
+            return None
         rng, st = _Range(offset, nbytes), _Stat()
         if self._libc.syscall(self.NR, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
             if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
                 self.available = False  # old kernel or seccomp: always read with O_DIRECT
-            return False
-        return st.cache * mmap.PAGESIZE >= nbytes
+            return None
+        return st
+
+    def resident(self, fd: int, offset: int, nbytes: int) -> bool:
+        """True when every page of [offset, offset + nbytes) is cached (False when unknown)."""
+        st = self.counts(fd, offset, nbytes)
+        return st is not None and st.cache * mmap.PAGESIZE >= nbytes
 
 
 class Backend(ABC):

@@ -13,6 +13,7 @@ from fsutil import evict_tree, interleaved_appends
 
 import loaders.dali_base
 from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
+from loaders.files import cached_whole
 from loaders.writing import write_items
 
 dali = pytest.importorskip("nvidia.dali")
@@ -507,16 +508,12 @@ def test_hint_files_bring_cold_files_into_the_page_cache_up_to_the_limit(tmp_pat
         paths[-1].write_bytes(np.random.default_rng(i).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes())
     from loaders.backends.base import PageCacheProbe
 
-    probe = PageCacheProbe()
-    if not probe.available:
+    if not PageCacheProbe().available:
         pytest.skip("no cachestat(2) here: residency cannot be told")
 
     def cached(p: Path) -> bool:  # cachestat, which reads nothing in: `_resident`'s RWF_NOWAIT read of a page
-        fd = os.open(p, os.O_RDONLY)  # not cached starts reading it in (cachestat counts it after, 20 of 20 on the
-        try:  # 2-core box), and half the time it is there before the probe returns: files past the limit warm up
-            return bool(probe.resident(fd, 0, 64 << 10))
-        finally:
-            os.close(fd)
+        return cached_whole(str(p))  # not cached starts reading it in (cachestat counts it after, 20 of 20 on the
+        # 2-core box), and half the time it is there before the probe returns: files past the limit warm up
 
     _evicted(paths)
     if any(cached(p) for p in paths):
