@@ -156,7 +156,22 @@ def test_helpers(tmp_path: Path) -> None:
         cycle(0, 1)
     f = tmp_path / "f.bin"
     f.write_bytes(b"x" * 8192)
-    assert evict([f, tmp_path / "missing"], drop_caches=False) == "fadvise(1 files)"
+    assert evict([f, tmp_path / "missing"], drop_caches=False) == "fadvise(1 files)"  # 16 KiB touched: under 1 MiB
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * (3 << 20))
+    assert evict([big], drop_caches=False) == "fadvise(1 files)+6 MiB touched"
+
+
+def test_touch_memory_faults_in_and_frees_what_it_is_asked_for() -> None:
+    """Fresh pages are faulted in (the process's page faults grow) and given back."""
+    import resource
+
+    from workflows.bench.core import touch_memory
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert touch_memory((8 << 20) + 100) == 8 << 20  # whole pages only
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= 4  # 8 MiB: 2,048 pages, 4 huge ones
+    assert touch_memory(0) == 0
 
 
 def _dirty_pages(path: Path) -> int | None:
