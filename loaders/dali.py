@@ -36,7 +36,7 @@ from loaders.dali_base import (
     _read_files,
     list_labeled_files,
 )
-from loaders.dali_bmap import BMAP_COLD_BATCHES, BmapSource
+from loaders.dali_bmap import BMAP_COLD_BATCHES, BMAP_COLD_THREADS, BmapSource
 from loaders.errors import ArgumentTypeError, ArgumentValueError
 from loaders.files import HINT_BYTES, _resident, hint_files, read_whole_files
 
@@ -288,6 +288,6 @@ class CacheSource(_EpochSource):
 
 
 __all__ = [
-    "BMAP_COLD_BATCHES", "DEFAULT_FILE_FILTERS", "BmapSource", "CacheSource", "FileSource", "list_labeled_files",
-    "read_threads",
+    "BMAP_COLD_BATCHES", "BMAP_COLD_THREADS", "DEFAULT_FILE_FILTERS", "BmapSource", "CacheSource", "FileSource",
+    "list_labeled_files", "read_threads",
 ]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ from loaders.files import HINT_BYTES, cached_whole, read_whole_files
 # batch's device ranges in parallel), at most about HINT_BYTES. 2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs
 # on a loop-mounted ext4, 5 rounds: one batch ahead 1.09x fn.readers.file's files/s, two 1.42x, three 1.36x
 BMAP_COLD_BATCHES = 3
+# ... on this many threads, so two batches are read at once: each waits on the disk and, on a VM whose balloon
+# reports free pages to the host, on the first touch of the page-cache pages its reads fill. 2-core box,
+# 2026-11-27, 20,000 cold 17 KiB JPEGs, harness, x readers.file: 1.22x and 1.23x against 1.07x and 1.14x with
+# one thread; with the first touches slow (a pass 4 s after the eviction) 1.28x and 1.25x against 0.85x and 0.88x
+BMAP_COLD_THREADS = 2
 # After a batch found not in the page cache, BmapSource asks again at every this many-th batch only: on cold data
 # opening the two files to ask waits for their inodes (2-core box: 31,300 cold files/s asking every batch, 44,800
 # never asking)
@@ -45,7 +51,8 @@ class BmapSource(_EpochSource):
     through the filesystem: from memory, exact by construction, where a raw read would go to the device (O_DIRECT)
     and check each file again on a writable mount (`MappedFiles.refresh`: one lstat a file). A batch that
     would wait on the disk (O_DIRECT reads always; a loop image's page cache that lacks it) is read raw, ahead;
-    an epoch that starts so keeps BMAP_COLD_BATCHES batches being read ahead, raw, with no probe (opening
+    an epoch that starts so keeps BMAP_COLD_BATCHES batches being read ahead, raw, two at once
+    (BMAP_COLD_THREADS), with no probe (opening
     two cold files a batch to ask the page cache cost a third of the cold rate: 2-core box, 30,900 files/s
     against 50,200)."""
 
@@ -111,6 +118,17 @@ class BmapSource(_EpochSource):
     def _depth(self) -> int:
         """A cold epoch keeps BMAP_COLD_BATCHES batches being read, at most about HINT_BYTES."""
         return max(1, min(BMAP_COLD_BATCHES, HINT_BYTES // max(1, self._batch_bytes)))
+
+    def _pool_ahead(self) -> ThreadPoolExecutor:
+        """BMAP_COLD_THREADS threads where the backend takes reads from several threads at once (`blockdev`, its
+        pools made first), else one."""
+        if self._ahead_pool is None:
+            ready = getattr(self.backend, "ready_for_threads", None)
+            if ready is not None:
+                ready()
+            threads = BMAP_COLD_THREADS if ready is not None else 1
+            self._ahead_pool = ThreadPoolExecutor(threads, thread_name_prefix="blockprep-readahead")
+        return self._ahead_pool
 
     def _in_memory(self, positions: list[int]) -> bool:
         """Whether the filesystem's page cache holds the batch: its first and last files, whole."""

@@ -318,13 +318,20 @@ class BlockdevBackend(Backend):
             return keys, []
         # The checks run on their own small pool, alongside the data reads: a stat of a cold inode costs
         # ~10 us of kernel CPU (inode readahead makes its I/O cheap), so more threads only contend for cores.
-        if self._stat_pool is None:
-            self._stat_pool = ThreadPoolExecutor(self.stat_threads, thread_name_prefix="blockprep-stat")
+        self.ready_for_threads()
+        assert self._stat_pool is not None
         step = max(64, len(unchecked) // self.stat_threads + 1)
         chunks = [unchecked[i : i + step] for i in range(0, len(unchecked), step)]
         for fut in [self._stat_pool.submit(self.guard.check_many, c) for c in chunks]:
             fut.result()  # no raw read before its file's check is in: a raw read must not outrun the open
         return keys, []
+
+    def ready_for_threads(self) -> None:
+        """Make the pools now, on this thread: reads from several threads at once then share them (made on first
+        use by two threads at once, one pool each would be left unclosed)."""
+        _ = self.pool
+        if self._stat_pool is None:
+            self._stat_pool = ThreadPoolExecutor(self.stat_threads, thread_name_prefix="blockprep-stat")
 
     def _run_coalesced(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
         """Sort the data segments of the batch by device offset and read neighbours (at most `max_gap` apart)

@@ -216,6 +216,7 @@ def test_bmap_source_cold_epochs_read_batches_ahead_exactly(make_loopfs: Callabl
         it = iter(src)
         check(next(it), src._order[:2].tolist())  # this epoch stops here, its batches ahead unused
         assert sorted(k for _, k in src._ahead) == list(range(1, 1 + dali_mod.BMAP_COLD_BATCHES))
+        assert src._ahead_pool is not None and src._ahead_pool._max_workers == dali_mod.BMAP_COLD_THREADS == 2
         for _ in range(2):
             it = iter(src)
             got = list(it)
