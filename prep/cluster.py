@@ -179,6 +179,19 @@ def _connect(scheduler: str, security: Any) -> Any:
         ) from None
 
 
+def hold_gc_diagnosis(stack: ExitStack) -> None:
+    """Turns dask's gc statistics on here, on the caller's thread, until `stack` closes (after the cluster).
+
+    dask's scheduler and worker add a gc callback when they start. Added on the start thread while this thread
+    is inside a full collection (a finalizer has released the GIL), the callback sees the collection end without
+    its start and raises AssertionError inside gc ("Exception ignored in GCDiagnosis._gc_callback"). Held here,
+    their start only counts one more user of the callback already in place."""
+    from distributed.gc import disable_gc_diagnosis, enable_gc_diagnosis
+
+    enable_gc_diagnosis()
+    stack.callback(disable_gc_diagnosis)
+
+
 class ClusterStarter:
     """Connects to `scheduler`, or starts a LocalCluster of `workers` threads (or processes forked
     by the forkserver, see prep.processes), on a thread; then loads `pipeline` on every worker process.
@@ -202,6 +215,8 @@ class ClusterStarter:
             path = Path(pipeline).resolve()
             key = bundle_key or (DEFAULT_BUNDLE_KEY if path.suffix in BUNDLE_SUFFIXES else None)
             target = (str(path), key)
+        if not scheduler:  # a local cluster: its scheduler (and in-process worker) run on this process's threads
+            hold_gc_diagnosis(self._stack)
         self._thread = threading.Thread(
             target=self._start,
             args=(workers, scheduler, processes, target, security),

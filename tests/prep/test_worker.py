@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -238,3 +239,35 @@ def test_heads_at_once_bound_the_items_side_by_side(
     summary = prepare_cache(nifti_dataset, pipeline, tmp_path / "cache", workers=1, processes=False, batch_size=1)
     assert summary.n_items == 6 and not summary.quarantined
     assert _AT_ONCE["most"] == heads  # 2: the two item threads do overlap; 1: the bound holds them apart
+
+
+class _WaitsForTheStart:
+    """A reference cycle whose finalizer waits for the cluster's start thread: gc runs it inside a full collection,
+    with the GIL released, while that thread starts dask's scheduler and worker."""
+
+    def __init__(self, thread: Any) -> None:
+        self.thread = thread
+        self.cycle = self
+
+    def __del__(self) -> None:
+        self.thread.join(timeout=60)
+
+
+def test_cluster_started_during_a_full_collection_leaves_no_gc_callback_error() -> None:
+    """dask's scheduler and worker add a gc callback when they start (distributed.gc): added on the start thread
+    while the main thread is inside a full collection, it saw the collection's end without its start and raised
+    AssertionError from inside gc (a failure that came and went with the timing)."""
+    import gc
+
+    from prep.cluster import ClusterStarter
+
+    errors: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, errors.append
+    try:
+        with ClusterStarter(1, None, processes=False) as starter:
+            _WaitsForTheStart(starter._thread)
+            gc.collect()  # full: the finalizer runs between the collection's start and stop callbacks
+            assert not starter._thread.is_alive() and starter.client() is not None
+    finally:
+        sys.unraisablehook = hook
+    assert [repr(e.exc_value) for e in errors] == []
