@@ -24,7 +24,7 @@ from typing import Any
 
 from loaders import chain
 from prep.errors import PrepError, UsageError
-from prep.finish import wait_commits
+from prep.finish import settle_commits, wait_commits
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
 from prep.processes import cpu_seconds, seconds_to_ready, start_forkserver, worker_environ
 from prep.worker import TaskSpec, clear_stop, ignore_sigint, request_stop, run_batch, warm, warm_torch
@@ -291,6 +291,7 @@ class ClusterStarter:
             with suppress(Exception):
                 self.worker_cpu_s = sum(self._client.run(cpu_seconds).values())
         self._stack.close()
+        settle_commits()  # in-process workers' endings of a run stopped by an error (else none are pending)
 
     def __enter__(self) -> ClusterStarter:
         return self

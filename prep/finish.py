@@ -7,7 +7,8 @@ this process's finishing threads and returns; the run's end (and a Ctrl-C) waits
 `wait_commits` before the journals are read, so a journal line is still never on disk before its bytes, and
 the cache is committed only from what the journals say. A process that dies with endings pending loses
 those items' lines, as a crash always could: the next run prepares them again. An ending's error (a full
-disk) is raised by the process's next task and by `wait_commits`. Only local clusters' tasks end this way
+disk) is raised by the process's next task and by `wait_commits`; a run stopped by an error drops the errors
+of endings still pending once its cluster closed (`settle_commits`). Only local clusters' tasks end this way
 (`prep.cluster.run_tasks`): a remote worker lost after its task returned would lose items dask counts as done.
 """
 
@@ -56,3 +57,14 @@ def wait_commits() -> int:
     for f in pending:
         f.result()
     return len(pending)
+
+
+def settle_commits() -> None:
+    """Wait for every pending ending of this process and forget their errors: how a run stopped by an error
+    ends (after its cluster closed, so no task adds more). An ending that failed journaled nothing, so the next
+    run prepares its items; left pending, its error would stop that run's first task (`raise_failed`)."""
+    with _lock:
+        pending = _pending[:]
+        _pending.clear()
+    for f in pending:
+        f.exception()

@@ -96,3 +96,23 @@ def test_a_failed_last_commit_is_raised_and_never_journals(
     finally:
         torch.set_num_threads(threads)
     assert read_journals(out).done == {}  # the shard was never durable: no line vouches for it
+
+
+def _fails_late(gate: threading.Event) -> None:
+    gate.wait(10)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_run_that_fails_leaves_no_ending_to_fail_the_next_run_in_this_process() -> None:
+    """A run stopped by a full disk may leave endings still running (a task that was going on beside the one
+    that failed); closing its cluster waits for them. Left pending, an ending that failed late was raised by
+    the next run's first task: a re-run after freeing space said "no space left" again (seen in CI)."""
+    from prep.cluster import ClusterStarter
+
+    gate = threading.Event()
+    with ClusterStarter(1, None, processes=False) as starter:
+        starter.client()
+        finish.finish_later(_fails_late, gate)
+        threading.Timer(0.2, gate.set).start()  # fails after the close has begun
+    assert finish.wait_commits() == 0  # nothing pending: the next run starts clean
+    finish.raise_failed()
