@@ -52,9 +52,8 @@ class BmapSource(_EpochSource):
     and check each file again on a writable mount (`MappedFiles.refresh`: one lstat a file). A batch that
     would wait on the disk (O_DIRECT reads always; a loop image's page cache that lacks it) is read raw, ahead;
     an epoch that starts so keeps BMAP_COLD_BATCHES batches being read ahead, raw, two at once
-    (BMAP_COLD_THREADS), with no probe (opening
-    two cold files a batch to ask the page cache cost a third of the cold rate: 2-core box, 30,900 files/s
-    against 50,200)."""
+    (BMAP_COLD_THREADS), with no probe (opening two cold files a batch to ask the page cache cost a third of
+    the cold rate: 2-core box, 30,900 files/s against 50,200)."""
 
     def __init__(
         self,
