@@ -274,7 +274,7 @@ def evict(paths: Iterable[str | os.PathLike[str]], drop_caches: bool = True) -> 
 
 
 def touch_memory(nbytes: int) -> int:
-    """Fault in up to `nbytes` of fresh memory (at most half of MemAvailable) and free it again; returns the
+    """Fault in up to `nbytes` of fresh memory (at most half of the available memory) and free it again; returns the
     bytes touched. A virtual machine whose balloon driver reports free pages to the host (virtio-balloon free
     page reporting, 2 s after they are freed) gets such a page back from the host on its first touch, at a
     fraction of memory speed: 2-core box, 2026-11-27, 400 MiB first touched at 5.7-5.9 GB/s right after an
@@ -285,7 +285,9 @@ def touch_memory(nbytes: int) -> int:
     freed here go back to the free lists, backed, and the pass's allocations take them."""
     import mmap
 
-    nbytes = min(nbytes, _mem_available() // 2)
+    from prep.item_size import available_memory
+
+    nbytes = min(nbytes, available_memory() // 2)
     page = mmap.PAGESIZE
     nbytes -= nbytes % page
     if nbytes <= 0:
@@ -295,18 +297,6 @@ def touch_memory(nbytes: int) -> int:
         view[::page] = 1  # one write a page: the kernel zeroes (touches) each whole page on its fault
         del view
     return nbytes
-
-
-def _mem_available() -> int:
-    """MemAvailable from /proc/meminfo in bytes (1 GiB where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 30
 
 
 def files_under(root: str | os.PathLike[str], suffixes: tuple[str, ...] = ()) -> list[str]:
