@@ -49,11 +49,7 @@ def raise_failed() -> None:
 
 def wait_commits() -> int:
     """Wait for every pending ending of this process; re-raise the first error. Returns how many there were."""
-    with _lock:
-        pending = _pending[:]
-        _pending.clear()
-    for f in pending:
-        f.exception()
+    pending = _settle()
     for f in pending:
         f.result()
     return len(pending)
@@ -63,8 +59,14 @@ def settle_commits() -> None:
     """Wait for every pending ending of this process and forget their errors: how a run stopped by an error
     ends (after its cluster closed, so no task adds more). An ending that failed journaled nothing, so the next
     run prepares its items; left pending, its error would stop that run's first task (`raise_failed`)."""
+    _settle()
+
+
+def _settle() -> list[Future[None]]:
+    """Take every pending ending of this process and wait for each (errors kept in their futures)."""
     with _lock:
         pending = _pending[:]
         _pending.clear()
     for f in pending:
         f.exception()
+    return pending
