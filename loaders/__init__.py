@@ -11,6 +11,7 @@ from typing import Any
 
 from loaders._version import __version__ as __version__
 from loaders.backends import ReadRequest, backend_names, get_backend
+from loaders.cache.format import PreparedCache
 from loaders.errors import (
     BackendError,
     ChecksumError,
@@ -21,19 +22,18 @@ from loaders.errors import (
     SchemaVersionError,
     StaleError,
 )
-from loaders.format import PreparedCache
 
 # Public names whose modules import torch (or MONAI): resolved on first access, so `import loaders` stays light.
 _LAZY = {
-    "BmapSource": "loaders.dali",
-    "CacheSource": "loaders.dali",
-    "FileSource": "loaders.dali",
-    "PreparedBatches": "loaders.batches",
-    "collate": "loaders.batches",
-    "pad_collate": "loaders.batches",
-    "PreparedDataset": "loaders.dataset",
-    "PreparedLoader": "loaders.loader",
-    "PreparedPersistentDataset": "loaders.monai",
+    "BmapSource": "loaders.faces.dali",
+    "CacheSource": "loaders.faces.dali",
+    "FileSource": "loaders.faces.dali",
+    "PreparedBatches": "loaders.faces.torch_data",
+    "collate": "loaders.faces.batches",
+    "pad_collate": "loaders.faces.batches",
+    "PreparedDataset": "loaders.faces.torch_data",
+    "PreparedLoader": "loaders.fast.loader",
+    "PreparedPersistentDataset": "loaders.faces.monai_data",
 }
 
 

@@ -143,14 +143,6 @@ def keys(value: Any, known: Sequence[str], where: Any) -> list[str] | None:
     return list(value)
 
 
-def backend(value: Any) -> None:
-    """A backend name or a Backend object."""
-    from loaders.backends.base import Backend
-
-    if not isinstance(value, (str, Backend)):
-        raise ArgumentTypeError(f"backend={value!r} is not a backend name (e.g. 'auto', 'posix') or a Backend")
-
-
 def index(value: Any, n: int) -> int:
     """An item index in -n..n-1."""
     if not _is_int(value):
@@ -205,7 +197,6 @@ def check_loader(args: Mapping[str, Any]) -> None:
     flag("crop_read", args["crop_read"], also=("auto",))
     count("prefetch", args["prefetch"], 0)
     interval("switch_interval", args["switch_interval"])
-    backend(args["backend"])
     keys(args["keys"], cache.keys, cache.root)
     if args["copy_threads"] is not None:
         count("copy_threads", args["copy_threads"])
@@ -219,8 +210,8 @@ def check_loader(args: Mapping[str, Any]) -> None:
 
 
 def check_dataset(cache: Any, keys_: Any, backend_: Any, device_: Any, verify: Any, meta: Any) -> list[str] | None:
-    """The arguments of `PreparedDataset` (and `PreparedPersistentDataset`) that the cache can judge."""
-    backend(backend_)
+    """The arguments of `PreparedDataset` (and `PreparedPersistentDataset`) that the cache can judge (the
+    backend is checked first, by `loaders.backends.check_backend`)."""
     device(device_)
     flag("verify", verify)
     flag("meta", meta)
@@ -240,7 +231,7 @@ def check_batches(
 
 
 def check_epoch_source(batch_size: Any, shuffle: Any, seed_: Any, shard_id: Any, num_shards: Any) -> None:
-    """The arguments every DALI source (`loaders.dali`) shares."""
+    """The arguments every DALI source (`loaders.faces.dali`) shares."""
     count("batch_size", batch_size)
     flag("shuffle", shuffle)
     seed(seed_)

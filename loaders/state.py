@@ -14,17 +14,30 @@ random state per random transform.
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from loaders.errors import LoaderStateError
 
-__all__ = ["VERSION", "Draws", "LoaderStateError", "as_state", "check", "fingerprint", "randomizables"]
+__all__ = [
+    "VERSION",
+    "Cursor",
+    "Draws",
+    "LoaderStateError",
+    "Position",
+    "as_state",
+    "check",
+    "fingerprint",
+    "keep_random_states",
+    "randomizables",
+]
 
 VERSION = 1
 _ORDER = ("seed", "shuffle", "rank", "world", "batch_size", "drop_last", "n_items")
@@ -50,6 +63,20 @@ def randomizables(root: Any) -> list[Any]:
 
     walk(root)
     return out
+
+
+@contextlib.contextmanager
+def keep_random_states(transform: Any) -> Iterator[None]:
+    """Restore the random state of every Randomizable in `transform` on exit. Building a MONAI Compose
+    re-seeds what it is built from (so does `Compose.flatten`, which splitting a chain calls): without this,
+    `transform.set_random_state(s)` before building a loader or the drop-in would give other draws than
+    PersistentDataset with the same seed."""
+    states = [(obj, obj.R) for obj in randomizables(transform)]
+    try:
+        yield
+    finally:
+        for obj, state in states:
+            obj.R = state
 
 
 _MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos
@@ -220,6 +247,52 @@ class Draws:
         if not isinstance(values, list) or len(values) != len(self.objs):
             raise LoaderStateError(f"{where}: it holds another number of random transforms than this transform")
         return {i: _decode(v, where) for i, v in enumerate(values)}
+
+
+@dataclass
+class Position:
+    """Where an epoch stands as of the last batch delivered: the epoch, the batches of it delivered, and every
+    random state as of that batch."""
+
+    epoch: int
+    batch: int
+    snap: dict[int, tuple[Any, ...]]
+
+
+class Cursor:
+    """A loader's delivered-batch cursor: its random transforms' states (`draws`), the position of the epoch
+    being iterated (`live`, None between epochs) and, between epochs, the batches of the next epoch delivered
+    before a `load_state_dict` (`resume`). Batches read ahead and not delivered leave it where it was."""
+
+    def __init__(self, draws: Draws) -> None:
+        self.draws = draws
+        self.live: Position | None = None
+        self.resume = 0
+
+    def begin(self, epoch: int, skip: int) -> dict[int, tuple[Any, ...]]:
+        """An epoch starts at batch `skip` from the states of now; returns them."""
+        self.live = Position(epoch, skip, self.draws.take())
+        return self.live.snap
+
+    def delivered(self, epoch: int, batch: int, snap: dict[int, tuple[Any, ...]]) -> None:
+        """Batch `batch - 1` of `epoch` reached the caller, its draws as of `snap`."""
+        self.live = Position(epoch, batch, snap)
+
+    def end(self) -> None:
+        """The epoch is left (whole or early): the states go back to those of the last batch delivered."""
+        if self.live is not None:
+            self.draws.put(self.live.snap)
+            self.live = None
+
+    def start_at(self, epoch_resume: int, snap: Mapping[int, tuple[Any, ...]]) -> None:
+        """The next epoch goes on from its batch `epoch_resume` with the states `snap` (a loaded state, or the
+        parent's states in a feeder's child)."""
+        self.draws.put(snap)
+        self.resume = epoch_resume
+
+    def now(self, epoch: int) -> Position:
+        """As of the last batch delivered: the live epoch's position, or `epoch`'s start between epochs."""
+        return self.live if self.live is not None else Position(epoch, self.resume, self.draws.take())
 
 
 def fingerprint(manifest: Mapping[str, Any], names: Sequence[str]) -> str:

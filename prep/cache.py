@@ -2,7 +2,7 @@
 
 The run holds CACHE/.lock. Its plan (pipeline fingerprint, datalist hash) is written before any item, so a
 later run knows whether the journals it finds belong to the same preparation (resume) or not (stale).
-Tasks run `prep.worker.run_batch`; the commit turns journals into the layout of `loaders.format`.
+Tasks run `prep.worker.run_batch`; the commit turns journals into the layout of `loaders.cache.format`.
 """
 
 from __future__ import annotations
@@ -20,20 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders import chain, layout, sampling
-from loaders.folds import crop_sets_of
-from loaders.format import (
-    BMAP,
-    INDEX,
-    JOURNAL_DIR,
-    MANIFEST,
-    META,
-    META_OFFSETS,
-    SCHEMA_VERSION,
-    SHARD_DIR,
-    PreparedCache,
-)
-from loaders.writing import fsync_dir
+from loaders.cache import chain, layout, sampling
+from loaders.cache.format import PreparedCache
+from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
+from loaders.cache.writing import fsync_dir
+from loaders.fast.folds import crop_sets_of
 from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
@@ -215,7 +206,7 @@ def _check_head(pipe: Pipeline, allow_empty_head: bool) -> None:
 
 def _open_checked(root: Path) -> PreparedCache:
     """Open a committed cache (layout files against their checksums, extents inside the shards present: see
-    loaders.layout) and check that no shard is missing, so a damaged cache is refused in one line, never
+    loaders.cache.layout) and check that no shard is missing, so a damaged cache is refused in one line, never
     reported up to date."""
     cache = PreparedCache(root)
     for shard in cache.shards:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loaders.format import DTYPES, PreparedCache, TensorEntry, align_up, checksum
-from loaders.layout import open_read
+from loaders.cache.format import PreparedCache, TensorEntry, checksum
+from loaders.cache.layout import open_read
+from loaders.cache.spec import DTYPES, align_up
 
 _CHUNK_ITEMS = 4096
 
@@ -69,9 +70,9 @@ def _check_meta(cache: PreparedCache) -> list[BadItem]:
     allowed values only, and gives each tensor an affine that fits it (what readers will build); FormatError,
     naming the item, for the first that does not. Items whose non-tensor outputs differ from item 0's (which
     PreparedLoader refuses to batch) are listed."""
+    from loaders.cache.meta import META as META_PART
+    from loaders.cache.meta import OPS, TYPED, VALUES, check_affine, decode, key_meta
     from loaders.errors import FormatError
-    from loaders.meta import META as META_PART
-    from loaders.meta import OPS, TYPED, VALUES, check_affine, decode, key_meta
 
     bad: list[BadItem] = []
     first: set[str] | None = None

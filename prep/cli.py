@@ -391,7 +391,7 @@ def sampling_cmd(
 
     `prep cache` does this itself; this adds the sets to a cache made before, without running the head again.
     """
-    from loaders import chain
+    from loaders.cache import chain
     from prep.pipeline import load_pipeline
     from prep.sampling import ensure_sets
 
@@ -404,7 +404,7 @@ def sampling_cmd(
 
 
 def _manifest_of(cache: Path) -> Any:
-    from loaders.format import read_manifest
+    from loaders.cache.format import read_manifest
 
     return read_manifest(cache)
 
@@ -420,7 +420,7 @@ def verify_cmd(
 
     Example: prep verify demo/cache
     """
-    from loaders.format import PreparedCache
+    from loaders.cache.format import PreparedCache
     from prep.cache_verify import verify_cache
 
     bad = guarded(verify_cache, cache_dir)

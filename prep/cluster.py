@@ -22,7 +22,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from loaders import chain
+from loaders.cache import chain
 from prep.errors import PrepError, UsageError
 from prep.finish import settle_commits, wait_commits
 from prep.pipeline import BUNDLE_SUFFIXES, DEFAULT_BUNDLE_KEY
@@ -486,7 +486,7 @@ def worker_mode(
     processes: bool | None = None, forkserver_s: float | None = None,
 ) -> bool:  # fmt: skip
     """Processes (True) or threads for a local run: `processes` as asked, or (None) as choose_processes
-    decides; threads for a head that touches CUDA (`loaders.chain.touches_cuda(head)`) or a process where CUDA
+    decides; threads for a head that touches CUDA (`loaders.cache.chain.touches_cuda(head)`) or a process where CUDA
     is initialised (`cuda_initialized`: what `torch.cuda.is_initialized()` says). `forkserver_s`: seconds the
     forkserver still needs for its imports (default: `prep.processes.seconds_to_ready()`), added to the start."""
     if processes is not None:

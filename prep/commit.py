@@ -1,6 +1,6 @@
 """The commit of `prep cache`: journals -> index.npy + meta.jsonl, the shards trimmed and mapped, manifest.json last.
 
-A cache is trusted only once its manifest is written (loaders.format); everything before it can be redone.
+A cache is trusted only once its manifest is written (loaders.cache.format); everything before it can be redone.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from loaders import chain
-from loaders.format import BMAP, JOURNAL_DIR, MANIFEST, SHARD_DIR, align_up
-from loaders.writing import make_rows, write_index, write_manifest, write_meta
+from loaders.cache import chain
+from loaders.cache.spec import BMAP, JOURNAL_DIR, MANIFEST, SHARD_DIR, align_up
+from loaders.cache.writing import make_rows, write_index, write_manifest, write_meta
 from prep.errors import PrepError
 from prep.journal import JournalState
 from prep.pipeline import Pipeline

@@ -14,10 +14,10 @@ import re
 import warnings
 import zipfile
 from collections.abc import Iterable
-from pathlib import Path
 from typing import IO, Any
 
 from loaders.args import parse_bytes
+from loaders.machine import available_memory as available_memory  # prep reads it from here too
 from prep.errors import UsageError
 
 _TEXT_HEADER_MAX = 1 << 16  # NRRD / MetaImage headers are a few hundred bytes; read no further than this
@@ -49,27 +49,6 @@ def human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"
-
-
-def available_memory() -> int:
-    """Bytes this process could still allocate: MemAvailable, or the cgroup's headroom when that is less."""
-    avail = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if not avail:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            avail = min(avail, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return avail
 
 
 def default_max_item_bytes(available: int) -> int:

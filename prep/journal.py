@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders import sampling
-from loaders.format import JOURNAL_DIR, checksum
-from loaders.writing import atomic_write_bytes, fsync_dir
+from loaders.cache import sampling
+from loaders.cache.format import checksum
+from loaders.cache.spec import JOURNAL_DIR
+from loaders.cache.writing import atomic_write_bytes, fsync_dir
 from prep.errors import LockedError, UsageError
 
 LOCK = ".lock"
@@ -234,7 +235,7 @@ def committed_records(cache_dir: Path, positions: list[int]) -> list[dict[str, A
     """Journal records of a committed cache's items (item n is datalist position `positions[n]`), so a run
     that prepares its quarantined items again commits the others untouched; None when the cache is not as
     `prep cache` writes it (each item's tensors in one shard)."""
-    from loaders.format import PreparedCache
+    from loaders.cache.format import PreparedCache
 
     cache = PreparedCache(cache_dir)
     if len(positions) != cache.n_items:

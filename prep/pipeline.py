@@ -5,7 +5,7 @@ Two forms are accepted:
   * a MONAI bundle config (.json/.yaml/.yml) whose chain is named by `bundle_key` (e.g. "preprocessing"
     or "train#preprocessing"), parsed with `monai.bundle.ConfigParser`.
 
-The split and fingerprint themselves live in `loaders.chain`, so training-time loaders agree with them.
+The split and fingerprint themselves live in `loaders.cache.chain`, so training-time loaders agree with them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loaders import chain
+from loaders.cache import chain
 from prep.errors import UsageError
 
 BUNDLE_SUFFIXES = (".json", ".yaml", ".yml")

@@ -1,4 +1,4 @@
-"""`prep sampling`: the sampling sets of a label-driven crop (`loaders.sampling`), made from a committed cache.
+"""`prep sampling`: the sampling sets of a label-driven crop (`loaders.cache.sampling`), made from a committed cache.
 
 `prep cache` calls `ensure_sets` after it commits, so a cache made for a chain whose tail starts with
 `RandCropByPosNegLabeld` or `RandCropByLabelClassesd` has them; `prep sampling CACHE --pipeline P` adds them to
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loaders import sampling
-from loaders.folds import crop_sets_of
-from loaders.format import PreparedCache
+from loaders.cache import sampling
+from loaders.cache.format import PreparedCache
+from loaders.fast.folds import crop_sets_of
 
 
 def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force: bool = False) -> str:
@@ -35,7 +35,7 @@ def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force:
     missing = [k for k in keys if k not in cache.keys]
     if missing:
         return f"sampling sets: not made, the cache has no key {missing[0]!r} (it has {cache.keys})"
-    from loaders.dataset import PreparedDataset
+    from loaders import PreparedDataset
 
     ds = PreparedDataset(cache.root, keys=keys, meta=False)
 

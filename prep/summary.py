@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loaders.format import BMAP
+from loaders.cache.spec import BMAP
 from prep.cache_verify import BadItem
 
 

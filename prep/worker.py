@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.format import JOURNAL_DIR, SHARD_DIR, align_up
-from loaders.meta import meta_line, split_output
-from loaders.writing import ShardWriter
+from loaders.cache.meta import meta_line, split_output
+from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR, align_up
+from loaders.cache.writing import ShardWriter
 from prep.errors import StaleError
 from prep.finish import finish_later, raise_failed
 from prep.grids import shared_grids
@@ -149,10 +149,10 @@ def warm_torch() -> None:
 def warm(pipeline: str, bundle_key: str | None, found: dict[str, list[str]] | None = None) -> str:
     """Load a pipeline into this worker's cache ahead of its tasks (unless this process has it: forked from
     `prep cache`, which did, see `keep_pipeline`); returns its fingerprint. `found`: what `prep cache`'s own
-    process found of the transforms' classes (`loaders.chain.runtime_attrs_found`; local worker processes)."""
+    process found of the transforms' classes (`loaders.cache.chain.runtime_attrs_found`; local worker processes)."""
     warm_torch()
     if found:
-        from loaders.chain import take_runtime_attrs
+        from loaders.cache.chain import take_runtime_attrs
 
         take_runtime_attrs(found)
     with _lock:
@@ -372,7 +372,7 @@ def _sets_of(sig: dict[str, Any], arrays: dict[str, Any]) -> Any:
 
     import torch
 
-    from loaders.sampling import packed_sets
+    from loaders.cache.sampling import packed_sets
 
     label, key = arrays.get(sig["label_key"]), sig["image_key"]
     image = arrays.get(key) if key else None

@@ -159,7 +159,7 @@ def make_certs(folder: Path, roles: tuple[str, ...] = ("scheduler", "worker", "c
 def cache_contents(root: Path) -> list[dict[str, Any]]:
     """Everything a reader gets from a cache, item by item, without file names (they carry run tokens): each
     tensor's key, dtype, shape, checksum and bytes, and the item's meta line."""
-    from loaders.format import PreparedCache
+    from loaders.cache.format import PreparedCache
 
     cache = PreparedCache(root)
     items = []

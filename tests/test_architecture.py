@@ -14,7 +14,7 @@ PACKAGES = ("prep", "loaders")
 
 
 def named_paths(text: str) -> set[str]:
-    """Every backticked repository path of the page (`loaders/loader.py`, `workflows/slurm/`)."""
+    """Every backticked repository path of the page (`loaders/fast/loader.py`, `workflows/slurm/`)."""
     return set(re.findall(r"`((?:prep|loaders|workflows|tests)/[\w./-]*)`", text))
 
 

@@ -271,7 +271,7 @@ def test_the_link_check_refuses_drift(tmp_path: Path) -> None:
 
 def stale_names(page: Path) -> list[str]:
     """Backticked repository paths (`workflows/slurm/train.sbatch`, `.ci/run`) that do not exist, and dotted
-    names (`loaders.chain.compare_versions`) whose module is not there or does not mention the last name."""
+    names (`loaders.cache.chain.compare_versions`) whose module is not there or does not mention the last name."""
     text = prose(page.read_text())
     bad = []
     for token in re.findall(r"`([^`\s]+)`", text):
@@ -302,12 +302,12 @@ def test_named_modules_and_paths_exist(page: Path) -> None:
 def test_the_name_check_refuses_drift(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
-        "`loaders.chain.compare_versions` `loaders.PreparedLoader` `prep/cli.py` `loaders.tail.batched_names()`\n"
-        "`loaders.nope` `loaders.chain.no_such_name` `workflows/nothing.sh` `.ci/none`\n"
+        "`loaders.cache.chain.compare_versions` `loaders.PreparedLoader` `prep/cli.py` `loaders.tail.batched_names()`\n"
+        "`loaders.nope` `loaders.cache.chain.no_such_name` `workflows/nothing.sh` `.ci/none`\n"
     )
     assert stale_names(page) == [
         "loaders.nope: nope is not in loaders",
-        "loaders.chain.no_such_name: no_such_name is not in loaders/chain.py",
+        "loaders.cache.chain.no_such_name: no_such_name is not in loaders/cache/chain.py",
         "workflows/nothing.sh: no such path",
         ".ci/none: no such path",
     ]

@@ -49,7 +49,7 @@ def save(path: Path, payload: dict[str, Any]) -> None:
     folder. A job killed meanwhile leaves the previous checkpoint whole (and at most a stray temporary file)."""
     import torch
 
-    from loaders.writing import atomic_write_bytes
+    from loaders.cache.writing import atomic_write_bytes
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ def seed000_chain(device: str, crop: int) -> str:
 
 def prepare(datalist: Path, pipeline: Path, cache: Path, workers: int) -> dict[str, Any]:
     """(a) `prep cache DATALIST --pipeline P --output C --workers N` in a process of its own, as typed."""
-    from loaders.format import MANIFEST
+    from loaders.cache.spec import MANIFEST
 
     cmd = [sys.executable, "-m", "prep", "cache", str(datalist), "--pipeline", str(pipeline), "--output", str(cache)]
     start = time.perf_counter()
@@ -122,7 +122,7 @@ def loaders_part(data: list[Any], transform: Any, cache: Path, work: Path, epoch
     """(b) The three datasets under the seed's loader, the drop-in last (the peers' first epochs fill theirs)."""
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     makers: dict[str, Any] = {
         "PersistentDataset": lambda: PersistentDataset(data=data, transform=transform, cache_dir=work / "persistent")

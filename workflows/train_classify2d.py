@@ -8,7 +8,7 @@
 
 DALI: `fn.readers.file(file_root=...)` reads files and gives labels (the sorted class folders numbered from
 0), or `--reader blockprep` reads the same files with the same labels through a blockprep backend
-(`loaders.dali.FileSource` into `fn.external_source`). `fn.decoders.image` decodes (on the GPU with
+(`loaders.faces.dali.FileSource` into `fn.external_source`). `fn.decoders.image` decodes (on the GPU with
 device="mixed"), then resize, random flip and normalise. PyTorch: the same labels, decoded by PIL in
 DataLoader workers. A small CNN; the report gives the share of step time spent waiting for the next batch.
 """
@@ -95,7 +95,7 @@ def dali_batches(root: Path, args: Args) -> Iterator[tuple[Any, Any]]:
     gpu = args.device.startswith("cuda")
     source = None
     if args.reader == "blockprep":
-        from loaders.dali import FileSource
+        from loaders.faces.dali import FileSource
 
         source = FileSource(root, backend=args.backend, batch_size=args.batchsize, shuffle=True, seed=args.seed)
 

@@ -100,7 +100,7 @@ class TrainReport:
 
 def cache_sources(cache_dir: Path) -> list[dict[str, Any]]:
     """The datalist entries the cache was made from (in item order)."""
-    from loaders.format import PreparedCache
+    from loaders.cache.format import PreparedCache
 
     cache = PreparedCache(cache_dir)
     return [cache.meta(i)["source"] for i in range(len(cache))]
@@ -110,7 +110,7 @@ def choose_pipeline(cache_dir: Path, given: Path | None) -> Path:
     """The pipeline file to run: the one the user names, else the shipped demo pipeline when the cache was
     made with exactly that file (its recorded sha256 matches). Never a file because the cache names it: a
     cache can come from anyone, and its checksums can be recomputed by whoever edits it."""
-    from loaders.format import read_manifest
+    from loaders.cache.format import read_manifest
     from prep.errors import UsageError
     from prep.pipeline import file_sha256
 
@@ -135,13 +135,13 @@ def make_dataset(args: Args, loader: str) -> Any:
     transform = load_pipeline(choose_pipeline(args.cache, args.pipeline)).transform
     transform.set_random_state(seed=args.seed)  # the loaders draw the same crops and flips
     if loader == "fast":
-        from loaders.loader import PreparedLoader
+        from loaders.fast.loader import PreparedLoader
 
         fast = PreparedLoader(args.cache, transform, args.batchsize, device=args.device, gpu_budget=args.gpu_budget,
                               backend=args.backend, seed=args.seed, drop_last=False)  # fmt: skip
         return fast.set_random_state(args.seed)
     if loader == "drop-in":
-        from loaders.monai import PreparedPersistentDataset
+        from loaders import PreparedPersistentDataset
 
         options: dict[str, Any] = {}
         if args.backend == "blockdev":

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loaders.backends.base import Backend, ReadRequest, aligned_empty
-from loaders.errors import BackendError, PrepError
+from loaders.errors import ArgumentTypeError, BackendError, PrepError
 
 # name -> "module:Class"; modules import their heavy dependencies only when the class is built
 _REGISTRY: dict[str, str] = {
@@ -49,6 +49,12 @@ _AUTO_ACCEPT: dict[str, Callable[[Backend], bool]] = {
 def register(name: str, target: str) -> None:
     """Register a backend class by "module:Class" path (third-party backends may call this)."""
     _REGISTRY[name] = target
+
+
+def check_backend(value: Any) -> None:
+    """A backend name or a Backend object (the readers' `backend=` argument)."""
+    if not isinstance(value, (str, Backend)):
+        raise ArgumentTypeError(f"backend={value!r} is not a backend name (e.g. 'auto', 'posix') or a Backend")
 
 
 def backend_names() -> list[str]:
@@ -96,6 +102,7 @@ __all__ = [
     "aligned_empty",
     "backend_class",
     "backend_names",
+    "check_backend",
     "get_backend",
     "register",
 ]

@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from loaders.cache.layout import open_read
+from loaders.cache.spec import ALIGN
+from loaders.deps import require
 from loaders.errors import BackendError
-from loaders.format import ALIGN
-from loaders.layout import open_read
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,19 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     raw = np.empty(size + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + size]
+
+
+def pinned_empty(nbytes: int, align: int = ALIGN) -> tuple[Any, np.ndarray]:
+    """(owner, view): a page-locked uint8 host buffer of `nbytes` starting at an `align` boundary.
+
+    `owner` is the pinned torch tensor that host-to-device copies read from; `view` is the numpy view of
+    the same memory that backends read into. Pinned allocations are usually page-aligned already;
+    the slack guarantees it whatever allocator sits underneath."""
+    torch = require("torch", "GPU delivery")
+    raw = torch.empty(max(nbytes, 1) + align, dtype=torch.uint8, pin_memory=True)
+    start = (-raw.data_ptr()) % align
+    owner = raw[start : start + max(nbytes, 1)]
+    return owner, owner.numpy()
 
 
 class FdCache:

@@ -22,9 +22,9 @@ import numpy as np
 
 from loaders.backends.base import Backend, PageCacheProbe, ReadRequest, aligned_empty, pread_full, short_read
 from loaders.backends.mapped import MappedFiles, loop_image
-from loaders.bmap import BlockMap, RawSource
+from loaders.blockmap.bmap import BlockMap, RawSource
+from loaders.cache.spec import ALIGN
 from loaders.errors import BackendError, FormatError
-from loaders.format import ALIGN
 
 
 class RawDevice:

@@ -26,8 +26,8 @@ from loaders.backends.base import (
     pread_full,
     short_read,
 )
+from loaders.cache.spec import ALIGN
 from loaders.errors import BackendError
-from loaders.format import ALIGN
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import numpy as np
 
 from loaders.backends.base import Backend, ReadRequest, short_read
 from loaders.backends.direct import DirectBackend
+from loaders.cache.layout import checked_path
+from loaders.cache.spec import ALIGN, align_up
 from loaders.deps import has, require
 from loaders.errors import BackendError, MissingDependencyError
-from loaders.format import ALIGN, align_up
-from loaders.layout import checked_path
 
 _INSTALL = "pip install 'blockprep[gpu]'"
 
@@ -77,7 +77,7 @@ def _failure(req: ReadRequest, exc: Exception) -> BackendError:
 def _pinned(nbytes: int) -> tuple[Any, np.ndarray]:
     """(owner, aligned uint8 view) of page-locked host memory: torch's pinned allocator, else cupy's."""
     if has("torch"):
-        from loaders.buffers import pinned_empty
+        from loaders.backends.base import pinned_empty
 
         return pinned_empty(nbytes)
     import cupy

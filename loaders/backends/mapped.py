@@ -23,9 +23,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from loaders.backends.base import FdCache, ReadRequest, pread_full, short_read
-from loaders.bmap import BlockMap, RawSource
+from loaders.blockmap.bmap import BlockMap, RawSource
+from loaders.blockmap.fiemap import EXTENT_FLAGS, FiemapReader
 from loaders.errors import BackendError
-from loaders.fiemap import EXTENT_FLAGS, FiemapReader
 
 UNCHECKED = "?"  # verdict of a file whose check has not run (or is still running)
 MOVED = "its blocks moved on the device: defragmented or rewritten in place"

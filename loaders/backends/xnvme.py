@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from loaders.backends.base import Backend, ReadRequest, aligned_empty, short_read
+from loaders.cache.layout import checked_path
 from loaders.deps import require
 from loaders.errors import BackendError, MissingDependencyError
-from loaders.layout import checked_path
 
 _INSTALL = "install libxnvme (distro package, conda-forge or source) or set XNVME_LIBRARY_PATH to libxnvme.so"
 
@@ -221,7 +221,7 @@ class XnvmeBmapBackend(Backend):
         sync: str | None = None,
     ) -> None:
         from loaders.backends.mapped import MappedFiles
-        from loaders.bmap import BlockMap
+        from loaders.blockmap.bmap import BlockMap
 
         load_capi()  # a missing libxnvme is reported before anything else
         super().__init__(threads)

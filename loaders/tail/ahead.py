@@ -16,13 +16,14 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from loaders.reading.ahead import InOrder
 
 DEPTH = 2  # batches of draws kept ready
 
@@ -71,7 +72,7 @@ class Ahead:
     def __init__(self, t: Any, inner: Any, attr: str, draw: Draw) -> None:
         self.t: Any = weakref.proxy(t)  # the registry's key: a strong reference would keep it alive
         self.inner, self.attr, self.draw = inner, attr, draw
-        self.pending: deque[Future[_Drawn]] = deque()
+        self.pending = InOrder(executor=self._executor())
         self.hits = self.misses = 0
 
     @classmethod
@@ -89,7 +90,7 @@ class Ahead:
         if got is None:
             self.misses += 1
             drawn = self.draw(self.t, self.inner, n, _Like(key[1]))
-            self.pending.clear()  # drawn from states that are no longer the real ones
+            self.pending.forget()  # drawn from states that are no longer the real ones
             self._schedule(key, _states(self.t, self.inner))
             return drawn
         self.hits += 1
@@ -104,7 +105,7 @@ class Ahead:
     def _ready(self, key: tuple[int, tuple[int, ...]], now: tuple[Any, Any]) -> _Drawn | None:
         if not self.pending:
             return None
-        got = self.pending.popleft().result()
+        got: _Drawn = self.pending.take()
         if got.key != key or not _same(got.before, now):
             return None
         if len(self.pending) < DEPTH:
@@ -120,7 +121,7 @@ class Ahead:
 
     def _extend(self, key: tuple[int, tuple[int, ...]]) -> None:
         tc, ic = self._copies
-        self.pending.append(self._executor().submit(self._job, tc, ic, key))
+        self.pending.submit(self._job, tc, ic, key)
 
     def _job(self, tc: Any, ic: Any, key: tuple[int, tuple[int, ...]]) -> _Drawn:
         before = _states(tc, ic)

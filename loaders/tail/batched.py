@@ -249,7 +249,7 @@ def _per_item(transform: Any, batch: TailBatch) -> None:
     """Run a MONAI transform item by item (a list output, e.g. num_samples crops, becomes consecutive items).
     The head's nested outputs (ClassesToIndicesd's list, cached as "key/0", "key/1", ...) reach MONAI as it
     made them; what comes back is flat again."""
-    from loaders.nesting import flat_again, nested
+    from loaders.cache.nesting import flat_again, nested
 
     outs: list[dict[Hashable, Any]] = []
     sources: list[int] = []

@@ -1,5 +1,5 @@
 """Block maps made offline: walk and map a tree (`walk`), the flat seed form (`seed`), verify a map against
-the raw device (`verify`). The document format itself is defined once, in `loaders.bmap`.
+the raw device (`verify`). The document format itself is defined once, in `loaders.blockmap.bmap`.
 (`prep.mapping.walk` is the module; its `walk` function lists a tree.)"""
 
 from __future__ import annotations

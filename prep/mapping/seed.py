@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loaders.bmap import BlockMap
-from loaders.fiemap import Extent, merge_adjacent
-from loaders.writing import atomic_write_bytes
+from loaders.blockmap.bmap import BlockMap
+from loaders.blockmap.fiemap import Extent, merge_adjacent
+from loaders.cache.writing import atomic_write_bytes
 from prep.errors import UsageError
 
 

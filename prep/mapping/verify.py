@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.bmap import BlockMap
-from loaders.format import checksum
+from loaders.blockmap.bmap import BlockMap
+from loaders.cache.format import checksum
 from prep.errors import PrepError, UsageError
 
 

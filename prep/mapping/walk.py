@@ -3,7 +3,7 @@
 The walk runs on the calling thread; files are mapped in batches on a thread pool (the FIEMAP ioctl and
 open/fstat release the GIL). Nothing is written until every file is mapped: the document goes to a temp
 file that is renamed over the output, so a failed walk never replaces a good map. The document format
-and its checksum are defined once, in `loaders.bmap`.
+and its checksum are defined once, in `loaders.blockmap.bmap`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from json.encoder import encode_basestring_ascii as _json_str  # json.dumps's ow
 from pathlib import Path
 from typing import Any
 
-from loaders.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, encode_document_with_files
-from loaders.fiemap import EXTENT_FLAGS, FS_IOC_FIEMAP, SAFE_FLAGS, FiemapReader, unsafe_reasons
-from loaders.format import checksum
-from loaders.writing import atomic_write_bytes
+from loaders.blockmap.bmap import BMAP_FORMAT, BMAP_VERSION, EXTENT_FIELDS, encode_document_with_files
+from loaders.blockmap.fiemap import EXTENT_FLAGS, FS_IOC_FIEMAP, SAFE_FLAGS, FiemapReader, unsafe_reasons
+from loaders.cache.format import checksum
+from loaders.cache.writing import atomic_write_bytes
 from prep.devices import DeviceInfo, check_mappable, device_info
 from prep.errors import UsageError
 from prep.mapping.seed import skipped_path, write_seed

@@ -36,7 +36,7 @@ def _batches(ds: Any, transform: Any, row: Row, kind: str) -> list[Any]:
 def check_dropin(row: Row, caches: Any, tmp_path: Path, kind: str) -> None:
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     cache, data = caches(row), caches.data(row)
     with seeded(row, SEED) as theirs:
@@ -90,7 +90,7 @@ def test_dropin_through_mapped_item_reads_equals_persistent_dataset(
 ) -> None:
     """Every item read as copy-on-write mappings (`Reader.mapped`: these rows' items are small, so the threshold
     is lowered to 0), with nested Composes and tails that write in place: batches equal PersistentDataset's."""
-    from loaders import reads
+    from loaders.reading import reads
 
     monkeypatch.setattr(reads, "INLINE_BYTES", 0)
     mapped: list[bool] = []

@@ -34,7 +34,7 @@ def _param(row: Row, *marks: Any) -> Any:
 
 def _loader(row: Row, cache: Path, options: dict[str, Any]) -> tuple[Any, Any]:
     """(loader seeded the row's way, its transform)."""
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     options = dict(options)
     shard = options.pop("shard", None)

@@ -19,7 +19,7 @@ from fsutil import evict_tree, fill_free_space, interleaved_appends
 from loaders.backends import ReadRequest, get_backend
 from loaders.backends.blockdev import BlockdevBackend, RawDevice
 from loaders.backends.mapped import WriteClock
-from loaders.bmap import BlockMap
+from loaders.blockmap.bmap import BlockMap
 from loaders.errors import BackendError
 from prep.mapping import build_bmap
 
@@ -217,7 +217,7 @@ def test_grown_file_is_read_through_the_filesystem(make_loopfs: Callable[..., An
 
 def _readers(out: Path, image: Path) -> list[Callable[[str, int], bytes]]:
     """The raw readers of a map: the blockdev backend (one and many requests) and BmapSource."""
-    from loaders.dali import BmapSource
+    from loaders.faces.dali import BmapSource
 
     def one(key: str, n: int) -> bytes:
         with BlockdevBackend(out, device_path=image, threads=1) as b:
@@ -241,7 +241,7 @@ def test_defragmented_file_reads_its_current_bytes(make_loopfs: Callable[..., An
     import shutil
     import subprocess
 
-    from loaders.fiemap import fiemap
+    from loaders.blockmap.fiemap import fiemap
 
     if shutil.which("e4defrag") is None:
         pytest.skip("e4defrag missing (apt-get install e2fsprogs)")
@@ -398,7 +398,7 @@ def test_cached_says_whether_a_raw_read_would_wait(make_loopfs: Callable[..., An
 
 
 def _edited_map(out: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    from loaders.bmap import encode_document
+    from loaders.blockmap.bmap import encode_document
 
     doc = json.loads(out.read_bytes())
     edit(doc)

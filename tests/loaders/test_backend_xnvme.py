@@ -29,7 +29,7 @@ def test_missing_bindings_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -
 
 def test_block_range_reader_is_registered_and_needs_libxnvme(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from loaders.backends import BLOCK_RANGE_BACKENDS, backend_class, backend_names
-    from loaders.bmap import BlockMap, encode_document
+    from loaders.blockmap.bmap import BlockMap, encode_document
 
     assert "xnvme-bmap" in backend_names() and "xnvme-bmap" in BLOCK_RANGE_BACKENDS
     assert backend_class("xnvme-bmap").name == "xnvme-bmap"

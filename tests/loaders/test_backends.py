@@ -129,7 +129,9 @@ def test_import_loaders_is_light() -> None:
     import subprocess
 
     heavy = "('torch', 'monai', 'dask', 'kvikio', 'prep', 'nvidia.dali')"
-    code = f"import loaders, loaders.backends, loaders.format, sys; print([m for m in {heavy} if m in sys.modules])"
+    code = (
+        f"import loaders, loaders.backends, loaders.cache.format, sys; print([m for m in {heavy} if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -139,8 +141,8 @@ def test_loader_modules_import_no_face_or_concrete_backend() -> None:
     import subprocess
 
     code = (
-        "import sys, loaders.dataset, loaders.batches, loaders.meta, loaders.region; "
-        "print(sorted(m for m in ('torch', 'monai', 'loaders.monai', 'loaders.backends.posix', "
+        "import sys, loaders.faces.dataset, loaders.faces.batches, loaders.cache.meta, loaders.reading.region; "
+        "print(sorted(m for m in ('torch', 'monai', 'loaders.faces.monai', 'loaders.backends.posix', "
         "'loaders.backends.direct') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

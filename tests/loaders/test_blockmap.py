@@ -1,4 +1,4 @@
-"""loaders.bmap: the document (checksum, versions, corruption) and file-range -> device-range arithmetic."""
+"""loaders.blockmap.bmap: the document (checksum, versions, corruption) and file-range -> device-range arithmetic."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loaders.bmap import BlockMap, decode_document, encode_document, from_lba, map_range, to_lba
+from loaders.blockmap.bmap import BlockMap, decode_document, encode_document, from_lba, map_range, to_lba
 from loaders.errors import ChecksumError, FormatError, SchemaVersionError, StaleError
 
 MB = 2048 * 512  # a partition starting at sector 2048

@@ -1,4 +1,4 @@
-"""loaders.chain: the head/tail split and fingerprint shared by prep and the training-time loaders."""
+"""loaders.cache.chain: the head/tail split and fingerprint shared by prep and the training-time loaders."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from monai.transforms import (
     Spacingd,
 )
 
-from loaders import chain
+from loaders.cache import chain
 from loaders.errors import StaleError
 
 
@@ -82,7 +82,7 @@ def test_a_process_given_what_another_found_fingerprints_alike_without_reading_s
 def test_fingerprint_same_in_another_process() -> None:
     code = (
         "from monai.transforms import LoadImaged, EnsureChannelFirstd, Spacingd\n"
-        "from loaders import chain\n"
+        "from loaders.cache import chain\n"
         "print(chain.fingerprint([LoadImaged(keys=['image']), EnsureChannelFirstd(keys=['image']),"
         " Spacingd(keys=['image'], pixdim=(1.0, 1.0, 1.0))]))\n"
     )
@@ -103,7 +103,7 @@ def test_describe() -> None:
 
 
 def test_import_is_light() -> None:
-    code = "import sys, loaders.chain; print(sorted(m for m in ('monai', 'torch', 'dask') if m in sys.modules))"
+    code = "import sys, loaders.cache.chain; print(sorted(m for m in ('monai', 'torch', 'dask') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 

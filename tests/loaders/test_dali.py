@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from fsutil import evict_tree, interleaved_appends
 
-import loaders.dali_base
-from loaders.dali import BmapSource, CacheSource, FileSource, list_labeled_files
-from loaders.files import cached_whole
-from loaders.writing import write_items
+import loaders.faces.dali_base
+from loaders.cache.writing import write_items
+from loaders.faces.dali import BmapSource, CacheSource, FileSource, list_labeled_files
+from loaders.reading.files import cached_whole
 
 dali = pytest.importorskip("nvidia.dali")
 fn = pytest.importorskip("nvidia.dali.fn")
@@ -197,7 +197,7 @@ def test_bmap_source_reads_a_batch_in_memory_through_the_filesystem(
 def test_bmap_source_cold_epochs_read_batches_ahead_exactly(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
     """An epoch whose first batch would wait on the disk keeps BMAP_COLD_BATCHES batches being read ahead; an
     epoch cut short, a reshuffled one and a reopened source still give their positions' files and labels."""
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
     from prep.mapping import build_bmap
     from prep.synth import image_tree
 
@@ -290,7 +290,7 @@ def test_bmap_source_over_xnvme(make_loopfs: Callable[..., Any], tmp_path: Path,
 
 
 def test_bmap_source_refuses_backends_without_block_ranges(tmp_path: Path) -> None:
-    from loaders.bmap import BlockMap
+    from loaders.blockmap.bmap import BlockMap
     from loaders.errors import BackendError
 
     doc = {"files": {}, "root": str(tmp_path), "device": "/dev/null"}
@@ -302,7 +302,7 @@ def test_bmap_source_refuses_backends_without_block_ranges(tmp_path: Path) -> No
 def test_bmap_source_labels_equal_readers_file(make_loopfs: Callable[..., Any], tmp_path: Path) -> None:
     """Empty class folders (one sorting first), stray files, mixed-case extensions, nested and hidden files:
     BmapSource lists what a real DALI readers.file pipeline lists, with the same labels, full map or flat."""
-    from loaders.bmap import FlatMapWarning
+    from loaders.blockmap.bmap import FlatMapWarning
     from prep.mapping import build_bmap
 
     fs = make_loopfs("ext4")
@@ -330,7 +330,7 @@ def test_flat_maps_research_and_seed_form(make_loopfs: Callable[..., Any], tmp_p
     without a mounted tree the bytes are whole blocks, as the research loaders read them."""
     import json
 
-    from loaders.bmap import BlockMap, FlatMapWarning
+    from loaders.blockmap.bmap import BlockMap, FlatMapWarning
     from prep.mapping import build_bmap
 
     fs = make_loopfs("ext4")
@@ -354,9 +354,9 @@ def test_flat_maps_research_and_seed_form(make_loopfs: Callable[..., Any], tmp_p
 
 def _plain_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """FileSource without io_uring: plain reads, threads and hints (as where the kernel has none)."""
-    import loaders.uring
+    import loaders.reading.uring
 
-    monkeypatch.setattr(loaders.uring, "available", lambda: False)
+    monkeypatch.setattr(loaders.reading.uring, "available", lambda: False)
 
 
 @pytest.mark.parametrize("io_uring", [True, False])
@@ -367,10 +367,10 @@ def test_read_ahead_keeps_batches_and_epochs_exact(
     """The next batches are read ahead where the epoch starts cold (io_uring reads in flight, or a thread),
     and read when asked where they are cached: an epoch cut short, a reshuffled epoch and a closed and
     reopened source still give exactly the files and labels of their positions."""
-    import loaders.dali as dali_mod
-    import loaders.uring
+    import loaders.faces.dali as dali_mod
+    import loaders.reading.uring
 
-    if io_uring and not loaders.uring.available():
+    if io_uring and not loaders.reading.uring.available():
         pytest.skip("no io_uring here (old kernel, seccomp or kernel.io_uring_disabled)")
     if not io_uring:
         _plain_reads(monkeypatch)
@@ -405,12 +405,12 @@ def test_filesource_reads_files_that_changed_since_the_last_epoch_as_they_are(
 ) -> None:
     """The second epoch reads with the sizes the first one found (io_uring: opens through the ring); files
     rewritten longer or shorter in between still come whole, as the filesystem holds them."""
-    import loaders.uring
+    import loaders.reading.uring
     from prep.synth import image_tree as make
 
-    if not loaders.uring.available():
+    if not loaders.reading.uring.available():
         pytest.skip("no io_uring here (old kernel, seccomp or kernel.io_uring_disabled)")
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
 
     tree = make(tmp_path / "tree", classes=2, per_class=3, size=16, seed=5)
     with FileSource(tree, batch_size=4) as src:
@@ -439,7 +439,7 @@ def test_batches_are_read_ahead_on_a_thread_while_the_consumer_is_away(
     import time
     from concurrent.futures import Future
 
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
 
     pairs = list_labeled_files(image_tree)
     with FileSource(image_tree, batch_size=2, shuffle=True, seed=5) as src:
@@ -464,7 +464,7 @@ def test_batches_are_read_ahead_on_a_thread_while_the_consumer_is_away(
 
 
 def test_warm_batches_are_read_on_one_thread_whatever_the_cores(image_tree: Path) -> None:
-    from loaders.dali import read_threads
+    from loaders.faces.dali import read_threads
 
     assert [read_threads(c) for c in (1, 2, 3, 4, 8, 64)] == [1] * 6
     with FileSource(image_tree) as src, FileSource(image_tree, threads=3) as three:
@@ -474,7 +474,7 @@ def test_warm_batches_are_read_on_one_thread_whatever_the_cores(image_tree: Path
 def test_cold_batches_read_on_more_threads(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain reads: a batch whose first file is not in the page cache is read on COLD_READ_THREADS threads,
     in order."""
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
 
     _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
@@ -501,7 +501,7 @@ def test_hint_files_bring_cold_files_into_the_page_cache_up_to_the_limit(tmp_pat
     """WILLNEED on each file in order until `limit` bytes: the kernel reads them in; files past it stay cold."""
     import time
 
-    from loaders.dali import _resident, hint_files
+    from loaders.faces.dali import _resident, hint_files
 
     paths = []
     for i in range(4):
@@ -531,13 +531,13 @@ def test_filesource_hints_the_batches_after_the_one_read_ahead(
 ) -> None:
     """Cold batches are hinted once each: a cold epoch's first HINT_BATCHES batches as it starts, then
     HINT_BATCHES ahead of the one read ahead; warm ones are not; the batches are the same either way."""
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
 
     _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
     hinted: list[str] = []
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
-    monkeypatch.setattr(loaders.dali_base, "HINT_BATCHES", 2)
+    monkeypatch.setattr(loaders.faces.dali_base, "HINT_BATCHES", 2)
     got = {}
     for cold in (False, True):
         hinted.clear()
@@ -555,7 +555,7 @@ def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
     """Hinted batches come in and the next batch is warm: the hints go on to the cold batches after them (the
     disk kept busy), where they used to wait until a cold batch was next. Here batches 0-2 are warm, 3 on cold:
     batch 3 is hinted while batch 2 is next, and every cold file once."""
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
 
     _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
@@ -563,7 +563,7 @@ def test_filesource_hints_cold_batches_while_the_next_one_is_warm(
     cold = {f"{image_tree}/{p}" for p, _ in pairs[6:]}
     hinted: list[str] = []
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
-    monkeypatch.setattr(loaders.dali_base, "HINT_BATCHES", 2)
+    monkeypatch.setattr(loaders.faces.dali_base, "HINT_BATCHES", 2)
     monkeypatch.setattr(dali_mod, "_resident", lambda path: path not in cold)
     with FileSource(image_tree, batch_size=2) as src:
         it = iter(src)
@@ -582,7 +582,7 @@ def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
     files already hinted (the next batch's ends); the hints go on without it, every file hinted once."""
     import threading
 
-    import loaders.dali as dali_mod
+    import loaders.faces.dali as dali_mod
 
     _plain_reads(monkeypatch)
     pairs = list_labeled_files(image_tree)
@@ -596,7 +596,7 @@ def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
         return path in hinted  # a hinted file is in at once; the rest is cold
 
     monkeypatch.setattr(dali_mod, "hint_files", lambda paths, limit=0: hinted.extend(paths))
-    monkeypatch.setattr(loaders.dali_base, "HINT_BATCHES", 2)
+    monkeypatch.setattr(loaders.faces.dali_base, "HINT_BATCHES", 2)
     monkeypatch.setattr(dali_mod, "_resident", resident)
     with FileSource(image_tree, batch_size=2) as src:
         it = iter(src)
@@ -615,7 +615,7 @@ def test_a_cold_epoch_never_probes_an_unhinted_file_on_the_pipeline_thread(
 
 def test_resident_tells_an_evicted_file_from_one_read(tmp_path: Path) -> None:
     """The real probe (RWF_NOWAIT reads, cachestat where the kernel has none): evicted -> False, read -> True."""
-    from loaders.dali import _resident
+    from loaders.faces.dali import _resident
 
     path = tmp_path / "f.bin"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 3 << 14, dtype=np.uint8).tobytes())

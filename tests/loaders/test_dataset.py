@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 
 from loaders.backends import BLOCK_RANGE_BACKENDS, backend_names, get_backend
+from loaders.cache.spec import MANIFEST
+from loaders.cache.writing import write_items
 from loaders.deps import has
 from loaders.errors import BackendError, ChecksumError, IncompleteCacheError, PrepError, SchemaVersionError
-from loaders.format import MANIFEST
-from loaders.writing import write_items
 
 torch = pytest.importorskip("torch")
-from loaders.batches import PreparedBatches  # noqa: E402
-from loaders.dataset import PreparedDataset  # noqa: E402
+from loaders import PreparedBatches, PreparedDataset  # noqa: E402
 
 # block-range backends need a bmap and a device: their own tests (loop images) cover them
 CPU_BACKENDS = [n for n in backend_names() if n not in ("kvikio", "xnvme", *BLOCK_RANGE_BACKENDS)]
@@ -120,7 +119,7 @@ def test_plain_tensors_without_monai(cache: tuple[Path, list[dict]], monkeypatch
 
 
 def test_cached_meta_is_fresh_per_item(cache: tuple[Path, list[dict]]) -> None:
-    from loaders.meta import restore_meta
+    from loaders.cache.meta import restore_meta
 
     root, _ = cache
     ds = PreparedDataset(root, backend="posix")
@@ -143,7 +142,7 @@ def test_cached_meta_is_fresh_per_item(cache: tuple[Path, list[dict]]) -> None:
 
 
 def test_item_reads_split_into_pieces(cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch) -> None:
-    from loaders import reads
+    from loaders.reading import reads
 
     root, items = cache
     monkeypatch.setattr(reads, "SPLIT_BYTES", 4096)  # 16 KiB image: four pieces
@@ -165,8 +164,8 @@ def test_small_warm_item_reads_on_calling_thread(
     never started) and gives the same tensors as the pooled path."""
     import threading
 
-    from loaders import reads
     from loaders.backends.base import PageCacheProbe
+    from loaders.reading import reads
 
     if name == "direct" and not PageCacheProbe().available:
         pytest.skip("no cachestat(2) here: direct cannot tell warm from cold")
@@ -431,7 +430,8 @@ def test_incomplete_and_future_caches(cache: tuple[Path, list[dict]], tmp_path: 
 
 def test_import_loaders_imports_no_torch() -> None:
     code = (
-        "import sys, loaders, loaders.dataset, loaders.region, loaders.gpu, loaders.monai, loaders.dali\n"
+        "import sys, loaders, loaders.faces.dataset, loaders.reading.region, loaders.reading.staging\n"
+        "import loaders.faces.monai, loaders.faces.dali\n"
         "bad = [m for m in ('torch', 'monai', 'nvidia.dali') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -549,7 +549,7 @@ def test_auto_reads_buffered_when_the_cache_fits_in_memory(
     cache: tuple[Path, list[dict]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """O_DIRECT never fills the page cache: a cache that fits is read buffered so epoch 2 is a copy."""
-    from loaders import reads
+    from loaders.reading import reads
 
     root, items = cache
     assert reads.fits_in_memory(1 << 20) and not reads.fits_in_memory(1 << 60)

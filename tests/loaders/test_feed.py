@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loaders.errors import StaleError
-from loaders.loader import PreparedLoader, dataset_bytes, parse_bytes
+from loaders.fast.loader import PreparedLoader, dataset_bytes, parse_bytes
 from workflows.bench.train_loop import pipeline_source
 
 CROP = 16
@@ -36,8 +36,8 @@ def _transform(pipeline: Path) -> object:
 
 def _reference(pipeline: Path, cache: Path, order: list[int], seed: int) -> list[dict[str, np.ndarray]]:
     """MONAI's per-item tail over the cached heads, in `order`, seeded as the loader seeds it."""
-    from loaders.dataset import PreparedDataset
-    from loaders.monai import tail_compose
+    from loaders import PreparedDataset
+    from loaders.cache.chain import tail_compose
 
     tail = tail_compose(_transform(pipeline))
     tail.set_random_state(seed=seed)
@@ -202,8 +202,8 @@ def test_multi_sample_crops_give_monai_list_collate_layout(spheres: Path) -> Non
 
 
 def _reference_lists(cache: Path, order: list[int], seed: int) -> list[list[dict[str, object]]]:
-    from loaders.dataset import PreparedDataset
-    from loaders.monai import tail_compose
+    from loaders import PreparedDataset
+    from loaders.cache.chain import tail_compose
 
     tail = tail_compose(_transform(SPHERES))
     tail.set_random_state(seed=seed)
@@ -215,7 +215,7 @@ def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path
     """The crops of a batch land key-major and back to back: each key's batch is one view (no stack)."""
     import torch
 
-    from loaders.assembly import _packed
+    from loaders.reading.staging import landed
 
     pipeline, cache = prepared
     for shard in (cache / "shards").iterdir():
@@ -226,10 +226,11 @@ def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path
     buf, nbytes, places = got.buf, got.nbytes, got.places
     assert [p[:2] for p in places] == [(("row", r), k) for k in ("image", "label") for r in range(3)]
     flat = torch.from_numpy(np.asarray(buf[:nbytes]))
-    packed = _packed(flat, places, ["image", "label"], 3)
+    packed, _ = landed(flat, places, ["image", "label"], 3)
     assert packed is not None and packed["image"].shape == (3, 1, CROP, CROP, CROP)
     for j, (_, _, at, dtype, shape) in enumerate(places[:3]):
         one = np.asarray(buf[at : at + int(np.prod(shape)) * np.dtype(dtype).itemsize]).view(dtype).reshape(shape)
         np.testing.assert_array_equal(packed["image"][j].numpy(), one)
-    assert _packed(flat, places[::-1], ["image", "label"], 3) is None  # not in batch order: per item
+    rows, by_tag = landed(flat, places[::-1], ["image", "label"], 3)
+    assert rows is None and sorted(by_tag) == [("row", r) for r in range(3)]  # not in batch order: per item
     loader.close()

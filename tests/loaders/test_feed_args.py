@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loaders.loader import parse_bytes
+from loaders.fast.loader import parse_bytes
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("monai")

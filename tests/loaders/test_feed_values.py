@@ -28,7 +28,7 @@ def test_int_labels_batched_as_monai_collates_them(mednist: Path) -> None:
     from monai.data.utils import list_data_collate
 
     from loaders import PreparedDataset, PreparedLoader
-    from loaders.monai import tail_compose
+    from loaders.cache.chain import tail_compose
     from prep.pipeline import load_pipeline
 
     transform = load_pipeline(MEDNIST).transform

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from test_state import _loader, _plain, _same, make_cache
 
-from loaders.feeder import FeederError
+from loaders.fast.feeder import FeederError
 
 OPTIONS: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2}
 
@@ -68,7 +68,7 @@ def test_auto_feeder_on_a_gpu_where_the_transform_can_go(made: tuple[Path, Path]
     from monai.transforms import Compose, Lambdad
 
     from loaders.backends import get_backend
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     default = _loader(made, {"gpu_budget": 0, "device": device})
     try:
@@ -96,7 +96,7 @@ def test_feeder_refuses_what_cannot_be_sent(made: tuple[Path, Path]) -> None:
 
     from monai.transforms import Compose, Lambdad
 
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     cache, pipeline = made
     from test_folds import _transform
@@ -150,7 +150,7 @@ def test_a_child_that_cannot_build_the_loader_says_so_at_the_first_epoch(made: t
     line, and every later use says the feeder is gone."""
     from test_folds import _transform
 
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     cache, pipeline = made
     chain = _transform(pipeline)
@@ -171,7 +171,7 @@ def test_an_auto_feeder_that_cannot_start_leaves_the_batches_to_this_process(mad
     once as a warning, and the same batches come from this process."""
     from test_folds import _transform
 
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     cache, pipeline = made
     want = _run(
@@ -234,7 +234,7 @@ def test_the_child_ends_when_the_training_process_is_killed(made: tuple[Path, Pa
     script.write_text(
         "import time\n"
         "from prep.pipeline import load_pipeline\n"
-        "from loaders.loader import PreparedLoader\n"
+        "from loaders.fast.loader import PreparedLoader\n"
         f"fed = PreparedLoader({str(cache)!r}, load_pipeline({str(pipeline)!r}).transform, batch_size=2, "
         "device='cpu', gpu_budget=0, feeder=True)\n"
         "next(iter(fed))\n"

@@ -13,7 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loaders.fiemap import EXTENT_FLAGS, Extent, FiemapReader, fiemap, flag_names, merge_adjacent, unsafe_reasons
+from loaders.blockmap.fiemap import (
+    EXTENT_FLAGS,
+    Extent,
+    FiemapReader,
+    fiemap,
+    flag_names,
+    merge_adjacent,
+    unsafe_reasons,
+)
 from prep.errors import UnsupportedFilesystemError
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from loaders.errors import FormatError
-from loaders.loader import PreparedLoader
+from loaders.fast.loader import PreparedLoader
 
 HEAD = """
 from monai.transforms import (AsDiscreted, Compose, EnsureChannelFirstd, LoadImaged, RandCropByLabelClassesd,
@@ -148,7 +148,7 @@ def _monai_batches(datalist: Path, pipeline: Path, orders: list[list[int]], seed
     from monai.data import list_data_collate
     from monai.transforms import Compose
 
-    from loaders import chain
+    from loaders.cache import chain
     from prep.cache import load_datalist
 
     transform = _transform(pipeline)
@@ -232,7 +232,7 @@ def test_cache_without_sets_is_slow_said_once_then_added(tmp_path: Path, caplog:
 
     from typer.testing import CliRunner
 
-    from loaders import sampling
+    from loaders.cache import sampling
     from prep.cache import prepare_cache
     from prep.cli import app
 
@@ -242,7 +242,7 @@ def test_cache_without_sets_is_slow_said_once_then_added(tmp_path: Path, caplog:
     cache = tmp_path / "cache"
     prepare_cache(datalist, pipeline, cache, workers=1)
     shutil.rmtree(cache / sampling.DIR)
-    with caplog.at_level(logging.WARNING, logger="loaders.folds"):
+    with caplog.at_level(logging.WARNING, logger="loaders.fast.folds"):
         slow = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
         PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu", shuffle=False)
     assert slow.fold is None
@@ -278,7 +278,7 @@ def test_drop_in_draws_from_the_sets_as_persistent_dataset_draws(
     from monai.data import DataLoader, PersistentDataset
     from monai.utils import set_determinism
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from prep.cache import load_datalist, prepare_cache
 
     ndim, dtype, source = CHAINS[name]

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaders import format as fmt
-from loaders import nesting, writing
+from loaders.cache import format as fmt
+from loaders.cache import nesting, spec, writing
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
 
@@ -35,12 +35,12 @@ def test_roundtrip_aligned(tmp_path: Path) -> None:
         assert set(entries) == {"image", "label", "crops/0"}
         flat = nesting.flatten(item)
         for k, e in entries.items():
-            assert e.offset % fmt.ALIGN == 0
+            assert e.offset % spec.ALIGN == 0
             raw = np.fromfile(e.shard, dtype=np.uint8, count=e.nbytes, offset=e.offset)
             fmt.check(e, raw)
             assert np.array_equal(raw.view(e.dtype).reshape(e.shape), flat[k])
         assert cache.meta(i)["source"] == {"i": i}
-    assert (tmp_path / "c" / fmt.SHARD_DIR / "shard-000000.bin").stat().st_size % fmt.ALIGN == 0
+    assert (tmp_path / "c" / spec.SHARD_DIR / "shard-000000.bin").stat().st_size % spec.ALIGN == 0
 
 
 def test_checksum_mismatch(tmp_path: Path) -> None:
@@ -56,13 +56,13 @@ def test_incomplete_and_future(tmp_path: Path) -> None:
     (tmp_path / "c").mkdir()
     with pytest.raises(FormatError, match="not a prepared cache"):
         fmt.PreparedCache(tmp_path / "c")
-    (tmp_path / "c" / fmt.JOURNAL_DIR).mkdir()  # what an interrupted `prep cache` leaves
+    (tmp_path / "c" / spec.JOURNAL_DIR).mkdir()  # what an interrupted `prep cache` leaves
     with pytest.raises(IncompleteCacheError, match="re-run"):
         fmt.PreparedCache(tmp_path / "c")
     write_small_cache(tmp_path / "d", [{"x": np.ones(3, np.float32)}])
-    doc = json.loads((tmp_path / "d" / fmt.MANIFEST).read_text())
+    doc = json.loads((tmp_path / "d" / spec.MANIFEST).read_text())
     doc["schema_version"] = "9.0"
-    (tmp_path / "d" / fmt.MANIFEST).write_text(json.dumps(doc))
+    (tmp_path / "d" / spec.MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(SchemaVersionError, match="9.0"):
         fmt.PreparedCache(tmp_path / "d")
 
@@ -70,7 +70,7 @@ def test_incomplete_and_future(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype", [">f4", "c8", [("r", "u1"), ("g", "u1")]])
 def test_unsupported_dtypes(dtype: object) -> None:
     with pytest.raises(FormatError):
-        fmt.dtype_code(np.dtype(dtype))  # type: ignore[call-overload]
+        spec.dtype_code(np.dtype(dtype))  # type: ignore[call-overload]
 
 
 leaves = st.integers()
@@ -97,8 +97,8 @@ def test_every_tensor_aligned_and_disjoint(sizes: list[int], tmp_path_factory: p
     with writing.ShardWriter(path, prealloc=8192) as w:
         for n in sizes:
             off, nb, _ = w.write(np.zeros(n, np.uint8))
-            assert off % fmt.ALIGN == 0 and nb == n
-            spans.append((off, off + fmt.align_up(n)))
+            assert off % spec.ALIGN == 0 and nb == n
+            spans.append((off, off + spec.align_up(n)))
     for (_, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0
     assert path.stat().st_size == spans[-1][1]
@@ -117,5 +117,5 @@ def test_meta_lines_of_parsed_journal_records_equal_those_of_the_original_metas(
     (tmp_path / "b").mkdir()
     writing.write_meta(tmp_path / "a", metas)
     writing.write_meta(tmp_path / "b", parsed, parsed=True)
-    for name in (fmt.META, fmt.META_OFFSETS):
+    for name in (spec.META, spec.META_OFFSETS):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from loaders.backends import ReadRequest, get_backend  # noqa: E402
-from loaders.format import ALIGN  # noqa: E402
+from loaders.cache.spec import ALIGN  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -21,13 +21,13 @@ pytestmark = pytest.mark.gpu
 def stager() -> Any:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    from loaders.gpu import PinnedStager
+    from loaders.reading.staging import PinnedStager
 
     return PinnedStager("cuda:0", slots=2)
 
 
 def test_slots_are_pinned_and_aligned(stager: Any) -> None:
-    from loaders.gpu import pinned_empty
+    from loaders.backends.base import pinned_empty
 
     for n in (1, 4095, 3 << 20, (5 << 20) + 17):
         owner, view = pinned_empty(n)

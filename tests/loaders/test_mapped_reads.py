@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaders.cache.writing import write_items
 from loaders.errors import BackendError, ChecksumError
-from loaders.writing import write_items
 
 torch = pytest.importorskip("torch")
-from loaders.dataset import PreparedDataset  # noqa: E402
-from loaders.reads import Reader  # noqa: E402
+from loaders import PreparedDataset  # noqa: E402
+from loaders.reading.reads import Reader  # noqa: E402
 
 
 def _cache(root: Path, n: int = 3) -> list[dict[str, np.ndarray]]:

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loaders.cache.spec import MANIFEST
 from loaders.errors import StaleError
-from loaders.format import MANIFEST
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("monai")
@@ -76,7 +76,7 @@ def _same_item(ref: Any, got: Any) -> None:
 def test_matches_monai_persistent_dataset(prepared: dict[str, Any]) -> None:
     from monai.data import Dataset, PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     transform = _transform(prepared["pipeline"])
     data = prepared["data"]
@@ -92,7 +92,7 @@ def test_matches_monai_persistent_dataset(prepared: dict[str, Any]) -> None:
 
 
 def test_matches_by_source_when_reordered(prepared: dict[str, Any]) -> None:
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     transform = _transform(prepared["pipeline"])
     data = list(reversed(prepared["data"]))
@@ -107,7 +107,7 @@ def test_matches_by_source_when_reordered(prepared: dict[str, Any]) -> None:
 def test_an_entry_changed_in_place_is_looked_up_again(prepared: dict[str, Any]) -> None:
     """A position found in place is not read again per item, but an entry the user changed since (in place, or
     by set_data) is looked up again, as PersistentDataset hashes each entry when it reads it."""
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     data = [dict(e) for e in prepared["data"]]
     ours = PreparedPersistentDataset(data, _transform(prepared["pipeline"]), prepared["cache"], backend="posix")
@@ -122,8 +122,8 @@ def test_a_first_read_of_a_position_reads_its_meta_line_once(
     prepared: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lookup's meta line goes on to the item's first read (`hand_meta`), with the same output."""
-    from loaders.format import PreparedCache
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
+    from loaders.cache.format import PreparedCache
 
     reads: list[int] = []
     real = PreparedCache.meta
@@ -137,7 +137,7 @@ def test_a_first_read_of_a_position_reads_its_meta_line_once(
 
 
 def test_stale_pipeline_is_refused(prepared: dict[str, Any]) -> None:
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     other = _transform(_pipeline(prepared["tmp"] / "other.py", a_max=500.0))
     with pytest.raises(StaleError, match=r"manifest.json: the cache was prepared with a different pipeline head"):
@@ -147,7 +147,7 @@ def test_stale_pipeline_is_refused(prepared: dict[str, Any]) -> None:
 def test_thread_dataloader_with_list_outputs(prepared: dict[str, Any]) -> None:
     from monai.data import ThreadDataLoader
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     ds = PreparedPersistentDataset(prepared["data"], _transform(prepared["pipeline"]), prepared["cache"])
     batches = list(ThreadDataLoader(ds, batch_size=3, num_workers=2))
@@ -159,10 +159,10 @@ def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path)
     """A cache exported by user code (writing.write_items) with the head's fingerprint works too."""
     from monai.transforms import Compose
 
-    from loaders import chain
-    from loaders.checksums import doc_checksum
-    from loaders.monai import PreparedPersistentDataset
-    from loaders.writing import write_items
+    from loaders import PreparedPersistentDataset
+    from loaders.cache import chain
+    from loaders.cache.checksums import doc_checksum
+    from loaders.cache.writing import write_items
 
     transform = _transform(prepared["pipeline"])
     head, _ = chain.split(transform)
@@ -187,7 +187,7 @@ def test_cache_written_from_monai_head(prepared: dict[str, Any], tmp_path: Path)
 def test_torch_dataloader_workers(prepared: dict[str, Any]) -> None:
     from monai.data import DataLoader
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     ds = PreparedPersistentDataset(
         prepared["data"], _transform(prepared["pipeline"]), prepared["cache"], "posix", track_meta=True
@@ -202,7 +202,7 @@ def test_seeding_before_building_keeps_the_draws(prepared: dict[str, Any]) -> No
     """transform.set_random_state(s), then build the drop-in: same draws as PersistentDataset (issue 9.5)."""
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     data = prepared["data"]
     theirs = _transform(prepared["pipeline"])
@@ -222,7 +222,7 @@ def test_relative_datalist_paths_match(
     prepared: dict[str, Any], nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Entries loaded through a relative datalist path match the cache by real path (issue 9.8)."""
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from prep.cache import load_datalist, prepare_cache
 
     transform = _transform(prepared["pipeline"])
@@ -286,7 +286,7 @@ def test_meta_types_match_monai(nifti_dataset: Path, tmp_path: Path) -> None:
     compared with what MONAI's PersistentDataset(track_meta=True) returns from its cache."""
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from prep.cache import load_datalist, prepare_cache
 
     pipeline = tmp_path / "fg.py"
@@ -321,7 +321,7 @@ def test_track_meta_false_is_what_persistent_dataset_reads_back(prepared: dict[s
     returns it from its cache from the second epoch on; its options are accepted."""
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     data = prepared["data"]
     transform = _transform(prepared["pipeline"])
@@ -350,9 +350,9 @@ def test_drop_in_applies_the_version_rule(prepared: dict[str, Any], tmp_path: Pa
     import monai
     import torch
 
-    from loaders.chain import VersionWarning
-    from loaders.checksums import doc_checksum
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
+    from loaders.cache.chain import VersionWarning
+    from loaders.cache.checksums import doc_checksum
 
     transform = _transform(prepared["pipeline"])
     cache = tmp_path / "c"
@@ -379,7 +379,7 @@ def test_leaf_kinds_round_trip_and_old_lines() -> None:
     MetaTensor); a line written before "kinds" gives MetaTensors for all, as those caches did."""
     from monai.data import MetaTensor
 
-    from loaders.meta import KINDS, as_kind, key_meta, line_kinds, meta_template, split_output
+    from loaders.cache.meta import KINDS, as_kind, key_meta, line_kinds, meta_template, split_output
 
     out = {
         "image": MetaTensor(torch.arange(8.0).reshape(2, 4), meta={"filename_or_obj": "a.nii"}),
@@ -406,7 +406,7 @@ def test_dropin_device_is_where_the_head_put_its_tensors() -> None:
     PersistentDataset gives its tensors back there; the decision needs no GPU to test."""
     import monai.transforms as mt
 
-    from loaders.monai import dropin_device
+    from loaders.faces.monai import dropin_device
 
     keys = ("image", "label")
     head = [mt.LoadImaged(keys=keys), mt.EnsureTyped(keys=keys, device="cuda:0"), mt.Spacingd(keys=keys, pixdim=1.5)]
@@ -425,7 +425,7 @@ def test_list_transform_becomes_a_compose_and_worker_seeding_works(prepared: dic
     from monai.data import PersistentDataset
     from monai.transforms import Compose
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     data = prepared["data"]
     steps = list(_transform(prepared["pipeline"]).transforms)
@@ -441,7 +441,7 @@ def test_list_transform_becomes_a_compose_and_worker_seeding_works(prepared: dic
 def test_set_data_swaps_the_fold_as_persistent_dataset_does(prepared: dict[str, Any]) -> None:
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     data = prepared["data"]
     transform = _transform(prepared["pipeline"])

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loaders.order import epoch_order
+from loaders.cache.order import epoch_order
 
 
 def _sampler(n: int, seed: int, epoch: int, rank: int, world: int, shuffle: bool, drop_last: bool) -> list[int]:
@@ -84,7 +84,7 @@ def test_readers_share_the_order(tmp_path) -> None:
 
 
 def test_epoch_batches_cut_drop_and_start() -> None:
-    from loaders.order import epoch_batches
+    from loaders.cache.order import epoch_batches
 
     order = np.arange(10, dtype=np.int64)
     assert [c.tolist() for c in epoch_batches(order, 4, False)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -95,7 +95,7 @@ def test_epoch_batches_cut_drop_and_start() -> None:
 
 
 def test_dali_shard_is_contiguous_and_covers() -> None:
-    from loaders.order import dali_shard
+    from loaders.cache.order import dali_shard
 
     parts = [dali_shard(10, s, 3) for s in range(3)]
     assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]

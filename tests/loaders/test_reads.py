@@ -9,14 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loaders.cache.format import PreparedCache
+from loaders.cache.spec import ALIGN
+from loaders.cache.writing import write_items
 from loaders.errors import BackendError, ChecksumError
-from loaders.format import ALIGN, PreparedCache
-from loaders.writing import write_items
 
 torch = pytest.importorskip("torch")
-from loaders import reads  # noqa: E402
-from loaders.reads import Reader  # noqa: E402
-from loaders.staging import Slot, host_array, packed_view, stack, view  # noqa: E402
+from loaders.reading import reads  # noqa: E402
+from loaders.reading.reads import Reader  # noqa: E402
+from loaders.reading.staging import Slot, host_array, packed_view, stack, view  # noqa: E402
 
 N = 5
 

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loaders.backends import get_backend
-from loaders.format import PreparedCache
-from loaders.region import plan_region, read_region_entry
-from loaders.writing import write_items
+from loaders.cache.format import PreparedCache
+from loaders.cache.writing import write_items
+from loaders.reading.region import plan_region, read_region_entry
 
 
 @st.composite
@@ -98,7 +98,7 @@ def _image_label(tmp_path: Path) -> tuple[dict, np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("groups", [1, 2, 5])
 def test_warm_runs_go_in_a_few_sequential_groups(tmp_path: Path, groups: int) -> None:
-    from loaders.region import plan_read, read_regions
+    from loaders.reading.region import plan_read, read_regions
 
     entries, image, label = _image_label(tmp_path)
     start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
@@ -114,7 +114,7 @@ def test_warm_runs_go_in_a_few_sequential_groups(tmp_path: Path, groups: int) ->
 
 
 def test_cold_runs_merge_across_cheap_gaps(tmp_path: Path) -> None:
-    from loaders.region import CostModel, plan_read, read_regions
+    from loaders.reading.region import CostModel, plan_read, read_regions
 
     array = np.random.default_rng(1).random((1, 4, 5, 2048), dtype=np.float32)  # rows of 8 KiB: pages apart
     (entry,) = write_items(tmp_path / "c", [{"x": array}]).entries(0)
@@ -132,7 +132,7 @@ def test_cold_runs_merge_across_cheap_gaps(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("gap_s", [0.0, 1.0])
 def test_cold_regions_of_two_tensors(tmp_path: Path, gap_s: float) -> None:
-    from loaders.region import CostModel, plan_read, read_regions
+    from loaders.reading.region import CostModel, plan_read, read_regions
 
     entries, image, label = _image_label(tmp_path)  # both in one shard: one merged read when gaps are cheap
     start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
@@ -147,7 +147,7 @@ def test_cold_regions_of_two_tensors(tmp_path: Path, gap_s: float) -> None:
 
 def test_coalesce_keeps_files_apart_and_orders_runs() -> None:
     from loaders.backends import ReadRequest
-    from loaders.region import coalesce
+    from loaders.reading.region import coalesce
 
     reqs = [ReadRequest("b", 0, 10), ReadRequest("a", 100, 10), ReadRequest("a", 0, 10), ReadRequest("a", 15, 5)]
     merged, places = coalesce(reqs, gap=5)
@@ -167,7 +167,7 @@ def test_coalesce_keeps_files_apart_and_orders_runs() -> None:
 def test_every_schedule_equals_full_slices(
     tmp_path: Path, case: tuple, warm: bool, mapped: bool, gap: int, groups: int
 ) -> None:
-    from loaders.region import CostModel, plan_read, read_regions
+    from loaders.reading.region import CostModel, plan_read, read_regions
 
     full, start, shape, axis = case
     array = (np.arange(int(np.prod(full))) % 241).astype(np.int16).reshape(full)
@@ -191,7 +191,7 @@ def test_warm_regions_come_from_a_mapping_that_follows_the_file(tmp_path: Path) 
     import os
 
     from loaders.errors import BackendError
-    from loaders.region import plan_read, read_regions
+    from loaders.reading.region import plan_read, read_regions
 
     entries, image, _ = _image_label(tmp_path)
     start, shape = (0, 3, 5, 2), (1, 9, 7, 11)
@@ -220,7 +220,7 @@ def test_warm_regions_come_from_a_mapping_that_follows_the_file(tmp_path: Path) 
 
 @pytest.mark.parametrize("groups", [2, 3])
 def test_mapped_copy_split_over_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: int) -> None:
-    import loaders.region as region
+    import loaders.reading.region as region
 
     monkeypatch.setattr(region, "SEQUENTIAL_BELOW", 64)  # small regions take the threaded copy too
     entries, image, _ = _image_label(tmp_path)

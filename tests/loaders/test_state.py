@@ -13,7 +13,7 @@ import pytest
 from test_folds import CHAINS, _transform, _volumes
 
 from loaders.errors import LoaderStateError, PrepError
-from loaders.loader import PreparedLoader
+from loaders.fast.loader import PreparedLoader
 
 EPOCHS = 3
 CONFIGS = {

@@ -1,4 +1,5 @@
-"""loaders.uring: whole files through io_uring, exact bytes, errors named, nothing left open, merged requests."""
+"""loaders.reading.uring: whole files through io_uring, exact bytes, errors named, nothing left open, merged
+requests."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loaders import uring
+from loaders.reading import uring
 
 needs_uring = pytest.mark.skipif(
     not uring.available(), reason="no io_uring here (old kernel, seccomp or kernel.io_uring_disabled)"
@@ -123,7 +124,7 @@ def test_a_forked_child_reads_through_a_ring_of_its_own(tmp_path: Path) -> None:
 
 
 def test_blockprep_io_uring_0_turns_it_off() -> None:
-    code = "from loaders import uring; print(uring.available())"
+    code = "from loaders.reading import uring; print(uring.available())"
     env = {**os.environ, uring.ENV: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from loaders.bmap import BlockMap
-from loaders.fiemap import fiemap
+from loaders.blockmap.bmap import BlockMap
+from loaders.blockmap.fiemap import fiemap
 from prep.cli import app
 from prep.errors import UnsupportedFilesystemError, UsageError
 from prep.mapping import build_bmap, seed_from_bmap, skipped_path, verify_bmap
@@ -357,7 +357,7 @@ def test_record_json_is_canonical_json(
 
 
 def test_preformatted_files_encode_as_the_whole_document() -> None:
-    from loaders.bmap import decode_document, encode_document, encode_document_with_files
+    from loaders.blockmap.bmap import decode_document, encode_document, encode_document_with_files
     from prep.mapping.walk import _Mapped, _ordered, files_json, record_json
 
     # keys whose escaped forms sort differently from the keys themselves, and every kind of escape

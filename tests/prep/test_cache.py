@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from loaders.format import JOURNAL_DIR, PreparedCache, check
-from loaders.meta import line_meta
+from loaders.cache.format import PreparedCache, check
+from loaders.cache.meta import line_meta
+from loaders.cache.spec import JOURNAL_DIR
 from prep.cache import load_datalist, prepare_cache
 from prep.cache_verify import verify_cache
 from prep.cli import app
@@ -88,7 +89,7 @@ def test_cache_equals_monai_head_bit_exact(tmp_path: Path, nifti_dataset: Path) 
         assert got["label"].dtype == np.uint8
         meta = cache.meta(item)
         assert meta["source"] == entry
-        metas = line_meta(meta)  # meta values are type-tagged in the line (loaders.meta decodes them)
+        metas = line_meta(meta)  # meta values are type-tagged in the line (loaders.cache.meta decodes them)
         for key in ("image", "label"):
             assert np.array_equal(np.asarray(metas[key]["affine"]), expected[key].affine.numpy())
             assert np.array_equal(np.asarray(metas[key]["original_affine"]), expected[key].meta["original_affine"])

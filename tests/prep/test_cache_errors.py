@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from loaders.format import PreparedCache
+from loaders.cache.format import PreparedCache
 from prep.cache import prepare_cache
 from prep.cli import app
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from loaders.cache.format import PreparedCache
+from loaders.cache.spec import BMAP, INDEX, MANIFEST, META, META_OFFSETS
+from loaders.cache.writing import write_items
 from loaders.errors import ChecksumError
-from loaders.format import BMAP, INDEX, MANIFEST, META, META_OFFSETS, PreparedCache
-from loaders.writing import write_items
 from prep.cache_verify import verify_cache
 from prep.cli import app
 from prep.errors import PrepError
@@ -152,11 +153,11 @@ def test_schema_1_cache_refused_with_the_fix(cache: PreparedCache) -> None:
 
 def test_large_files_checked_as_read(with_meta: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above SMALL bytes a file is not read whole on open: each part is checked before it is used."""
-    import loaders.checksums
-    import loaders.format as fmt
+    import loaders.cache.checksums
+    import loaders.cache.format as fmt
 
-    monkeypatch.setattr(loaders.checksums, "CHUNK", 64)  # several chunks even in this small cache
-    monkeypatch.setattr(loaders.checksums, "MIN_CHUNK", 64)  # below the bound a crafted record may not go
+    monkeypatch.setattr(loaders.cache.checksums, "CHUNK", 64)  # several chunks even in this small cache
+    monkeypatch.setattr(loaders.cache.checksums, "MIN_CHUNK", 64)  # below the bound a crafted record may not go
     meta = [PreparedCache(with_meta).meta(i) for i in range(3)]
     write_items(with_meta, [{"image": np.zeros((1, 4, 5, 6), np.float32)}] * 3, meta)
     monkeypatch.setattr(fmt, "SMALL", 0)

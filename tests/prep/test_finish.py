@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loaders.format import JOURNAL_DIR
+from loaders.cache.spec import JOURNAL_DIR
 from prep import finish, worker
 from prep.cache import load_datalist
 from prep.journal import read_journals

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loaders.format import JOURNAL_DIR
+from loaders.cache.spec import JOURNAL_DIR
 from prep.journal import JournalWriter, read_journals
 
 

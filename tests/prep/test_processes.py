@@ -61,7 +61,7 @@ import sys
 
 
 def given():
-    from loaders import chain
+    from loaders.cache import chain
 
     return len(chain._GIVEN)
 
@@ -83,7 +83,7 @@ def test_worker_processes_start_frozen_and_take_the_planners_class_analysis(tmp_
     """The forkserver freezes what it imported (prep.frozen): a worker's garbage collector leaves those objects'
     shared pages alone (16-core box, spheres W16: 51.7k -> 12.5k page faults and 0.77 -> 0.26 CPU s a worker
     at its start); `prep cache`'s own process is not frozen. Workers warm with what the planner found of the
-    transforms' classes (`loaders.chain.take_runtime_attrs`)."""
+    transforms' classes (`loaders.cache.chain.take_runtime_attrs`)."""
     script = tmp_path / "frozen.py"
     script.write_text(FROZEN)
     proc = subprocess.run([sys.executable, str(script), str(SPHERES)], capture_output=True, text=True, timeout=600,

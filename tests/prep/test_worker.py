@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from loaders.format import JOURNAL_DIR, PreparedCache
+from loaders.cache.format import PreparedCache
+from loaders.cache.spec import JOURNAL_DIR
 from prep import worker
 from prep.cache import load_datalist, prepare_cache
 from prep.journal import read_journals

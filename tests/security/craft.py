@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from loaders.checksums import doc_checksum, file_record
-from loaders.format import LAYOUT_FILES, MANIFEST
+from loaders.cache.checksums import doc_checksum, file_record
+from loaders.cache.spec import LAYOUT_FILES, MANIFEST
 
 
 def copy_cache(good: Path, where: Path) -> Path:

@@ -16,7 +16,7 @@ from fsutil import fill_free_space, interleaved_appends
 
 from loaders.backends import ReadRequest
 from loaders.backends.blockdev import BlockdevBackend
-from loaders.bmap import BlockMap, encode_document
+from loaders.blockmap.bmap import BlockMap, encode_document
 from loaders.errors import BackendError, FormatError
 from prep.mapping import build_bmap
 
@@ -82,7 +82,7 @@ def test_blocks_moved_after_the_first_read_are_noticed(make_loopfs: Callable[...
     import shutil
     import subprocess
 
-    from loaders.fiemap import fiemap
+    from loaders.blockmap.fiemap import fiemap
 
     if shutil.which("e4defrag") is None:
         pytest.skip("e4defrag missing (apt-get install e2fsprogs)")

@@ -14,8 +14,8 @@ from craft import copy_cache
 from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedDataset
-from loaders.checksums import doc_checksum, file_record
-from loaders.format import INDEX, MANIFEST
+from loaders.cache.checksums import doc_checksum, file_record
+from loaders.cache.spec import INDEX, MANIFEST
 from prep.cli import app
 
 

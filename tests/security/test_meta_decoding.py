@@ -11,7 +11,7 @@ from craft import copy_cache, rewrite_meta
 from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedDataset
-from loaders.meta import decode
+from loaders.cache.meta import decode
 from prep.cli import app
 
 pytest.importorskip("monai")

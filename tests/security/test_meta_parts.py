@@ -14,8 +14,8 @@ from craft import copy_cache, rewrite_meta
 from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedDataset
+from loaders.cache.meta import check_affine
 from loaders.errors import ArgumentError
-from loaders.meta import check_affine
 from prep.cli import app
 
 torch = pytest.importorskip("torch")

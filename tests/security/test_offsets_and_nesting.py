@@ -13,8 +13,8 @@ from craft import copy_cache, edit_index, reseal
 from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedCache, PreparedDataset
-from loaders.format import MANIFEST, META_OFFSETS
-from loaders.writing import write_meta
+from loaders.cache.spec import MANIFEST, META_OFFSETS
+from loaders.cache.writing import write_meta
 from prep.cli import app
 
 

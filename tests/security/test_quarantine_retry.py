@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from loaders.cache.format import PreparedCache
 from loaders.errors import StaleError
-from loaders.format import PreparedCache
 from prep.cache import load_datalist, prepare_cache
 from prep.cli import app
 
@@ -105,7 +105,7 @@ def test_a_run_killed_after_reopening_resumes(tmp_path: Path) -> None:
 
 
 def test_drop_in_refuses_a_quarantined_entry_when_built(tmp_path: Path) -> None:
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from prep.pipeline import load_pipeline
 
     datalist, missing = _with_missing(tmp_path / "data")

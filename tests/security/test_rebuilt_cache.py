@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loaders.cache.format import PreparedCache
+from loaders.cache.writing import write_items
 from loaders.errors import FormatError
-from loaders.format import PreparedCache
-from loaders.writing import write_items
 
 
 def _items(seed: int) -> list[dict[str, np.ndarray]]:
@@ -19,7 +19,7 @@ def _items(seed: int) -> list[dict[str, np.ndarray]]:
 
 
 def test_rebuilt_cache_refused_per_epoch_and_per_read(tmp_path: Path) -> None:
-    from loaders.dataset import PreparedDataset
+    from loaders import PreparedDataset
 
     root = tmp_path / "c"
     write_items(root, _items(0))

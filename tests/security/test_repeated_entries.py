@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from loaders.format import PreparedCache
+from loaders.cache.format import PreparedCache
 from prep.cache import load_datalist, prepare_cache
 from prep.cli import app
 from prep.errors import StaleError
@@ -71,7 +71,7 @@ def test_a_datalist_without_repeats_says_nothing(tmp_path: Path, nifti_dataset: 
 def test_drop_in_gives_every_listed_copy_as_persistent_dataset(tmp_path: Path) -> None:
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from prep.pipeline import load_pipeline
 
     datalist = _repeating(tmp_path / "data", copies=3, size=48)  # the tail crops 32^3

@@ -52,7 +52,7 @@ def dropin_args(good_cache: Path, nifti_dataset: Path) -> dict[str, Any]:
     ],
 )
 def test_dropin_arguments(dropin_args: dict[str, Any], change: dict[str, Any], kind: type, said: str) -> None:
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     with pytest.raises(ArgumentError) as info:
         PreparedPersistentDataset(**{**dropin_args, **change})
@@ -60,7 +60,7 @@ def test_dropin_arguments(dropin_args: dict[str, Any], change: dict[str, Any], k
 
 
 def test_dropin_still_takes_what_persistent_dataset_takes(dropin_args: dict[str, Any]) -> None:
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     steps = list(dropin_args["transform"].transforms)  # a list of transforms, as MONAI's Dataset takes
     ds = PreparedPersistentDataset(dropin_args["data"], steps, str(dropin_args["cache_dir"]), hash_func=None,
@@ -92,7 +92,7 @@ def test_dropin_still_takes_what_persistent_dataset_takes(dropin_args: dict[str,
     ],
 )
 def test_file_source_arguments(image_tree: Path, change: dict[str, Any], kind: type, said: str) -> None:
-    from loaders.dali import FileSource
+    from loaders.faces.dali import FileSource
 
     with pytest.raises(ArgumentError) as info:
         FileSource(**{"root": image_tree, **change})
@@ -114,7 +114,7 @@ def seed_map(image_tree: Path, tmp_path: Path) -> Path:
 def test_bmap_source_says_where_the_class_folders_are(seed_map: Path, image_tree: Path) -> None:
     """folder='' over a map whose classes sit under train/: one line naming the folder to pass, not an
     epoch of nothing that DALI ends with a bare StopIteration."""
-    from loaders.dali import BmapSource
+    from loaders.faces.dali import BmapSource
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the flat map's own warning
@@ -125,8 +125,8 @@ def test_bmap_source_says_where_the_class_folders_are(seed_map: Path, image_tree
 
 
 def test_flat_map_without_a_device_asks_for_one(seed_map: Path, image_tree: Path) -> None:
-    from loaders.bmap import BlockMap
-    from loaders.dali import BmapSource
+    from loaders.blockmap.bmap import BlockMap
+    from loaders.faces.dali import BmapSource
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -155,7 +155,7 @@ def test_flat_map_without_a_device_asks_for_one(seed_map: Path, image_tree: Path
     ],
 )
 def test_bmap_source_arguments(seed_map: Path, image_tree: Path, change: dict[str, Any], kind: type, said: str) -> None:
-    from loaders.dali import BmapSource
+    from loaders.faces.dali import BmapSource
 
     with pytest.raises((ArgumentError, BackendError)) as info:
         BmapSource(**{"bmap": seed_map, "root": image_tree.parent, "device_path": seed_map, **change})
@@ -176,7 +176,7 @@ def test_bmap_source_arguments(seed_map: Path, image_tree: Path, change: dict[st
     ],
 )
 def test_cache_source_arguments(good_cache: Path, change: dict[str, Any], kind: type, said: str) -> None:
-    from loaders.dali import CacheSource
+    from loaders.faces.dali import CacheSource
 
     with pytest.raises(ArgumentError) as info:
         CacheSource(**{"cache_dir": good_cache, **change})

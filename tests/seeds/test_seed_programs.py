@@ -98,7 +98,8 @@ def test_seed000_chain_through_prep_cache_and_the_drop_in(
     from monai.data import PersistentDataset, ThreadDataLoader
     from monai.utils import set_determinism
 
-    from loaders.monai import PreparedPersistentDataset, dropin_device
+    from loaders import PreparedPersistentDataset
+    from loaders.faces.monai import dropin_device
     from prep.cache import load_datalist, prepare_cache
 
     pipeline, transform = _load(tmp_path, "seed000.py", SEED000)
@@ -150,7 +151,7 @@ def _seed001_files(root: Path, count: int) -> list[dict[str, str]]:
 def test_seed001_cache_dataset_example_through_prep_cache_and_the_drop_in(tmp_path: Path) -> None:
     from monai.data import CacheDataset, DataLoader
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from prep.cache import prepare_cache
 
     filenames = _seed001_files(tmp_path, 4)

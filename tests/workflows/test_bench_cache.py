@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from loaders.format import PreparedCache
+from loaders.cache.format import PreparedCache
 from workflows import benchmark
 from workflows.bench.cache import worker_counts
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from seedlines import SEED_LINES
 
-from loaders.dali import list_labeled_files
+from loaders.faces.dali import list_labeled_files
 
 pytest.importorskip("nvidia.dali")
 REPO = Path(__file__).resolve().parents[2]

@@ -103,7 +103,7 @@ def test_research_readers_deliver_decoded_images(image_tree: Path, tmp_path: Pat
 
 
 def test_dali_numpy_reads_the_cache_exports(demo: Path, tmp_path: Path) -> None:
-    from loaders.format import PreparedCache
+    from loaders.cache.format import PreparedCache
     from workflows.bench import peers
 
     npy = peers.export_npy(demo / "cache", tmp_path / "npy")

@@ -99,7 +99,7 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
     assert (local / "manifest.json").is_file() and (scratch / "persistent").is_dir()
     assert all(f"{name}: 1 steps" in proc.stdout for name in ("fast", "drop-in", "persistent")), proc.stdout
     if "no block map on this scratch" not in proc.stdout:  # tmpfs scratch cannot be mapped
-        from loaders.bmap import BlockMap
+        from loaders.blockmap.bmap import BlockMap
 
         assert len(BlockMap.load(local / "bmap.json")) == len(list((local / "shards").iterdir()))
 

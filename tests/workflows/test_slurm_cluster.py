@@ -66,7 +66,7 @@ def test_train_sbatch_stages_remaps_and_trains(
     assert all(f"{name}: 1 steps" in out for name in ("fast", "drop-in", "persistent")), out
     local = scratch / f"cache-{job}"
     if keep == "1":
-        from loaders.bmap import BlockMap
+        from loaders.blockmap.bmap import BlockMap
         from prep.cache_verify import verify_cache
 
         assert len(BlockMap.load(local / "bmap.json")) == len(list((local / "shards").iterdir()))

@@ -58,7 +58,7 @@ def test_classify2d_trains_on_a_class_tree(image_tree: Path, reader: str) -> Non
 
 
 def test_classify2d_labels_follow_readers_file(image_tree: Path) -> None:
-    from loaders.dali import list_labeled_files
+    from loaders.faces.dali import list_labeled_files
 
     files, labels, classes = train_classify2d.class_tree(image_tree)
     expected = list_labeled_files(image_tree)

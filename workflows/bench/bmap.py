@@ -125,8 +125,8 @@ def read_rows(rows: Rows, image: Path, bmap_path: Path, threads: int, batch: int
     """Cold raw reads of every mapped file through BlockdevBackend vs O_DIRECT over the same bytes."""
     from loaders.backends import ReadRequest
     from loaders.backends.blockdev import BlockdevBackend
-    from loaders.bmap import BlockMap
-    from loaders.format import ALIGN, align_up
+    from loaders.blockmap.bmap import BlockMap
+    from loaders.cache.spec import ALIGN, align_up
 
     bm = BlockMap.load(bmap_path)
     reqs = [ReadRequest(k, 0, bm.files[k]["size"]) for k in bm.files if bm.files[k]["size"]]

@@ -283,10 +283,10 @@ def _fresh(path: Path) -> Path:
 
 
 def tiny_cache(root: Path, n_items: int) -> Any:
-    """A committed cache of `n_items` tiny items (16 bytes each, two keys) written with loaders.format."""
+    """A committed cache of `n_items` tiny items (16 bytes each, two keys) written with loaders.cache.format."""
+    from loaders.cache.format import PreparedCache, read_manifest
+    from loaders.cache.writing import write_items
     from loaders.errors import PrepError
-    from loaders.format import PreparedCache, read_manifest
-    from loaders.writing import write_items
 
     try:
         if read_manifest(root).get("bench_items") == n_items:
@@ -311,8 +311,8 @@ def cache_scale(
     items: Annotated[int, typer.Option(min=10, help="tiny items in the cache")] = 100_000,
     sample: Annotated[int, typer.Option(min=1, help="items read per timed pass")] = 10_000,
 ) -> Rows:
-    from loaders.dataset import PreparedDataset
-    from loaders.format import PreparedCache
+    from loaders import PreparedDataset
+    from loaders.cache.format import PreparedCache
 
     root = opts.work / f"cache-scale-{items}"
     index_bytes = sum(p.stat().st_size for p in tiny_cache(root, items).root.iterdir() if p.is_file())

@@ -33,7 +33,7 @@ class Span:
 
 def cache_items(cache_dir: str | os.PathLike[str]) -> list[list[Span]]:
     """Per item of a prepared cache, the byte ranges of its tensors in the shard files."""
-    from loaders.format import PreparedCache
+    from loaders.cache.format import PreparedCache
 
     cache = PreparedCache(cache_dir)
     return [[Span(e.shard, e.offset, e.nbytes) for e in cache.entries(i)] for i in range(len(cache))]

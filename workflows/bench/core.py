@@ -285,7 +285,7 @@ def touch_memory(nbytes: int) -> int:
     freed here go back to the free lists, backed, and the pass's allocations take them."""
     import mmap
 
-    from prep.item_size import available_memory
+    from loaders.machine import available_memory
 
     nbytes = min(nbytes, available_memory() // 2)
     page = mmap.PAGESIZE

@@ -82,7 +82,7 @@ def dropin(
     """`python -m workflows.benchmark dropin` (global --batchsize, --workers: default 2)."""
     from monai.data import PersistentDataset
 
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
     from workflows.bench.peers import datalist_items
     from workflows.bench.report import PERSISTENT
 

@@ -19,10 +19,10 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from loaders.cache.format import PreparedCache, read_manifest
+from loaders.cache.writing import write_items
 from loaders.deps import cuda_available
 from loaders.errors import PrepError
-from loaders.format import PreparedCache, read_manifest
-from loaders.writing import write_items
 from workflows.bench import ceilings, scenario
 from workflows.bench.core import Options, Result, Rows, evict, start_pass
 
@@ -60,7 +60,7 @@ class _FromCache:
         self.root = root
 
     def __call__(self, entry: dict[str, Any]) -> dict[str, Any]:
-        from loaders.dataset import PreparedDataset
+        from loaders import PreparedDataset
 
         return dict(PreparedDataset(self.root, backend="posix")[int(entry["item"])])
 
@@ -119,7 +119,7 @@ def persistent_peer(cache: PreparedCache, work: Path) -> Any:
 
 def volume_rows(rows: Rows, cache: PreparedCache, opts: Options, host: bool = True) -> Any:
     """Ceiling, PreparedDataset per host backend (items, batches), PersistentDataset; returns the peer."""
-    from loaders.dataset import PreparedDataset
+    from loaders import PreparedDataset
 
     shards = [str(s) for s in cache.shards]
     items = ceilings.cache_items(cache.root)
@@ -150,7 +150,7 @@ def gpu_rows(rows: Rows, cache: PreparedCache, opts: Options, persistent: Any, i
         return rows.skip("GPU rows", "torch sees no CUDA/ROCm device here")
     import torch
 
-    from loaders.dataset import PreparedDataset
+    from loaders import PreparedDataset
 
     shards = [str(s) for s in cache.shards]
     sync = lambda: torch.cuda.synchronize(torch.device(opts.device))  # noqa: E731
@@ -197,7 +197,7 @@ def _gds(cache: PreparedCache, opts: Options, sync: Callable[[], None]) -> Any:
 def region_rows(rows: Rows, root: Path, size: int, patch: int, reps: int, opts: Options, backend: str | None) -> None:
     """A patch^3 region of a size^3 volume (random places) against the whole volume; cold runs evict before
     every read, so neither side profits from the one before."""
-    from loaders.dataset import PreparedDataset
+    from loaders import PreparedDataset
 
     cache = make_cache(root, 1, (size,) * 3, seed=1)
     shard = [str(cache.shards[0])]

@@ -19,7 +19,7 @@ def _backend_error(name: str, exc: BaseException) -> Unavailable:
 
 def prepared(cache_dir: str | os.PathLike[str], backend: str, opts: Options, **backend_options: Any) -> Result:
     """PreparedDataset.iter_batches over the cache: each batch one backend call, two batches read ahead."""
-    from loaders.dataset import PreparedDataset
+    from loaders import PreparedDataset
     from loaders.errors import PrepError
 
     root = Path(cache_dir)

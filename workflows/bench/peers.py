@@ -146,7 +146,8 @@ def export_npy(cache_dir: str | os.PathLike[str], out: Path) -> dict[str, list[s
     import hashlib
 
     from loaders.backends import ReadRequest, get_backend
-    from loaders.format import MANIFEST, PreparedCache
+    from loaders.cache.format import PreparedCache
+    from loaders.cache.spec import MANIFEST
 
     cache = PreparedCache(cache_dir)
     out = out / hashlib.sha256((Path(cache_dir) / MANIFEST).read_bytes()).hexdigest()[:16]

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)
@@ -78,7 +78,7 @@ def _loader_only(a: argparse.Namespace) -> int:
 
     import torch
 
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)

@@ -35,7 +35,7 @@ def _dali() -> Any:
 def tree_files(datadir: str | os.PathLike[str]) -> tuple[list[str], list[int]]:
     """Files of a class-folder tree and their labels, exactly as `fn.readers.file(file_root=...)` lists them
     (sorted subfolders numbered from 0, empty ones too; DALI's file filters, so no stray non-image file)."""
-    from loaders.dali import list_labeled_files
+    from loaders.faces.dali import list_labeled_files
 
     root = Path(datadir)
     if not root.is_dir():
@@ -263,7 +263,7 @@ def _load_bmap(bmap: str | os.PathLike[str], tree: Path | None, device: str | No
     keys start with train/: with the class tree `tree` known, they are mounted at its parent."""
     import warnings
 
-    from loaders.bmap import BlockMap, FlatMapWarning
+    from loaders.blockmap.bmap import BlockMap, FlatMapWarning
     from loaders.errors import PrepError
 
     if not Path(bmap).is_file():
@@ -289,11 +289,11 @@ def blockprep_dali(
     name: str | None = None,
     be: str | None = None,
 ) -> Result:
-    """blockprep's DALI face: `loaders.dali.FileSource` (a file tree through a backend) or `BmapSource` (the
+    """blockprep's DALI face: `loaders.faces.dali.FileSource` (a file tree through a backend) or `BmapSource` (the
     files of a bmap as raw device ranges) into an `external_source`, decoded like `dali`. `datadir` is the
     class-folder tree; with a bmap it tells where the map's files are mounted (flat maps have no root)."""
-    from loaders.dali import BmapSource, FileSource
     from loaders.errors import PrepError
+    from loaders.faces.dali import BmapSource, FileSource
 
     _dali()
     if bmap is not None:

@@ -105,7 +105,7 @@ def _fresh(value: Any) -> Any:
     """A transform's output made again: every tensor a copy (MetaTensors keep their meta), containers rebuilt."""
     import torch
 
-    from loaders.nesting import map_leaves
+    from loaders.cache.nesting import map_leaves
 
     return map_leaves(value, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
 
@@ -151,8 +151,8 @@ class CropItems(PeerItems):
 
 def transport_tail_meta(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
     """`DataLoader(W)` over `CropItems` (the `transport-tail-meta` row), into the same training loop."""
-    from loaders.chain import split
-    from loaders.folds import is_fold_crop
+    from loaders.cache.chain import split
+    from loaders.fast.folds import is_fold_crop
 
     _, tail = split(transform_of(pipeline, opts.seed))
     if WORKLOADS[opts.workload].thread_loader or not tail or not is_fold_crop(tail[0]):
@@ -187,8 +187,8 @@ def _after_crop(pipeline: Path, opts: TrainOptions) -> Any:
     """The workload's tail after its first (crop) transform, as one Compose with the chain's options."""
     from monai.transforms import Compose
 
-    from loaders.chain import split
-    from loaders.folds import is_fold_crop
+    from loaders.cache.chain import split
+    from loaders.fast.folds import is_fold_crop
 
     full = transform_of(pipeline, opts.seed)
     _, tail = split(full)
@@ -248,7 +248,7 @@ def cache_gpu(datalist: Path, pipeline: Path, opts: TrainOptions, budget: int, n
     from monai.data import CacheDataset
     from monai.transforms import Compose, EnsureTyped
 
-    from loaders import chain
+    from loaders.cache import chain
 
     _require_gpu(opts, "the GPU-resident CacheDataset recipe")
     if nbytes > budget:
@@ -305,7 +305,7 @@ def smart_cache(datalist: Path, pipeline: Path, opts: TrainOptions) -> TrainRow:
 
 def drop_in(datalist: Path, pipeline: Path, cache: Path, opts: TrainOptions, threads: bool) -> TrainRow:
     """blockprep PreparedPersistentDataset (the one-line drop-in) under DataLoader or ThreadDataLoader."""
-    from loaders.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     ds = PreparedPersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache)
     loader = _dataloader(ds, opts, opts.workers, threads=threads)
@@ -321,7 +321,7 @@ def fast_path(
     pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, **options: Any
 ) -> TrainRow:
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
@@ -354,7 +354,7 @@ def _require_gpu(opts: TrainOptions, what: str) -> None:
 
 def gpu_budget(opts: TrainOptions) -> int:
     """--gpu-budget in bytes; default: the device's free memory less 8 GiB for the model (0 on CPU)."""
-    from loaders.loader import parse_bytes
+    from loaders.fast.loader import parse_bytes
 
     if opts.gpu_budget is not None:
         return parse_bytes(opts.gpu_budget)
@@ -368,7 +368,7 @@ def gpu_budget(opts: TrainOptions) -> int:
 
 def run(opts: TrainOptions, work: Path) -> Rows:
     """Every row that applies here, in one run (the ceiling first; `opts.rows` picks the others)."""
-    from loaders.loader import dataset_bytes
+    from loaders.fast.loader import dataset_bytes
 
     datalist, pipeline, cache = build_data(opts, work)
     nbytes = dataset_bytes(cache)

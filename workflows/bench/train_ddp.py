@@ -25,7 +25,7 @@ def _device(opts: TrainOptions, local_rank: int) -> str:
 
 
 def _loader(cache: Path, pipeline: Path, opts: TrainOptions, device: str) -> Any:
-    from loaders.loader import PreparedLoader
+    from loaders.fast.loader import PreparedLoader
 
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=device,
                             gpu_budget=opts.gpu_budget or 0, seed=opts.seed, drop_last=False)  # fmt: skip

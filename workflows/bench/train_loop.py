@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loaders.writing import atomic_write_bytes
+from loaders.cache.writing import atomic_write_bytes
 from workflows.bench.core import Result, Unavailable
 from workflows.bench.workloads import WORKLOADS, model_and_loss
 

@@ -1,0 +1,292 @@
+"""The prepared-cache layout: the ONE definition. `prep cache` writes through it, every loader reads through it.
+
+A cache is a directory::
+
+    CACHE/
+      manifest.json        written LAST (temp, fsync, rename, fsync dir): no manifest = incomplete, resumable;
+                           holds its own checksum and the size + per-MiB xxh3 of index, meta and offsets
+      index.npy            one row per tensor (INDEX_DTYPE), numpy .npy so it opens by mmap in microseconds
+      meta.jsonl           one JSON line per item, in item order: source entry, per-key MetaTensor meta
+      meta_offsets.npy     uint64 byte offset of each line of meta.jsonl (random access without parsing all)
+      shards/*.bin         tensors at ALIGN-aligned offsets, each padded to ALIGN (O_DIRECT/GDS need no bounce)
+      journal/             append-only per-writer journals while preparing (see prep.cache)
+      bmap.json            optional: the shards' block map
+
+Every file a reader trusts is covered by a checksum: index.npy, meta.jsonl and meta_offsets.npy by the
+manifest (`files`), checked whole on open while at most SMALL bytes (larger ones chunk by chunk as they are
+read); tensors by their own xxh3 in the index; the manifest by its own; bmap.json (remade wherever the cache
+is copied) by its document checksum and the files' current extents (loaders.blockmap.bmap). Caches of schema 1 had
+no such checksums and are refused with the fix (re-run `prep cache --force`).
+
+Nested outputs (lists of tensors, dicts) are flattened to path keys: {"image": t, "crops": [a, b]} ->
+{"image": t, "crops/0": a, "crops/1": b} (loaders.cache.nesting). The writers are in loaders.cache.writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders import args
+from loaders.cache import layout
+from loaders.cache.checksums import FileCheck, checksum, doc_checksum
+from loaders.cache.spec import (
+    DTYPES,
+    INDEX,
+    INDEX_DTYPE,
+    JOURNAL_DIR,
+    LAYOUT_FILES,
+    MANIFEST,
+    MAX_META_LINE,
+    META,
+    META_OFFSETS,
+    SCHEMA_VERSION,
+    SHARD_DIR,
+    SMALL,
+    _np_dtype,
+    align_up,
+)
+from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: shard file, aligned offset, size, dtype, shape and checksum."""
+
+    item: int
+    key: str
+    shard: str
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    xxh3: int
+
+    @property
+    def padded(self) -> int:
+        """Bytes to read with O_DIRECT/GDS: nbytes rounded up to ALIGN."""
+        return align_up(self.nbytes)
+
+
+def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load and check manifest.json: FormatError naming what the path is when it is no cache,
+    IncompleteCacheError if uncommitted, SchemaVersionError for another schema, ChecksumError if edited."""
+    root = Path(cache_dir)
+    path = root / MANIFEST
+    if root.is_file():
+        raise FormatError(f"{root}: is a file, not a cache directory; pass the folder `prep cache --output` wrote")
+    if not root.is_dir():
+        raise FormatError(f"{root}: no such cache directory; create it with `prep cache`")
+    if not path.exists():
+        if not any((root / name).exists() for name in (JOURNAL_DIR, SHARD_DIR, ".lock")):  # traces of `prep cache`
+            raise FormatError(
+                f"{root}: not a prepared cache (no {MANIFEST}, no {JOURNAL_DIR}/); create one with `prep cache`"
+            )
+        raise IncompleteCacheError(
+            f"{path}: missing, so the cache is incomplete (interrupted run?); re-run the same `prep cache` to finish it"
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:80]
+        raise FormatError(f"{path}: not valid JSON ({why}); re-run `prep cache --force` to rebuild") from None
+    if not isinstance(doc, dict) or doc.get("format") != "blockprep-cache":
+        raise FormatError(f"{path}: not a blockprep cache manifest")
+    version = str(doc.get("schema_version", ""))
+    major, ours = version.split(".")[0], SCHEMA_VERSION.split(".")[0]
+    if major != ours:
+        older = major.isdigit() and int(major) < int(ours)
+        raise SchemaVersionError(
+            f"{path}: schema version {version} is not readable by this blockprep (reads {SCHEMA_VERSION}); "
+            + ("it predates file checksums: re-run `prep cache --force` to rebuild it" if older
+               else "upgrade blockprep or rebuild the cache")
+        )  # fmt: skip
+    if doc.get("checksum") != doc_checksum(doc):
+        raise ChecksumError(f"{path}: fails its checksum (edited or damaged); rebuild with `prep cache --force`")
+    return doc
+
+
+def _stat_key(path: str | Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file, None when missing: manifest.json is replaced by rename on a rebuild."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class PreparedCache:
+    """Read-only view of a committed cache: manifest, index (mmap), per-item metadata, shard paths.
+
+    Opening reads the manifest and maps the index; metadata lines are read on demand, so a cache of a
+    million items opens in milliseconds.
+    """
+
+    def __init__(
+        self, cache_dir: str | os.PathLike[str], allow_outside: bool = False, shard_sizes: bool = True
+    ) -> None:
+        """allow_outside=True reads shards that resolve outside the cache directory (refused by default: a cache
+        is untrusted input, see loaders.cache.layout). shard_sizes=False leaves extents past a shard's end to the
+        caller (`prep verify` lists each such tensor)."""
+        args.cache_dir(cache_dir)
+        # absolute, so TensorEntry.shard stays valid whatever the caller's working directory becomes
+        self.root = Path(cache_dir).absolute()
+        self._manifest_path = str(self.root / MANIFEST)  # stat'ed before every read (check_current)
+        self._manifest_stat = _stat_key(self._manifest_path)
+        self.manifest = read_manifest(self.root)
+        self.generation = self.manifest.get("generation")
+        self.files = self._file_checks()
+        index_path = self.root / INDEX
+        try:
+            self.index: np.ndarray = np.load(index_path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{index_path}: unreadable index ({exc}); re-run `prep cache --force`") from exc
+        if self.index.dtype != INDEX_DTYPE:
+            raise FormatError(f"{index_path}: unexpected row layout {self.index.dtype}")
+        self.n_items = layout.check_counts(self.root, self.manifest, len(self._meta_offsets))
+        self.keys: list[str] = list(self.manifest["keys"])
+        self.shards: list[Path] = layout.shard_paths(self.root, self.manifest.get("shards"), allow_outside)
+        layout.check_index(
+            index_path,
+            self.index,
+            self.n_items,
+            len(self.keys),
+            DTYPES,
+            [layout.file_size(p) if shard_sizes else -1 for p in self.shards],
+        )
+        self._shard_paths = [str(p) for p in self.shards]  # entries are built per item: no Path -> str each time
+        self._meta_path = str(self.root / META)
+        self._starts = np.searchsorted(self.index["item"], np.arange(self.n_items + 1))
+
+    def _file_checks(self) -> dict[str, FileCheck]:
+        """Check each layout file's presence and size; the small ones' checksums now, the rest as read."""
+        records = self.manifest.get("files")
+        if not isinstance(records, dict):
+            records = {}
+        missing = [n for n in LAYOUT_FILES if n not in records]
+        unknown = [str(n)[:60] for n in records if n not in LAYOUT_FILES]
+        if unknown:  # any other name would be opened and hashed on the manifest's word (an oracle)
+            raise FormatError(
+                f"{self.root / MANIFEST}: 'files' names {unknown[0]!r}, not a file of the layout "
+                f"({', '.join(LAYOUT_FILES)}); rebuild with `prep cache --force`"
+            )
+        if missing:
+            raise FormatError(
+                f"{self.root / MANIFEST}: no checksum for {', '.join(missing)}; rebuild with `prep cache --force`"
+            )
+        checks = {name: FileCheck(self.root / name, record) for name, record in records.items()}
+        for check in checks.values():
+            if check.size <= SMALL:  # larger files: the parts read are checked as they are read
+                check.check()
+        return checks
+
+    def __len__(self) -> int:
+        return self.n_items
+
+    def _rows_checked(self, start: int, stop: int) -> None:
+        """Check the index bytes of rows [start, stop) (a large index is not checked whole on open)."""
+        base = int(getattr(self.index, "offset", 0))
+        self.files[INDEX].check(base + start * INDEX_DTYPE.itemsize, (stop - start) * INDEX_DTYPE.itemsize)
+
+    @cached_property
+    def _meta_offsets(self) -> np.ndarray:
+        return layout.load_offsets(self.root / META_OFFSETS, self.files[META].size)
+
+    def check_current(self) -> None:
+        """FormatError in one line when the cache was rebuilt (or removed) since this reader opened it: a
+        stat of manifest.json when nothing changed, its generation compared when it did."""
+        key = _stat_key(self._manifest_path)
+        if key == self._manifest_stat and key is not None:
+            return
+        path = self.root / MANIFEST
+        try:
+            generation = json.loads(path.read_bytes()).get("generation")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            generation = None
+        if key is None or generation is None or generation != self.generation:
+            raise FormatError(
+                f"the cache at {self.root} was rebuilt (or removed) since this reader opened it; reopen it"
+            )
+        self._manifest_stat = key
+
+    def entries(self, item: int) -> list[TensorEntry]:
+        """The tensors of one item, in key order."""
+        self.check_current()
+        if not 0 <= item < self.n_items:
+            raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
+        start, stop = int(self._starts[item]), int(self._starts[item + 1])
+        self._rows_checked(start, stop)
+        return [self._entry(row) for row in self.index[start:stop].tolist()]  # tuples of ints: one C call
+
+    def _entry(self, row: Any) -> TensorEntry:
+        """A TensorEntry from one index row (a numpy record or its .tolist() tuple, fields in INDEX_DTYPE order)."""
+        item, key, shard, dtype, ndim, offset, nbytes, shape, xxh3 = row if isinstance(row, tuple) else row.tolist()
+        return TensorEntry(
+            item=int(item),
+            key=self.keys[key],
+            shard=self._shard_paths[shard],
+            offset=int(offset),
+            nbytes=int(nbytes),
+            dtype=_np_dtype(DTYPES[dtype]),
+            shape=tuple(int(s) for s in shape[:ndim]),
+            xxh3=int(xxh3),
+        )
+
+    def meta(self, item: int) -> dict[str, Any]:
+        """The item's metadata line: {"source": datalist entry, "meta": {key: MetaTensor meta}}."""
+        self.check_current()
+        if not 0 <= item < self.n_items:
+            raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
+        offsets = self._meta_offsets
+        base = int(getattr(offsets, "offset", 0))
+        self.files[META_OFFSETS].check(base + item * 8, 16)
+        start = int(offsets[item])
+        stop = int(offsets[item + 1]) if item + 1 < len(offsets) else self.files[META].size
+        if stop - start > MAX_META_LINE:
+            raise FormatError(f"{self._meta_path}: item {item}'s meta line is {stop - start} bytes, over the "
+                              f"{MAX_META_LINE >> 20} MiB limit; re-run `prep cache --force`")  # fmt: skip
+        self.files[META].check(start, stop - start)
+        with open(self._meta_path, "rb") as f:
+            f.seek(start)
+            raw = f.read(stop - start)
+        try:
+            line = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:80]
+            raise FormatError(f"{self._meta_path}: item {item}'s meta line is not valid JSON ({why}); "
+                              "re-run `prep cache --force` to rebuild") from None  # fmt: skip
+        from loaders.cache.meta import check_line  # meta.py builds on this module
+
+        wrong = "it is not an object" if not isinstance(line, dict) else check_line(line)
+        if wrong:
+            raise FormatError(f"{self._meta_path}: item {item}'s meta line is malformed ({wrong}); re-run "
+                              "`prep cache --force`")  # fmt: skip
+        return line
+
+    def check_files(self) -> None:
+        """Check every byte of every layout file against the manifest (`prep verify`); ChecksumError if not."""
+        for check in self.files.values():
+            check.check()
+
+    def iter_entries(self) -> Iterator[TensorEntry]:
+        """Every tensor of the cache, in index order."""
+        self._rows_checked(0, len(self.index))
+        for row in self.index:
+            yield self._entry(row)
+
+
+def check(entry: TensorEntry, data: Any) -> None:
+    """Raise ChecksumError when `data` (the tensor's nbytes, bytes-like or numpy) does not match its entry."""
+    got = checksum(data)
+    if got != entry.xxh3:
+        raise ChecksumError(
+            f"{entry.shard}: item {entry.item} key '{entry.key}' at offset {entry.offset} fails its checksum "
+            f"(stored {entry.xxh3:016x}, read {got:016x}); run `prep verify` and rebuild the bad items"
+        )

@@ -1,0 +1,2 @@
+"""The faces for torch, MONAI and DALI: `PreparedDataset`, `PreparedBatches`, `PreparedPersistentDataset`,
+`CacheSource`, `FileSource`, `BmapSource`."""

@@ -1,0 +1,285 @@
+"""MONAI face: a drop-in for `PersistentDataset` that reads the deterministic head's output from a prepared
+cache and applies the random tail at training time, exactly as MONAI's pipeline would.
+
+A training script changes one line::
+
+    ds = PersistentDataset(data, transform, cache_dir="pt_cache")          # before
+    ds = PreparedPersistentDataset(data, transform, cache_dir="prepared")   # after (`prep cache` made it)
+
+The cache must have been prepared with the same head: `loaders.cache.chain.fingerprint` of this transform's head
+must equal the manifest's "fingerprint", else StaleError says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loaders import args
+from loaders.backends import Backend
+from loaders.cache import chain
+from loaders.cache.chain import tail_compose
+from loaders.cache.meta import line_source
+from loaders.cache.nesting import to_jsonable
+from loaders.cache.spec import MANIFEST
+from loaders.errors import StaleError
+from loaders.state import keep_random_states
+
+__all__ = ["PersistentCore", "dropin_device"]
+
+# PersistentDataset options with no meaning over a prepared cache (accepted, so the one-line change works)
+_PERSISTENT_ONLY = ("hash_func", "pickle_module", "pickle_protocol", "hash_transform", "reset_ops_id", "weights_only")
+# PreparedDataset options the drop-in passes on (the others it sets itself)
+_DATASET_OPTIONS = ("keys", "roi", "backend_options")
+# Compose options that change how transforms are applied; the tail keeps the user's settings.
+
+
+def _key(entry: Any) -> str:
+    return json.dumps(to_jsonable(entry), sort_keys=True)
+
+
+def _resolved(value: Any, bases: Sequence[Path]) -> Any:
+    """A datalist entry with every string that names an existing file (absolute, or relative to one of
+    `bases`, first match wins) replaced by its real path: entries match whatever folder they were loaded
+    from (a datalist read through a relative path gives relative paths)."""
+    if isinstance(value, Mapping):
+        return {k: _resolved(v, bases) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_resolved(v, bases) for v in value]
+    if isinstance(value, str) and value:
+        for base in [Path()] if os.path.isabs(value) else bases:
+            path = base / value
+            if path.exists():
+                return os.path.realpath(path)
+    return value
+
+
+def _source_bases(manifest: Mapping[str, Any]) -> list[Path]:
+    """Where a cache's relative source paths may be relative to: the current folder, then the prepared
+    datalist's folder and its parents (prep ran in one of them when it was given a relative datalist)."""
+    bases = [Path.cwd()]
+    datalist = manifest.get("datalist")
+    if isinstance(datalist, str) and os.path.isabs(datalist):
+        bases += [Path(datalist).parent, *Path(datalist).parent.parents]
+    return bases
+
+
+def _label_crop(tail: Any, cache: Any) -> Any:
+    """The tail's leading label-driven crop with its sampling sets (`loaders.fast.folds.label_fold`), or None.
+    Eager tails only: a lazy Compose runs whole, as MONAI runs it."""
+    from loaders.fast.folds import label_fold
+
+    if tail is None or getattr(tail, "lazy", False) or not getattr(tail, "map_items", True):
+        return None
+    return label_fold(list(tail.transforms), cache)
+
+
+def _leaves(t: Any) -> int:
+    """How many transforms `t` is in the flattened chain (`chain.split` flattens plain Composes only)."""
+    from monai.transforms import Compose
+
+    return sum(_leaves(c) for c in t.transforms) if type(t) is Compose else 1
+
+
+def run_from(
+    node: Any, data: Any, start: int, first: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+) -> Any:
+    """Apply the transforms of Compose `node` from flattened index `start` on, in the user's nesting, as
+    PersistentDataset applies them (each Compose maps its members over a list of samples member by member:
+    flattening the tail changes which sample sees another's in-place writes through shared crops).
+    `first()`: a context the transform at `start` runs in (a label-driven crop under its sets)."""
+    from monai.transforms import Compose
+
+    pos = 0
+    for i, child in enumerate(node.transforms):
+        n = _leaves(child)
+        if pos + n <= start:
+            pos += n
+            continue
+        if type(child) is Compose and (pos < start or first is not None):
+            data = run_from(child, data, start - pos, first)
+        elif first is not None:  # pos == start: the transform `first` wraps
+            with first():
+                data = node(data, start=i, end=i + 1)
+        else:
+            return node(data, start=i)
+        return node(data, start=i + 1) if i + 1 < len(node.transforms) else data
+    return data
+
+
+def dropin_device(transform: Any, device: str | None = None) -> str:
+    """Where the drop-in puts each output tensor: `device` when given, else where the head put it (its last
+    device-setting transform, `loaders.cache.chain.head_device`: seed 000's `EnsureTypeD(device="cuda:0")` gives
+    "cuda:0", as MONAI's PersistentDataset gives its tensors back there), else "cpu"."""
+    if device is not None:
+        return str(device)
+    with keep_random_states(transform):  # splitting the chain re-seeds it
+        head, _ = chain.split(transform)
+    return chain.head_device(head) or "cpu"
+
+
+def _persistent_keeps_types() -> bool:
+    """True where MONAI's PersistentDataset saves the head's output as it is (MONAI 1.4: numpy arrays stay
+    numpy); from MONAI 1.5 it converts every array to a (Meta)Tensor before saving."""
+    import inspect
+
+    from monai.data import PersistentDataset
+
+    return "track_meta" not in inspect.signature(PersistentDataset).parameters
+
+
+def _persistent_track_meta() -> bool:
+    """MONAI's PersistentDataset default for track_meta: its argument's default (False) from MONAI 1.5; MONAI
+    1.4 (HPC containers with torch 2.3) has no such argument and gives the head's MetaTensors back."""
+    import inspect
+
+    from monai.data import PersistentDataset
+
+    param = inspect.signature(PersistentDataset).parameters.get("track_meta")
+    return True if param is None else bool(param.default)
+
+
+class PersistentCore:
+    """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
+
+    data: the datalist entries (as for MONAI; matched to cache items by their source entry). transform:
+    the full pipeline (Compose or list). cache_dir: the `prep cache` output. track_meta: as MONAI's
+    PersistentDataset (default: the installed MONAI's, False; MONAI 1.4 has no such option and keeps meta):
+    False gives the head's output as plain tensors, as
+    PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
+    True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)); its
+    numpy arrays come back as numpy arrays under MONAI 1.4 and as MetaTensors from 1.5, as there.
+    device: where the output tensors go; None: where the head put them (`dropin_device`). backend, verify and
+    other options: as for PreparedDataset; PersistentDataset's own options (hash_func, pickle_module, ...) are
+    accepted and have nothing to do here. A `monai.data.Dataset` built as MONAI builds one (a list
+    `transform` becomes a Compose), so slicing, DataLoader, ThreadDataLoader and `set_data` work as with
+    PersistentDataset.
+    """
+
+    transform: Any  # a Compose, set by monai.data.Dataset.__init__
+    data: Sequence[Any]
+
+    def __init__(
+        self,
+        data: Sequence[Any],
+        transform: Any,
+        cache_dir: str | os.PathLike[str],
+        backend: str | Backend = "auto",
+        device: str | None = None,
+        verify: bool = False,
+        track_meta: bool | None = None,
+        **options: Any,
+    ) -> None:
+        from loaders.faces.torch_data import PreparedDataset
+
+        for name in _PERSISTENT_ONLY:
+            options.pop(name, None)
+        args.check_dropin(data, transform, cache_dir, track_meta, [n for n in options if n not in _DATASET_OPTIONS])
+        if track_meta is None:
+            track_meta = _persistent_track_meta()
+        super().__init__(data, transform)  # type: ignore[call-arg]  # monai.data.Dataset's: wraps a list in Compose
+        transform = self.transform
+        self.track_meta = track_meta
+        self.dataset = PreparedDataset(
+            cache_dir,
+            backend=backend,
+            device=dropin_device(transform, device),
+            verify=verify,
+            meta=track_meta,
+            leaf_types=_persistent_keeps_types(),
+            **options,
+        )
+        with keep_random_states(transform):  # splitting the chain re-seeds it
+            chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
+            self.tail = tail_compose(transform)
+            self._label = _label_crop(self.tail, self.dataset.cache)
+            self._head_len = len(chain.split(transform)[0])
+        self._crop_lock = threading.Lock()
+        self._items: dict[str, int] | None = None
+        # position -> a copy of the entry found at the same position in the cache: an entry still equal to it
+        # needs no meta line read and no JSON key (a third of an item's Python on 64x64 MedNIST items)
+        self._in_place: dict[int, Any] = {}
+        self._check_quarantine()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def set_data(self, data: Sequence[Any]) -> None:
+        """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
+        cache is kept: it is read-only here, and items not in it are refused when read, in one line."""
+        self.data = data
+        self._in_place = {}
+        self._check_quarantine()
+
+    def _check_quarantine(self) -> None:
+        """Refuse, when built, a datalist naming an entry `prep cache` quarantined (rather than at the first
+        batch that reaches it): its file is bad, and re-running `prep cache` once it is fixed prepares it."""
+        quarantined = self.dataset.cache.manifest.get("quarantined") or []
+        if not quarantined:
+            return
+        bases = _source_bases(self.dataset.cache.manifest)
+        why = {_key(_resolved(q.get("source"), bases)): q for q in quarantined if isinstance(q, Mapping)}
+        hits = [(i, why[k]) for i, k in enumerate(_key(_resolved(e, [Path.cwd()])) for e in self.data) if k in why]
+        if hits:
+            i, q = hits[0]
+            raise StaleError(
+                f"{self.dataset.root}: data[{i}] ({q.get('path') or q.get('source')}) was quarantined by `prep "
+                f"cache` ({str(q.get('reason'))[:120]}){f' with {len(hits) - 1} more' if len(hits) > 1 else ''}; "
+                "fix or restore the file and re-run `prep cache` (it prepares such items again), or leave the "
+                "entry out of data"
+            )
+
+    def _lookup(self, index: int) -> int:
+        """The cache item holding data[index]: same position when the sources agree, else by source entry
+        (file paths compared as real paths)."""
+        cache = self.dataset.cache
+        if self._items is None:
+            entry = self.data[index]
+            if index in self._in_place and self._in_place[index] == entry:  # a rebuilt cache: the read refuses
+                return index
+            line = cache.meta(index) if index < len(cache) else None
+            if line is not None and _key(line_source(line)) == _key(entry):
+                self._in_place[index] = copy.deepcopy(entry)
+                self.dataset.hand_meta(index, line)  # the item's first read needs it too
+                return index
+            bases = _source_bases(cache.manifest)
+            self._items = {_key(_resolved(line_source(cache.meta(i)), bases)): i for i in range(len(cache))}
+        item = self._items.get(_key(_resolved(self.data[index], [Path.cwd()])))
+        if item is None:
+            raise StaleError(
+                f"{self.dataset.root}: data[{index}] is not in the cache (quarantined, or the datalist changed "
+                "since `prep cache`); re-run `prep cache` on this datalist"
+            )
+        return item
+
+    def _transform(self, index: int) -> Any:
+        # monai.data.Dataset.__getitem__ handles slices and index lists, then calls this per item
+        item = self._lookup(int(index))
+        head = self.dataset[item]
+        if self.tail is None:
+            return head
+        if self._label is None:
+            return run_from(self.transform, head, self._head_len)
+        # the label-driven crop draws from the cache's sampling sets (no scan of the label), MONAI does the rest
+        fold = self._label
+        spatial = tuple(head[fold.transform.label_key].shape[1:])  # the label MONAI draws over
+
+        @contextlib.contextmanager
+        def crop() -> Iterator[None]:
+            with self._crop_lock, fold.precomputed(item, spatial):
+                yield
+
+        return run_from(self.transform, head, self._head_len, crop)
+
+    def set_random_state(self, seed: int | None = None) -> Any:
+        """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is
+        then the one it draws under PersistentDataset, where MONAI's DataLoader (num_workers=0) seeds the
+        dataset's `transform` (seeding a Compose of the tail alone gave its members other seeds)."""
+        self.transform.set_random_state(seed=seed)
+        return self

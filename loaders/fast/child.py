@@ -1,0 +1,192 @@
+"""The feeder's child end: a process of its own that builds the `PreparedLoader` from the parent's arguments and
+runs the epochs the parent asks for (`loaders.fast.feeder` is the parent's end and the messages both speak)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+from loaders.errors import LoaderStateError
+from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, dumps, loads, outgoing
+from loaders.state import same
+
+__all__ = ["Ring", "serve"]
+
+
+class Ring:
+    """The child's end of the hand-over of a batch's top-level CUDA tensors: `slots` fixed buffers per key,
+    shared with the parent once (CUDA IPC), filled in turn. Each fill is followed by an IPC event the parent's
+    stream waits on; a slot is filled again only after the parent's fence for it (recorded after the parent
+    copied the slot out, before its credit) has passed. Tensors sent one by one instead would each be a fresh
+    block of the child's allocator (a sent block is kept in limbo until memory runs short) and a fresh
+    cudaIpcOpenMemHandle in the parent: that ran at 0.76 of the ceiling with 14% waiting (spheres, H200)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.slots: list[dict[str, Any]] = []
+        self.events: list[Any] = []
+        self.fences: list[Any] = []  # the parent's events, opened here when it sends them
+        self.shapes: dict[str, Any] = {}
+        self.k = 0
+
+    def pack(self, batch: dict[str, Any], send: Any) -> tuple[int | None, dict[str, Any]]:
+        """(slot, the batch to send): the top-level CUDA tensors copied into the slot (marked `IN_SLOT`), the
+        rest as `_outgoing`; slot None where the batch's CUDA tensors are not those the slots were made for."""
+        import torch
+
+        cuda = {k: v.as_subclass(torch.Tensor) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
+        shapes = {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
+        if not self.slots and cuda:
+            self.shapes = shapes
+            self.slots = [{k: torch.empty_like(v) for k, v in cuda.items()} for _ in range(self.count)]
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.count)]
+            send("slots", self.slots, [e.ipc_handle() for e in self.events])
+        if not cuda or shapes != self.shapes:
+            return None, outgoing(batch)
+        at = self.k % self.count
+        self.k += 1
+        stream = torch.cuda.current_stream(next(iter(cuda.values())).device)
+        if self.k > self.count:  # the slot was filled before: the parent's copy of it must be done
+            stream.wait_event(self.fences[at])
+        for key, value in cuda.items():
+            self.slots[at][key].copy_(value)
+        self.events[at].record(stream)
+        return at, {k: IN_SLOT if k in cuda else outgoing(v) for k, v in batch.items()}
+
+    def open_fences(self, handles: list[Any]) -> None:
+        import torch
+
+        device = next(iter(self.slots[0].values())).device
+        self.fences = [torch.cuda.Event.from_ipc_handle(device, h) for h in handles]
+
+
+def _bound_to_parent() -> None:
+    """The child lives and ends with the training process, whatever signals its process group gets: Ctrl-C
+    and SLURM's USR1/USR2 (`scancel --signal=USR1 JOBID` reaches every process of the step) are the training
+    script's to handle, and would otherwise kill the child (USR1's default) under a script that goes on to
+    save its state. It ends when the training process does: its socket closes, which the child sees at its
+    next message (no PR_SET_PDEATHSIG: that fires when the creating *thread* ends, which may be long before)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def serve() -> None:
+    """The child's end: connect, build the loader, run the epochs asked for."""
+    from multiprocessing.connection import Client
+
+    _bound_to_parent()
+    address, key = os.environ.pop(ENV).rsplit("|", 1)
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(key))
+
+    def send(*msg: Any) -> None:
+        conn.send_bytes(dumps(msg))
+
+    try:
+        from loaders.fast.loader import PreparedLoader  # its imports' errors are said to the parent too
+
+        loader = PreparedLoader(**pickle.loads(conn.recv_bytes()))
+    except BaseException as exc:  # noqa: BLE001  (said to the parent, which raises it)
+        send("error", f"{type(exc).__name__}: {exc}")
+        return
+    send("ready")
+    ring = Ring(loader.prefetch + 2)
+    ahead: _Ahead | None = None
+    try:
+        while True:
+            msg = loads(conn.recv_bytes())
+            if msg[0] == "close":
+                return
+            if msg[0] == "fences":
+                ring.open_fences(msg[1])
+            if msg[0] == "epoch":
+                ahead = _epoch(loader, conn, send, msg[1], ring, ahead)
+    except (EOFError, OSError):
+        return  # the parent is gone
+    finally:
+        if ahead is not None:
+            ahead.drop(loader)
+        loader.close()
+
+
+class _Ahead:
+    """The next epoch begun before the parent asks for it: its first batch made and the read thread reading on,
+    so that an epoch's start (the pipeline filled again: 12-step epochs on `spheres`, `gds-seed`) costs the
+    training process nothing. Used only when the parent asks for exactly that epoch (the next, from its
+    first batch, same shard, the random states as the last epoch left them); otherwise dropped, its draws
+    put back. Nothing of it is sent before it is asked for."""
+
+    def __init__(self, loader: Any, epoch: int, snap: dict[int, Any]) -> None:
+        self.ask = EpochAsk(epoch, 0, loader.rank, loader.world, snap, 0)
+        loader.epoch, loader.cursor.resume = epoch, 0
+        self.it: Any = iter(loader)
+        self.first: list[Any] = []
+        try:
+            self.first = [next(self.it)]
+        except StopIteration:
+            pass
+        except BaseException:  # noqa: BLE001  (made again when asked for, where the error is said)
+            self.it = None
+            loader.cursor.draws.put(snap)
+
+    def take(self, ask: EpochAsk) -> Any:
+        """The epoch's batches if `ask` asks for this epoch, else None."""
+        mine = self.ask
+        where = (ask.epoch, ask.skip, ask.rank, ask.world) != (mine.epoch, mine.skip, mine.rank, mine.world)
+        if self.it is None or where or not same(ask.snap, mine.snap):
+            return None
+        import itertools
+
+        return itertools.chain(self.first, self.it)
+
+    def drop(self, loader: Any) -> None:
+        if self.it is not None:
+            self.it.close()  # the read thread stopped; the draws put back to before this epoch
+            self.it = None
+            loader.cursor.draws.put(self.ask.snap)
+
+
+def _epoch(loader: Any, conn: Any, send: Any, ask: EpochAsk, ring: Ring, ahead: _Ahead | None) -> _Ahead | None:
+    """One epoch as the parent asked (from `ahead` where it is that epoch); returns the next epoch begun."""
+    credits = ask.credits
+    batches = ahead.take(ask) if ahead is not None else None
+    gen = ahead.it if batches is not None and ahead is not None else None
+    if batches is None and ahead is not None:
+        ahead.drop(loader)
+    finished = False
+    try:
+        if batches is None:
+            loader.shard(ask.rank, ask.world)
+            loader.epoch = ask.epoch
+            loader.cursor.start_at(ask.skip, ask.snap)
+            batches = gen = iter(loader)
+        for batch in batches:
+            stopped = False
+            while credits == 0 or conn.poll():
+                got = loads(conn.recv_bytes())
+                credits += got[0] == "credit"
+                stopped = stopped or got[0] == "stop"
+                if got[0] == "fences":
+                    ring.open_fences(got[1])
+                if stopped:
+                    break
+            if stopped:
+                break
+            credits -= 1
+            at, out = ring.pack(batch, send)
+            send("batch", BatchSent(at, out, dict(loader.cursor.live.snap)))
+        else:
+            finished = True
+        send("end")
+    except (EOFError, OSError):
+        raise
+    except LoaderStateError as exc:
+        send("error", str(exc))
+    except BaseException as exc:  # noqa: BLE001
+        send("error", f"{type(exc).__name__}: {exc}")
+    finally:
+        if gen is not None:
+            gen.close()  # an epoch left early: the read thread stopped, the draws as of the last batch sent
+    return _Ahead(loader, ask.epoch + 1, dict(loader.cursor.draws.take())) if finished else None

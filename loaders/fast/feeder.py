@@ -1,0 +1,282 @@
+"""A `PreparedLoader`'s batches made in a process of its own (`PreparedLoader(..., feeder=True)`).
+
+In the training process, every millisecond of the loader's Python (the crops' and transforms' draws through
+MONAI's `randomize`, the tail's launches, the hand-over) holds the same interpreter lock as the training
+loop's kernel launches, and comes off the steps where the loop is bound by launching kernels (the `spheres`
+workload: 2.4 CPU ms a step on top of the ceiling's 5.0, H200 box, 2026-11-26). With a feeder, a child
+process runs the loader itself (its own read thread, tier and CUDA context on the same device) and hands each
+batch over: CUDA tensors as CUDA IPC handles (no copy; torch's own reductions), small host tensors by value.
+The training process only receives.
+
+The child is started with `python -c` (not `multiprocessing`, which would re-run an unguarded training script
+in the child), on the parent's `sys.path`; it rebuilds the loader from the same arguments and the pickled
+transform. Results are those of the in-process loader, batch for batch:
+- before each epoch the parent sends its random states (so `set_random_state` and `load_state_dict` on the
+  parent's loader hold), the epoch, the batches to skip and the shard;
+- every batch comes with the child's random states as of that batch, kept by the parent as of the last batch
+  delivered: `state_dict` and an epoch left early behave as in-process;
+- the child makes at most `prefetch` batches the parent has not received (credits), and stops when told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from loaders.cache.nesting import map_leaves
+from loaders.errors import PrepError
+
+# the child's end (loaders.fast.child) runs in a process of its own, started by name
+_CHILD = "from loaders.fast.child import serve; serve()"
+ENV = "BLOCKPREP_FEEDER"  # address and authkey of the parent's listener, for the child
+IN_SLOT = "\x00blockprep-slot"  # a batch value the parent copies out of the slot the message names
+
+
+@dataclass(frozen=True)
+class EpochAsk:
+    """The parent's "epoch" message: batches `skip`.. of `epoch` for rank `rank` of `world`, from the random
+    states `snap`, at most `credits` made ahead of what the parent received."""
+
+    epoch: int
+    skip: int
+    rank: int
+    world: int
+    snap: dict[int, Any]
+    credits: int
+
+
+@dataclass(frozen=True)
+class BatchSent:
+    """The child's "batch" message: the batch (its top-level CUDA tensors in slot `slot`, or none where None)
+    and the random states as of it."""
+
+    slot: int | None
+    batch: dict[str, Any]
+    snap: dict[int, Any]
+
+
+class FeederError(PrepError, RuntimeError):
+    """The feeder process could not start or failed; the message says why and how to go on."""
+
+
+def dumps(obj: Any) -> bytes:
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
+
+    return bytes(ForkingPickler.dumps(obj))
+
+
+def loads(data: bytes) -> Any:
+    import torch.multiprocessing  # noqa: F401
+
+    return pickle.loads(data)
+
+
+def outgoing(value: Any) -> Any:
+    """A batch value as sent: CUDA tensors as themselves (IPC), host tensors by value (numpy), plain
+    tensors only (a tensor subclass would pickle its storage, which CUDA storages refuse)."""
+    import torch
+
+    def leaf(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        plain = v.as_subclass(torch.Tensor) if type(v) is not torch.Tensor else v
+        return plain if plain.is_cuda else Host(plain.numpy())
+
+    return map_leaves(value, leaf)
+
+
+def incoming(value: Any) -> Any:
+    import torch
+
+    return map_leaves(value, lambda v: torch.from_numpy(v.array) if isinstance(v, Host) else v)
+
+
+class Host:
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __reduce__(self) -> Any:
+        return (Host, (self.array,))
+
+
+def payload(spec: dict[str, Any]) -> bytes:
+    """The child's `PreparedLoader` arguments as sent, or a one-line FeederError where they cannot be sent."""
+    import cloudpickle  # dask's: functions of a script or a pipeline file (lambdas too) go by value
+
+    try:
+        return bytes(cloudpickle.dumps(spec))
+    except Exception as exc:  # noqa: BLE001  (locks, open files, handles held by the transform)
+        raise FeederError(
+            f"PreparedLoader(feeder=True): the transform cannot be sent to a process of its own ({exc}); "
+            "keep locks and open files out of it, or use feeder=False"
+        ) from None
+
+
+class Feeder:
+    """The parent's end: starts the child, runs epochs through it, stops it on `close`."""
+
+    def __init__(self, payload: bytes) -> None:
+        from multiprocessing.connection import Listener
+
+        key = secrets.token_bytes(16)
+        self._listener: Any = Listener(family="AF_UNIX", authkey=key)
+        env = dict(os.environ)
+        env[ENV] = f"{self._listener.address}|{key.hex()}"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self._proc = subprocess.Popen([sys.executable, "-c", _CHILD], env=env)
+        self._conn: Any = None
+        self._slots: list[dict[str, Any]] = []
+        self._events: list[Any] = []
+        self._fences: list[Any] = []
+        self._ready = False  # the child says so once it has built its loader (imports included: seconds)
+        try:
+            self._conn = self._accept()
+            self._conn.send_bytes(payload)
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept(self) -> Any:
+        import threading
+
+        box: list[Any] = []
+        t = threading.Thread(target=lambda: box.append(self._listener.accept()), daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.1)
+            if self._proc.poll() is not None and not box:
+                raise FeederError(f"PreparedLoader(feeder=True): the feeder process exited ({self._proc.returncode}) "
+                                  "before it connected; see its error above, or use feeder=False")  # fmt: skip
+        return box[0]
+
+    def _recv(self) -> tuple[Any, ...]:
+        try:
+            msg: tuple[Any, ...] = loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise FeederError(
+                f"PreparedLoader(feeder=True): the feeder process is gone ({exc}, exit {self._proc.poll()}); use "
+                "feeder=False to see the error in this process"
+            ) from None
+        if msg[0] == "error":
+            raise FeederError(f"PreparedLoader(feeder=True): {msg[1]}")
+        return msg
+
+    def _expect(self, kind: str) -> tuple[Any, ...]:
+        msg = self._recv()
+        if msg[0] != kind:
+            raise FeederError(f"PreparedLoader(feeder=True): the feeder said {msg[0]!r} where {kind!r} was due")
+        return msg
+
+    def _send(self, *msg: Any) -> None:
+        self._conn.send_bytes(pickle.dumps(msg))
+
+    def wait_ready(self) -> None:
+        """Wait until the child has built its loader (its start overlapped whatever the caller did meanwhile);
+        FeederError where it could not."""
+        if not self._ready:
+            self._expect("ready")
+            self._ready = True
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return int(self._proc.pid)
+
+    def run(self, loader: Any, epoch: int, skip: int, n: int) -> Iterator[dict[str, Any]]:
+        """Batches skip..n-1 of `epoch`, made by the child; the loader's cursor kept as in-process."""
+        self.wait_ready()
+        snap = loader.cursor.begin(epoch, skip)
+        self._send("epoch", EpochAsk(epoch, skip, loader.rank, loader.world, dict(snap), loader.prefetch))
+        finished = False  # the child has left the epoch (its end, or an error it said)
+        try:
+            for k in range(skip, n):
+                try:
+                    msg = self._recv()
+                    while msg[0] == "slots":
+                        self._open_slots(msg)
+                        msg = self._recv()
+                except FeederError:
+                    finished = True
+                    raise
+                if msg[0] != "batch":
+                    finished = msg[0] == "end"
+                    raise FeederError(f"PreparedLoader(feeder=True): the epoch ended after {k} of {n} batches")
+                sent: BatchSent = msg[1]
+                batch = self._unpack(sent.slot, incoming(sent.batch))
+                self._send("credit")
+                loader.cursor.delivered(epoch, k + 1, sent.snap)
+                yield batch
+            finished = True
+            self._expect("end")
+        finally:
+            if not finished and self._conn is not None and self._proc.poll() is None:
+                self._stop()
+            loader.cursor.end()
+
+    def _open_slots(self, msg: tuple[Any, ...]) -> None:
+        """The child's slots (kept open for good) and its events; our fences, sent back."""
+        import torch
+
+        self._slots = msg[1]
+        device = next(iter(self._slots[0].values())).device
+        self._events = [torch.cuda.Event.from_ipc_handle(device, h) for h in msg[2]]
+        self._fences = [torch.cuda.Event(interprocess=True) for _ in self._slots]
+        self._send("fences", [f.ipc_handle() for f in self._fences])
+
+    def _unpack(self, at: int | None, batch: dict[str, Any]) -> dict[str, Any]:
+        """Slot `at`'s tensors copied out on the current stream (after the child's fill, before our fence)."""
+        if at is None:
+            return batch
+        import torch
+
+        slot = self._slots[at]
+        stream = torch.cuda.current_stream(next(iter(slot.values())).device)
+        stream.wait_event(self._events[at])
+        for key, value in slot.items():
+            batch[key] = value.clone()
+        self._fences[at].record(stream)
+        return batch
+
+    def _stop(self) -> None:
+        """Tell the child to leave the epoch; drop what it sent meanwhile."""
+        try:
+            self._send("stop")
+            while self._recv()[0] != "end":
+                pass
+        except FeederError:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the child (it leaves after its epoch's stop; killed if it does not within 10 s)."""
+        if self._listener is None:
+            return
+        # the child's buffers released here first: a producer that exits while a consumer still maps its CUDA
+        # memory prints torch's "Producer process has been terminated before all shared CUDA tensors released"
+        self._slots, self._events, self._fences = [], [], []
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._send("close")
+            self._conn.close()
+            self._conn = None
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._listener.close()
+        self._listener = None

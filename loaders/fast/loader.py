@@ -1,0 +1,381 @@
+"""PreparedLoader: batches ready for the model, from a prepared cache and the user's full MONAI transform.
+
+    >>> loader = PreparedLoader("cache/", transform, batch_size=4, device="cuda:0", gpu_budget="8GiB")  # doctest: +SKIP
+    >>> for epoch in range(epochs):                                                                    # doctest: +SKIP
+    ...     for batch in loader:
+    ...         loss = loss_fn(model(batch["image"]), batch["label"])
+
+The cache holds the head's output (`prep cache`); the loader runs the random tail. What it does so the GPU
+never waits:
+- a `RandSpatialCropd` at the start of the tail is folded into the read: its crop is drawn with the
+  transform's own random state (MONAI's per-item draws) and only the crop's bytes are read, every region of
+  a batch in one backend call (`read_regions`);
+- the rest of the tail runs over the whole batch on the device (`loaders.tail.BatchedTail` where present,
+  else MONAI per item);
+- batch k+1 is read, uploaded (pinned staging), assembled and transformed by a background thread on a side
+  CUDA stream while the model computes on batch k; the training thread's `next()` is a queue get and a
+  stream wait on the batch's CUDA event (`tail_thread=False`: the thread only reads, the rest is launched
+  by the training thread between steps);
+- items are kept on the device, whole, up to `gpu_budget` bytes, filled lazily during the first epoch
+  (a crop of a resident item is a slice, a fresh crop every epoch); items beyond the budget stream from
+  the page cache or the disk;
+- DDP: `shard(rank, world)` and `set_epoch(epoch)`, as `DistributedSampler`: a different split every
+  epoch, every item once per epoch across ranks.
+
+A batch goes order (`loaders.cache.order`) -> folds (`loaders.fast.folds`) -> Reader (`loaders.reading.reads`) ->
+staging (`loaders.reading.staging`) -> tier (`loaders.fast.tier`) -> tail (`loaders.tail.tails`), one batch's
+steps held by `loaders.fast.assembly.BatchAssembly`. This module holds the loader itself: its order, the read
+thread and the hand-over of its batches, and the loader state (`state_dict`, `loaders.state`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loaders import args, state
+from loaders.args import parse_bytes  # re-exported: loaders.fast.loader.parse_bytes
+from loaders.backends import Backend, check_backend
+from loaders.cache.format import PreparedCache
+from loaders.cache.order import epoch_batches, epoch_order
+from loaders.deps import require
+from loaders.errors import ArgumentTypeError
+from loaders.fast.assembly import BatchAssembly
+from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
+from loaders.reading.ahead import InOrder
+from loaders.reading.reads import Reader
+
+
+class PreparedLoader:
+    """Batches ready for the model from a prepared cache + the full MONAI transform (see module doc).
+
+    cache_dir: a `prep cache` output made with this transform's head. transform: the full pipeline.
+    batch_size, shuffle, seed, drop_last: as for a DataLoader (seed + epoch orders each epoch).
+    device: "cuda:N" or "cpu" (default: "cuda:0" when torch sees a GPU, else "cpu").
+    gpu_budget: bytes (or "8GiB") of whole items kept on the device; "auto" (the default): on a GPU, the
+    whole dataset when it fits in half the device's free memory, else that half; on the CPU none.
+    crop_read: read only a folded crop's bytes ("auto"/True) or whole items cropped on the device (False).
+    prefetch: batches prepared ahead. backend, backend_options, keys, verify: as for PreparedDataset
+    (verify checks whole reads only: checksums cover whole tensors).
+    tail_thread: upload, assemble and run the tail in the read thread (side CUDA stream, handed over with
+    an event); False: the training thread does it between steps; None (default): True, and False in a
+    feeder's child process (its main thread has no training loop to share the GIL with). switch_interval: seconds for
+    `sys.setswitchinterval` while an epoch is iterated (restored after; None leaves it): how long a thread
+    waiting for the GIL waits before the holder is made to drop it. copy_threads: threads copying a warm
+    crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)). feeder: make
+    the batches in a process of its own (`loaders.fast.feeder`: the loader's Python off the training process's
+    interpreter lock; CUDA tensors handed over by IPC; needs a picklable transform and a backend by name);
+    "auto" (the default): on a CUDA device when both hold, else in this process.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        transform: Any,
+        batch_size: int,
+        device: str | None = None,
+        gpu_budget: int | str | None = "auto",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        crop_read: bool | str = "auto",
+        prefetch: int = 2,
+        backend: str | Backend = "auto",
+        backend_options: dict[str, Any] | None = None,
+        keys: Sequence[str] | None = None,
+        verify: bool = False,
+        tail_thread: bool | None = None,
+        switch_interval: float | None = None,
+        copy_threads: int | None = None,
+        feeder: bool | str = "auto",
+    ) -> None:
+        self.torch = require("torch", "PreparedLoader")
+        self.cache = PreparedCache(cache_dir)
+        args.check_loader(locals())  # every argument, one line each (loaders/args.py)
+        check_backend(backend)
+        self.keys = list(keys) if keys is not None else list(self.cache.keys)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.device = self._choose_device(device)
+        self.gpu = self.device.type == "cuda"
+        self.budget = (
+            auto_budget(self.device, self.cache.root, self.keys)
+            if gpu_budget == "auto"
+            else args.parse_bytes(gpu_budget, "gpu_budget")
+        )
+        self.crop_read = crop_read
+        self.prefetch = max(1, prefetch)
+        self.verify = verify
+        payload = self._feeder_payload(locals())  # the child's arguments, or None: batches made in this process
+        self._feeder_auto, self._tail_default = isinstance(feeder, str), tail_thread is None
+        if tail_thread is None:  # the feeder's child has no training loop beside it: the tail on its main thread
+            tail_thread = payload is None
+        self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
+        self._build(transform, keys, backend, backend_options)
+        self.items = np.arange(len(self.cache), dtype=np.int64)
+        self.rank, self.world = 0, 1
+        self.epoch = 0
+        self._side: Any = None  # the read thread's CUDA stream (tail_thread)
+        self._feeder: Any = None
+        if payload is not None:
+            self._start_feeder(payload)
+
+    def _choose_device(self, device: str | None) -> Any:
+        """The torch device: the one asked for, or by default the first GPU (the CPU on a box without one)."""
+        if device is None:
+            device = "cuda:0" if self.torch.cuda.is_available() else "cpu"
+        elif str(device).startswith("cuda") and not self.torch.cuda.is_available():
+            raise ValueError(f"PreparedLoader: device={device!r} but this torch sees no CUDA GPU; pass device='cpu'")
+        return self.torch.device(device)
+
+    def _build(self, transform: Any, keys: Sequence[str] | None, backend: Any, backend_options: Any) -> None:
+        """The batch's rooms: the reader, the device tier, the assembly (the chain split, the crop folded),
+        the seeder and the delivered-batch cursor."""
+        from loaders.fast import exact
+        from loaders.state import keep_random_states
+
+        self.reader = Reader(self.cache, self.keys, backend, str(self.device), verify=self.verify,
+                             backend_options=backend_options, pooled=False, host_auto=True,
+                             copy_threads=self.copy_threads)  # fmt: skip
+        self.tier = DeviceTier(self.budget)  # whole items on the device (loaders.fast.tier)
+        with keep_random_states(transform):  # the chain's split and the Composes built here would re-seed it
+            assembly = BatchAssembly(transform, self.cache, keys, self.reader, self.tier, self.crop_read, self.prefetch)
+        self.assembly = assembly
+        self._seeder = exact.Seeder(transform)
+        early = self.fold.transform if self.fold is not None else None
+        self.cursor = state.Cursor(state.Draws(self._seeder.compose, early))  # as of the last batch delivered
+
+    def _start_feeder(self, payload: bytes) -> None:
+        """The feeder's child started with the loader's arguments (it builds its loader while this one goes on)."""
+        import weakref
+
+        from loaders.fast.feeder import Feeder
+
+        self._feeder = Feeder(payload)
+        weakref.finalize(self, self._feeder.close)
+
+    def _feeder_payload(self, given: dict[str, Any]) -> bytes | None:
+        """The feeder child's arguments (loaders.fast.feeder) when this loader's batches are made in a process of their
+        own: feeder=True (a reason it cannot, one line), or "auto" on a CUDA device where it can."""
+        from loaders.fast.feeder import FeederError, payload
+
+        auto = isinstance(given["feeder"], str)
+        if not (self.gpu if auto else given["feeder"]):
+            return None
+        if not isinstance(given["backend"], str):
+            if auto:
+                return None
+            raise ArgumentTypeError("PreparedLoader(feeder=True): pass the backend by name (a Backend object "
+                                    "stays in this process)")  # fmt: skip
+        names = ("cache_dir", "transform", "batch_size", "gpu_budget", "shuffle", "seed", "drop_last", "crop_read",
+                 "prefetch", "backend", "backend_options", "keys", "verify", "tail_thread", "switch_interval",
+                 "copy_threads")  # fmt: skip
+        spec = {name: given[name] for name in names}
+        spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False)
+        try:
+            return payload(spec)
+        except FeederError:
+            if auto:  # a lock or an open file in the transform: the same batches, made here
+                return None
+            raise
+
+    def __reduce__(self) -> Any:
+        raise ArgumentTypeError(
+            "a PreparedLoader cannot be pickled (it owns read threads, staging buffers and device memory); build "
+            "one in each process from the cache path (after DDP spawn, in each rank)"
+        )
+
+    # --- order ---
+    def shard(self, rank: int, world: int) -> PreparedLoader:
+        """This loader as DDP rank `rank` of `world`: each epoch's shuffled order split across ranks."""
+        args.shard(rank, world)
+        self.rank, self.world = rank, world
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Order the next pass as epoch `epoch` (`loaders.cache.order.epoch_order`: DistributedSampler's rule, seed +
+        epoch). Each pass then moves on by one: without set_epoch the passes are epochs 0, 1, 2, ...; after
+        set_epoch(5) they are 5, 6, 7, ... (calling set_epoch(e) before every pass, as with a
+        DistributedSampler, gives exactly epoch e each time). After `load_state_dict`, set_epoch with the
+        saved epoch keeps the saved place in it."""
+        epoch = args.count("epoch", epoch, 0)
+        if epoch != self.epoch:
+            self.cursor.resume = 0
+        self.epoch = epoch
+
+    def set_random_state(self, seed: int) -> PreparedLoader:
+        """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
+        nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
+        self._seeder.set_random_state(None if seed is None else args.seed(seed))
+        return self
+
+    # --- state (loaders.state) ---
+    def _order(self) -> dict[str, Any]:
+        return {"fingerprint": state.fingerprint(self.cache.manifest, self.cursor.draws.names()), "seed": self.seed,
+                "shuffle": self.shuffle, "rank": self.rank, "world": self.world, "batch_size": self.batch_size,
+                "drop_last": self.drop_last, "n_items": len(self.items)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands, as of the last batch delivered: the epoch, the batches of it delivered and
+        the random state of every random transform (the folded crop's and the tail's), small JSON. A run
+        resumed from it with `load_state_dict` gives exactly the batches the uninterrupted run gives next."""
+        now = self.cursor.now(self.epoch)
+        epoch, batch, snap = now.epoch, now.batch, now.snap
+        if batch and batch >= len(self):  # the epoch was delivered whole: the next starts at its first batch
+            epoch, batch = epoch + 1, 0
+        draws = self.cursor.draws
+        return {"format": "blockprep-loader-state", "version": state.VERSION, **self._order(), "epoch": epoch,
+                "batch": batch, "transforms": draws.names(), "random": draws.encode(snap)}  # fmt: skip
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Go on from a `state_dict()`: the next pass is the saved epoch from the batch after the last one
+        delivered, with the random draws it had. Refused in one line (LoaderStateError) when the state
+        belongs to another cache, transform, order or rank/world size, or while an epoch is being iterated."""
+        if self.cursor.live is not None:
+            raise state.LoaderStateError("load_state_dict: an epoch of this loader is being iterated; load first")
+        state.check(saved, self._order())
+        if saved["batch"] > len(self):
+            raise state.LoaderStateError(f"load_state_dict: batch {saved['batch']} is past the epoch's {len(self)}")
+        snap = self.cursor.draws.decode(saved.get("random"), "load_state_dict")
+        self.epoch = saved["epoch"]
+        self.cursor.start_at(saved["batch"], snap)
+
+    def epoch_items(self, epoch: int) -> np.ndarray:
+        """Items this rank reads in `epoch` (`loaders.cache.order.epoch_order`): all ranks' lists together hold every
+        item once, padded by wrapping so every rank steps equally, as DistributedSampler does."""
+        at = epoch_order(len(self.items), self.seed, epoch, self.rank, self.world, self.shuffle)
+        return self.items[at]
+
+    def __len__(self) -> int:
+        n = len(self.epoch_items(0))
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    # --- iteration ---
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.cache.check_current()  # per epoch: a rebuilt cache is refused, even where the tier holds it all
+        epoch = self.epoch
+        self.epoch = epoch + 1
+        order = self.epoch_items(epoch)
+        chunks = epoch_batches(order, self.batch_size, self.drop_last)
+        skip, self.cursor.resume = self.cursor.resume, 0
+        if self._feeder is not None:
+            if self._feeder_auto and not self._feeder.ready:
+                return self._feeder_or_here(chunks, epoch, skip)
+            return self._feeder.run(self, epoch, skip, len(chunks))
+        return self._run(chunks, epoch, skip)
+
+    def _feeder_or_here(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        """feeder="auto": a child that could not start or build its loader leaves the batches to this process
+        (said once, with why), from the same random states; feeder=True raises it instead."""
+        import warnings
+
+        from loaders.fast.feeder import FeederError
+
+        try:
+            self._feeder.wait_ready()
+        except FeederError as exc:
+            warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=2)
+            self._feeder.close()
+            self._feeder = None
+            self.tail_thread = self.tail_thread or self._tail_default
+            yield from self._run(chunks, epoch, skip)
+            return
+        yield from self._feeder.run(self, epoch, skip, len(chunks))
+
+    def _run(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        ahead = InOrder(1, "blockprep-feed")  # one thread: the batches' draws stay in batch order
+        interval = sys.getswitchinterval()
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
+        self.cursor.begin(epoch, skip)
+        try:
+            for k in range(skip, min(len(chunks), skip + self.prefetch)):
+                ahead.submit(self._make, chunks[k], k)
+            for k in range(skip, len(chunks)):
+                if k + self.prefetch < len(chunks):
+                    ahead.submit(self._make, chunks[k + self.prefetch], k + self.prefetch)
+                got = ahead.take()
+                if self.tail_thread:
+                    batch, event, snap = got
+                    batch = self._handover(batch, event)
+                else:
+                    batch = self.assembly.finish(got)
+                    snap = self.cursor.draws.after(got.early)
+                self.cursor.delivered(epoch, k + 1, snap)
+                yield batch
+        finally:
+            ahead.close()
+            sys.setswitchinterval(interval)
+            # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved
+            # state) goes on from the last batch the user received, as MONAI's per-item chain would
+            self.cursor.end()
+            self.tier.settle()
+
+    def _handover(self, batch: dict[str, Any], event: Any) -> dict[str, Any]:
+        """A batch finished on the read thread's stream, made safe to use on the caller's stream."""
+        if event is not None:
+            torch = self.torch
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.record_stream(current)  # its memory is reused only after the caller's stream is done
+        return batch
+
+    def _make(self, chunk: np.ndarray, k: int) -> Any:
+        """Batch `k` on the read thread: its crops drawn, its reads done and, with `tail_thread`, uploaded,
+        assembled and run through the tail on the side stream: (batch, its event, the draws as of it); without,
+        the fetched plan (finished by the training thread)."""
+        torch = self.torch
+        if self.tail_thread and self.gpu and self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        plan = self.assembly.plan([int(i) for i in chunk], k)
+        plan.early = self.cursor.draws.take(self.cursor.draws.early)
+        plan = self.assembly.fetch(plan)
+        if not self.tail_thread:
+            return plan
+        event = None
+        if self.gpu:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+                batch = self.assembly.finish(plan)
+                event = torch.cuda.Event()
+                event.record(self._side)
+        else:
+            batch = self.assembly.finish(plan)
+        return batch, event, self.cursor.draws.after(plan.early)
+
+    @property
+    def feeder_pid(self) -> int | None:
+        """The process making this loader's batches where it is not this one (`feeder`), else None."""
+        return self._feeder.pid if self._feeder is not None else None
+
+    @property
+    def tier_bytes(self) -> int:
+        """Bytes the device tier holds."""
+        return self.tier.nbytes
+
+    @property
+    def backend(self) -> Backend:
+        """The backend whole items are read through (built on first use). "auto" picks a host backend:
+        its reads land in pinned staging and go up with one async copy, as region reads must anyway."""
+        return self.reader.backend
+
+    @property
+    def fold(self) -> Any:
+        """The crop at the start of the tail folded into the reads (`loaders.fast.folds`), or None."""
+        return self.assembly.fold
+
+    def close(self) -> None:
+        """Release the backend and the device tier (and stop the feeder process)."""
+        if self._feeder is not None:
+            self._feeder.close()
+        self.reader.close()
+        self.tier.clear()
+
+
+__all__ = ["PreparedLoader", "dataset_bytes", "parse_bytes"]
