@@ -279,7 +279,7 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     if todo:
         keep_pipeline(run.pipe)
         if starter is None and _start_early(run, len(todo)):
-            # worker processes start (about 1 s for 16 on the 16-core box) while this process probes
+            # worker processes start while this process probes (see _start_early)
             starter = _starter(run, True)
             stack.callback(starter.close)
         if len(todo) > run.workers and not run.scheduler:
@@ -345,13 +345,13 @@ def _starter(run: _Run, processes: bool) -> ClusterStarter:
     return ClusterStarter(run.workers, run.scheduler, processes, run.pipe.path, run.pipe.bundle_key, run.security)
 
 
-EARLY_START_CORES = 8  # the auto choice took processes for 4-16 workers on every workload of the 16-core box
+EARLY_START_CORES = 8  # on 16 cores auto took processes at 4-16 workers on every workload (docs/benchmarks.md)
 
 
 def _start_early(run: _Run, n_todo: int) -> bool:
     """Whether a local run starts its worker processes before the probe: processes asked for, or (auto) a
     machine of EARLY_START_CORES cores or more running 4 workers or more, where the auto choice takes processes
-    (2026-11-26, spheres, seg-ct and MedNIST-like data at 4, 8 and 16 workers); not for a head that touches CUDA
+    (docs/benchmarks.md, Preparation); not for a head that touches CUDA
     or a process where CUDA is initialised. A start the probe then overrules costs its idle cores' time."""
     if run.scheduler or n_todo <= run.workers or run.processes is False:
         return False
@@ -382,7 +382,7 @@ def _probe(
     this process as a task prepares it (checked, its head run, written and journaled), and a second one where
     the first was quick enough for its readers' first imports to dominate. None where an item is
     quarantined (its journal says why). The probe's items are not prepared again by the tasks: one or two
-    items' work a run (on the 2-core box, within the spread of a whole run of 64 spheres at 2 workers)."""
+    items' work a run, within a whole run's spread (docs/benchmarks.md, Preparation)."""
     import torch
 
     threads = torch.get_num_threads()

@@ -19,8 +19,8 @@ from prep.errors import PrepError
 T = TypeVar("T")
 
 # Before torch is imported: idle OpenMP threads sleep instead of spinning between a head's torch ops (the
-# worker processes get the same, prep.processes.worker_environ). 2-core box, spheres 64 x 96^3, one worker
-# thread: 11.6 -> 10.0 s of CPU for the same 11.0 s; a user's own setting wins.
+# worker processes get the same, prep.processes.worker_environ): less CPU for the same wall time (docs/benchmarks.md,
+# Preparation); a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Plain click help: flags show no `<bool>` type, choices read `<full|seed>`, required options say `[required]`

@@ -103,9 +103,8 @@ def local_cores() -> int:
 def items_per_worker(workers: int, cores: int | None = None) -> int:
     """Items each local worker (a thread, or a process) prepares at once: the cores beyond one a worker, up to
     THREAD_SCALING, so that a run with fewer workers than cores still fills them. torch's intra-op threads
-    scale poorly on a head's resampling (16-core box, spheres W4 with 4 torch threads a process: 21 items/s,
-    where 4 one-thread processes made 19); items side by side do better (2-core box, spheres 64 x 96^3, one
-    worker process: 11.0 -> 8.5 s with 2 items at once instead of 2 torch threads)."""
+    scale poorly on a head's resampling; items side by side do better (docs/benchmarks.md, Preparation: what
+    `prep cache`'s defaults rest on)."""
     cores = local_cores() if cores is None else cores
     return max(1, min(int(THREAD_SCALING), cores // max(1, workers)))
 
@@ -131,12 +130,11 @@ def heads_at_once(
 
 def torch_threads_for(workers: int, scheduler: str | None, processes: bool = False) -> int:
     """Intra-op threads per item on a local cluster: cores / workers, threads or processes alike (a
-    DataLoader's workers get 1 each, which leaves cores idle below one worker a core: 16-core box, spheres W4,
-    4 of 16 cores busy); 0 on a remote cluster: its workers keep their own setting. Not divided again by the
-    items a worker runs side by side: the bits of torch's float ops can depend on its thread count (1 ULP where
-    a vectorised loop is split between threads), and one worker's cores as torch threads is what MONAI's own
-    chain gets in the caller's process (2-core box, `--workers 1`: 11.3 items/s with 1 thread an item, 11.5
-    with 2; OpenMP's idle threads sleep, `prep.cli`)."""
+    DataLoader's workers get 1 each, which leaves cores idle below one worker a core); 0 on a remote cluster:
+    its workers keep their own setting. Not divided again by the items a worker runs side by side: the bits of
+    torch's float ops can depend on its thread count (1 ULP where a vectorised loop is split between threads),
+    and one worker's cores as torch threads is what MONAI's own chain gets in the caller's process (OpenMP's
+    idle threads sleep, `prep.cli`; measured: docs/benchmarks.md, Preparation)."""
     if scheduler:
         return 0
     return max(1, local_cores() // workers)
@@ -300,12 +298,11 @@ class ClusterStarter:
         self.close()
 
 
-# the auto rule's constants (see choose_processes), measured on the 2-core box and the 16-core GPU box
-PROCESS_START_S = 1.0  # forking the workers from a forkserver whose imports are done, warming them (1.2-1.6 s
-# on the loaded 2-core box for 2-4 workers, where forking from prep cache took 1.75-1.9 s and 0.9 s unloaded)
-THREAD_SCALING = 4.0  # worker threads stop gaining past ~4 for heads that release the GIL (16-core box)
+# the auto rule's constants (see choose_processes); the measurements behind them: docs/benchmarks.md, Preparation
+PROCESS_START_S = 1.0  # forking the workers from a forkserver whose imports are done, warming them
+THREAD_SCALING = 4.0  # worker threads stop gaining past ~4 for heads that release the GIL
 SMALL_ITEM_S = 0.02  # below this per item, the head is mostly Python (2D images): threads share one GIL
-SMALL_THREAD_SCALING = 1.0  # 2000 MedNIST-like JPEGs, 2-core box: 1 thread 519/s, 2 threads 349-376/s
+SMALL_THREAD_SCALING = 1.0  # such small items: a second thread made them slower, not faster
 TASK_S = 1.0  # a task of small items holds at least this much work, so dask's per-task cost stays small
 
 
@@ -344,8 +341,8 @@ def batch_size_for(n_todo: int, workers: int, batch_size: int | None = None, ite
 
 def task_batches(todo: list[int], size: int, singles: int = 0) -> list[list[int]]:
     """`todo` in tasks of `size` items in order, the last `singles` items one a task: a worker that takes the
-    last task while the others finish theirs then waits for one item, not a whole task (16-core box, spheres
-    W16, tasks of 2 items: the workers' last tasks ended 2.88-3.48 s into a 3.5 s run)."""
+    last task while the others finish theirs then waits for one item, not a whole task (docs/benchmarks.md,
+    Preparation)."""
     cut = len(todo) - min(len(todo), singles) if size > 1 else len(todo)
     head, tail = todo[:cut], todo[cut:]
     return [head[i : i + size] for i in range(0, len(head), size)] + [[i] for i in tail]

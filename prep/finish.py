@@ -2,7 +2,7 @@
 
 A `prep cache` task ends by making its last items durable: fsync its shard, append and fsync its journal
 lines, close both (`prep.worker._commit_group`). The worker waited for those fsyncs before its next task
-(16-core box, spheres W16: 2.0 s of the workers' 41 s, seg-ct 4.2 of 59). Here a task hands that ending to
+(docs/benchmarks.md, Preparation). Here a task hands that ending to
 this process's finishing threads and returns; the run's end (and a Ctrl-C) waits for every ending through
 `wait_commits` before the journals are read, so a journal line is still never on disk before its bytes, and
 the cache is committed only from what the journals say. A process that dies with endings pending loses

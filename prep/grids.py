@@ -3,8 +3,7 @@
 MONAI's `Spacingd`/`Orientationd`-style resampling (`monai.networks.layers.AffineTransform`) calls
 `torch.nn.functional.affine_grid` once per key, and for an image and its label (same affine, same shape) the
 calls are identical: same `theta`, same size, same `align_corners`. Making that grid is most of a resampling's
-CPU on one torch thread (spheres 96^3, 2-core box, 2026-11-26: `affine_grid` 33 ms a call, `grid_sample`
-17 ms; 46% of the head's CPU).
+CPU on one torch thread (docs/benchmarks.md, Preparation).
 
 Inside `shared_grids()`, on this thread only, a call whose arguments equal the previous call's (theta's exact
 values, dtype, shape and device; size; align_corners) gets the same grid tensor back, so the second key's

@@ -4,8 +4,8 @@ are what nibabel reads for the head, instead of inflating the file a second time
 Inside `served({path: bytes})`, nibabel's opener for `.gz` names (`nibabel.openers`, as MONAI's `LoadImage`
 reaches it) hands out an in-memory file of those bytes for exactly those paths, read-only; every other path,
 and every path outside the block, opens as before. The arrays and headers are the ones the file gives (the
-same bytes, checked), at the cost of one copy of the decoded item held while the head runs. Spheres 160^3:
-68 ms to load from the file, 2 ms from the bytes (2-core box, 2026-11-26).
+same bytes, checked), at the cost of one copy of the decoded item held while the head runs; loading from the
+bytes is a small fraction of loading from the file (docs/benchmarks.md, Preparation).
 """
 
 from __future__ import annotations

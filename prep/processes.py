@@ -2,19 +2,17 @@
 
 distributed starts every local worker process on a thread of its own, so forking them from `prep cache` means
 several forks at once from a multi-threaded process: from Python 3.12 filelock's fork audit hook raises
-"os.fork is unsafe while filelock is changing descriptor ownership" (16 workers, GPU box, 2026-11-23), CPython
+"os.fork is unsafe while filelock is changing descriptor ownership" (seen with 16 workers), CPython
 warns of deadlocks in the children on every version, and a process where CUDA is initialised cannot be forked
 at all. The forkserver is a fresh single-threaded interpreter that never touches CUDA and forks each worker
 from its own main thread, one at a time.
 
 It preloads torch, MONAI's transforms and `prep.worker` (PRELOAD), then freezes those objects (`prep.frozen`:
-the workers' garbage collector leaves their shared pages alone; H200 box, spheres W16, 2026-11-26: 0.77 -> 0.26
-CPU s a worker at its start, 51.7k -> 12.5k page faults), and `prep cache` starts it while it plans
-and times the head on one item, so its imports overlap that work. Measured on the 2-core box (2026-11-25,
-spheres head, until every worker has loaded the pipeline; the box shared with other jobs): 2 / 4 workers
-forked from `prep cache` 1.75 / 1.87 s; forkserver with distributed's preload (each worker imports torch and
-MONAI itself) 8.9 / 12.9 s; forkserver preloading PRELOAD, started with the cluster 4.1 / 5.0 s, started 8 s
-ahead 1.2 / 1.6 s (the imports alone: 5.5 s there).
+the workers' garbage collector leaves their shared pages alone: less CPU and fewer page faults at each
+worker's start), and `prep cache` starts it while it plans and times the head on one item, so its imports
+overlap that work. Started ahead so, the workers are ready sooner than forked from `prep cache` and several
+times sooner than from a forkserver started with the cluster or one with distributed's preload, where each
+worker imports torch and MONAI itself (docs/benchmarks.md, Preparation).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 PRELOAD = ("prep.nosigint", "distributed", "torch", "monai.transforms", "prep.worker", "prep.frozen")
-PRELOAD_S = 4.0  # the forkserver's imports of PRELOAD (2-core box: 3-5.5 s, shared with other work)
+PRELOAD_S = 4.0  # the forkserver's imports of PRELOAD (a few seconds on a small shared machine: docs/benchmarks.md)
 _lock = threading.Lock()
 _started_at: float | None = None  # time.monotonic() when this process started its forkserver
 

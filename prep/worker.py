@@ -328,9 +328,8 @@ def _prepare_one(
     sampling sets under "_sets" where `sets` (a crop signature) asks for them and they can be made.
 
     The .gz streams are inflated once, by their check (CRC and length, `prep.quarantine`); the head's nibabel
-    then reads those bytes (`prep.inflated`) instead of inflating each file again (2-core box, 2026-11-26, one
-    torch thread: check + head of a spheres 96^3 item 129-137 -> 112-125 ms; LoadImaged of a 160^3 noisy
-    volume 107-122 -> 25-29 ms)."""
+    then reads those bytes (`prep.inflated`) instead of inflating each file again (measured: docs/benchmarks.md,
+    Preparation)."""
     decoded: dict[str, bytes] = {}
     bad = check_entry(entry, max_bytes, decoded)
     if bad:

@@ -1,4 +1,4 @@
-"""Seed 000's GPU variants in one run (issue 25), at small sizes, in a few minutes on the GPU box:
+"""Seed 000's GPU variants in one run, at small sizes, in a few minutes on a GPU machine:
 
     bash workflows/gpu_kit.sh python3 -m workflows.seeds_gpu --out bench_out/seeds_gpu
     python -m workflows.seeds_gpu --device cpu --count 3 --size 24 --out /tmp/s   # the same path on a CPU box

@@ -31,7 +31,7 @@ _REGISTRY: dict[str, str] = {
 BLOCK_RANGE_BACKENDS = ("blockdev", "xnvme-bmap")
 
 # Order in which "auto" tries backends for each kind of destination (fastest first).
-# GPU rule (measured on an H200 without GDS, README loaders section): kvikio where GPUDirect Storage is
+# GPU rule (measured without GDS: docs/benchmarks.md, Loaders): kvikio where GPUDirect Storage is
 # active (storage -> GPU memory). In kvikio's compat mode, kvikio is fastest for data in the page cache
 # (its small pinned bounce buffers stay in the CPU cache) but slower than O_DIRECT for cold data, so auto
 # takes compat-mode kvikio only with `stage_cold` on (the default: cold requests go through the `direct`

@@ -110,7 +110,7 @@ class KvikioBackend(Backend):
 
     In compat mode with `stage_cold=True` (default) only requests wholly in the page cache (asked through
     cachestat(2), no I/O) go through kvikio; the others are read by the `direct` backend (O_DIRECT, many in
-    flight) into a pinned, aligned host buffer and copied to the device. Measured on an H200 without GDS,
+    flight) into a pinned, aligned host buffer and copied to the device. Measured without GDS (docs/benchmarks.md),
     kvikio's compat mode is the fastest path for cached data (its small pinned bounce buffers stay in the
     CPU cache) and O_DIRECT the fastest for cold data (no page-cache copy, no readahead guesswork).
     """

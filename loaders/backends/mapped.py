@@ -132,8 +132,8 @@ def loop_image(device: str) -> str | None:
     """The image file behind loop device `device` (or a partition of it) when the loop driver reads that
     image through its page cache (`dio` off, the default), else None. Raw reads of the image itself then give
     the same bytes as the device (the driver copies them from that same page cache) without the driver's
-    one worker thread per device in the way: on the 2-core CPU box it served O_DIRECT reads of a warm image at
-    about 0.6 GB/s, a plain read of the image runs at memory speed."""
+    one worker thread per device in the way: it served O_DIRECT reads of a warm image at a fraction of the memory
+    speed a plain read of the image runs at (docs/benchmarks.md, DALI sources)."""
     try:
         st = os.stat(device)
     except OSError:

@@ -72,9 +72,8 @@ class PosixBackend(Backend):
         file's), or None when a file is shorter than a request or the mapping fails (the read path then reads,
         or names the short read). A mapping holds no file descriptor and is unmapped when the array and every
         view of it (a tensor over it) are gone. A tensor that is cropped and then copied touches only the crop's
-        pages (spheres 160^3, a 32^3 crop: 0.1 ms, where reading the item into a new buffer took 2.4-20 ms,
-        2-core box); a file truncated while mapped would fault (SIGBUS): a committed cache's shards are never
-        truncated (`prep.commit` trims shards before the commit)."""
+        pages (docs/benchmarks.md, the drop-in); a file truncated while mapped would fault (SIGBUS): a committed
+        cache's shards are never truncated (`prep.commit` trims shards before the commit)."""
         out = []
         for req in requests:
             fd = self._fds.get(req.path)

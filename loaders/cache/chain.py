@@ -316,7 +316,7 @@ def runtime_attrs_found() -> dict[str, list[str]]:
 def take_runtime_attrs(found: Mapping[str, Sequence[str]]) -> None:
     """Use another process's `runtime_attrs_found` for classes of the same names: for worker processes started
     on this machine from the same installation (their classes' sources are the same files). Source analysis
-    is most of a fingerprint's CPU (spheres head: 0.2 of 0.25 s a worker process, H200 box)."""
+    is most of a fingerprint's CPU (docs/benchmarks.md, Preparation)."""
     _GIVEN.update({name: frozenset(attrs) for name, attrs in found.items()})
 
 

@@ -44,15 +44,13 @@ from loaders.reading.files import HINT_BYTES, _resident, hint_files, read_whole_
 
 def read_threads(cores: int) -> int:
     """FileSource's read threads for warm batches: one, whatever the cores. Reading holds the GIL for its
-    per-file Python, and each thread waits for it again after every syscall. Files/s through a DALI pipeline,
-    warm, no decode: 2-core box (2026-11-24) 1 thread 45,300, 2 threads 41,700, 4 threads 29,900 (readers.file
-    41,500); 16-core H200 box (2026-11-27, 5 rounds, two passes) 4 threads 0.37-0.39x readers.file, 1 thread
-    0.81-0.99x. `cores` is kept for callers that pass it."""
+    per-file Python, and each thread waits for it again after every syscall: more threads were slower on 2 cores
+    and on 16 (docs/benchmarks.md, DALI sources). `cores` is kept for callers that pass it."""
     return 1
 
 
-# FileSource's read threads for a batch whose first file is not in the page cache (cold data): the 2-core CPU box
-# read a cold loop-mounted tree at 0.57x fn.readers.file with its one warm-data thread (2026-11-25)
+# FileSource's read threads for a batch whose first file is not in the page cache (cold data) where io_uring cannot
+# be used: its one warm-data thread read a cold tree well under fn.readers.file (docs/benchmarks.md, DALI sources)
 COLD_READ_THREADS = 8
 # FileSource's io_uring reads (`loaders.reading.uring`): in a cold epoch up to URING_BATCHES batches are in flight,
 # at most URING_FILES files (each holds a descriptor while in flight); a batch of more files is read with plain reads
@@ -71,7 +69,7 @@ class FileSource(_EpochSource):
     are read on `threads` threads (`threads=None`: `read_threads(os.cpu_count())`, one). In a cold epoch,
     where io_uring can be used (`loaders.reading.uring.available()`), 4 batches are kept in flight, each batch's
     reads submitted together, so the kernel merges the reads of files that lie next to each other on the
-    disk (2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs: 1.06-1.20x `fn.readers.file`); elsewhere a cold
+    disk (docs/benchmarks.md, DALI sources); elsewhere a cold
     batch is read on `COLD_READ_THREADS` threads, with WILLNEED hints ahead.
     Any other name or Backend: that backend, sizes from one stat per file."""
 

@@ -59,9 +59,8 @@ def list_labeled_files(
 
 
 # A warm batch is read ahead on a thread where the consumer spends more than this many times a batch's read between
-# two batches (H200 box, 2026-11-27, DALI's GPU decoder, 5,000 warm JPEGs, 5 rounds: read ahead on a thread
-# FileSource 1.26x fn.readers.file's images/s, read when asked 1.08x); where it comes back at once, reading ahead on a
-# thread lost (2-core box, no decode: 0.92 against 1.07-1.11 read when asked)
+# two batches (a pipeline that decodes: the reads then overlap the pipeline's wait); where it comes back at once,
+# reading ahead on a thread loses to reading when asked (docs/benchmarks.md, DALI sources)
 IDLE_READS = 2.0
 
 
@@ -75,8 +74,8 @@ class _EpochSource:
     on, the next batch of the epoch is read ahead (`_start`) while the pipeline uses this one, when its reads
     would wait on the disk (`_waits`); a batch already in memory is read when it is asked for, on the
     pipeline's thread. Read ahead on a thread, its Python contends with the pipeline's for the interpreter
-    lock: on the 2-core box (2026-11-26, 5,000 warm JPEGs, 5 rounds) reading every batch ahead gave 0.92-0.93
-    of `readers.file`'s files/s for both sources, reading it when asked 1.07-1.11. Where the consumer spends
+    lock: reading every batch ahead was slower than reading it when asked (docs/benchmarks.md, DALI
+    sources). Where the consumer spends
     longer between batches than IDLE_READS reads (a pipeline that decodes), warm batches are read ahead on the
     thread: its reads then overlap the time the pipeline's thread waits.
 

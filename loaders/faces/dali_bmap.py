@@ -26,17 +26,15 @@ from loaders.faces.dali_base import (
 from loaders.reading.files import HINT_BYTES, cached_whole, read_whole_files
 
 # BmapSource's cold epochs: up to this many batches read ahead, one after another on the read-ahead thread (each
-# batch's device ranges in parallel), at most about HINT_BYTES. 2-core box, 2026-11-27, 5,000 cold 17 KiB JPEGs
-# on a loop-mounted ext4, 5 rounds: one batch ahead 1.09x fn.readers.file's files/s, two 1.42x, three 1.36x
+# batch's device ranges in parallel), at most about HINT_BYTES: more than one batch ahead reads cold epochs much
+# faster than one (docs/benchmarks.md, DALI sources)
 BMAP_COLD_BATCHES = 3
 # ... on this many threads, so two batches are read at once: each waits on the disk and, on a VM whose balloon
-# reports free pages to the host, on the first touch of the page-cache pages its reads fill. 2-core box,
-# 2026-11-27, 20,000 cold 17 KiB JPEGs, harness, x readers.file: 1.22x and 1.23x against 1.07x and 1.14x with
-# one thread; with the first touches slow (a pass 4 s after the eviction) 1.28x and 1.25x against 0.85x and 0.88x
+# reports free pages to the host, on the first touch of the page-cache pages its reads fill; two threads overlap
+# those waits, most where the first touches are slow (docs/benchmarks.md, DALI sources)
 BMAP_COLD_THREADS = 2
 # After a batch found not in the page cache, BmapSource asks again at every this many-th batch only: on cold data
-# opening the two files to ask waits for their inodes (2-core box: 31,300 cold files/s asking every batch, 44,800
-# never asking)
+# opening the two files to ask waits for their inodes (docs/benchmarks.md, DALI sources)
 MEMORY_PROBES_AFTER_MISS = 16
 
 
@@ -59,8 +57,8 @@ class BmapSource(_EpochSource):
     and check each file again on a writable mount (`MappedFiles.refresh`: one lstat a file). A batch that
     would wait on the disk (O_DIRECT reads always; a loop image's page cache that lacks it) is read raw, ahead;
     an epoch that starts so keeps BMAP_COLD_BATCHES batches being read ahead, raw, two at once
-    (BMAP_COLD_THREADS), with no probe (opening two cold files a batch to ask the page cache cost a third of
-    the cold rate: 2-core box, 30,900 files/s against 50,200)."""
+    (BMAP_COLD_THREADS), with no probe (opening two cold files a batch to ask the page cache slowed the cold
+    epoch: docs/benchmarks.md, DALI sources)."""
 
     def __init__(
         self,

@@ -212,7 +212,7 @@ class DatasetCore:
     def hand_meta(self, item: int, line: dict[str, Any]) -> None:
         """The meta line of `item` its caller has just read (`cache.meta`), for this thread's next read of that
         item: the drop-in's first lookup of a position reads it to match the entry, and the item's first read
-        would read it again (2-core box, 64x64 MedNIST items: 4,096 meta reads for 2,048 first reads)."""
+        would read it again (64x64 MedNIST items: 4,096 meta reads for 2,048 first reads)."""
         self._handed[threading.get_ident()] = (item, line)
 
     def _plan(self, item: int) -> _ItemPlan:

@@ -20,7 +20,7 @@ class Ring:
     stream waits on; a slot is filled again only after the parent's fence for it (recorded after the parent
     copied the slot out, before its credit) has passed. Tensors sent one by one instead would each be a fresh
     block of the child's allocator (a sent block is kept in limbo until memory runs short) and a fresh
-    cudaIpcOpenMemHandle in the parent: that ran at 0.76 of the ceiling with 14% waiting (spheres, H200)."""
+    cudaIpcOpenMemHandle in the parent, which measured slower (docs/benchmarks.md, the feeder)."""
 
     def __init__(self, count: int) -> None:
         self.count = count

@@ -3,7 +3,7 @@
 In the training process, every millisecond of the loader's Python (the crops' and transforms' draws through
 MONAI's `randomize`, the tail's launches, the hand-over) holds the same interpreter lock as the training
 loop's kernel launches, and comes off the steps where the loop is bound by launching kernels (the `spheres`
-workload: 2.4 CPU ms a step on top of the ceiling's 5.0, H200 box, 2026-11-26). With a feeder, a child
+workload: docs/benchmarks.md, Training: the loader in a process of its own). With a feeder, a child
 process runs the loader itself (its own read thread, tier and CUDA context on the same device) and hands each
 batch over: CUDA tensors as CUDA IPC handles (no copy; torch's own reductions), small host tensors by value.
 The training process only receives.

@@ -56,11 +56,10 @@ class CostModel:
         return int(self.request_s * self.bandwidth_bps)
 
 
-# Cold defaults measured on the 2-core development VM's virtio disk (O_DIRECT into faulted-in aligned
-# buffers, after eviction): 4 KiB at queue depth 1 took 0.035 ms, 104 KiB 0.066 ms (~0.04 ms beyond its
-# bytes, and no faster at depth 16), 1 MiB reads at depth 16 ran at 4-4.9 GB/s: gaps up to ~180 KB are
-# read through. A virtual disk that costs ~1 ms a request whatever its size wants CostModel(1e-3, <its
-# bytes/s>): gaps up to megabytes are then read through.
+# Cold defaults measured on a small VM's virtio disk (O_DIRECT into faulted-in aligned buffers, after eviction;
+# docs/benchmarks.md, Loaders): ~40 us a request beyond its bytes, ~4.5 GB/s for large reads in flight together, so
+# gaps up to ~180 KB are read through. A virtual disk that costs ~1 ms a request whatever its size wants
+# CostModel(1e-3, <its bytes/s>): gaps up to megabytes are then read through.
 COLD_COST = CostModel(40e-6, 4.5e9)
 # Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
 # machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.

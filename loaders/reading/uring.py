@@ -2,9 +2,8 @@
 
 A batch of small files read one `read()` at a time reaches the block device as one request a file. Submitted
 as one io_uring batch, every read's readahead is issued under the same block-layer plug, and reads of files
-that lie next to each other on the disk merge into one request. On the 2-core box (2026-11-27; 3,200 cold
-17 KiB JPEGs on a loop-mounted ext4, batches of 64) the loop device saw 674 requests instead of 3,200, and the
-files came in at 39-44k files/s against 26-35k with one WILLNEED hint a file and one reader thread.
+that lie next to each other on the disk merge into one request: a fraction of the requests, and more files a
+second than one reader thread with a WILLNEED hint a file (docs/benchmarks.md, DALI sources).
 
 Pure Python: the two syscalls through ctypes (which releases the interpreter lock while the kernel works), the
 rings mapped with `mmap` and filled with numpy, so a batch costs a few vectorised writes and one syscall.

@@ -21,8 +21,7 @@ from loaders.deps import cuda_available, require
 from loaders.errors import MissingDependencyError, PrepError
 
 # The peer's median round under this many seconds earns a footer: such rounds do not hold their ratios from run
-# to run (H100, 2026-11-27, DALI's GPU decoder, cold: 0.16 s rounds of 3,200 files gave FileSource 1.13x and then
-# 0.91x readers.file; on an H200, 0.8 s rounds of 16,000 files gave 1.11x and 1.07x)
+# to run (docs/benchmarks.md, DALI sources: short rounds)
 SHORT_ROUND_S = 0.5
 
 
@@ -226,8 +225,7 @@ def settle() -> None:
     leave writes pending on a writable mount: a file's first read after it was written updates its atime
     under `relatime`, and the journal commits that seconds later, while the next way is timed. Such a write
     costs the pass it lands in, and `BmapSource` checks each file's extents again after any write to its
-    device. H200 box, 2026-11-27, warm, 4 writes during the pass: `BmapSource` 0.96x `readers.file`; the same
-    pipeline on the same quiet device in the pass before, 1.05-1.10x."""
+    device: a pass with writes ran slower than the same pass on a quiet device (docs/benchmarks.md, DALI sources)."""
     os.sync()
 
 
@@ -277,11 +275,10 @@ def touch_memory(nbytes: int) -> int:
     """Fault in up to `nbytes` of fresh memory (at most half of the available memory) and free it again; returns the
     bytes touched. A virtual machine whose balloon driver reports free pages to the host (virtio-balloon free
     page reporting, 2 s after they are freed) gets such a page back from the host on its first touch, at a
-    fraction of memory speed: 2-core box, 2026-11-27, 400 MiB first touched at 5.7-5.9 GB/s right after an
-    eviction and at 0.75-0.81 GB/s 4 s later. An eviction frees hundreds of MiB; a cold pass timed seconds
-    later then paid that in whichever thread first touched the pages its reads allocated: `readers.file` 0.6x,
-    `BmapSource` 0.45x of their rates in the same harness with this touch done (the loop driver's thread copies
-    for the readers through the filesystem; `BmapSource`'s own thread copies from its image). Pages touched and
+    fraction of memory speed (docs/benchmarks.md, DALI sources). An eviction frees hundreds of MiB; a cold pass timed
+    seconds later then paid that in whichever thread first touched the pages its reads allocated (the loop
+    driver's thread copies for the readers through the filesystem; `BmapSource`'s own thread copies from its
+    image). Pages touched and
     freed here go back to the free lists, backed, and the pass's allocations take them."""
     import mmap
 

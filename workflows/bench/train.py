@@ -413,7 +413,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     picked = [(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
               for key, job in jobs if not opts.rows or key in opts.rows or key == "ceiling"]  # fmt: skip
     # the ceiling again after the rows of every round, the faster of its two runs kept: the first can find the
-    # GPU's clocks still low (one H100 run: 127 steps/s first, 166 in the next run)
+    # GPU's clocks still low (docs/benchmarks.md, Training)
     again = [("ceiling-again", dict(picked)["ceiling"])] if WORKLOADS[opts.workload].ceiling(opts) else []
     rows.add_rounds([*picked, *again], opts.rounds, peer=persistent_name(opts), ceiling=CEILING,
                     best_of={"ceiling-again": "ceiling"})  # fmt: skip
@@ -427,7 +427,7 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     return rows
 
 
-# Per workload: (size, crop, batch, count, workers) when the command line does not say (the GPU box's run).
+# Per workload: (size, crop, batch, count, workers) when the command line does not say (docs/benchmarks.md's GPU runs).
 DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
     "spheres": (160, 96, 4, 48, 8),
     "seg-ct": (200, 96, 2, 24, 8),  # 160-240 voxels a side at 1.4-2.2 mm: 150-300 after the spleen Spacingd
@@ -438,7 +438,7 @@ DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
-MIN_SECONDS_GPU = 3.0  # a row's timed steps on a GPU at least add up to this (a spheres epoch is 0.06 s on an H100)
+MIN_SECONDS_GPU = 3.0  # a row's timed steps on a GPU add up to at least this (a spheres epoch: docs/benchmarks.md)
 
 
 def _min_seconds(given: float | None, device: str) -> float:

@@ -81,9 +81,9 @@ def main_ddp(opts: TrainOptions) -> Rows:
             return out
     finally:
         dist.destroy_process_group()
-    # ranks > 0: rank 0 reports. They leave without the interpreter's teardown: on the 2-core box one CI run in
-    # several saw a rank whose work was done abort there ("terminate called without an active exception", a
-    # C++ thread still joinable as torch's statics went), failing the whole torchrun (2026-11-26)
+    # ranks > 0: rank 0 reports. They leave without the interpreter's teardown: one CI run in several saw a rank
+    # whose work was done abort there ("terminate called without an active exception", a C++ thread still
+    # joinable as torch's statics went), failing the whole torchrun
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

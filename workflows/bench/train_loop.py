@@ -142,8 +142,8 @@ def on_device(x: Any, device: str) -> Any:
 def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts: TrainOptions,
               device: str | None = None, ddp: bool = False, note: str = "") -> TrainRow:  # fmt: skip
     """Train `opts.epochs` epochs over `epochs(e)`, and more until the timed steps add up to `opts.min_seconds`
-    (a `spheres` epoch is 12 steps of 5 ms on an H100: two timed epochs were 0.12 s, and one configuration's
-    rounds differed by 1.7x); time every epoch after the first."""
+    (a `spheres` epoch on a GPU takes hundredths of a second, too short a window to time: docs/benchmarks.md,
+    Training); time every epoch after the first."""
     import torch
 
     device = device or opts.device
