@@ -28,11 +28,11 @@ from loaders.backends.base import (
 )
 from loaders.cache.spec import ALIGN
 from loaders.errors import BackendError
+from loaders.tunables import WARM_CHUNK
 
 log = logging.getLogger(__name__)
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-WARM_CHUNK = 8 << 20  # piece size for data already in the page cache
 
 
 def _as_bytes(buf: Any) -> np.ndarray:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from loaders.errors import UnsupportedFilesystemError
+from loaders.tunables import DEFAULT_BATCH
 
 FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap)
 FIEMAP_MAX_OFFSET = (1 << 64) - 1
@@ -63,8 +64,6 @@ _MAPPED = struct.Struct("=I")  # fm_mapped_extents, at byte 20 of the header
 _FIRST = struct.Struct("=20xI8xQQQ16xI12x")  # fm_mapped_extents and the first extent, in one unpack
 assert _HEADER.size == 32 and _EXTENT.size == 56
 _local = threading.local()  # one ioctl buffer per thread, reused: allocation is a visible cost per file
-
-DEFAULT_BATCH = 32  # extents per ioctl: one call covers nearly every file; bigger ones page
 
 
 class Extent(NamedTuple):

@@ -40,6 +40,7 @@ from loaders.faces.dali_base import (
 from loaders.faces.dali_bmap import BMAP_COLD_BATCHES, BMAP_COLD_THREADS, BmapSource
 from loaders.reading import uring
 from loaders.reading.files import HINT_BYTES, _resident, hint_files, read_whole_files
+from loaders.tunables import COLD_READ_THREADS, URING_BATCHES, URING_FILES
 
 
 def read_threads(cores: int) -> int:
@@ -47,15 +48,6 @@ def read_threads(cores: int) -> int:
     per-file Python, and each thread waits for it again after every syscall: more threads were slower on 2 cores
     and on 16 (docs/benchmarks.md, DALI sources). `cores` is kept for callers that pass it."""
     return 1
-
-
-# FileSource's read threads for a batch whose first file is not in the page cache (cold data) where io_uring cannot
-# be used: its one warm-data thread read a cold tree well under fn.readers.file (docs/benchmarks.md, DALI sources)
-COLD_READ_THREADS = 8
-# FileSource's io_uring reads (`loaders.reading.uring`): in a cold epoch up to URING_BATCHES batches are in flight,
-# at most URING_FILES files (each holds a descriptor while in flight); a batch of more files is read with plain reads
-URING_BATCHES = 4
-URING_FILES = 256
 
 
 class FileSource(_EpochSource):

@@ -18,10 +18,7 @@ from loaders import args
 from loaders.backends import Backend, ReadRequest
 from loaders.cache.order import dali_shard, epoch_batches, epoch_order
 from loaders.errors import ArgumentValueError
-
-# Batches past the one read ahead whose files FileSource hints to the kernel (posix_fadvise WILLNEED) when they are
-# cold: the kernel reads them asynchronously, so the disk has more requests in flight than the read threads make
-HINT_BATCHES = 6
+from loaders.tunables import HINT_BATCHES, IDLE_READS
 
 # fn.readers.file's default `file_filters` (DALI 1.3x-2.x)
 DEFAULT_FILE_FILTERS: tuple[str, ...] = (
@@ -56,12 +53,6 @@ def list_labeled_files(
         ]
         out += [(f"{name}/{f}", label) for f in sorted(files, key=os.fsencode)]
     return out
-
-
-# A warm batch is read ahead on a thread where the consumer spends more than this many times a batch's read between
-# two batches (a pipeline that decodes: the reads then overlap the pipeline's wait); where it comes back at once,
-# reading ahead on a thread loses to reading when asked (docs/benchmarks.md, DALI sources)
-IDLE_READS = 2.0
 
 
 def _average(mean: float, value: float) -> float:

@@ -24,18 +24,7 @@ from loaders.faces.dali_base import (
     list_labeled_files,
 )
 from loaders.reading.files import HINT_BYTES, cached_whole, read_whole_files
-
-# BmapSource's cold epochs: up to this many batches read ahead, one after another on the read-ahead thread (each
-# batch's device ranges in parallel), at most about HINT_BYTES: more than one batch ahead reads cold epochs much
-# faster than one (docs/benchmarks.md, DALI sources)
-BMAP_COLD_BATCHES = 3
-# ... on this many threads, so two batches are read at once: each waits on the disk and, on a VM whose balloon
-# reports free pages to the host, on the first touch of the page-cache pages its reads fill; two threads overlap
-# those waits, most where the first touches are slow (docs/benchmarks.md, DALI sources)
-BMAP_COLD_THREADS = 2
-# After a batch found not in the page cache, BmapSource asks again at every this many-th batch only: on cold data
-# opening the two files to ask waits for their inodes (docs/benchmarks.md, DALI sources)
-MEMORY_PROBES_AFTER_MISS = 16
+from loaders.tunables import BMAP_COLD_BATCHES, BMAP_COLD_THREADS, MEMORY_PROBES_AFTER_MISS
 
 
 class BmapSource(_EpochSource):

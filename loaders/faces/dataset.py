@@ -34,11 +34,10 @@ from loaders.faces import batches
 from loaders.reading.reads import PLAN_CACHE, Reader, ReadPlan, fits_in_memory
 from loaders.reading.region import plan_read
 from loaders.reading.staging import torch_dtype, view
+from loaders.tunables import SMALL_OWN
 
 __all__ = ["DatasetCore", "fits_in_memory", "shard_items"]
 
-# tensors up to this size get their own storage when read (`_own_storage`)
-SMALL_OWN = 1 << 20
 
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
 Roi = tuple[Sequence[int], Sequence[int]] | Callable[[int, dict[str, tuple[int, ...]]], Any]

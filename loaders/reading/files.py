@@ -9,10 +9,7 @@ from typing import Any
 
 import numpy as np
 
-HINT_BYTES = 64 << 20  # at most this much hinted at a time (large files: the page cache is not flooded)
-# Files read_whole_files holds open at a time: bounded, so a large batch never nears the process's descriptor
-# limit
-OPEN_AT_ONCE = 64
+from loaders.tunables import HINT_BYTES, OPEN_AT_ONCE
 
 
 def read_whole_files(paths: Sequence[str]) -> list[np.ndarray]:

@@ -34,15 +34,7 @@ from loaders.errors import BackendError
 from loaders.machine import available_memory
 from loaders.reading.region import RegionRead, plan_read, read_regions
 from loaders.reading.staging import BufferPool, Place, Slot, host_array, upload
-
-# Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
-# tensors than the backend has threads: a warm read is a memory copy, and one core copies ~10 GB/s.
-SPLIT_BYTES = 2 << 20
-# An item read alone up to this size goes through `Backend.read_small` (on the calling thread for posix, and
-# for direct when warm): handing a few KB to the pool and waiting for it costs more than the copy itself.
-INLINE_BYTES = 256 << 10
-# Items whose entries are kept (immutable for a committed cache); beyond it the memo restarts.
-PLAN_CACHE = 1 << 16
+from loaders.tunables import INLINE_BYTES, PLAN_CACHE, SPLIT_BYTES
 
 Window = tuple[Sequence[int], Sequence[int]]  # (start, shape) over a tensor's trailing dims
 

@@ -33,13 +33,7 @@ from loaders.cache.format import TensorEntry
 from loaders.cache.layout import open_read
 from loaders.cache.spec import ALIGN, align_up
 from loaders.reading.staging import host_array
-
-# Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
-# queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
-REQUEST_COST_S = 10e-6
-BANDWIDTH_BPS = 5e9
-# Warm regions smaller than this are read in the calling thread, run after run: a handoff costs more.
-SEQUENTIAL_BELOW = 1 << 20
+from loaders.tunables import BANDWIDTH_BPS, COLD_INFLIGHT, REQUEST_COST_S, SEQUENTIAL_BELOW
 
 
 @dataclass(frozen=True)
@@ -61,9 +55,6 @@ class CostModel:
 # gaps up to ~180 KB are read through. A virtual disk that costs ~1 ms a request whatever its size wants
 # CostModel(1e-3, <its bytes/s>): gaps up to megabytes are then read through.
 COLD_COST = CostModel(40e-6, 4.5e9)
-# Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
-# machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
-COLD_INFLIGHT = 64
 
 
 @dataclass(frozen=True)

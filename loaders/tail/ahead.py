@@ -24,8 +24,7 @@ from typing import Any
 import numpy as np
 
 from loaders.reading.ahead import InOrder
-
-DEPTH = 2  # batches of draws kept ready
+from loaders.tunables import DEPTH
 
 Draw = Callable[[Any, Any, int, Any], list[Any]]  # (transform, inner, n, like) -> each item's draw or None
 

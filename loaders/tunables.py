@@ -1,0 +1,84 @@
+"""The loaders' tunables in one place, each with what it means and why it has its value (the measurements
+behind them are in docs/benchmarks.md). The modules that use one import it by name from here, so a test or
+an experiment may still set it on the module that uses it.
+"""
+
+from __future__ import annotations
+
+# --- Reading a prepared cache (loaders.reading.reads, loaders.reading.region, loaders.faces.dataset) ---
+
+# Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
+# tensors than the backend has threads: a warm read is a memory copy, and one core copies ~10 GB/s.
+SPLIT_BYTES = 2 << 20
+# An item read alone up to this size goes through `Backend.read_small` (on the calling thread for posix, and
+# for direct when warm): handing a few KB to the pool and waiting for it costs more than the copy itself.
+INLINE_BYTES = 256 << 10
+# Items whose entries are kept (immutable for a committed cache); beyond it the memo restarts.
+PLAN_CACHE = 1 << 16
+
+# Cost model for choosing the cut axis: a request costs about this many seconds of overhead (syscall,
+# queueing), bytes cost 1/bandwidth. Warm page-cache numbers; cold NVMe favours fewer, bigger requests too.
+REQUEST_COST_S = 10e-6
+BANDWIDTH_BPS = 5e9
+# Warm regions smaller than this are read in the calling thread, run after run: a handoff costs more.
+SEQUENTIAL_BELOW = 1 << 20
+# Requests in flight for cold region reads, each on its own thread (a device queue wants many; on a small
+# machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
+COLD_INFLIGHT = 64
+
+# `PreparedDataset[i]`: tensors up to this size get their own storage when read (MONAI deep-copies a view's
+# whole storage, the item's read buffer).
+SMALL_OWN = 1 << 20
+
+
+# --- Moving bytes (loaders.backends, loaders.reading.files, loaders.blockmap.fiemap) ---
+
+# `direct` reads data already in the page cache buffered, in pieces of this size (one per thread of its pool).
+WARM_CHUNK = 8 << 20
+
+# Whole-file reads hint at most this many bytes to the kernel at a time (WILLNEED): large files do not flood
+# the page cache.
+HINT_BYTES = 64 << 20
+# Files read_whole_files holds open at a time: bounded, so a large batch never nears the process's descriptor
+# limit
+OPEN_AT_ONCE = 64
+
+# Extents asked for per FIEMAP ioctl: one call covers nearly every file; bigger ones page through.
+DEFAULT_BATCH = 32
+
+
+# --- The random tail (loaders.tail) ---
+
+# Batches of a costly random transform's draws (RandGaussianNoised) made ahead on a thread.
+DEPTH = 2
+
+
+# --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---
+
+# Batches past the one read ahead whose files FileSource hints to the kernel (posix_fadvise WILLNEED) when they are
+# cold: the kernel reads them asynchronously, so the disk has more requests in flight than the read threads make
+HINT_BATCHES = 6
+# A warm batch is read ahead on a thread where the consumer spends more than this many times a batch's read between
+# two batches (a pipeline that decodes: the reads then overlap the pipeline's wait); where it comes back at once,
+# reading ahead on a thread loses to reading when asked (docs/benchmarks.md, DALI sources)
+IDLE_READS = 2.0
+
+# FileSource's read threads for a batch whose first file is not in the page cache (cold data) where io_uring cannot
+# be used: its one warm-data thread read a cold tree well under fn.readers.file (docs/benchmarks.md, DALI sources)
+COLD_READ_THREADS = 8
+# FileSource's io_uring reads (`loaders.reading.uring`): in a cold epoch up to URING_BATCHES batches are in flight,
+# at most URING_FILES files (each holds a descriptor while in flight); a batch of more files is read with plain reads
+URING_BATCHES = 4
+URING_FILES = 256
+
+# BmapSource's cold epochs: up to this many batches read ahead, one after another on the read-ahead thread (each
+# batch's device ranges in parallel), at most about HINT_BYTES: more than one batch ahead reads cold epochs much
+# faster than one (docs/benchmarks.md, DALI sources)
+BMAP_COLD_BATCHES = 3
+# ... on this many threads, so two batches are read at once: each waits on the disk and, on a VM whose balloon
+# reports free pages to the host, on the first touch of the page-cache pages its reads fill; two threads overlap
+# those waits, most where the first touches are slow (docs/benchmarks.md, DALI sources)
+BMAP_COLD_THREADS = 2
+# After a batch found not in the page cache, BmapSource asks again at every this many-th batch only: on cold data
+# opening the two files to ask waits for their inodes (docs/benchmarks.md, DALI sources)
+MEMORY_PROBES_AFTER_MISS = 16
