@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 VERSION = 1
-_ORDER = ("seed", "shuffle", "rank", "world", "batch_size", "drop_last", "n_items")
+_ORDER = ("batch_size", "drop_last", "n_items", "seed", "shuffle", "rank", "world")  # checked in this order
 
 
 def randomizables(root: Any) -> list[Any]:
