@@ -1,4 +1,4 @@
-"""The conformance table: one row per chain the loaders must run exactly as MONAI runs it (issue 26).
+"""The conformance table: one row per chain the loaders must run exactly as MONAI runs it.
 
 Adding a chain is one `Row` in `ROWS`: its data set, a function giving fresh head transforms, one giving
 fresh tail transforms, the user's Compose options and PreparedLoader options. `atol` is 0 (bit for bit)

@@ -1,4 +1,4 @@
-"""The held-out table (issue 26): chains of the same kinds as the issue's, written after its fixes, over the
+"""The held-out table: chains of the same kinds as the conformance table's, written after it, over the
 multi-modal sets (other key names, 2D and 3D, a multi-class label, flipped affines, per-item values).
 
 Rows as in `chaintable`; `ALL` is the three tables (with `tutorials`), the one the runners and the generated

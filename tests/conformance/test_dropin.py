@@ -1,4 +1,4 @@
-"""PreparedPersistentDataset against MONAI's PersistentDataset, row by row (issue 26): the same data, the
+"""PreparedPersistentDataset against MONAI's PersistentDataset, row by row: the same data, the
 same chain built twice, seeded the row's way, under the same DataLoader; every batch equal."""
 
 from __future__ import annotations

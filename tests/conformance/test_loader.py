@@ -1,4 +1,4 @@
-"""PreparedLoader against MONAI itself, row by row of the conformance table (issue 26).
+"""PreparedLoader against MONAI itself, row by row of the conformance table.
 
 The quick suite runs each row once (CPU, no tier, crop reads, tail in the read thread, two epochs); the
 slow matrix runs every row over tier / crop_read / tail_thread / a DDP shard.

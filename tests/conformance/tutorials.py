@@ -1,4 +1,4 @@
-"""The tutorial chains (issue 26): MONAI's own tutorials and the seeds' programs, as their users write them,
+"""The tutorial chains: MONAI's own tutorials and the seeds' programs, as their users write them,
 at CPU sizes on the conformance sets (crop and pad sizes scaled to 24^3 volumes; augmentation probabilities
 raised where a tutorial's 0.1-0.15 would rarely fire in five items and two epochs).
 

@@ -585,7 +585,7 @@ def _ddp_rank(rank: int, world: int, init: str, root: str, out: str) -> None:
 
 
 def test_shard_set_epoch_over_gloo(cache: tuple[Path, list[dict]], tmp_path: Path) -> None:
-    """Two real gloo ranks: every item once per epoch across ranks, another split every epoch (issue 13)."""
+    """Two real gloo ranks: every item once per epoch across ranks, another split every epoch."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 

@@ -199,7 +199,7 @@ def test_torch_dataloader_workers(prepared: dict[str, Any]) -> None:
 
 
 def test_seeding_before_building_keeps_the_draws(prepared: dict[str, Any]) -> None:
-    """transform.set_random_state(s), then build the drop-in: same draws as PersistentDataset (issue 9.5)."""
+    """transform.set_random_state(s), then build the drop-in: same draws as PersistentDataset."""
     from monai.data import PersistentDataset
 
     from loaders import PreparedPersistentDataset
@@ -221,7 +221,7 @@ def test_seeding_before_building_keeps_the_draws(prepared: dict[str, Any]) -> No
 def test_relative_datalist_paths_match(
     prepared: dict[str, Any], nifti_dataset: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Entries loaded through a relative datalist path match the cache by real path (issue 9.8)."""
+    """Entries loaded through a relative datalist path match the cache by real path."""
     from loaders import PreparedPersistentDataset
     from prep.cache import load_datalist, prepare_cache
 
@@ -402,7 +402,7 @@ def test_leaf_kinds_round_trip_and_old_lines() -> None:
 
 
 def test_dropin_device_is_where_the_head_put_its_tensors() -> None:
-    """Issue 25.2: seed 000's head ends on the GPU (EnsureTypeD(device="cuda:0"), then SpacingD), and MONAI's
+    """Seed 000's head ends on the GPU (EnsureTypeD(device="cuda:0"), then SpacingD), and MONAI's
     PersistentDataset gives its tensors back there; the decision needs no GPU to test."""
     import monai.transforms as mt
 

@@ -70,7 +70,7 @@ def _head(device: str) -> list[Any]:
 
 
 def test_a_cuda_head_runs_on_threads_unless_processes_are_asked_for() -> None:
-    """Issue 25.1: seed 000's head initialises CUDA: threads (one CUDA context); processes only when asked."""
+    """Seed 000's head initialises CUDA: threads (one CUDA context); processes only when asked."""
     head = _head("cuda:0")
     assert not worker_mode(8, 10_000, 0.1, head, cuda_initialized=False, forkserver_s=0)
     assert not worker_mode(8, 10_000, 0.1, head, cuda_initialized=True, forkserver_s=0)

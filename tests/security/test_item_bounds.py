@@ -1,4 +1,4 @@
-"""Issue 27.8: `prep cache` bounds what an input may decode to, from its header, before decoding it."""
+"""`prep cache` bounds what an input may decode to, from its header, before decoding it."""
 
 from __future__ import annotations
 

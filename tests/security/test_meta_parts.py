@@ -1,4 +1,4 @@
-"""Meta lines whose parts readers take apart (issue 27.6, 27.11, 27.12): an affine that does not fit its
+"""Meta lines whose parts readers take apart: an affine that does not fit its
 tensor, parts of the wrong kind, a null where a number belongs, non-tensor outputs that differ between items:
 each one FormatError line in every reader and in `prep verify` (exit 1, no traceback); and a PreparedLoader
 refuses to be pickled in one line."""

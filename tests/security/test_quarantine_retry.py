@@ -1,4 +1,4 @@
-"""Issue 27.13: a quarantine clears once its file is fixed (a rerun prepares the item, the prepared items
+"""A quarantine clears once its file is fixed (a rerun prepares the item, the prepared items
 stay as they are), an unchanged one costs a rerun nothing, and the drop-in refuses a quarantined entry when
 built, with a fix that works."""
 

@@ -52,7 +52,7 @@ def test_each_commit_gets_a_new_generation(tmp_path: Path) -> None:
 
 
 def test_items_read_before_and_the_loader_s_next_epoch_are_refused(good_cache: Path, tmp_path: Path) -> None:
-    """Issue 27.5: `prep cache --force` under running readers. An item read before (its plan kept, its shard
+    """`prep cache --force` under running readers. An item read before (its plan kept, its shard
     descriptor open) is refused like the others, and PreparedLoader's next epoch is refused at its start,
     even where every item is held in memory: no reader goes on with the old generation."""
     from monai.transforms import Compose, RandFlipd

@@ -1,4 +1,4 @@
-"""Issue 27.9: a datalist's repeated entries are said once and prepared once unless asked; the drop-in still
+"""A datalist's repeated entries are said once and prepared once unless asked; the drop-in still
 gives every listed copy, as MONAI's PersistentDataset does."""
 
 from __future__ import annotations

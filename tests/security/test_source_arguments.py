@@ -1,4 +1,4 @@
-"""Issue 27.12 and 27.13: the drop-in's and the DALI sources' arguments, refused when built in one line of an
+"""The drop-in's and the DALI sources' arguments, refused when built in one line of an
 ArgumentError that is also the TypeError/ValueError Python code expects; a source that would yield nothing
 says so instead of handing DALI a bare StopIteration; a flat map without a device asks for one."""
 

@@ -1,4 +1,4 @@
-"""The seeds' own programs, as they write them, on blockprep at CPU sizes (issue 25).
+"""The seeds' own programs, as they write them, on blockprep at CPU sizes.
 
 000: MONAI's GDS notebook chain (its transforms verbatim, `cuda` replaced by `cpu`) through `prep cache` and
 the drop-in under `ThreadDataLoader(batch_size=1)`, against `PersistentDataset`. 001: the HPC slides'
