@@ -8,9 +8,7 @@ Tasks run `prep.worker.run_batch`; the commit turns journals into the layout of 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -20,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.cache import chain, layout, sampling
+from loaders.cache import chain
 from loaders.cache.format import PreparedCache
-from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
-from loaders.cache.writing import fsync_dir
+from loaders.cache.spec import MANIFEST
 from loaders.fast.folds import crop_sets_of
+from loaders.machine import available_memory
+from prep.cache_plan import check_head, differences, load_json, load_plan, reconcile, reopen, up_to_date
 from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
@@ -41,27 +40,22 @@ from prep.cluster import (
     worker_mode,
 )
 from prep.commit import commit
-from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
+from prep.datalist import Repeats, load_datalist
 from prep.errors import PrepError, StaleError, UsageError
-from prep.item_size import available_memory, declared_total, default_max_item_bytes
-from prep.journal import (
-    CacheLock,
-    JournalWriter,
-    check_output,
-    committed_records,
-    read_journals,
-    read_plan,
-    write_plan,
-)
-from prep.pipeline import Pipeline, file_sha256, load_pipeline
+from prep.item_size import declared_total, default_max_item_bytes
+from prep.journal import CacheLock, JournalState, check_output, read_journals, write_plan
+from prep.pipeline import Pipeline, load_pipeline
 from prep.processes import start_forkserver
 from prep.quarantine import input_paths, to_retry
 from prep.sampling import WorkerSets, ensure_sets
 from prep.summary import CacheSummary, summary_of
 from prep.worker import TaskSpec, keep_pipeline, run_batch, set_torch_threads
 
+__all__ = ["DEFAULT_SHARD_SIZE", "load_datalist", "prepare_cache"]  # load_datalist: imported from here by callers
+
 DEFAULT_SHARD_SIZE = 1 << 30
-_COMMITTED = "committed.jsonl"  # a committed cache's items as journal lines, while its quarantine is retried
+
+_Items = list[tuple[str, dict[str, Any]]]  # the datalist entries to prepare: (section, entry)
 
 
 def prepare_cache(
@@ -99,6 +93,34 @@ def prepare_cache(
     section is prepared once (every copy with `keep_repeats`); the summary says how many repeat.
     """
     t0 = time.perf_counter()
+    max_item_bytes = _checked_options(datalist, pipeline, workers, shard_size, max_item_bytes)
+    check_security(scheduler, security)
+    root = Path(output)
+    check_output(root)
+    # a committed cache is usually up to date (or stale): no cluster for it unless work turns out to be needed
+    early = force or not (root / MANIFEST).exists()
+    if not early:  # complete and current: reported without the lock, as readers need none (read-only mounts)
+        pipe, items, plan, repeats = _load(pipeline, bundle_key, allow_empty_head, datalist, sections, keep_repeats)
+        summary = _committed(root, pipe, items, plan, repeats, max_item_bytes, workers, verify, t0)
+        if summary is not None:
+            return summary
+    with ExitStack() as stack:  # closes in reverse: the cluster is gone before the lock is released
+        stack.enter_context(interrupt_scope())
+        stack.enter_context(CacheLock(root))
+        starter = _start_while_planning(stack, early, workers, scheduler, processes, pipeline, bundle_key, security)
+        pipe, items, plan, repeats = _load(pipeline, bundle_key, allow_empty_head, datalist, sections, keep_repeats)
+        stack.enter_context(_no_space(root))
+        run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress,
+                   security, max_item_bytes)  # fmt: skip
+        summary = _reused_or_prepared(run, stack, starter, force, max_item_bytes, t0)
+        _complete(summary, root, pipe, repeats, workers, verify)
+    return summary
+
+
+def _checked_options(
+    datalist: str | Path, pipeline: str | Path, workers: int, shard_size: int, max_item_bytes: int | None
+) -> int:
+    """Refuse options out of range and input files not found; returns the item bound (default: from memory)."""
     if workers < 1 or shard_size < 4096:
         raise UsageError(f"--workers must be >= 1 and --shard-size >= 4096 (got {workers}, {shard_size})")
     if max_item_bytes is None:
@@ -108,82 +130,80 @@ def prepare_cache(
     for path, what in ((Path(datalist), "datalist"), (Path(pipeline), "pipeline file")):
         if not path.is_file():
             raise UsageError(f"{path}: {what} not found")
-    check_security(scheduler, security)
-    root = Path(output)
-    check_output(root)
-    # a committed cache is usually up to date (or stale): no cluster for it unless work turns out to be needed
-    early = force or not (root / MANIFEST).exists()
-    if not early:  # complete and current: reported without the lock, as readers need none (read-only mounts)
-        pipe = load_pipeline(pipeline, bundle_key)
-        _check_head(pipe, allow_empty_head)
-        items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
-        summary = _up_to_date(root, plan, pipe, len(items), t0)
-        retry = summary is not None and to_retry(summary.quarantined, max_item_bytes) and os.access(root, os.W_OK)
-        if summary is not None and not retry:  # quarantined inputs that changed since are prepared again below
-            summary.repeats = repeats.note()
-            if summary.n_items:  # sets missing from a cache made before them are added (a read-only one: said)
-                summary.sampling = _sets_or_why(root, pipe.tail, workers)
-            _verify(summary, root, verify)
-            return summary
-        manifest = _load_json(root / MANIFEST)
-        diffs = _differences(manifest, plan) if manifest is not None else []
-        if diffs:  # refused before taking the lock, so a read-only cache says what changed too
-            raise StaleError(f"{root}: {'; '.join(diffs)} since this cache was made; re-run with --force to rebuild")
-    with ExitStack() as stack:  # closes in reverse: the cluster is gone before the lock is released
-        stack.enter_context(interrupt_scope())
-        stack.enter_context(CacheLock(root))
-        starter = None
-        if early and (scheduler or processes is not None or workers == 1):
-            # the kind is known (a scheduler, threads or processes asked for, one worker's threads): it starts
-            # while this thread plans; otherwise once the head is timed (worker_mode)
-            asked = bool(processes) and not scheduler
-            starter = stack.enter_context(ClusterStarter(workers, scheduler, asked, pipeline, bundle_key, security))
-        elif early:  # processes may run: the forkserver imports torch and MONAI while this thread plans
-            start_forkserver(torch_threads_for(workers, None, processes=True))
-        pipe = load_pipeline(pipeline, bundle_key)
-        _check_head(pipe, allow_empty_head)
-        items, plan, repeats = _load_plan(pipe, Path(datalist), sections, keep_repeats)
-        stack.enter_context(_no_space(root))
-        manifest = _reconcile(root, plan, force)
-        if manifest is not None and not _reopen(root, manifest, plan, len(items), max_item_bytes):
-            summary = _up_to_date(root, plan, pipe, len(items), t0) or summary_of(
-                root, manifest, len(items), 0, 0, time.perf_counter() - t0, up_to_date=True
-            )
-        else:
-            run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress,
-                       security, max_item_bytes)  # fmt: skip
-            summary = _prepare(run, stack, starter, t0)
-        summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
+    return max_item_bytes
+
+
+def _load(
+    pipeline: str | Path,
+    bundle_key: str | None,
+    allow_empty_head: bool,
+    datalist: str | Path,
+    sections: Sequence[str],
+    keep_repeats: bool,
+) -> tuple[Pipeline, _Items, dict[str, Any], Repeats]:
+    """The user's chain (an empty head refused), the items to prepare, the run's plan and what repeated."""
+    pipe = load_pipeline(pipeline, bundle_key)
+    check_head(pipe, allow_empty_head)
+    items, plan, repeats = load_plan(pipe, Path(datalist), sections, keep_repeats)
+    return pipe, items, plan, repeats
+
+
+def _committed(
+    root: Path,
+    pipe: Pipeline,
+    items: _Items,
+    plan: dict[str, Any],
+    repeats: Repeats,
+    max_item_bytes: int,
+    workers: int,
+    verify: bool,
+    t0: float,
+) -> CacheSummary | None:
+    """Before the lock: the summary of a committed cache that is current with nothing to retry; None where
+    work is needed; StaleError where the plan changed."""
+    summary = up_to_date(root, plan, pipe, len(items), t0)
+    retry = summary is not None and to_retry(summary.quarantined, max_item_bytes) and os.access(root, os.W_OK)
+    if summary is not None and not retry:  # quarantined inputs that changed since are prepared again below
         summary.repeats = repeats.note()
-        if summary.n_items and not summary.sampling:  # none made by the workers (or a resumed run's)
-            summary.sampling = ensure_sets(root, pipe.tail, workers)
+        if summary.n_items:  # sets missing from a cache made before them are added (a read-only one: said)
+            summary.sampling = _sets_or_why(root, pipe.tail, workers)
         _verify(summary, root, verify)
-    return summary
+        return summary
+    manifest = load_json(root / MANIFEST)
+    diffs = differences(manifest, plan) if manifest is not None else []
+    if diffs:  # refused before taking the lock, so a read-only cache says what changed too
+        raise StaleError(f"{root}: {'; '.join(diffs)} since this cache was made; re-run with --force to rebuild")
+    return None
 
 
-def _reopen(root: Path, manifest: dict[str, Any], plan: dict[str, Any], n_items: int, max_item_bytes: int) -> bool:
-    """Turn a committed cache whose quarantine holds items worth preparing again (`prep.quarantine.to_retry`:
-    a file restored or replaced, a larger --max-item-bytes) into a resumable one: its prepared items and the
-    quarantined items not retried become journal lines (plan first, manifest last, so a kill leaves a
-    resumable cache), and the run prepares the retried items and commits anew. False when none is retried."""
-    quarantined = list(manifest.get("quarantined", []))
-    retry = set(to_retry(quarantined, max_item_bytes))
-    if not retry:
-        return False
-    held = {int(q["item"]) for q in quarantined}
-    records = committed_records(root, [i for i in range(n_items) if i not in held])
-    if records is None:
-        return False
-    kept = [{"item": q["item"], "quarantined": q["reason"], "path": q.get("path", ""),
-             **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}
-            for q in quarantined if int(q["item"]) not in retry]  # fmt: skip
-    write_plan(root, plan)
-    (root / JOURNAL_DIR / _COMMITTED).unlink(missing_ok=True)
-    with JournalWriter(root / JOURNAL_DIR / _COMMITTED) as journal:
-        journal.append_many(records + kept)
-    (root / MANIFEST).unlink()
-    fsync_dir(root)
-    return True
+def _start_while_planning(
+    stack: ExitStack,
+    early: bool,
+    workers: int,
+    scheduler: str | None,
+    processes: bool | None,
+    pipeline: str | Path,
+    bundle_key: str | None,
+    security: Any,
+) -> ClusterStarter | None:
+    """The cluster, started while this thread plans where its kind is known already (else the forkserver)."""
+    if early and (scheduler or processes is not None or workers == 1):
+        # the kind is known (a scheduler, threads or processes asked for, one worker's threads): it starts
+        # while this thread plans; otherwise once the head is timed (worker_mode)
+        asked = bool(processes) and not scheduler
+        return stack.enter_context(ClusterStarter(workers, scheduler, asked, pipeline, bundle_key, security))
+    if early:  # processes may run: the forkserver imports torch and MONAI while this thread plans
+        start_forkserver(torch_threads_for(workers, None, processes=True))
+    return None
+
+
+def _complete(summary: CacheSummary, root: Path, pipe: Pipeline, repeats: Repeats, workers: int, verify: bool) -> None:
+    """Add to a locked run's summary its head, its repeats, the sampling sets no worker made, and `--verify`."""
+    summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
+    summary.repeats = repeats.note()
+    if summary.n_items and not summary.sampling:  # none made by the workers (or a resumed run's)
+        summary.sampling = ensure_sets(root, pipe.tail, workers)
+    _verify(summary, root, verify)
 
 
 def _sets_or_why(root: Path, tail: list[Any], workers: int) -> str:
@@ -192,29 +212,6 @@ def _sets_or_why(root: Path, tail: list[Any], workers: int) -> str:
         return ensure_sets(root, tail, workers)
     except OSError as exc:
         return f"sampling sets: not written ({exc.strerror}); crops are drawn from whole labels"
-
-
-def _check_head(pipe: Pipeline, allow_empty_head: bool) -> None:
-    """Refuse a chain whose head is empty: the cache would hold no tensors, only the datalist's entries."""
-    if pipe.head or allow_empty_head:
-        return
-    raise UsageError(
-        f"{pipe.path}: nothing to prepare: the head is empty ({pipe.head_reason}); put the deterministic "
-        "transforms (LoadImaged, ...) first, or pass --allow-empty-head to cache the entries as they are"
-    )
-
-
-def _open_checked(root: Path) -> PreparedCache:
-    """Open a committed cache (layout files against their checksums, extents inside the shards present: see
-    loaders.cache.layout) and check that no shard is missing, so a damaged cache is refused in one line, never
-    reported up to date."""
-    cache = PreparedCache(root)
-    for shard in cache.shards:
-        if layout.file_size(shard) < 0:
-            raise StaleError(
-                f"{root}: shard {shard.name} is missing (the cache is damaged); re-run with --force to rebuild"
-            )
-    return cache
 
 
 def _verify(summary: CacheSummary, root: Path, verify: bool) -> None:
@@ -226,18 +223,6 @@ def _verify(summary: CacheSummary, root: Path, verify: bool) -> None:
     summary.verified, summary.checked_files, summary.n_tensors = True, list(cache.files), len(cache.index)
 
 
-def _up_to_date(root: Path, plan: dict[str, Any], pipe: Pipeline, n_planned: int, t0: float) -> CacheSummary | None:
-    """The summary of a committed cache made with this plan whose files pass their checksums, else None."""
-    manifest = _load_json(root / MANIFEST)
-    if manifest is None or _differences(manifest, plan):
-        return None
-    _open_checked(root)  # damaged files: refused here, never reported as up to date
-    summary = summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
-    summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
-    summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
-    return summary
-
-
 @dataclass
 class _Run:
     """What one `prepare_cache` call works on, passed between its steps."""
@@ -245,7 +230,7 @@ class _Run:
     root: Path
     plan: dict[str, Any]
     pipe: Pipeline
-    items: list[tuple[str, dict[str, Any]]]
+    items: _Items
     workers: int
     scheduler: str | None
     processes: bool | None
@@ -254,6 +239,32 @@ class _Run:
     progress: Progress | None
     security: Any = None
     max_item_bytes: int | None = None
+
+
+def _reused_or_prepared(
+    run: _Run, stack: ExitStack, starter: ClusterStarter | None, force: bool, max_item_bytes: int, t0: float
+) -> CacheSummary:
+    """Under the lock: the committed cache where it is current with nothing to retry, else the run prepared."""
+    root, n_items = run.root, len(run.items)
+    manifest = reconcile(root, run.plan, force)
+    if manifest is not None and not reopen(root, manifest, run.plan, n_items, max_item_bytes):
+        return up_to_date(root, run.plan, run.pipe, n_items, t0) or summary_of(
+            root, manifest, n_items, 0, 0, time.perf_counter() - t0, up_to_date=True
+        )
+    return _prepare(run, stack, starter, t0)
+
+
+class _Statuses:
+    """The tasks' sink: the items' own CPU seconds on their threads (against the workers' whole), and the
+    sampling sets the workers made."""
+
+    def __init__(self, made: WorkerSets | None) -> None:
+        self.made, self.item_cpu = made, 0.0
+
+    def __call__(self, statuses: list[dict[str, Any]]) -> None:
+        self.item_cpu += sum(float(s.get("cpu") or 0.0) for s in statuses)
+        if self.made is not None:
+            self.made.add(statuses)
 
 
 def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float) -> CacheSummary:
@@ -269,69 +280,102 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     item_s, probed = None, 0
     sig = crop_sets_of(run.pipe.tail) if todo else None
     made = stack.enter_context(closing(WorkerSets(root, sig))) if sig is not None else None
-    item_cpu = [0.0]  # the items' own CPU seconds on their threads (statuses), against the workers' whole
-
-    def sink(statuses: list[dict[str, Any]]) -> None:
-        item_cpu[0] += sum(float(s.get("cpu") or 0.0) for s in statuses)
-        if made is not None:
-            made.add(statuses)
-
+    sink = _Statuses(made)
     if todo:
-        keep_pipeline(run.pipe)
-        if starter is None and _start_early(run, len(todo)):
-            # worker processes start while this process probes (see _start_early)
-            starter = _starter(run, True)
-            stack.callback(starter.close)
-        if len(todo) > run.workers and not run.scheduler:
-            item_s, probed = _probe(run, todo, sig, sink)
-        if run.progress and probed:
-            run.progress(probed, len(todo))
+        starter, item_s, probed = _probe_first(run, stack, starter, todo, sig, sink)
     progress, todo = _counting(run.progress, probed), todo[probed:]
     if todo:
-        processes = worker_mode(run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)
-        if starter is not None and not run.scheduler and starter.processes != processes:
-            starter.close()  # started before the choice, which went the other way
-            starter = None
-        starter = starter or stack.enter_context(_starter(run, processes))
-        threads = torch_threads_for(run.workers, run.scheduler, processes)
-        first_bytes = declared_total(input_paths(run.items[todo[0]][1]))  # bounds the items side by side
-        heads = 0 if run.scheduler else heads_at_once(run.workers, processes, first_bytes, available_memory())
-        spec = _spec(run, uuid.uuid4().hex[:8], threads, heads, sig)
-        at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
-        size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
-        with _torch_threads_kept(in_process=not (processes or run.scheduler)):
-            client = starter.client()
-            singles = 0 if run.batch_size or run.scheduler else at_once
-            local = not run.scheduler
-            run_tasks(client, spec, items, todo, size, progress, starter.pids, sink, singles, commit_later=local)
-    # every task has returned and every worker's last commits are done (run_tasks waited): no worker
-    # writes any more, so the cluster closes (0.1 s for 16 processes) while the journals are read and committed
-    closer = threading.Thread(target=starter.close, name="blockprep-close") if starter is not None else None
-    if closer is not None:
-        closer.start()
-    try:
-        state = read_journals(root)
-        missing = [i for i in range(len(items)) if i not in state.finished]
-        if missing:
-            raise PrepError(f"{root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
-        manifest, bmap_note = commit(root, run.plan, run.pipe, items, state)
-    finally:
-        if closer is not None:
-            closer.join()
+        processes, starter = _run_todo(run, stack, starter, todo, item_s, sig, sink, progress)
+    state, manifest, bmap_note = _commit_while_closing(run, starter)
     worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
     start_cpu_s = starter.start_cpu_s if starter is not None else 0.0
     summary = summary_of(root, manifest, len(items), n_todo, len(items) - n_todo, time.perf_counter() - t0)
     if made is not None:  # "" where a resumed run's items have none: prepare_cache's pass makes them
         summary.sampling = made.write(state.order(len(items)), run.pipe.tail)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s
-    summary.item_cpu_s, summary.worker_start_cpu_s = item_cpu[0], start_cpu_s
+    summary.item_cpu_s, summary.worker_start_cpu_s = sink.item_cpu, start_cpu_s
     if todo and not run.scheduler:
-        how = "processes" if processes else "threads"
-        each = items_per_worker(run.workers)
-        summary.mode = (
-            f"{run.workers} {how}{f' x {each} items' if each > 1 else ''}{' (auto)' if run.processes is None else ''}"
-        )
+        summary.mode = _mode(run, processes)
     return summary
+
+
+def _probe_first(
+    run: _Run,
+    stack: ExitStack,
+    starter: ClusterStarter | None,
+    todo: list[int],
+    sig: dict[str, Any] | None,
+    sink: Sink,
+) -> tuple[ClusterStarter | None, float | None, int]:
+    """Time the first items here (the cluster's processes starting meanwhile where they will be used): (the
+    cluster started, seconds an item takes, items the probe prepared)."""
+    keep_pipeline(run.pipe)
+    if starter is None and _start_early(run, len(todo)):
+        # worker processes start while this process probes (see _start_early)
+        starter = _starter(run, True)
+        stack.callback(starter.close)
+    item_s, probed = None, 0
+    if len(todo) > run.workers and not run.scheduler:
+        item_s, probed = _probe(run, todo, sig, sink)
+    if run.progress and probed:
+        run.progress(probed, len(todo))
+    return starter, item_s, probed
+
+
+def _run_todo(
+    run: _Run,
+    stack: ExitStack,
+    starter: ClusterStarter | None,
+    todo: list[int],
+    item_s: float | None,
+    sig: dict[str, Any] | None,
+    sink: Sink,
+    progress: Progress | None,
+) -> tuple[bool, ClusterStarter]:
+    """Run the items of `todo` as dask tasks, on workers of the kind chosen now (threads or processes)."""
+    processes = worker_mode(run.workers, len(todo), item_s, run.pipe.head, _cuda_initialized(), run.processes)
+    if starter is not None and not run.scheduler and starter.processes != processes:
+        starter.close()  # started before the choice, which went the other way
+        starter = None
+    starter = starter or stack.enter_context(_starter(run, processes))
+    threads = torch_threads_for(run.workers, run.scheduler, processes)
+    first_bytes = declared_total(input_paths(run.items[todo[0]][1]))  # bounds the items side by side
+    heads = 0 if run.scheduler else heads_at_once(run.workers, processes, first_bytes, available_memory())
+    spec = _spec(run, uuid.uuid4().hex[:8], threads, heads, sig)
+    at_once = run.workers * (items_per_worker(run.workers) if not run.scheduler else 1)
+    size = batch_size_for(len(todo), at_once, run.batch_size, item_s)
+    with _torch_threads_kept(in_process=not (processes or run.scheduler)):
+        client = starter.client()
+        singles = 0 if run.batch_size or run.scheduler else at_once
+        local = not run.scheduler
+        run_tasks(client, spec, run.items, todo, size, progress, starter.pids, sink, singles, commit_later=local)
+    return processes, starter
+
+
+def _commit_while_closing(run: _Run, starter: ClusterStarter | None) -> tuple[JournalState, dict[str, Any], str]:
+    """Read the journals and commit the cache while the cluster closes on its own thread."""
+    # every task has returned and every worker's last commits are done (run_tasks waited): no worker
+    # writes any more, so the cluster closes (0.1 s for 16 processes) while the journals are read and committed
+    closer = threading.Thread(target=starter.close, name="blockprep-close") if starter is not None else None
+    if closer is not None:
+        closer.start()
+    try:
+        state = read_journals(run.root)
+        missing = [i for i in range(len(run.items)) if i not in state.finished]
+        if missing:
+            raise PrepError(f"{run.root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
+        manifest, bmap_note = commit(run.root, run.plan, run.pipe, run.items, state)
+    finally:
+        if closer is not None:
+            closer.join()
+    return state, manifest, bmap_note
+
+
+def _mode(run: _Run, processes: bool) -> str:
+    """How a local run's workers ran, as the summary says it: "4 processes x 2 items (auto)"."""
+    how = "processes" if processes else "threads"
+    each = items_per_worker(run.workers)
+    return f"{run.workers} {how}{f' x {each} items' if each > 1 else ''}{' (auto)' if run.processes is None else ''}"
 
 
 def _spec(run: _Run, run_id: str, threads: int, heads: int, sets: dict[str, Any] | None) -> TaskSpec:
@@ -417,95 +461,6 @@ def _torch_threads_kept(in_process: bool) -> Iterator[None]:
         yield
     finally:
         set_torch_threads(threads)
-
-
-def _load_plan(
-    pipe: Pipeline, datalist: Path, sections: Sequence[str], keep_repeats: bool
-) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any], Repeats]:
-    """The items to prepare (repeats once unless kept), the run's plan, and what repeated."""
-    listed = load_datalist(datalist, sections)
-    items, repeats = unique_items(listed, keep_repeats)
-    plan = _plan(pipe, datalist, listed, sections)
-    if repeats.count:
-        plan["repeats"] = "kept" if keep_repeats else "once"
-    return items, plan, repeats
-
-
-def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]], sections: Sequence[str]) -> dict:
-    return {
-        "fingerprint": pipe.fingerprint,
-        "head": pipe.head_description,
-        "head_end": pipe.head_reason,
-        "versions": chain.versions(),
-        "datalist": str(datalist.resolve()),
-        "datalist_hash": datalist_hash(items),
-        "n_datalist": len(items),
-        "sections": list(sections),
-        "pipeline": str(pipe.path),
-        "pipeline_sha256": file_sha256(pipe.path),  # what it was: a cache never picks the code a trainer runs
-        "bundle_key": pipe.bundle_key,
-    }
-
-
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What changed between the plan an existing cache was made with and this run's plan."""
-    version = str(old.get("schema_version", SCHEMA_VERSION))  # plans carry none: they are this run's kind
-    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-        return [f"blockprep's cache format changed (schema {version} -> {SCHEMA_VERSION})"]
-    diffs = []
-    if old.get("fingerprint") != new["fingerprint"]:
-        if old.get("head") != new["head"]:
-            diffs.append(f"pipeline head changed ({old.get('head')} -> {new['head']})")
-        else:
-            diffs.append("pipeline head settings changed (same transforms, different configuration)")
-    refuse, _ = chain.compare_versions(old.get("versions", {}), new["versions"])
-    if refuse:
-        diffs.append(f"library versions changed ({'; '.join(refuse)})")
-    if old.get("datalist_hash") != new["datalist_hash"]:
-        diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
-    if old.get("repeats", "kept") != new.get("repeats", "kept"):  # older caches prepared every copy
-        diffs.append(f"repeated datalist entries: {old.get('repeats', 'kept')} -> {new.get('repeats', 'kept')}")
-    if old.get("sections") != new["sections"]:
-        diffs.append(f"sections changed ({old.get('sections')} -> {new['sections']})")
-    return diffs
-
-
-def _reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] | None:
-    """The existing manifest if the cache is complete and current; else wipe (fresh/force) or keep (resume)."""
-    manifest = _load_json(root / MANIFEST)
-    previous = manifest if manifest is not None else read_plan(root)
-    if previous is None:
-        if force or (root / JOURNAL_DIR).exists() or (root / SHARD_DIR).exists():
-            _wipe(root)  # leftovers without a plan: the run died before any item could be journaled
-        return None
-    diffs = _differences(previous, plan)
-    if diffs and not force:
-        state = "cache" if manifest is not None else "partial cache (interrupted run)"
-        raise StaleError(f"{root}: {'; '.join(diffs)} since this {state} was made; re-run with --force to rebuild")
-    if force or diffs:
-        _wipe(root)
-        return None
-    if manifest is not None:
-        _open_checked(root)  # a complete cache is reported up to date only while its files pass their checksums
-    return manifest
-
-
-def _load_json(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StaleError(f"{path}: unreadable ({exc}); re-run with --force to rebuild the cache") from exc
-    return doc if isinstance(doc, dict) else None
-
-
-def _wipe(root: Path) -> None:
-    """Remove every cache file; the manifest first, so a crash mid-wipe leaves nothing trusted."""
-    for name in (MANIFEST, INDEX, META, META_OFFSETS, BMAP):
-        (root / name).unlink(missing_ok=True)
-    for name in (SHARD_DIR, JOURNAL_DIR, sampling.DIR):
-        shutil.rmtree(root / name, ignore_errors=True)
 
 
 @contextmanager

@@ -10,11 +10,16 @@ import signal
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from prep.errors import PrepError
+
+if TYPE_CHECKING:
+    from prep.mapping import BmapSummary
+    from prep.progress import Progress
+    from prep.summary import CacheSummary
 
 T = TypeVar("T")
 
@@ -215,18 +220,14 @@ def bmap_map(
     from prep.progress import Progress
 
     with Progress(None, "prep bmap", unit="files") as bar:
-        summary = guarded(
-            bmap.build_bmap,
-            mountpoint,
-            output,
-            include=include or (),
-            exclude=exclude or (),
-            workers=workers,
-            fmt=fmt.value,
-            require_mountpoint=not allow_subdir,
-            progress=bar.update,
-            checksums=checksums,
-        )
+        summary = guarded(bmap.build_bmap, mountpoint, output, include=include or (), exclude=exclude or (),
+                          workers=workers, fmt=fmt.value, require_mountpoint=not allow_subdir, progress=bar.update,
+                          checksums=checksums)  # fmt: skip
+    _report_map(summary)
+
+
+def _report_map(summary: BmapSummary) -> None:
+    """Print what `prep bmap` mapped: a warning if any, the summary line, where the seed's left-out files are."""
     if summary.warning():
         typer.echo(f"warning: {summary.warning()}", err=True)
     typer.echo(summary.line())
@@ -265,75 +266,85 @@ def bmap_verify(
 # --- cache and verify commands (work in prep/cache.py) ---
 
 
+# prep cache's options, one alias each (typer reads their Annotated help), so that its signature stays a list
+_Datalist = Annotated[
+    Path, typer.Argument(metavar="DATALIST", help="Decathlon-style datalist JSON (relative paths: its folder).")
+]
+_PipelineFile = Annotated[
+    Path, typer.Option(metavar="FILE", help="PIPELINE.py with a `transform` Compose, or a bundle config.")
+]
+_CacheOutput = Annotated[Path, typer.Option(metavar="DIR", help="Cache folder to create or resume.")]
+_CacheWorkers = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        help="Local dask workers: threads or processes, chosen from the head's time on the first item and the "
+        "item count unless --threads or --processes.",
+    ),
+]
+_Processes = Annotated[
+    bool,
+    typer.Option(
+        "--processes",
+        help="Local workers as processes (one torch thread each, started by a forkserver; isolates crashes).",
+    ),
+]
+_Threads = Annotated[bool, typer.Option("--threads", help="Local workers as threads of this process.")]
+_AllowEmptyHead = Annotated[
+    bool, typer.Option("--allow-empty-head", help="Cache entries as they are if the first transform is random.")
+]
+_Scheduler = Annotated[
+    str | None,
+    typer.Option(metavar="URL", help="Use an existing dask cluster: tcp://host:port, or tls://host:port (--tls-*)."),
+]
+_ShardSize = Annotated[int, typer.Option(metavar="BYTES", help="Start a new shard file after this many bytes.")]
+_CacheForce = Annotated[bool, typer.Option("--force", help="Rebuild a cache made with another pipeline/datalist.")]
+_CacheVerify = Annotated[bool, typer.Option("--verify", help="Re-read and check every tensor after writing.")]
+_BundleKey = Annotated[
+    str | None, typer.Option(metavar="ID", help="Bundle config entry of the chain [default: preprocessing].")
+]
+_Sections = Annotated[
+    list[str] | None,
+    typer.Option(metavar="NAME", help="Datalist section to prepare (repeatable) [default: training]."),
+]
+_TlsCaFile = Annotated[
+    Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: the CA that signed its certificates.")
+]
+_TlsCert = Annotated[Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's certificate.")]
+_TlsKey = Annotated[Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's private key.")]
+_KeepRepeats = Annotated[
+    bool, typer.Option("--keep-repeats", help="Prepare every copy of an entry listed more than once in its section.")
+]
+_MaxItemBytes = Annotated[
+    str | None,
+    typer.Option(
+        metavar="SIZE",
+        help="Quarantine an input whose header declares more than SIZE decoded (8G, 512M, bytes), checked "
+        "before decoding [default: a quarter of the available memory].",
+    ),
+]
+
+
 @app.command("cache", short_help="Run a MONAI chain's deterministic head once, on dask, into a cache.")
 def cache_cmd(
-    datalist: Annotated[
-        Path, typer.Argument(metavar="DATALIST", help="Decathlon-style datalist JSON (relative paths: its folder).")
-    ],
-    pipeline: Annotated[
-        Path, typer.Option(metavar="FILE", help="PIPELINE.py with a `transform` Compose, or a bundle config.")
-    ],
-    output: Annotated[Path, typer.Option(metavar="DIR", help="Cache folder to create or resume.")],
-    workers: Annotated[
-        int,
-        typer.Option(
-            metavar="N",
-            help="Local dask workers: threads or processes, chosen from the head's time on the first item and the "
-            "item count unless --threads or --processes.",
-        ),
-    ] = 2,
-    processes: Annotated[
-        bool,
-        typer.Option(
-            "--processes",
-            help="Local workers as processes (one torch thread each, started by a forkserver; isolates crashes).",
-        ),
-    ] = False,
-    threads: Annotated[bool, typer.Option("--threads", help="Local workers as threads of this process.")] = False,
-    allow_empty_head: Annotated[
-        bool, typer.Option("--allow-empty-head", help="Cache entries as they are if the first transform is random.")
-    ] = False,
-    scheduler: Annotated[
-        str | None,
-        typer.Option(
-            metavar="URL", help="Use an existing dask cluster: tcp://host:port, or tls://host:port (--tls-*)."
-        ),
-    ] = None,
-    shard_size: Annotated[int, typer.Option(metavar="BYTES", help="Start a new shard file after this many bytes.")] = (
-        1 << 30
-    ),
-    force: Annotated[
-        bool, typer.Option("--force", help="Rebuild a cache made with another pipeline/datalist.")
-    ] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="Re-read and check every tensor after writing.")] = False,
-    bundle_key: Annotated[
-        str | None, typer.Option(metavar="ID", help="Bundle config entry of the chain [default: preprocessing].")
-    ] = None,
-    section: Annotated[
-        list[str] | None,
-        typer.Option(metavar="NAME", help="Datalist section to prepare (repeatable) [default: training]."),
-    ] = None,
-    tls_ca_file: Annotated[
-        Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: the CA that signed its certificates.")
-    ] = None,
-    tls_cert: Annotated[
-        Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's certificate.")
-    ] = None,
-    tls_key: Annotated[
-        Path | None, typer.Option(metavar="PEM", help="tls:// scheduler: this client's private key.")
-    ] = None,
-    keep_repeats: Annotated[
-        bool,
-        typer.Option("--keep-repeats", help="Prepare every copy of an entry listed more than once in its section."),
-    ] = False,
-    max_item_bytes: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SIZE",
-            help="Quarantine an input whose header declares more than SIZE decoded (8G, 512M, bytes), checked "
-            "before decoding [default: a quarter of the available memory].",
-        ),
-    ] = None,
+    datalist: _Datalist,
+    pipeline: _PipelineFile,
+    output: _CacheOutput,
+    workers: _CacheWorkers = 2,
+    processes: _Processes = False,
+    threads: _Threads = False,
+    allow_empty_head: _AllowEmptyHead = False,
+    scheduler: _Scheduler = None,
+    shard_size: _ShardSize = 1 << 30,
+    force: _CacheForce = False,
+    verify: _CacheVerify = False,
+    bundle_key: _BundleKey = None,
+    section: _Sections = None,
+    tls_ca_file: _TlsCaFile = None,
+    tls_cert: _TlsCert = None,
+    tls_key: _TlsKey = None,
+    keep_repeats: _KeepRepeats = False,
+    max_item_bytes: _MaxItemBytes = None,
 ) -> None:
     """Run the deterministic head of a MONAI transform chain once, on dask, into a prepared cache.
 
@@ -342,30 +353,54 @@ def cache_cmd(
     On a cluster: --scheduler tls://HOST:8786 --tls-ca-file ca.pem --tls-cert me.pem --tls-key me.key
     """
     from prep.cache import prepare_cache
-    from prep.cluster import plain_tcp_warning, scheduler_security
-    from prep.item_size import parse_size
     from prep.progress import Progress
 
+    tls = (tls_ca_file, tls_cert, tls_key)
+    limit, security, mode = _cache_options(max_item_bytes, scheduler, tls, processes, threads)
+    with Progress(None, "prep cache", unit="items") as bar:
+        summary = guarded(
+            prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
+            force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
+            processes=mode, progress=_growing(bar), security=security,
+            allow_empty_head=allow_empty_head, max_item_bytes=limit, keep_repeats=keep_repeats,
+        )  # fmt: skip
+    _report_cache(summary)
+
+
+def _cache_options(
+    max_item_bytes: str | None,
+    scheduler: str | None,
+    tls: tuple[Path | None, Path | None, Path | None],
+    processes: bool,
+    threads: bool,
+) -> tuple[int | None, Any, bool | None]:
+    """prep cache's options checked: (the item bound in bytes, the scheduler's TLS security, processes or
+    threads or the automatic choice); a plain tcp:// scheduler warned about."""
+    from prep.cluster import plain_tcp_warning, scheduler_security
+    from prep.item_size import parse_size
+
     limit = None if max_item_bytes is None else guarded(parse_size, max_item_bytes)
-    security = guarded(scheduler_security, scheduler, tls_ca_file, tls_cert, tls_key)
+    security = guarded(scheduler_security, scheduler, *tls)
     if warning := plain_tcp_warning(scheduler):
         typer.echo(f"warning: {warning}", err=True)
     if processes and threads:
         raise fail("--processes and --threads exclude each other; give one, or neither to let prep cache choose")
+    return limit, security, True if processes else False if threads else None
 
-    with Progress(None, "prep cache", unit="items") as bar:
 
-        def progress(advance: int, total: int) -> None:
-            if bar.total != total:
-                bar.reset(total)
-            bar.update(advance)
+def _growing(bar: Progress) -> Callable[[int, int], None]:
+    """prep cache's progress on `bar`, whose total is reset when the run's count of items changes."""
 
-        summary = guarded(
-            prepare_cache, datalist, pipeline, output, workers=workers, scheduler=scheduler, shard_size=shard_size,
-            force=force, verify=verify, sections=tuple(section or ("training",)), bundle_key=bundle_key,
-            processes=True if processes else False if threads else None, progress=progress, security=security,
-            allow_empty_head=allow_empty_head, max_item_bytes=limit, keep_repeats=keep_repeats,
-        )  # fmt: skip
+    def progress(advance: int, total: int) -> None:
+        if bar.total != total:
+            bar.reset(total)
+        bar.update(advance)
+
+    return progress
+
+
+def _report_cache(summary: CacheSummary) -> None:
+    """Print what prep cache did; exit 1 where items were quarantined or tensors failed verification."""
     typer.echo("\n".join(summary.lines()))
     if summary.quarantined:
         raise fail(f"{len(summary.quarantined)} items quarantined (listed above); the rest is cached")

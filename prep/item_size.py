@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 from loaders.args import parse_bytes
-from loaders.machine import available_memory as available_memory  # prep reads it from here too
 from prep.errors import UsageError
 
 _TEXT_HEADER_MAX = 1 << 16  # NRRD / MetaImage headers are a few hundred bytes; read no further than this

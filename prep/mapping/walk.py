@@ -221,15 +221,9 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
     worker process sends back strings, not objects."""
     out = _Mapped()
     prefix = rel_dir + "/" if rel_dir else ""
-    extents_of = getattr(_readers, "fiemap", None) or FiemapReader()
-    _readers.fiemap = extents_of
-    try:
-        dfd = os.open(os.path.join(root, rel_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as err:
-        if err.errno == errno.ENOENT:  # the folder was removed after it was listed
-            out.vanished = [prefix + n for n in names]
-        else:
-            out.denied = [(prefix + n, err.strerror or "?") for n in names]
+    extents_of = _reader()
+    dfd = _open_folder(os.path.join(root, rel_dir), names, prefix, out)
+    if dfd is None:
         return out
     open_, fstat, close, isreg, classify_ = os.open, os.fstat, os.close, stat.S_ISREG, classify
     buf, head, ioctl, first = extents_of.buffer, extents_of.header, fcntl.ioctl, extents_of.unpack_first
@@ -277,9 +271,35 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
     finally:
         close(dfd)
     out.bytes, out.extents = nbytes, nextents
-    if keys:  # names come sorted from the listing, so the piece's keys are in order
-        out.pieces = [(keys[0], keys[-1], ",".join([f"{_json_str(k)}:{r}" for k, r in zip(keys, records)]))]
+    out.pieces = _pieces(keys, records)
     return out
+
+
+def _reader() -> FiemapReader:
+    """This thread's FiemapReader, made on its first use."""
+    extents_of = getattr(_readers, "fiemap", None) or FiemapReader()
+    _readers.fiemap = extents_of
+    return extents_of
+
+
+def _open_folder(path: str, names: list[str], prefix: str, out: _Mapped) -> int | None:
+    """A descriptor of folder `path`, or None with its files `names` noted in `out` as vanished or denied."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ENOENT:  # the folder was removed after it was listed
+            out.vanished = [prefix + n for n in names]
+        else:
+            out.denied = [(prefix + n, err.strerror or "?") for n in names]
+        return None
+
+
+def _pieces(keys: list[str], records: list[str]) -> list[tuple[str, str, str]]:
+    """A task's piece of the map: (first key, last key, its '"key":record,...' JSON), none for no key."""
+    if not keys:
+        return []
+    # names come sorted from the listing, so the piece's keys are in order
+    return [(keys[0], keys[-1], ",".join([f"{_json_str(k)}:{r}" for k, r in zip(keys, records)]))]
 
 
 def _tasks(

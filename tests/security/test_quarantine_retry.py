@@ -86,7 +86,7 @@ def test_a_larger_bound_prepares_what_a_smaller_one_refused(tmp_path: Path) -> N
 def test_a_run_killed_after_reopening_resumes(tmp_path: Path) -> None:
     """The cache reopened for a retry (journal lines written, manifest gone) and the run killed there: the
     next run resumes, prepares only the retried item, and loses nothing."""
-    from prep.cache import _load_plan, _reopen
+    from prep.cache_plan import load_plan, reopen
     from prep.pipeline import load_pipeline
 
     datalist, missing = _with_missing(tmp_path / "data")
@@ -94,9 +94,9 @@ def test_a_run_killed_after_reopening_resumes(tmp_path: Path) -> None:
     prepare_cache(datalist, SPHERES, out, workers=1, processes=False)
     before = _tensors(out)
     shutil.copy(tmp_path / "data" / "kept.nii.gz", missing)
-    items, plan, _ = _load_plan(load_pipeline(SPHERES), datalist, ("training",), False)
+    items, plan, _ = load_plan(load_pipeline(SPHERES), datalist, ("training",), False)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert _reopen(out, manifest, plan, len(items), 10**9)
+    assert reopen(out, manifest, plan, len(items), 10**9)
     assert not (out / "manifest.json").exists()
     summary = prepare_cache(datalist, SPHERES, out, workers=1, processes=False)
     assert (summary.n_items, summary.n_new, summary.n_resumed) == (3, 1, 2)

@@ -124,7 +124,8 @@ def test_dali_readers_rounds_give_one_median_row_per_way(research_data: Path, tm
 
 def test_labels_that_differ_from_readers_file_are_named() -> None:
     from workflows.bench.core import Result, Rows
-    from workflows.bench.research import labels_digest, same_labels
+    from workflows.bench.research import labels_digest
+    from workflows.bench.research_readers import same_labels
 
     rows = Rows()
     for name, labels in (("dali readers.file", [0, 0, 1]), ("a", [0, 0, 1]), ("b", [0, 1, 0])):

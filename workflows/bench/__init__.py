@@ -11,6 +11,7 @@ Scenarios (each registers its subcommands when imported; `load_scenarios()` impo
     ways.py      `all` and `prepared` (blockprep's own reads), over the `make demo` layout
     peers.py     MONAI Dataset / PersistentDataset / CacheDataset / GDSDataset, DALI readers.numpy
     research.py  the research loaders' command lines (dali, python-file, xnvme-file, xnvme-gds, ...)
+    research_readers.py  `dali-readers`: the ways of feeding one DALI pipeline, against readers.file
     loaders.py   PreparedDataset per backend on synthetic volumes, GPU rows, region reads
     backends.py  every backend on the same byte ranges
     bmap.py      `prep bmap` against filefrag, raw range reads (root: loop-mounted ext4)

@@ -5,8 +5,9 @@ Names and arguments follow the research code users compare against, and its line
 or after the subcommand). `--datadir` is the folder HOLDING `train/`, as there; `--bmap` takes the flat
 `{"train/a/x.JPEG": {"startblock": S, "endblock": E}}` map, `prep bmap --format seed` or a full bmap.json;
 `--mem gpu` uses the default GPU. Images are decoded (`fn.decoders.image`) in every way, as the research
-code does, so the ways differ only in how bytes arrive. `dali-readers` ranks the ways of feeding a DALI
-pipeline (readers.file, the research code's Python iterator, FileSource, BmapSource) on one tree.
+code does, so the ways differ only in how bytes arrive. `dali-readers` (`workflows/bench/research_readers.py`)
+ranks the ways of feeding a DALI pipeline (readers.file, the research code's Python iterator, FileSource,
+BmapSource) on one tree, over the pipelines run here.
 """
 
 from __future__ import annotations
@@ -131,20 +132,6 @@ def labels_digest(labels: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(labels, dtype=np.int64).tobytes(), digest_size=6).hexdigest()
 
 
-def same_labels(rows: Rows, peer: str) -> None:
-    """Replace each row's labels digest by whether it equals the peer's (the same labels in the same order),
-    and say so under the table; a difference is a wrong reader, not a slow one."""
-    want = next((r.extra.get("labels") for r in rows.results if r.name == peer), None)
-    differ = []
-    for r in rows.results:
-        got = r.extra.pop("labels", None)
-        if got is not None and want is not None and r.name != peer:
-            r.extra["labels"] = "= peer" if got == want else "DIFFER"
-            differ += [r.name] if got != want else []
-    if want is not None:
-        rows.footer.append(f"labels: {'DIFFER in ' + ', '.join(differ) if differ else 'every way = ' + peer}")
-
-
 def dali_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
     """DALI `fn.readers.file(file_root=...)` + decode: DALI's own listing and reader threads."""
     fn = _dali().fn
@@ -199,24 +186,6 @@ def external(files: list[str], read: Reader, opts: Options, name: str) -> Result
         return pipe
 
     return run_pipeline(build, files, opts, name)
-
-
-def held_batch(datadir: str | os.PathLike[str], opts: Options) -> Result:
-    """The pipeline's own bound: an `external_source` handed the same batch, read once, every time (no
-    reading; with --decode, the decoder's rate). No way that feeds this pipeline can go faster."""
-    dali = _dali()
-    files, _ = tree_files(datadir)
-    batch = python_read([files[i] for i in cycle(len(files), opts.batchsize)])
-
-    def build() -> Any:
-        pipe = _pipeline(opts)
-        with pipe:
-            encoded = dali.fn.external_source(source=lambda: batch, batch=True, dtype=dali.types.UINT8)
-            pipe.set_outputs(_decode(encoded, files, opts))
-        pipe.build()
-        return pipe
-
-    return run_pipeline(build, files, opts, "ceiling DALI, one batch held", kind="ceiling")
 
 
 def python_file(datadir: str | os.PathLike[str], opts: Options) -> Result:
@@ -481,77 +450,4 @@ def blockprep_dali_way(
     if tree is not None:
         ceilings.image_ceilings(rows, lambda: tree_files(tree)[0], opts)
     rows.add("blockprep-dali", lambda: blockprep_dali(opts, tree, bmap, backend))
-    return rows
-
-
-class ResearchFileIterator:
-    """The research code's Python iterator for `external_source` (its FileInputIterator), unshuffled so every
-    way reads the same order: `np.fromfile` per file, one after another, labels as int32 arrays."""
-
-    def __init__(self, files: list[str], labels: list[int], batch_size: int) -> None:
-        self.files, self.labels, self.batch_size = files, labels, batch_size
-        self.i = 0
-
-    def __iter__(self) -> ResearchFileIterator:
-        self.i = 0
-        return self
-
-    def __next__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        n = len(self.files)
-        at = [(self.i + k) % n for k in range(self.batch_size)]
-        self.i += self.batch_size
-        return [np.fromfile(self.files[j], dtype=np.uint8) for j in at], [
-            np.array([self.labels[j]], dtype=np.int32) for j in at
-        ]
-
-
-def research_iterator(datadir: str | os.PathLike[str], opts: Options) -> Result:
-    """The research code's plain Python `external_source` iterator over a class tree."""
-    dali = _dali()
-    files, labels = tree_files(datadir)
-
-    def build() -> Any:
-        pipe = _pipeline(opts)
-        with pipe:
-            data, label = dali.fn.external_source(
-                source=ResearchFileIterator(files, labels, opts.batchsize), num_outputs=2
-            )
-            pipe.set_outputs(_decode(data, files, opts), label)
-        pipe.build()
-        return pipe
-
-    return run_pipeline(build, files, opts, "research Python iterator", kind="research")
-
-
-@scenario(
-    "dali-readers", "Ways of feeding DALI one class tree: readers.file, the research iterator, FileSource, BmapSource."
-)
-def dali_readers(
-    opts: Options,
-    datadir: Annotated[Path, _DATADIR],
-    bmap: Annotated[Path | None, typer.Option(help="bmap.json of the tree's filesystem (adds BmapSource)")] = None,
-    decode: Annotated[bool, typer.Option(help="decode the images (off: compare the reading alone)")] = False,
-    rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds of every way; rows are medians")] = 1,
-) -> Rows:
-    """readers.file is the peer every other row is compared with (same files, same order, same batch); with
-    `rounds`, each row is its median round and notes the median of its per-round ratios to readers.file."""
-    tree = train_dir(datadir)
-    rows = Rows(title=f"DALI readers over {tree}")
-    rows.peers["images"] = peer = "dali readers.file"
-    token, check = DECODE.set(decode), LABELS.set(True)
-    jobs: list[tuple[str, Callable[[], Result]]] = [
-        ("held batch", lambda: held_batch(tree, opts)),
-        ("dali", lambda: dali_file(tree, opts)),
-        ("research iterator", lambda: research_iterator(tree, opts)),
-        ("FileSource", lambda: blockprep_dali(opts, tree, name="blockprep FileSource")),
-    ]
-    if bmap is not None:
-        jobs.append(("BmapSource", lambda: blockprep_dali(opts, tree, bmap, "blockdev", name="blockprep BmapSource")))
-    try:
-        ceilings.image_ceilings(rows, lambda: tree_files(tree)[0], opts)
-        rows.add_rounds(jobs, rounds, peer)
-        same_labels(rows, peer)
-    finally:
-        DECODE.reset(token)
-        LABELS.reset(check)
     return rows

@@ -8,362 +8,42 @@ ScaleIntensityd | RandSpatialCropd(crop), RandFlipd, RandScaleIntensityd. Every 
 UNet (channels 16-32-64-128, strides 2, DiceLoss, Adam, bf16 autocast on CUDA) for `epochs` epochs;
 the first fills caches and is not timed. Data wait = time in `next(batch)` and the copy to the device,
 with the training stream synchronised after every step (as `loss.item()` does) so compute is not counted
-as waiting; work a loader queued on its own stream for later batches is not waited for.
+as waiting; work a loader queued on its own stream for later batches is not waited for. The rows (each way
+of feeding the loop) are in `workflows/bench/train_rows.py`; this module picks and runs them.
 """
 
 from __future__ import annotations
 
 import ast
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from workflows.bench import scenario
-from workflows.bench.core import Options, Rows, Unavailable
-from workflows.bench.report import PERSISTENT as MONAI_PERSISTENT
-from workflows.bench.train_loop import (
-    TrainOptions,
-    TrainRow,
-    as_result,
-    build_data,
-    time_loop,
-    transform_of,
+from workflows.bench.core import Options, Rows
+from workflows.bench.train_loop import TrainOptions, TrainRow, as_result, build_data
+from workflows.bench.train_rows import (
+    CEILING,
+    cache_gpu,
+    ceiling,
+    data_name,
+    drop_in,
+    fast_path,
+    gds,
+    gpu_budget,
+    persistent,
+    persistent_name,
+    smart_cache,
+    transport,
+    transport_peer,
+    transport_tail_meta,
 )
 from workflows.bench.workloads import NAMES, WORKLOADS
 
-KEYS = ("image", "label")
-CEILING = "compute only (one batch resident, no transforms)"
-PERSISTENT = f"{MONAI_PERSISTENT} + DataLoader"
-
-
-def _loader_epochs(loader: Any, stop: Callable[[], None] | None = None) -> Callable[[int], Iterable[Any]]:
-    def epochs(epoch: int) -> Iterable[Any]:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        return loader
-
-    return epochs
-
-
-def ceiling(opts: TrainOptions, steps: int) -> TrainRow:
-    """One batch resident on the device, no transforms: the most the model can do."""
-    import torch
-
-    shapes = WORKLOADS[opts.workload].ceiling(opts)
-    if not shapes:
-        raise Unavailable(f"{opts.workload} trains no model: no compute ceiling")
-    g = torch.Generator().manual_seed(opts.seed)
-    batch = {key: _made(shape, kind, g).to(opts.device) for key, (shape, kind) in shapes.items()}
-    return time_loop(CEILING, "ceiling", lambda e: (batch for _ in range(steps)), opts)
-
-
-def _made(shape: tuple[int, ...], kind: str, g: Any) -> Any:
-    """A random tensor of `shape` for a ceiling: class numbers, a binary label or float voxels."""
-    import torch
-
-    if kind == "class":
-        return torch.randint(0, 6, shape, generator=g)
-    value = torch.rand(shape, generator=g)
-    return (value > 0.5).float() if kind == "binary" else value
-
-
-class ReadyItems:
-    """A map-style dataset of `n` ready-made items (key -> per-item shape and kind): the most any Dataset can give
-    a training loop through `DataLoader(W)` (no read, no transform; each item fresh memory, as a transform's
-    output is), so the rows under that DataLoader are held against what its own transport allows."""
-
-    def __init__(self, n: int, shapes: dict[str, tuple[tuple[int, ...], str]], seed: int) -> None:
-        import torch
-
-        g = torch.Generator().manual_seed(seed)
-        self.n = n
-        self.templates = {key: _made(shape, kind, g) for key, (shape, kind) in shapes.items()}
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {key: t.clone() for key, t in self.templates.items()}
-
-
-class TailItems(ReadyItems):
-    """ReadyItems, each run through the workload's tail after its crop, per item (MONAI's own transforms): what a
-    Dataset that reads nothing still costs in `DataLoader(W)`'s workers when the user's tail runs per item there."""
-
-    def __init__(self, n: int, shapes: dict[str, tuple[tuple[int, ...], str]], seed: int, tail: Any) -> None:
-        super().__init__(n, shapes, seed)
-        self.tail = tail
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return dict(self.tail(super().__getitem__(index)))
-
-
-def _fresh(value: Any) -> Any:
-    """A transform's output made again: every tensor a copy (MetaTensors keep their meta), containers rebuilt."""
-    import torch
-
-    from loaders.cache.nesting import map_leaves
-
-    return map_leaves(value, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
-
-
-class PeerItems:
-    """`PersistentDataset`'s own outputs for the first items (types, meta, `num_samples` lists), each handed
-    out as a fresh copy: what any Dataset that returns what `PersistentDataset` returns costs `DataLoader(W)`
-    to carry (collation of MetaTensors and their meta, the hand-over), with no read and no transform."""
-
-    def __init__(self, n: int, made: list[Any]) -> None:
-        self.n, self.made = n, made
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> Any:
-        return _fresh(self.made[index % len(self.made)])
-
-
-def transport_peer(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
-    """`DataLoader(W)` over `PeerItems` (the `transport-peer` row), into the same training loop."""
-    if WORKLOADS[opts.workload].thread_loader:
-        raise Unavailable(f"{opts.workload}: its peers run no DataLoader workers (no transport to measure)")
-    ds = _persistent_dataset(datalist, pipeline, opts, work)
-    made = [ds[i] for i in range(min(len(ds), 8))]
-    loader = _dataloader(PeerItems(len(ds), made), opts, opts.workers)
-    name = f"DataLoader({opts.workers}) alone: PersistentDataset's own outputs, made ahead, copied per item"
-    return time_loop(name, "reference", _loader_epochs(loader), opts)
-
-
-class CropItems(PeerItems):
-    """MONAI's own crops of `PersistentDataset`'s cached head outputs (MetaTensors, their meta and applied
-    operations), made once; each item a fresh copy run through the tail after the crop: what the tail costs
-    per item on what a drop-in hands it, with no read and no crop draw."""
-
-    def __init__(self, n: int, made: list[Any], tail: Any) -> None:
-        super().__init__(n, made)
-        self.tail = tail
-
-    def __getitem__(self, index: int) -> Any:
-        return self.tail(super().__getitem__(index))
-
-
-def transport_tail_meta(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
-    """`DataLoader(W)` over `CropItems` (the `transport-tail-meta` row), into the same training loop."""
-    from loaders.cache.chain import split
-    from loaders.fast.folds import is_fold_crop
-
-    _, tail = split(transform_of(pipeline, opts.seed))
-    if WORKLOADS[opts.workload].thread_loader or not tail or not is_fold_crop(tail[0]):
-        raise Unavailable(f"{opts.workload}: no crop first in its tail, or no DataLoader workers (see transport-peer)")
-    ds = _persistent_dataset(datalist, pipeline, opts, work)
-    made = [tail[0](_fresh(ds._cachecheck(ds.data[i]))) for i in range(min(len(ds), 8))]
-    loader = _dataloader(CropItems(len(ds), made, _after_crop(pipeline, opts)), opts, opts.workers)
-    name = f"DataLoader({opts.workers}) + the tail after the crop per item: MONAI's own crops (MetaTensors), made ahead"
-    return time_loop(name, "reference", _loader_epochs(loader), opts)
-
-
-def transport(opts: TrainOptions, pipeline: Path | None = None) -> TrainRow:
-    """`DataLoader(W)` (the peers' settings) over `ReadyItems` of the batch's shapes, into the same training loop;
-    with `pipeline`, each item runs through the tail after the crop (`TailItems`: the `transport-tail` row)."""
-    work = WORKLOADS[opts.workload]
-    shapes = work.ceiling(opts)
-    if not shapes or work.thread_loader:
-        raise Unavailable(f"{opts.workload}: its peers run no DataLoader workers (no transport to measure)")
-    rows = next(iter(shapes.values()))[0][0]  # rows of a batch: batch x samples
-    n, per_item = opts.count // opts.batch * rows, {k: (s[1:], kind) for k, (s, kind) in shapes.items()}
-    if pipeline is None:
-        items = ReadyItems(n, per_item, opts.seed)
-        name = f"DataLoader({opts.workers}) alone: ready-made items of the batch's shapes, no read, no transform"
-    else:
-        items = TailItems(n, per_item, opts.seed, _after_crop(pipeline, opts))
-        name = f"DataLoader({opts.workers}) + the tail after the crop per item: ready-made crops, no read"
-    loader = _dataloader(items, opts, opts.workers, batch=rows)
-    return time_loop(name, "reference", _loader_epochs(loader), opts)
-
-
-def _after_crop(pipeline: Path, opts: TrainOptions) -> Any:
-    """The workload's tail after its first (crop) transform, as one Compose with the chain's options."""
-    from monai.transforms import Compose
-
-    from loaders.cache.chain import split
-    from loaders.fast.folds import is_fold_crop
-
-    full = transform_of(pipeline, opts.seed)
-    _, tail = split(full)
-    rest = tail[1:] if tail and is_fold_crop(tail[0]) else tail
-    return Compose(rest, map_items=full.map_items, unpack_items=full.unpack_items)
-
-
-def _datalist(datalist: Path) -> list[dict[str, Any]]:
-    from workflows.bench.peers import datalist_items
-
-    return datalist_items(datalist)
-
-
-def _dataloader(dataset: Any, opts: TrainOptions, workers: int, threads: bool = False, batch: int = 0) -> Any:
-    import torch
-    from monai.data import DataLoader, ThreadDataLoader
-
-    g = torch.Generator().manual_seed(opts.seed)
-    if WORKLOADS[opts.workload].thread_loader:  # as the seed runs it: ThreadDataLoader, batch 1, no workers
-        return ThreadDataLoader(dataset, batch_size=opts.batch, shuffle=True, generator=g)
-    if threads:
-        return ThreadDataLoader(dataset, batch_size=opts.batch, shuffle=True, drop_last=True, generator=g,
-                                num_workers=workers, use_thread_workers=workers > 0)  # fmt: skip
-    return DataLoader(dataset, batch_size=batch or opts.batch, shuffle=True, drop_last=True, generator=g,
-                      num_workers=workers, pin_memory=opts.gpu, persistent_workers=workers > 0)  # fmt: skip
-
-
-def persistent(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
-    """MONAI PersistentDataset (.pt files) + DataLoader(W workers), tail on CPU."""
-    ds = _persistent_dataset(datalist, pipeline, opts, work)
-    return time_loop(persistent_name(opts), "peer", _loader_epochs(_dataloader(ds, opts, opts.workers)), opts)
-
-
-def _persistent_dataset(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> Any:
-    """The workload's MONAI PersistentDataset, its .pt files kept under `work` between rows and runs."""
-    from monai.data import PersistentDataset
-
-    where = work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
-    return PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
-
-
-def persistent_name(opts: TrainOptions) -> str:
-    """The reference peer's row name: PersistentDataset under the workload's DataLoader."""
-    if WORKLOADS[opts.workload].thread_loader:
-        return f"{MONAI_PERSISTENT} + ThreadDataLoader(batch {opts.batch})"
-    return f"{PERSISTENT}({opts.workers})"
-
-
-def data_name(opts: TrainOptions) -> str:
-    """The data column of a workload's rows (ratios are taken within it)."""
-    return "train" if opts.workload == "spheres" else opts.workload
-
-
-def cache_gpu(datalist: Path, pipeline: Path, opts: TrainOptions, budget: int, nbytes: int) -> TrainRow:
-    """MONAI's fast-training recipe: CacheDataset resident on the GPU + GPU tail + ThreadDataLoader."""
-    import torch
-    from monai.data import CacheDataset
-    from monai.transforms import Compose, EnsureTyped
-
-    from loaders.cache import chain
-
-    _require_gpu(opts, "the GPU-resident CacheDataset recipe")
-    if nbytes > budget:
-        raise Unavailable(f"the dataset ({nbytes / 2**30:.1f} GiB) exceeds --gpu-budget ({budget / 2**30:.1f} GiB)")
-    head, tail = chain.split(transform_of(pipeline, opts.seed))
-    keys = ["image"] if opts.workload == "mednist" else list(KEYS)
-    to_gpu = EnsureTyped(keys=keys, device=torch.device(opts.device), track_meta=False)
-    transform = Compose([*head, to_gpu, *tail])
-    transform.set_random_state(seed=opts.seed)
-    ds = CacheDataset(_datalist(datalist), transform, cache_rate=1.0, num_workers=opts.workers, progress=False)
-    name = "monai CacheDataset on GPU + GPU tail + ThreadDataLoader"
-    return time_loop(name, "peer", _loader_epochs(_dataloader(ds, opts, 0, threads=True)), opts)
-
-
-def gds(datalist: Path, pipeline: Path, opts: TrainOptions, work: Path) -> TrainRow:
-    """MONAI GDSDataset (kvikio into GPU memory, tail on the GPU) + ThreadDataLoader."""
-    _require_gpu(opts, "monai GDSDataset")
-    try:
-        import torch
-        from monai.data import GDSDataset
-
-        index = torch.device(opts.device).index or 0
-        ds = GDSDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=work / "gds", device=index)
-        for _ in range(2):  # the first pass writes its cache, the second reads it back (what epochs do)
-            for i in range(len(ds)):
-                ds[i]
-    except Exception as exc:  # noqa: BLE001  (cupy/kvikio missing or unusable: one line, the run goes on)
-        raise Unavailable(f"monai GDSDataset cannot run here: {str(exc).splitlines()[0][:160]}") from exc
-    loader = _dataloader(ds, opts, 0, threads=True)
-    return time_loop("monai GDSDataset + ThreadDataLoader", "peer", _loader_epochs(loader), opts)
-
-
-def smart_cache(datalist: Path, pipeline: Path, opts: TrainOptions) -> TrainRow:
-    """MONAI SmartCacheDataset (half the items in RAM, 20% replaced per epoch) + ThreadDataLoader, tail on CPU."""
-    from monai.data import SmartCacheDataset
-
-    data = _datalist(datalist)
-    ds = SmartCacheDataset(data, transform_of(pipeline, opts.seed), replace_rate=0.2, cache_num=max(opts.batch,
-                           len(data) // 2), num_init_workers=opts.workers, num_replace_workers=opts.workers,
-                           progress=False)  # fmt: skip
-    loader = _dataloader(ds, opts, 0, threads=True)
-
-    def epochs(epoch: int) -> Iterator[Any]:
-        if epoch == 0:
-            ds.start()
-        yield from loader
-        ds.update_cache()
-
-    try:
-        return time_loop("monai SmartCacheDataset + ThreadDataLoader", "peer", epochs, opts)
-    finally:
-        ds.shutdown()
-
-
-def drop_in(datalist: Path, pipeline: Path, cache: Path, opts: TrainOptions, threads: bool) -> TrainRow:
-    """blockprep PreparedPersistentDataset (the one-line drop-in) under DataLoader or ThreadDataLoader."""
-    from loaders import PreparedPersistentDataset
-
-    ds = PreparedPersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache)
-    loader = _dataloader(ds, opts, opts.workers, threads=threads)
-    kind = f"ThreadDataLoader({opts.workers} threads)" if threads else f"DataLoader({opts.workers})"
-    if WORKLOADS[opts.workload].thread_loader:
-        if threads:
-            raise Unavailable(f"{opts.workload} runs its loaders as the seed does (ThreadDataLoader, batch 1): one row")
-        kind = f"ThreadDataLoader(batch {opts.batch})"
-    return time_loop(f"blockprep PreparedPersistentDataset + {kind}", "ours", _loader_epochs(loader), opts)
-
-
-def fast_path(
-    pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, **options: Any
-) -> TrainRow:
-    """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
-    from loaders.fast.loader import PreparedLoader
-
-    loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
-                            gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
-    loader.set_random_state(opts.seed)
-    try:
-        row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts)
-        row.extra["GPU tier GB"] = loader.tier_bytes / 1e9
-        if loader._feeder is not None:  # the batches' own process: its CPU over the row (warm epoch included)
-            row.extra["feeder CPU s"] = _cpu_seconds(loader._feeder._proc.pid)
-    finally:
-        loader.close()
-    return row
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc; 0.0 where it cannot be read)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _require_gpu(opts: TrainOptions, what: str) -> None:
-    from loaders.deps import cuda_available
-
-    if not opts.gpu or not cuda_available():
-        raise Unavailable(f"{what} needs a CUDA GPU (this run is on {opts.device})")
-
-
-def gpu_budget(opts: TrainOptions) -> int:
-    """--gpu-budget in bytes; default: the device's free memory less 8 GiB for the model (0 on CPU)."""
-    from loaders.fast.loader import parse_bytes
-
-    if opts.gpu_budget is not None:
-        return parse_bytes(opts.gpu_budget)
-    if not opts.gpu:
-        return 1 << 62
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(torch.device(opts.device))
-    return max(0, free - (8 << 30))
+_Job = tuple[str, Callable[[], TrainRow]]  # a row's key (as --rows names it) and what measures it
 
 
 def run(opts: TrainOptions, work: Path) -> Rows:
@@ -373,13 +53,23 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     datalist, pipeline, cache = build_data(opts, work)
     nbytes = dataset_bytes(cache)
     budget = gpu_budget(opts)
-    steps = opts.count // opts.batch
-    half = nbytes // 2
     what = WORKLOADS[opts.workload].describe(opts)
     timed = f"{opts.epochs - 1} timed epochs" + (f" or more ({opts.min_seconds:g} s)" if opts.min_seconds else "")
     rows = Rows(title=f"training {opts.workload}: {what}, batch {opts.batch}, {timed}, items/s = steps/s")
     rows.peers[data_name(opts)] = persistent_name(opts)
-    jobs: list[tuple[str, Callable[[], TrainRow]]] = [
+    jobs = _jobs(opts, work, datalist, pipeline, cache, budget, nbytes)
+    jobs += _variants(opts, pipeline, cache, nbytes // 2)
+    _run_rounds(rows, jobs, opts)
+    return rows
+
+
+def _jobs(
+    opts: TrainOptions, work: Path, datalist: Path, pipeline: Path, cache: Path, budget: int, nbytes: int
+) -> list[_Job]:
+    """Every row of the scenario, by key: the ceiling, MONAI's peers, the drop-in, the transports, the fast path."""
+    steps = opts.count // opts.batch
+    half = nbytes // 2
+    return [
         ("ceiling", lambda: ceiling(opts, steps)),
         ("persistent", lambda: persistent(datalist, pipeline, opts, work)),
         ("cache-gpu", lambda: cache_gpu(datalist, pipeline, opts, budget, nbytes)),
@@ -398,11 +88,16 @@ def run(opts: TrainOptions, work: Path) -> Rows:
         ("fast-feeder", lambda: fast_path(pipeline, cache, opts, "auto", "defaults, feeder=True", feeder=True)),
         ("fast-budget", lambda: fast_path(pipeline, cache, opts, min(budget, nbytes), "GPU tier = --gpu-budget")),
     ]
+
+
+def _variants(opts: TrainOptions, pipeline: Path, cache: Path, half: int) -> list[_Job]:
+    """The fast path's variants --rows asks for, with PreparedLoader options: "fast@tail_thread=False;..."."""
     fast = {
         "fast": (0, "no GPU tier (page cache), crop read"),
         "fast-half": (half, "GPU tier = half the dataset"),
         "fast-auto": ("auto", "defaults (gpu_budget=auto)"),
     }
+    jobs: list[_Job] = []
     for spec in opts.rows:  # variants of the fast path: "fast@tail_thread=False;switch_interval=0.0005"
         base, _, options = spec.partition("@")
         if options and base in fast:
@@ -410,6 +105,12 @@ def run(opts: TrainOptions, work: Path) -> Rows:
             kw = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options.split(";"))}
             jobs.append((spec, lambda b=budget_b, lb=f"{label}, {options}", kw=kw: fast_path(  # type: ignore[misc]
                 pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
+    return jobs
+
+
+def _run_rounds(rows: Rows, jobs: list[_Job], opts: TrainOptions) -> None:
+    """Run the picked rows `opts.rounds` times with the ceiling again after each round, into `rows`; note
+    how the ceiling was kept, and each of our rows against the best MONAI row."""
     picked = [(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
               for key, job in jobs if not opts.rows or key in opts.rows or key == "ceiling"]  # fmt: skip
     # the ceiling again after the rows of every round, the faster of its two runs kept: the first can find the
@@ -424,7 +125,6 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     for r in rows.results:
         if r.kind == "ours" and best > 0:
             r.extra["x best MONAI"] = r.items_per_s / best
-    return rows
 
 
 # Per workload: (size, crop, batch, count, workers) when the command line does not say (docs/benchmarks.md's GPU runs).
@@ -502,24 +202,15 @@ def train(
 ) -> Rows:
     """`python -m workflows.benchmark train --workload all --device cuda:0` (global --batchsize is the batch,
     --workers the DataLoader workers of the peers; left at 4 and 0 they are the workload's own)."""
-    names = list(NAMES) if workload == "all" else [w for w in workload.split(",") if w]
-    unknown = [w for w in names if w not in WORKLOADS]
-    if unknown or not names:
-        raise typer.BadParameter(f"unknown workload {unknown or workload!r}; choose from {', '.join(NAMES)} or all")
+    names = _workloads(workload)
+    given = TrainOptions(epochs=epochs, device=opts.device, gpu_budget=gpu_budget,
+                         channels=tuple(int(c) for c in channels.split(",")), out=opts.out or Path("bench_out"),
+                         rows=tuple(r for r in rows.split(",") if r), shape_range=shape_range,
+                         spacing_range=_spacing(spacing_range), rounds=rounds,
+                         min_seconds=_min_seconds(min_seconds, opts.device))  # fmt: skip
     out = Rows()
     for name in names:
-        d_size, d_crop, d_batch, d_count, d_workers = DEFAULTS[name]
-        batch = opts.batchsize if opts.batchsize != Options().batchsize else d_batch  # 4, the global default
-        topts = TrainOptions(size or d_size, crop or d_crop, batch, epochs, opts.workers or d_workers, opts.device,
-                             count or d_count, gpu_budget,
-                             tuple(int(c) for c in channels.split(",")), opts.out or Path("bench_out"),
-                             rows=tuple(r for r in rows.split(",") if r), workload=name,
-                             shape_range=shape_range, spacing_range=_spacing(spacing_range),
-                             rounds=rounds, min_seconds=_min_seconds(min_seconds, opts.device))  # fmt: skip
-        if name == "mednist":  # 2D classification: no crop
-            topts.crop = topts.size
-        if topts.crop > topts.size * 1.4 or topts.count < topts.batch:
-            raise typer.BadParameter(f"{name}: need --crop <= --size and --count >= the batch size")
+        topts = _for_workload(given, name, opts, size, crop, count)
         if ddp:
             from workflows.bench.train_ddp import main_ddp
 
@@ -529,3 +220,28 @@ def train(
         out.extend(got)
         out.title = got.title if len(names) == 1 else f"training, workloads {', '.join(names)}"
     return out
+
+
+def _workloads(workload: str) -> list[str]:
+    """The workloads --workload names (a comma-separated list, or all); BadParameter for an unknown one."""
+    names = list(NAMES) if workload == "all" else [w for w in workload.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown or not names:
+        raise typer.BadParameter(f"unknown workload {unknown or workload!r}; choose from {', '.join(NAMES)} or all")
+    return names
+
+
+def _for_workload(
+    given: TrainOptions, name: str, opts: Options, size: int | None, crop: int | None, count: int | None
+) -> TrainOptions:
+    """The command line's options for workload `name`: size, crop, count, batch and workers the workload's own
+    (DEFAULTS) where the command line leaves them; BadParameter for a crop larger than the volume."""
+    d_size, d_crop, d_batch, d_count, d_workers = DEFAULTS[name]
+    batch = opts.batchsize if opts.batchsize != Options().batchsize else d_batch  # 4, the global default
+    topts = replace(given, size=size or d_size, crop=crop or d_crop, batch=batch, workers=opts.workers or d_workers,
+                    count=count or d_count, workload=name)  # fmt: skip
+    if name == "mednist":  # 2D classification: no crop
+        topts.crop = topts.size
+    if topts.crop > topts.size * 1.4 or topts.count < topts.batch:
+        raise typer.BadParameter(f"{name}: need --crop <= --size and --count >= the batch size")
+    return topts

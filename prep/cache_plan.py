@@ -1,0 +1,179 @@
+"""`prep cache`'s plan and what its output folder already holds.
+
+The plan of a run (pipeline fingerprint, library versions, datalist hash, sections) is compared with the plan
+an existing cache was made with: the folder is then up to date, stale (refused, or wiped with --force),
+resumed (journals of the same plan), or a committed cache reopened for quarantined items worth preparing again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loaders.cache import chain, layout, sampling
+from loaders.cache.format import PreparedCache
+from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
+from loaders.cache.writing import fsync_dir
+from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
+from prep.errors import StaleError, UsageError
+from prep.journal import JournalWriter, committed_records, read_plan, write_plan
+from prep.pipeline import Pipeline, file_sha256
+from prep.quarantine import to_retry
+from prep.summary import CacheSummary, summary_of
+
+_COMMITTED = "committed.jsonl"  # a committed cache's items as journal lines, while its quarantine is retried
+
+
+def reopen(root: Path, manifest: dict[str, Any], plan: dict[str, Any], n_items: int, max_item_bytes: int) -> bool:
+    """Turn a committed cache whose quarantine holds items worth preparing again (`prep.quarantine.to_retry`:
+    a file restored or replaced, a larger --max-item-bytes) into a resumable one: its prepared items and the
+    quarantined items not retried become journal lines (plan first, manifest last, so a kill leaves a
+    resumable cache), and the run prepares the retried items and commits anew. False when none is retried."""
+    quarantined = list(manifest.get("quarantined", []))
+    retry = set(to_retry(quarantined, max_item_bytes))
+    if not retry:
+        return False
+    held = {int(q["item"]) for q in quarantined}
+    records = committed_records(root, [i for i in range(n_items) if i not in held])
+    if records is None:
+        return False
+    kept = [{"item": q["item"], "quarantined": q["reason"], "path": q.get("path", ""),
+             **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}
+            for q in quarantined if int(q["item"]) not in retry]  # fmt: skip
+    write_plan(root, plan)
+    (root / JOURNAL_DIR / _COMMITTED).unlink(missing_ok=True)
+    with JournalWriter(root / JOURNAL_DIR / _COMMITTED) as journal:
+        journal.append_many(records + kept)
+    (root / MANIFEST).unlink()
+    fsync_dir(root)
+    return True
+
+
+def check_head(pipe: Pipeline, allow_empty_head: bool) -> None:
+    """Refuse a chain whose head is empty: the cache would hold no tensors, only the datalist's entries."""
+    if pipe.head or allow_empty_head:
+        return
+    raise UsageError(
+        f"{pipe.path}: nothing to prepare: the head is empty ({pipe.head_reason}); put the deterministic "
+        "transforms (LoadImaged, ...) first, or pass --allow-empty-head to cache the entries as they are"
+    )
+
+
+def _open_checked(root: Path) -> PreparedCache:
+    """Open a committed cache (layout files against their checksums, extents inside the shards present: see
+    loaders.cache.layout) and check that no shard is missing, so a damaged cache is refused in one line, never
+    reported up to date."""
+    cache = PreparedCache(root)
+    for shard in cache.shards:
+        if layout.file_size(shard) < 0:
+            raise StaleError(
+                f"{root}: shard {shard.name} is missing (the cache is damaged); re-run with --force to rebuild"
+            )
+    return cache
+
+
+def up_to_date(root: Path, plan: dict[str, Any], pipe: Pipeline, n_planned: int, t0: float) -> CacheSummary | None:
+    """The summary of a committed cache made with this plan whose files pass their checksums, else None."""
+    manifest = load_json(root / MANIFEST)
+    if manifest is None or differences(manifest, plan):
+        return None
+    _open_checked(root)  # damaged files: refused here, never reported as up to date
+    summary = summary_of(root, manifest, n_planned, 0, 0, time.perf_counter() - t0, up_to_date=True)
+    summary.version_notes = chain.compare_versions(manifest.get("versions", {}), plan["versions"])[1]
+    summary.head, summary.head_reason = pipe.head_description, pipe.head_reason
+    return summary
+
+
+def load_plan(
+    pipe: Pipeline, datalist: Path, sections: Sequence[str], keep_repeats: bool
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any], Repeats]:
+    """The items to prepare (repeats once unless kept), the run's plan, and what repeated."""
+    listed = load_datalist(datalist, sections)
+    items, repeats = unique_items(listed, keep_repeats)
+    plan = _plan(pipe, datalist, listed, sections)
+    if repeats.count:
+        plan["repeats"] = "kept" if keep_repeats else "once"
+    return items, plan, repeats
+
+
+def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]], sections: Sequence[str]) -> dict:
+    """The run's plan: what a cache made with it must match to be resumed or reported up to date."""
+    return {
+        "fingerprint": pipe.fingerprint,
+        "head": pipe.head_description,
+        "head_end": pipe.head_reason,
+        "versions": chain.versions(),
+        "datalist": str(datalist.resolve()),
+        "datalist_hash": datalist_hash(items),
+        "n_datalist": len(items),
+        "sections": list(sections),
+        "pipeline": str(pipe.path),
+        "pipeline_sha256": file_sha256(pipe.path),  # what it was: a cache never picks the code a trainer runs
+        "bundle_key": pipe.bundle_key,
+    }
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed between the plan an existing cache was made with and this run's plan."""
+    version = str(old.get("schema_version", SCHEMA_VERSION))  # plans carry none: they are this run's kind
+    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        return [f"blockprep's cache format changed (schema {version} -> {SCHEMA_VERSION})"]
+    diffs = []
+    if old.get("fingerprint") != new["fingerprint"]:
+        if old.get("head") != new["head"]:
+            diffs.append(f"pipeline head changed ({old.get('head')} -> {new['head']})")
+        else:
+            diffs.append("pipeline head settings changed (same transforms, different configuration)")
+    refuse, _ = chain.compare_versions(old.get("versions", {}), new["versions"])
+    if refuse:
+        diffs.append(f"library versions changed ({'; '.join(refuse)})")
+    if old.get("datalist_hash") != new["datalist_hash"]:
+        diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
+    if old.get("repeats", "kept") != new.get("repeats", "kept"):  # older caches prepared every copy
+        diffs.append(f"repeated datalist entries: {old.get('repeats', 'kept')} -> {new.get('repeats', 'kept')}")
+    if old.get("sections") != new["sections"]:
+        diffs.append(f"sections changed ({old.get('sections')} -> {new['sections']})")
+    return diffs
+
+
+def reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] | None:
+    """The existing manifest if the cache is complete and current; else wipe (fresh/force) or keep (resume)."""
+    manifest = load_json(root / MANIFEST)
+    previous = manifest if manifest is not None else read_plan(root)
+    if previous is None:
+        if force or (root / JOURNAL_DIR).exists() or (root / SHARD_DIR).exists():
+            _wipe(root)  # leftovers without a plan: the run died before any item could be journaled
+        return None
+    diffs = differences(previous, plan)
+    if diffs and not force:
+        state = "cache" if manifest is not None else "partial cache (interrupted run)"
+        raise StaleError(f"{root}: {'; '.join(diffs)} since this {state} was made; re-run with --force to rebuild")
+    if force or diffs:
+        _wipe(root)
+        return None
+    if manifest is not None:
+        _open_checked(root)  # a complete cache is reported up to date only while its files pass their checksums
+    return manifest
+
+
+def load_json(path: Path) -> dict[str, Any] | None:
+    """A cache's JSON document (manifest), None where there is none; StaleError where it cannot be read."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StaleError(f"{path}: unreadable ({exc}); re-run with --force to rebuild the cache") from exc
+    return doc if isinstance(doc, dict) else None
+
+
+def _wipe(root: Path) -> None:
+    """Remove every cache file; the manifest first, so a crash mid-wipe leaves nothing trusted."""
+    for name in (MANIFEST, INDEX, META, META_OFFSETS, BMAP):
+        (root / name).unlink(missing_ok=True)
+    for name in (SHARD_DIR, JOURNAL_DIR, sampling.DIR):
+        shutil.rmtree(root / name, ignore_errors=True)
