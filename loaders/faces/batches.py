@@ -60,9 +60,11 @@ def _pipeline(ds: Any, chunks: list[np.ndarray], prefetch: int, stager: Any, pad
             slot = Slot(stager, k % (prefetch + 1)) if stager is not None else None
             ahead.submit(read, ds, [int(i) for i in ds.items[chunk]], slot)
             if len(ahead) > prefetch:
-                yield _collate(ds, *ahead.take(), pad)
+                items, got = ahead.take()
+                yield _collate(ds, items, got, pad)
         while ahead:
-            yield _collate(ds, *ahead.take(), pad)
+            items, got = ahead.take()
+            yield _collate(ds, items, got, pad)
 
 
 def _read(ds: Any, items: list[int], slot: Slot | None) -> tuple[list[int], Any]:

@@ -192,7 +192,7 @@ def view(flat: Any, at: int, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
     return flat[at : at + nbytes].view(torch_dtype(dtype)).reshape(shape)
 
 
-def packed_view(flat: Any, run: list[tuple[Any, str, int, np.dtype, tuple[int, ...]]]) -> Any:
+def packed_view(flat: Any, run: Sequence[Place]) -> Any:
     """The tensors of `run` (places: tag, key, byte offset, dtype, shape) as one (len(run), ...) view of `flat`
     when they are of one key, dtype and shape and lie back to back in order; None otherwise."""
     _, key, at, dtype, shape = run[0]

@@ -289,7 +289,7 @@ def smart_cache(datalist: Path, pipeline: Path, opts: TrainOptions) -> TrainRow:
 
 def drop_in(datalist: Path, pipeline: Path, cache: Path, opts: TrainOptions, threads: bool) -> TrainRow:
     """blockprep PreparedPersistentDataset (the one-line drop-in) under DataLoader or ThreadDataLoader."""
-    from loaders.faces.monai import PreparedPersistentDataset
+    from loaders import PreparedPersistentDataset
 
     ds = PreparedPersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache)
     loader = _dataloader(ds, opts, opts.workers, threads=threads)
