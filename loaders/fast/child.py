@@ -40,7 +40,8 @@ class Ring:
         if not self.slots and cuda:
             self.shapes = shapes
             self.slots = [{k: torch.empty_like(v) for k, v in cuda.items()} for _ in range(self.count)]
-            self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.count)]
+            with torch.cuda.device(next(iter(cuda.values())).device):  # the slots' device, not the current one
+                self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.count)]
             send("slots", self.slots, [e.ipc_handle() for e in self.events])
         if not cuda or shapes != self.shapes:
             return None, outgoing(batch)
@@ -91,6 +92,10 @@ def serve() -> None:
     except BaseException as exc:  # noqa: BLE001  (said to the parent, which raises it)
         send("error", f"{type(exc).__name__}: {exc}")
         return
+    if loader.gpu:  # what the tail makes on "the current device" goes to the loader's (one process per device)
+        import torch
+
+        torch.cuda.set_device(loader.device)
     send("ready")
     ring = Ring(loader.prefetch + 2)
     ahead: _Ahead | None = None

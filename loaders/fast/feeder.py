@@ -192,6 +192,17 @@ class Feeder:
     def ready(self) -> bool:
         return self._ready
 
+    def poll_ready(self) -> bool:
+        """Whether the child has built its loader, without waiting; FeederError where it could not (its error
+        said, or the process gone)."""
+        if not self._ready and self._conn.poll():
+            self._expect("ready")
+            self._ready = True
+        if not self._ready and self._proc.poll() is not None:
+            raise FeederError(f"PreparedLoader(feeder=True): the feeder process exited ({self._proc.returncode}) "
+                              "before its loader was built; see its error above, or use feeder=False")  # fmt: skip
+        return self._ready
+
     @property
     def pid(self) -> int:
         """The child's process id."""
@@ -235,7 +246,8 @@ class Feeder:
         self._slots = msg[1]
         device = next(iter(self._slots[0].values())).device
         self._events = [torch.cuda.Event.from_ipc_handle(device, h) for h in msg[2]]
-        self._fences = [torch.cuda.Event(interprocess=True) for _ in self._slots]
+        with torch.cuda.device(device):  # the slots' device, whichever is current here (a loader on cuda:1)
+            self._fences = [torch.cuda.Event(interprocess=True) for _ in self._slots]
         self._send("fences", [f.ipc_handle() for f in self._fences])
 
     def _unpack(self, at: int | None, batch: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ thread and the hand-over of its batches, and the loader state (`state_dict`, `lo
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -122,6 +123,7 @@ class PreparedLoader:
         self.epoch = 0
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
         self._feeder: Any = None
+        self.made_here = 0  # batches this process made for a loader with a feeder (while its child started)
         if payload is not None:
             self._start_feeder(payload)
 
@@ -158,6 +160,7 @@ class PreparedLoader:
 
         self._feeder = Feeder(payload)
         weakref.finalize(self, self._feeder.close)
+        self.tier.budget = 0  # the child keeps the items on the device; this process only while it starts
 
     def _feeder_payload(self, given: dict[str, Any]) -> bytes | None:
         """The feeder child's arguments (loaders.fast.feeder) when this loader's batches are made in a process of their
@@ -264,30 +267,51 @@ class PreparedLoader:
         chunks = epoch_batches(order, self.batch_size, self.drop_last)
         skip, self.cursor.resume = self.cursor.resume, 0
         if self._feeder is not None:
-            if self._feeder_auto and not self._feeder.ready:
-                return self._feeder_or_here(chunks, epoch, skip)
+            if not self._feeder_ready():
+                return self._until_fed(chunks, epoch, skip)
             return self._feeder.run(self, epoch, skip, len(chunks))
-        return self._run(chunks, epoch, skip)
+        return self._run(chunks, epoch, skip, self.tail_thread)
 
-    def _feeder_or_here(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
-        """feeder="auto": a child that could not start or build its loader leaves the batches to this process
-        (said once, with why), from the same random states; feeder=True raises it instead."""
+    def _until_fed(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+        """While the feeder's child starts (its imports and its loader: seconds), this process makes the batches;
+        at the first batch boundary after the child is ready, the rest of the epoch is the child's, from the
+        random states as of the last batch delivered: the same batches either way. A child that could not start
+        leaves every batch to this process (feeder="auto": said once, with why; feeder=True raises)."""
+        k = skip
+        here = self._run(chunks, epoch, skip, self.tail_thread or self._tail_default)
+        try:
+            for batch in here:
+                k += 1
+                self.made_here += 1
+                yield batch
+                if k < len(chunks) and self._feeder_ready():
+                    break
+            else:
+                return
+        finally:
+            here.close()  # the batches read ahead here are dropped, their draws undone (`Cursor.end`)
+        yield from self._feeder.run(self, epoch, k, len(chunks))
+
+    def _feeder_ready(self) -> bool:
+        """Whether the feeder's child is ready, without waiting. feeder="auto": a child that could not start or
+        build its loader is closed and this process makes the batches from now on (said once, with why)."""
         import warnings
 
         from loaders.fast.feeder import FeederError
 
         try:
-            self._feeder.wait_ready()
+            return bool(self._feeder.poll_ready())
         except FeederError as exc:
-            warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=2)
+            if not self._feeder_auto:
+                raise
+            warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=3)
             self._feeder.close()
             self._feeder = None
             self.tail_thread = self.tail_thread or self._tail_default
-            yield from self._run(chunks, epoch, skip)
-            return
-        yield from self._feeder.run(self, epoch, skip, len(chunks))
+            self.tier.budget = self.budget  # the tier is this process's now
+            return False
 
-    def _run(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
+    def _run(self, chunks: list[np.ndarray], epoch: int, skip: int, tail_thread: bool) -> Iterator[dict[str, Any]]:
         ahead = InOrder(1, "blockprep-feed")  # one thread: the batches' draws stay in batch order
         interval = sys.getswitchinterval()
         if self.switch_interval is not None:
@@ -295,16 +319,17 @@ class PreparedLoader:
         self.cursor.begin(epoch, skip)
         try:
             for k in range(skip, min(len(chunks), skip + self.prefetch)):
-                ahead.submit(self._make, chunks[k], k)
+                ahead.submit(self._make, chunks[k], k, tail_thread)
             for k in range(skip, len(chunks)):
                 if k + self.prefetch < len(chunks):
-                    ahead.submit(self._make, chunks[k + self.prefetch], k + self.prefetch)
+                    ahead.submit(self._make, chunks[k + self.prefetch], k + self.prefetch, tail_thread)
                 got = ahead.take()
-                if self.tail_thread:
+                if tail_thread:
                     batch, event, snap = got
                     batch = self._handover(batch, event)
                 else:
-                    batch = self.assembly.finish(got)
+                    with self._on_device():
+                        batch = self.assembly.finish(got)
                     snap = self.cursor.draws.after(got.early)
                 self.cursor.delivered(epoch, k + 1, snap)
                 yield batch
@@ -315,6 +340,10 @@ class PreparedLoader:
             # state) goes on from the last batch the user received, as MONAI's per-item chain would
             self.cursor.end()
             self.tier.settle()
+
+    def _on_device(self) -> Any:
+        """The loader's device made current (a loader on cuda:1 in a process whose current device is cuda:0)."""
+        return self.torch.cuda.device(self.device) if self.gpu else contextlib.nullcontext()
 
     def _handover(self, batch: dict[str, Any], event: Any) -> dict[str, Any]:
         """A batch finished on the read thread's stream, made safe to use on the caller's stream."""
@@ -327,17 +356,17 @@ class PreparedLoader:
                     v.record_stream(current)  # its memory is reused only after the caller's stream is done
         return batch
 
-    def _make(self, chunk: np.ndarray, k: int) -> Any:
+    def _make(self, chunk: np.ndarray, k: int, tail_thread: bool) -> Any:
         """Batch `k` on the read thread: its crops drawn, its reads done and, with `tail_thread`, uploaded,
         assembled and run through the tail on the side stream: (batch, its event, the draws as of it); without,
         the fetched plan (finished by the training thread)."""
         torch = self.torch
-        if self.tail_thread and self.gpu and self._side is None:
+        if tail_thread and self.gpu and self._side is None:
             self._side = torch.cuda.Stream(device=self.device)
         plan = self.assembly.plan([int(i) for i in chunk], k)
         plan.early = self.cursor.draws.take(self.cursor.draws.early)
         plan = self.assembly.fetch(plan)
-        if not self.tail_thread:
+        if not tail_thread:
             return plan
         event = None
         if self.gpu:

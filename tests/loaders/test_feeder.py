@@ -59,6 +59,27 @@ def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], opti
     assert fed._feeder._proc.poll() is not None  # the child is gone
 
 
+def test_batches_come_at_once_while_the_child_starts_then_from_the_child(made: tuple[Path, Path]) -> None:
+    """The first batch does not wait for the child (its imports take seconds): this process makes the batches
+    until the child is ready, then hands the rest of the epoch over at a batch boundary with the random states
+    as of the last batch delivered; the epochs are the in-process loader's, batch for batch."""
+    want_loader = _loader(made, {**OPTIONS, "feeder": False})
+    want = [[_plain(b) for b in want_loader] for _ in range(2)]
+    fed = _loader(made, {**OPTIONS, "feeder": True})
+    try:
+        it = iter(fed)
+        got = [_plain(next(it))]
+        assert fed.made_here == 1 and not fed._feeder.ready  # made here: the child is still starting
+        fed._feeder.wait_ready()
+        got += [_plain(b) for b in it]  # batch 2 on: the child's
+        assert fed.made_here == 1
+        _same(got, want[0], "epoch 0, handed over after its first batch")
+        _same([_plain(b) for b in fed], want[1], "epoch 1, the child's")
+        assert fed.made_here == 1 and fed.state_dict() == want_loader.state_dict()
+    finally:
+        fed.close()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_auto_feeder_on_a_gpu_where_the_transform_can_go(made: tuple[Path, Path], device: str) -> None:
     """feeder="auto" (the default): a child process on a CUDA device, in process on the CPU; a transform that
@@ -121,6 +142,7 @@ def test_a_failure_in_the_feeder_comes_back_in_one_line(made: tuple[Path, Path],
     fed = _loader((copy, pipeline), {**OPTIONS, "feeder": True})
     try:
         assert fed.tail_thread is False  # in the child the tail runs on its main thread
+        fed._feeder.wait_ready()  # the child makes the batches (not this process, while it starts)
         for shard in (copy / "shards").iterdir():
             with open(shard, "r+b") as f:
                 f.truncate(16)
@@ -146,8 +168,9 @@ class OnlyHere:
 
 
 def test_a_child_that_cannot_build_the_loader_says_so_at_the_first_epoch(made: tuple[Path, Path]) -> None:
-    """The child builds its loader while the caller goes on; its failure is raised at the first epoch, in one
-    line, and every later use says the feeder is gone."""
+    """The child builds its loader while the caller goes on (and this process makes the batches meanwhile); its
+    failure is raised at the first batch boundary after it, in one line, and every later use says the feeder
+    is gone."""
     from test_folds import _transform
 
     from loaders.fast.loader import PreparedLoader
@@ -157,6 +180,7 @@ def test_a_child_that_cannot_build_the_loader_says_so_at_the_first_epoch(made: t
     chain.stowaway = OnlyHere()  # type: ignore[attr-defined]
     fed = PreparedLoader(cache, chain, batch_size=2, device="cpu", gpu_budget=0, feeder=True)  # built: no wait
     try:
+        fed._feeder._proc.wait(timeout=120)  # the child has said why and left
         with pytest.raises(FeederError, match="refuses to be rebuilt") as info:
             next(iter(fed))
         assert "\n" not in str(info.value)
@@ -182,6 +206,7 @@ def test_an_auto_feeder_that_cannot_start_leaves_the_batches_to_this_process(mad
     fed = PreparedLoader(cache, chain, batch_size=2, device="cpu", gpu_budget=0, feeder=True, tail_thread=None)
     fed._feeder_auto = True  # what feeder="auto" sets on a GPU
     fed.set_random_state(5)
+    fed._feeder._proc.wait(timeout=120)  # the child has said why and left
     try:
         with pytest.warns(RuntimeWarning, match="refuses to be rebuilt.*made in this process instead"):
             got = _run(fed)
