@@ -200,6 +200,8 @@ def check_loader(args: Mapping[str, Any]) -> None:
     keys(args["keys"], cache.keys, cache.root)
     if args["copy_threads"] is not None:
         count("copy_threads", args["copy_threads"])
+    if args["torch_threads"] is not None:
+        count("torch_threads", args["torch_threads"])
     if args["drop_last"] and args["batch_size"] > len(cache):
         warnings.warn(
             f"PreparedLoader: batch_size={args['batch_size']} is larger than the {len(cache)} items of "

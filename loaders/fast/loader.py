@@ -70,7 +70,10 @@ class PreparedLoader:
     crop out of the page cache (None: `read_regions`' default, min(backend threads, cores)). feeder: make
     the batches in a process of its own (`loaders.fast.feeder`: the loader's Python off the training process's
     interpreter lock; CUDA tensors handed over by IPC; needs a picklable transform and a backend by name);
-    "auto" (the default): on a CUDA device when both hold, else in this process.
+    "auto" (the default): on a CUDA device when both hold, else in this process. torch_threads: on the CPU, a
+    number of torch threads for the training thread while an epoch is iterated (restored after), the read
+    thread's transforms then on one (torch's count is per thread); None (the default): torch's threads as they
+    are, which trained fastest where measured (docs/loaders.md, "On the CPU").
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class PreparedLoader:
         switch_interval: float | None = None,
         copy_threads: int | None = None,
         feeder: bool | str = "auto",
+        torch_threads: int | None = None,
     ) -> None:
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
@@ -117,6 +121,7 @@ class PreparedLoader:
         if tail_thread is None:  # the feeder's child has no training loop beside it: the tail on its main thread
             tail_thread = payload is None
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
+        self._one_thread, self._training_threads = self._threads(torch_threads)
         self._build(transform, keys, backend, backend_options)
         self.items = np.arange(len(self.cache), dtype=np.int64)
         self.rank, self.world = 0, 1
@@ -134,6 +139,11 @@ class PreparedLoader:
         elif str(device).startswith("cuda") and not self.torch.cuda.is_available():
             raise ValueError(f"PreparedLoader: device={device!r} but this torch sees no CUDA GPU; pass device='cpu'")
         return self.torch.device(device)
+
+    def _threads(self, given: int | None) -> tuple[bool, int | None]:
+        """On the CPU: (whether the read thread keeps to one torch thread, the training thread's count during
+        an epoch); (False, None) leaves torch's threads alone."""
+        return (False, None) if self.gpu or given is None else (True, int(given))
 
     def _build(self, transform: Any, keys: Sequence[str] | None, backend: Any, backend_options: Any) -> None:
         """The batch's rooms: the reader, the device tier, the assembly (the chain split, the crop folded),
@@ -177,7 +187,7 @@ class PreparedLoader:
                                     "stays in this process)")  # fmt: skip
         names = ("cache_dir", "transform", "batch_size", "gpu_budget", "shuffle", "seed", "drop_last", "crop_read",
                  "prefetch", "backend", "backend_options", "keys", "verify", "tail_thread", "switch_interval",
-                 "copy_threads")  # fmt: skip
+                 "copy_threads", "torch_threads")  # fmt: skip
         spec = {name: given[name] for name in names}
         spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False)
         try:
@@ -313,9 +323,11 @@ class PreparedLoader:
 
     def _run(self, chunks: list[np.ndarray], epoch: int, skip: int, tail_thread: bool) -> Iterator[dict[str, Any]]:
         ahead = InOrder(1, "blockprep-feed")  # one thread: the batches' draws stay in batch order
-        interval = sys.getswitchinterval()
+        interval, threads = sys.getswitchinterval(), self.torch.get_num_threads()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
+        if self._training_threads is not None:
+            self.torch.set_num_threads(self._training_threads)
         self.cursor.begin(epoch, skip)
         try:
             for k in range(skip, min(len(chunks), skip + self.prefetch)):
@@ -336,6 +348,8 @@ class PreparedLoader:
         finally:
             ahead.close()
             sys.setswitchinterval(interval)
+            if self._training_threads is not None:
+                self.torch.set_num_threads(threads)
             # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved
             # state) goes on from the last batch the user received, as MONAI's per-item chain would
             self.cursor.end()
@@ -361,6 +375,8 @@ class PreparedLoader:
         assembled and run through the tail on the side stream: (batch, its event, the draws as of it); without,
         the fetched plan (finished by the training thread)."""
         torch = self.torch
+        if self._one_thread and torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # this thread's own (OpenMP's count is per thread): the rest are training's
         if tail_thread and self.gpu and self._side is None:
             self._side = torch.cuda.Stream(device=self.device)
         plan = self.assembly.plan([int(i) for i in chunk], k)
