@@ -15,10 +15,12 @@ of feeding the loop) are in `workflows/bench/train_rows.py`; this module picks a
 from __future__ import annotations
 
 import ast
+import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -111,7 +113,7 @@ def _variants(opts: TrainOptions, pipeline: Path, cache: Path, half: int) -> lis
 def _run_rounds(rows: Rows, jobs: list[_Job], opts: TrainOptions) -> None:
     """Run the picked rows `opts.rounds` times with the ceiling again after each round, into `rows`; note
     how the ceiling was kept, and each of our rows against the best MONAI row."""
-    picked = [(key, lambda job=job: as_result(job(), data_name(opts)))  # type: ignore[misc]
+    picked = [(key, lambda job=job: _measured(job, opts))  # type: ignore[misc]
               for key, job in jobs if not opts.rows or key in opts.rows or key == "ceiling"]  # fmt: skip
     # the ceiling again after the rows of every round, the faster of its two runs kept: the first can find the
     # GPU's clocks still low (docs/benchmarks.md, Training)
@@ -127,6 +129,16 @@ def _run_rounds(rows: Rows, jobs: list[_Job], opts: TrainOptions) -> None:
             r.extra["x best MONAI"] = r.items_per_s / best
 
 
+def _measured(job: Callable[[], TrainRow], opts: TrainOptions) -> Any:
+    """A row run and turned into a result, with the seconds from its start (building its dataset or loader)
+    to its first batch."""
+    t0 = time.perf_counter()
+    row = job()
+    if row.first_batch_at is not None and row.kind != "ceiling":
+        row.extra["first batch s"] = round(row.first_batch_at - t0, 3)
+    return as_result(row, data_name(opts))
+
+
 # Per workload: (size, crop, batch, count, workers) when the command line does not say (docs/benchmarks.md's GPU runs).
 DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
     "spheres": (160, 96, 4, 48, 8),
@@ -135,6 +147,8 @@ DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
     "brats": (144, 112, 2, 16, 8),
     "gds-seed": (250, 200, 1, 12, 0),
     "mednist": (64, 64, 512, 10240, 4),
+    "slices": (200, 128, 8, 24, 8),
+    "seg-aug": (200, 96, 2, 24, 8),
 }
 
 
@@ -199,10 +213,16 @@ def train(
     spacing_range: Annotated[
         str | None, typer.Option(metavar="LO,HI", help="voxel spacings in mm drawn from LO-HI; default own")
     ] = None,
+    cores: Annotated[
+        int | None,
+        typer.Option(min=1, help="pin the benchmark and its workers to N cores, as a SLURM job's --cpus-per-task"),
+    ] = None,
 ) -> Rows:
     """`python -m workflows.benchmark train --workload all --device cuda:0` (global --batchsize is the batch,
     --workers the DataLoader workers of the peers; left at 4 and 0 they are the workload's own)."""
     names = _workloads(workload)
+    if cores is not None:
+        pin_cores(cores)
     given = TrainOptions(epochs=epochs, device=opts.device, gpu_budget=gpu_budget,
                          channels=tuple(int(c) for c in channels.split(",")), out=opts.out or Path("bench_out"),
                          rows=tuple(r for r in rows.split(",") if r), shape_range=shape_range,
@@ -220,6 +240,19 @@ def train(
         out.extend(got)
         out.title = got.title if len(names) == 1 else f"training, workloads {', '.join(names)}"
     return out
+
+
+def pin_cores(n: int) -> None:
+    """This process (and what it starts after: DataLoader workers, a feeder's child) on the first `n` cores it
+    may use, torch's threads to match: what a SLURM job with `--cpus-per-task=n` sees."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if n > len(allowed):
+        raise typer.BadParameter(f"--cores {n}: this process may use {len(allowed)} cores")
+    os.sched_setaffinity(0, allowed[:n])
+    torch.set_num_threads(n)
+    print(f"pinned to cores {allowed[:n]}", flush=True)
 
 
 def _workloads(workload: str) -> list[str]:

@@ -59,6 +59,7 @@ class TrainRow:
     cpu_seconds: float = 0.0  # this process's CPU (every thread; not worker processes) over the timed steps' spans
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    first_batch_at: float | None = None  # time.perf_counter() when the first batch reached the loop
 
     @property
     def steps_per_s(self) -> float:
@@ -161,6 +162,8 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
             batch = next(batches, None)
             if batch is None:
                 break
+            if row.first_batch_at is None:
+                row.first_batch_at = time.perf_counter()
             seen += 1
             image, label = on_device(batch["image"], device), on_device(batch["label"], device)
             sync()

@@ -15,6 +15,12 @@
   ResizeWithPadOrCropD), batch 1 through ThreadDataLoader as the seed runs it, no model (seconds per epoch).
 - `mednist`: seed 003's chain (LoadImageD, EnsureChannelFirstD, ScaleIntensityD) and DenseNet121 on 64x64
   JPEGs in 6 classes with int labels, batch 512, DataLoader(4).
+- `slices`: 2D training on slices of CT-like volumes (head as `seg-ct`'s without the foreground crop |
+  RandSpatialCropSamplesd of one-voxel-thick windows, 4 per item, SqueezeDimd, 2D flips, RandRotate90d,
+  RandRotated, RandScaleIntensityd, RandShiftIntensityd) and a 2D UNet.
+- `seg-aug`: the spleen tutorial's head and crops with the augmentations other MONAI tutorials add per item
+  (RandAffined, RandAdjustContrastd, RandHistogramShiftd, RandBiasFieldd, RandGaussianSharpend,
+  RandCoarseDropoutd, RandStdShiftIntensityd, flips) and its UNet.
 
 Each workload makes its data on the spot (`prep.synth`), so nothing is downloaded.
 """
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NAMES = ("spheres", "seg-ct", "seg-multiclass", "brats", "gds-seed", "mednist")
+NAMES = ("spheres", "seg-ct", "seg-multiclass", "brats", "gds-seed", "mednist", "slices", "seg-aug")
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,64 @@ transform = mt.Compose(
 '''
 
 
+def _slices_pipeline(o: Any) -> str:
+    c = o.crop
+    return f'''"""slices: 2D training on slices of 3D volumes (head | slices, 2D flips, rotations, intensity)."""
+from monai.transforms import (Compose, EnsureChannelFirstd, LoadImaged, Orientationd, RandFlipd, RandRotate90d,
+                              RandRotated, RandScaleIntensityd, RandShiftIntensityd, RandSpatialCropSamplesd,
+                              ScaleIntensityRanged, Spacingd, SqueezeDimd)
+
+KEYS = ["image", "label"]
+transform = Compose([
+    LoadImaged(keys=KEYS),
+    EnsureChannelFirstd(keys=KEYS),
+    ScaleIntensityRanged(keys=["image"], a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
+    Orientationd(keys=KEYS, axcodes="RAS"),
+    Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
+    RandSpatialCropSamplesd(keys=KEYS, roi_size=({c}, {c}, 1), num_samples=4, random_size=False),
+    SqueezeDimd(keys=KEYS, dim=-1),
+    RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.5),
+    RandFlipd(keys=KEYS, spatial_axis=[1], prob=0.5),
+    RandRotate90d(keys=KEYS, prob=0.5, max_k=3),
+    RandRotated(keys=KEYS, range_x=0.3, prob=0.3, mode=("bilinear", "nearest")),
+    RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+    RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
+])
+'''
+
+
+def _segaug_pipeline(o: Any) -> str:
+    c = o.crop
+    return f'''"""seg-aug: the spleen chain with the per-item augmentations MONAI's tutorials add after the crop."""
+from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, Orientationd,
+                              RandAdjustContrastd, RandAffined, RandBiasFieldd, RandCoarseDropoutd,
+                              RandCropByPosNegLabeld, RandFlipd, RandGaussianSharpend, RandHistogramShiftd,
+                              RandStdShiftIntensityd, ScaleIntensityRanged, Spacingd)
+
+KEYS = ["image", "label"]
+transform = Compose([
+    LoadImaged(keys=KEYS),
+    EnsureChannelFirstd(keys=KEYS),
+    ScaleIntensityRanged(keys=["image"], a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
+    CropForegroundd(keys=KEYS, source_key="image"),
+    Orientationd(keys=KEYS, axcodes="RAS"),
+    Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
+    RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=({c}, {c}, {c}), pos=1, neg=1,
+                           num_samples=2, image_key="image", image_threshold=0),
+    RandAffined(keys=KEYS, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
+                mode=("bilinear", "nearest"), padding_mode="border"),
+    RandAdjustContrastd(keys="image", prob=0.3, gamma=(0.7, 1.5)),
+    RandHistogramShiftd(keys="image", prob=0.3, num_control_points=10),
+    RandBiasFieldd(keys="image", prob=0.3, coeff_range=(0.0, 0.1)),
+    RandGaussianSharpend(keys="image", prob=0.2),
+    RandCoarseDropoutd(keys="image", prob=0.3, holes=4, spatial_size=8),
+    RandStdShiftIntensityd(keys="image", prob=0.3, factors=0.1),
+    RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.5),
+    RandFlipd(keys=KEYS, spatial_axis=[1], prob=0.5),
+])
+'''
+
+
 def _mednist_pipeline(o: Any) -> str:
     return '''"""mednist: seed 003's MedNIST chain (load, channel first, scale intensity), int class labels."""
 from monai.transforms import Compose, EnsureChannelFirstD, LoadImageD, ScaleIntensityD
@@ -228,6 +292,16 @@ WORKLOADS: dict[str, Workload] = {
     "mednist": Workload("mednist", _mednist_pipeline, _mednist_data, "densenet",
                         lambda o: {"image": ((o.batch, 1, o.size, o.size), "float"), "label": ((o.batch,), "class")},
                         describe=lambda o: f"{o.count} {o.size}x{o.size} JPEGs in 6 classes, DenseNet121"),
+    "slices": Workload("slices", _slices_pipeline, _nifti("ct", 0.2, (1.4, 2.2)), "unet-2d",
+                       lambda o: {"image": ((4 * o.batch, 1, o.crop, o.crop), "float"),
+                                  "label": ((4 * o.batch, 1, o.crop, o.crop), "binary")},
+                       samples=4,
+                       describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, 4 slices {o.crop}x{o.crop} "
+                       "per item, 2D UNet"),
+    "seg-aug": Workload("seg-aug", _segaug_pipeline, _nifti("ct", 0.2, (1.4, 2.2)), "unet-spleen",
+                        _crop3(1, "binary", 2), samples=2,
+                        describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, 2 pos/neg crops {o.crop}^3 "
+                        "per item, the tutorials' per-item augmentations"),
 }  # fmt: skip
 
 
@@ -242,6 +316,10 @@ def model_and_loss(kind: str, o: Any) -> tuple[Any, Any]:
     if kind == "unet-small":
         net = UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=o.channels,
                    strides=(2,) * (len(o.channels) - 1))  # fmt: skip
+        return net, DiceLoss(to_onehot_y=True, softmax=True)
+    if kind == "unet-2d":
+        net = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(16, 32, 64, 128), strides=(2, 2, 2),
+                   num_res_units=2, norm=Norm.BATCH)  # fmt: skip
         return net, DiceLoss(to_onehot_y=True, softmax=True)
     if kind == "unet-spleen":
         net = UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128, 256), strides=(2, 2, 2, 2),
