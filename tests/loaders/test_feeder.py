@@ -284,3 +284,32 @@ def test_the_child_ends_when_the_training_process_is_killed(made: tuple[Path, Pa
             parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
+
+
+@pytest.mark.gpu
+def test_loaders_on_two_gpus_in_one_process_with_the_defaults(made: tuple[Path, Path]) -> None:
+    """Two loaders with the defaults (a feeder each) on cuda:0 and cuda:1 in one process whose current device
+    is cuda:0: each batch on its loader's device, equal to that device's in-process loader, through the start
+    (made here) and after it (made by the child)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    devices = ("cuda:0", "cuda:1")
+    want = {}
+    for d in devices:
+        plain = _loader(made, {"gpu_budget": 0, "device": d, "feeder": False})
+        want[d] = [[_plain(b) for b in plain] for _ in range(2)]
+        plain.close()
+    fed = {d: _loader(made, {"gpu_budget": 0, "device": d}) for d in devices}
+    try:
+        for d, loader in fed.items():
+            assert loader._feeder is not None  # the default on a GPU
+            first = list(loader)
+            assert all(b["image"].device == torch.device(d) for b in first)
+            _same([_plain(b) for b in first], want[d][0], f"{d} epoch 0")
+            loader._feeder.wait_ready()
+            _same([_plain(b) for b in loader], want[d][1], f"{d} epoch 1 (the child's)")
+    finally:
+        for loader in fed.values():
+            loader.close()
