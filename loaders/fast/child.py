@@ -42,7 +42,8 @@ class Ring:
             self.slots = [{k: torch.empty_like(v) for k, v in cuda.items()} for _ in range(self.count)]
             with torch.cuda.device(next(iter(cuda.values())).device):  # the slots' device, not the current one
                 self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.count)]
-            send("slots", self.slots, [e.ipc_handle() for e in self.events])
+                handles = [e.ipc_handle() for e in self.events]  # made here: an event is made on its first use
+            send("slots", self.slots, handles)
         if not cuda or shapes != self.shapes:
             return None, outgoing(batch)
         at = self.k % self.count

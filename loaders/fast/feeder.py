@@ -248,7 +248,8 @@ class Feeder:
         self._events = [torch.cuda.Event.from_ipc_handle(device, h) for h in msg[2]]
         with torch.cuda.device(device):  # the slots' device, whichever is current here (a loader on cuda:1)
             self._fences = [torch.cuda.Event(interprocess=True) for _ in self._slots]
-        self._send("fences", [f.ipc_handle() for f in self._fences])
+            handles = [f.ipc_handle() for f in self._fences]  # made here: an event is made on its first use
+        self._send("fences", handles)
 
     def _unpack(self, at: int | None, batch: dict[str, Any]) -> dict[str, Any]:
         """Slot `at`'s tensors copied out on the current stream (after the child's fill, before our fence)."""

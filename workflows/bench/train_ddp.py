@@ -18,6 +18,7 @@ from typing import Any
 
 from workflows.bench.core import Rows
 from workflows.bench.train_loop import TrainOptions, TrainRow, as_result, build_data, time_loop, transform_of
+from workflows.bench.workloads import WORKLOADS
 
 
 def _device(opts: TrainOptions, local_rank: int) -> str:
@@ -63,7 +64,7 @@ def main_ddp(opts: TrainOptions) -> Rows:
         row = time_loop(f"blockprep PreparedLoader, DDP x{world}", "ours", _epochs(loader, seen), opts, device,
                         ddp=True)  # fmt: skip
         loader.close()
-        once = _every_item_once(seen, world, len(loader.items))
+        once = _every_item_once(seen, world, len(loader.items), WORKLOADS[opts.workload].samples)
         dist.barrier()  # every rank done with the group before any tears it down (gloo aborted a late rank)
         if rank == 0:
             row.steps *= world  # a DDP step trains `world` batches: count them as single-GPU steps
@@ -102,8 +103,9 @@ def _epochs(loader: Any, seen: list[list[int]] | None) -> Any:
     return epochs
 
 
-def _every_item_once(seen: list[list[int]], world: int, n: int) -> bool:
-    """All ranks' items of each epoch together cover every item (padding repeats at most world - 1)."""
+def _every_item_once(seen: list[list[int]], world: int, n: int, samples: int = 1) -> bool:
+    """All ranks' items of each epoch together cover every item (padding repeats at most world - 1), each item
+    `samples` times (a crop with num_samples outputs repeats its item's number)."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * world
@@ -111,7 +113,7 @@ def _every_item_once(seen: list[list[int]], world: int, n: int) -> bool:
     splits = []
     for epoch in range(len(seen)):
         items = [i for rank_seen in gathered for i in rank_seen[epoch]]
-        if set(items) != set(range(n)) or len(items) - n >= world:
+        if set(items) != set(range(n)) or len(items) - n * samples >= world * samples:
             return False
         splits.append(sorted(gathered[0][epoch]))
     return len(splits) < 2 or any(s != splits[0] for s in splits[1:])  # a different split every epoch
