@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +321,9 @@ class PreparedLoader:
             self.tier.budget = self.budget  # the tier is this process's now
             return False
 
-    def _run(self, chunks: list[np.ndarray], epoch: int, skip: int, tail_thread: bool) -> Iterator[dict[str, Any]]:
+    def _run(
+        self, chunks: list[np.ndarray], epoch: int, skip: int, tail_thread: bool
+    ) -> Generator[dict[str, Any], None, None]:
         ahead = InOrder(1, "blockprep-feed")  # one thread: the batches' draws stay in batch order
         interval, threads = sys.getswitchinterval(), self.torch.get_num_threads()
         if self.switch_interval is not None:

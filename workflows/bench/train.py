@@ -228,9 +228,16 @@ def train(
                          rows=tuple(r for r in rows.split(",") if r), shape_range=shape_range,
                          spacing_range=_spacing(spacing_range), rounds=rounds,
                          min_seconds=_min_seconds(min_seconds, opts.device))  # fmt: skip
+    return _each_workload(names, given, opts, (size, crop, count), ddp)
+
+
+def _each_workload(
+    names: list[str], given: TrainOptions, opts: Options, sizes: tuple[int | None, ...], ddp: bool
+) -> Rows:
+    """The rows of every workload named, one table (the DDP row: the first workload's, under torchrun)."""
     out = Rows()
     for name in names:
-        topts = _for_workload(given, name, opts, size, crop, count)
+        topts = _for_workload(given, name, opts, *sizes)
         if ddp:
             from workflows.bench.train_ddp import main_ddp
 
