@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -224,6 +224,18 @@ class PreparedCache:
         start, stop = int(self._starts[item]), int(self._starts[item + 1])
         self._rows_checked(start, stop)
         return [self._entry(row) for row in self.index[start:stop].tolist()]  # tuples of ints: one C call
+
+    def same_spatial(self, keys: Sequence[str]) -> bool:
+        """Whether every item holds each of `keys` and their tensors share one spatial shape (every dim but the
+        channel), as the index says."""
+        self._rows_checked(0, len(self.index))
+        rows = self.index[np.isin(self.index["key"], [self.keys.index(k) for k in keys])]
+        if len(rows) != len(keys) * self.n_items:
+            return False
+        items, ndim, shape = rows["item"], rows["ndim"], np.array(rows["shape"])
+        shape[:, 0] = 0  # the channel may differ
+        first = np.searchsorted(items, items, side="left")  # each row's item's first row (the index is item-sorted)
+        return bool((ndim == ndim[first]).all() and (shape == shape[first]).all())
 
     def _entry(self, row: Any) -> TensorEntry:
         """A TensorEntry from one index row (a numpy record or its .tolist() tuple, fields in INDEX_DTYPE order)."""

@@ -10,6 +10,7 @@ The registry maps the exact MONAI class to its fold: a user's subclass may chang
 so it is never folded (it runs through MONAI).
 
     RandSpatialCropd          one window per item (random or centred, fixed or random size)
+    RandSpatialCropSamplesd   `num_samples` such windows per item, from one sub-seed the transform draws
     RandCropByPosNegLabeld    `num_samples` windows centred on foreground/background voxels (pos/neg ratio)
     RandCropByLabelClassesd   `num_samples` windows centred on voxels of classes drawn by `ratios`
 """
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from loaders.cache import sampling
+from loaders.tail.crops import draw_samples, draw_spatial
 
 Window = tuple[list[int], list[int]]  # (start, shape) over the spatial dims
 
@@ -51,17 +53,20 @@ class SpatialCropFold(Fold):
         return [draw_crop(self.transform, spatial)]
 
 
+class SpatialSamplesFold(Fold):
+    """RandSpatialCropSamplesd: `num_samples` windows per item, the same for every key (folded only where the
+    cropped keys of every item share one spatial shape: MONAI draws each key's over its own shape)."""
+
+    def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
+        return [_window(s, spatial) for s in draw_samples(self.transform, tuple(spatial))]
+
+    def spatial_key(self, keys: Sequence[str]) -> str:
+        return next(k for k in self.transform.keys if k in keys)
+
+
 def draw_crop(crop: Any, spatial: Sequence[int]) -> Window:
     """(start, shape) over the spatial dims, drawn as MONAI's `RandSpatialCropd` draws it for one item."""
-    from monai.transforms import CenterSpatialCrop
-
-    crop.randomize(list(spatial))
-    cropper = crop.cropper
-    if getattr(cropper, "random_center", True):
-        slices = cropper._slices
-    else:
-        slices = CenterSpatialCrop(cropper._size).compute_slices(list(spatial))
-    return _window(slices, spatial)
+    return _window(draw_spatial(crop, tuple(spatial)), spatial)
 
 
 def _window(slices: Sequence[slice], spatial: Sequence[int]) -> Window:
@@ -121,6 +126,14 @@ def _spatial_fold(t: Any, cache: Any) -> Fold | None:
     return SpatialCropFold(t)
 
 
+def _samples_fold(t: Any, cache: Any) -> Fold | None:
+    """RandSpatialCropSamplesd, where every item's cropped keys share one spatial shape (from the index)."""
+    keys = [k for k in t.keys if cache is not None and k in cache.keys]
+    if cache is None or not keys or not cache.same_spatial(keys):
+        return None
+    return SpatialSamplesFold(t)
+
+
 def _label_fold(t: Any, cache: Any) -> Fold | None:
     sig = sampling.signature(t)
     if sig is None or cache is None:
@@ -142,9 +155,15 @@ def _label_fold(t: Any, cache: Any) -> Fold | None:
 
 
 def _registry() -> dict[type, Callable[[Any, Any], Fold | None]]:
-    from monai.transforms import RandCropByLabelClassesd, RandCropByPosNegLabeld, RandSpatialCropd
+    from monai.transforms import (
+        RandCropByLabelClassesd,
+        RandCropByPosNegLabeld,
+        RandSpatialCropd,
+        RandSpatialCropSamplesd,
+    )
 
-    return {RandSpatialCropd: _spatial_fold, RandCropByPosNegLabeld: _label_fold, RandCropByLabelClassesd: _label_fold}
+    return {RandSpatialCropd: _spatial_fold, RandSpatialCropSamplesd: _samples_fold,
+            RandCropByPosNegLabeld: _label_fold, RandCropByLabelClassesd: _label_fold}  # fmt: skip
 
 
 def is_fold_crop(t: Any) -> bool:
@@ -190,7 +209,6 @@ def crop_sets_of(tail: Sequence[Any]) -> dict[str, Any] | None:
 
 
 __all__ = [
-    "Fold", "LabelCropFold", "SpatialCropFold", "Window", "crop_sets_of", "draw_crop", "is_fold_crop", "label_fold",
-    "may_fold",
-    "split_fold",
+    "Fold", "LabelCropFold", "SpatialCropFold", "SpatialSamplesFold", "Window", "crop_sets_of", "draw_crop",
+    "is_fold_crop", "label_fold", "may_fold", "split_fold",
 ]  # fmt: skip

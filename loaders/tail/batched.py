@@ -29,11 +29,13 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandGaussianNoised": ("loaders.tail.intensity", "rand_gaussian_noise"),
     "RandGaussianSmoothd": ("loaders.tail.sparse", "rand_gaussian_smooth"),
     "RandRotate90d": ("loaders.tail.flips", "rand_rotate90"),
+    "RandRotated": ("loaders.tail.sparse", "rand_rotate"),
     "RandScaleIntensityd": ("loaders.tail.intensity", "rand_scale_intensity"),
     "RandShiftIntensityd": ("loaders.tail.intensity", "rand_shift_intensity"),
     "RandSpatialCropSamplesd": ("loaders.tail.crops", "rand_spatial_crop_samples"),
     "RandSpatialCropd": ("loaders.tail.crops", "rand_spatial_crop"),
     "RandZoomd": ("loaders.tail.sparse", "rand_zoom"),
+    "SqueezeDimd": ("loaders.tail.shape", "squeeze_dim"),
 }
 
 Handler = Callable[[Any, "TailBatch"], bool]

@@ -29,13 +29,32 @@ def _crop(batch: TailBatch, keys: list[Hashable], windows: list[tuple[int, tuple
     batch.replace(new, [i for i, _ in windows])
 
 
-def _rand_spatial_slices(cropper: Any, spatial: tuple[int, ...]) -> tuple[slice, ...]:
+def spatial_slices(cropper: Any, spatial: tuple[int, ...]) -> tuple[slice, ...]:
     """The window a `RandSpatialCrop` just drew (or its centre window when random_center=False)."""
     from monai.transforms import CenterSpatialCrop
 
     if cropper.random_center:
         return tuple(cropper._slices)
     return tuple(CenterSpatialCrop(cropper._size).compute_slices(spatial))
+
+
+def draw_spatial(t: Any, spatial: tuple[int, ...]) -> tuple[slice, ...]:
+    """RandSpatialCropd's window for one item of spatial shape `spatial`, drawn as MONAI draws it."""
+    t.randomize(list(spatial))
+    return spatial_slices(t.cropper, spatial)
+
+
+def draw_samples(t: Any, spatial: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """RandSpatialCropSamplesd's `num_samples` windows for one item, drawn as MONAI draws them: a sub-seed from
+    the transform, with which MONAI re-seeds its sampler before each key (so keys of one shape share them)."""
+    t.randomize()
+    samples = t.cropper  # RandSpatialCropSamples; its inner RandSpatialCrop draws each window
+    samples.set_random_state(seed=int(t.sub_seed))
+    out = []
+    for _ in range(samples.num_samples):
+        samples.cropper.randomize(list(spatial))
+        out.append(spatial_slices(samples.cropper, spatial))
+    return out
 
 
 def rand_spatial_crop(t: Any, batch: TailBatch) -> bool:
@@ -46,10 +65,7 @@ def rand_spatial_crop(t: Any, batch: TailBatch) -> bool:
     spatial = _spatial(batch, keys)
     if spatial is None or type(t.cropper) is not RandSpatialCrop:
         return False
-    windows = []
-    for i in range(batch.n):
-        t.randomize(spatial)
-        windows.append((i, _rand_spatial_slices(t.cropper, spatial)))
+    windows = [(i, draw_spatial(t, spatial)) for i in range(batch.n)]
     _crop(batch, keys, windows)
     return True
 
@@ -60,15 +76,7 @@ def rand_spatial_crop_samples(t: Any, batch: TailBatch) -> bool:
     spatial = _spatial(batch, keys)
     if spatial is None:
         return False
-    samples = t.cropper  # RandSpatialCropSamples; its inner RandSpatialCrop draws each window
-    windows: list[tuple[int, tuple[slice, ...]]] = []
-    for i in range(batch.n):
-        t.randomize()
-        # MONAI re-seeds the sampler with the item's sub-seed before each key, so all keys share the windows
-        samples.set_random_state(seed=int(t.sub_seed))
-        for _ in range(samples.num_samples):
-            samples.cropper.randomize(spatial)
-            windows.append((i, _rand_spatial_slices(samples.cropper, spatial)))
+    windows = [(i, sl) for i in range(batch.n) for sl in draw_samples(t, spatial)]
     _crop(batch, keys, windows)
     return True
 

@@ -1,5 +1,5 @@
 """Random transforms with no one-op batched form that change only the items they fire on (`prob` < 1 in most
-tutorial tails): `RandZoomd` and `RandGaussianSmoothd` (the DynUNet tutorial's tail, `prob=0.15`).
+tutorial tails): `RandZoomd` and `RandGaussianSmoothd` (the DynUNet tutorial's tail, `prob=0.15`), `RandRotated`.
 
 Each item's numbers are drawn through the MONAI transforms' own `randomize`, item by item in batch order, as
 MONAI's dict transform draws them; then MONAI's own array transform (`randomize=False`, the item's draws put
@@ -103,4 +103,35 @@ def rand_gaussian_smooth(t: Any, batch: TailBatch) -> bool:
         return apply
 
     _assemble(batch, keys, {i: smoothed(i) for i in drawn}, lambda x: x)
+    return True
+
+
+def rand_rotate(t: Any, batch: TailBatch) -> bool:
+    """RandRotated: the dict's prob and the inner RandRotate's angles drawn for every item (MONAI draws the
+    angles whether or not the item turns, and for an item without the keys too); MONAI's RandRotate on the
+    turned items, float32 for the rest."""
+    import torch
+
+    keys = _ready(t, batch)
+    if keys is None:
+        return False
+    inner = t.rand_rotate
+    drawn: dict[int, tuple[bool, float, float, float]] = {}
+    for i in range(batch.n):
+        t.randomize(None)
+        inner.randomize()
+        if t._do_transform:
+            drawn[i] = (inner._do_transform, inner.x, inner.y, inner.z)
+    options = {k: o for k, *o in t.key_iterator(batch.data, t.mode, t.padding_mode, t.align_corners, t.dtype)}
+
+    def turned(i: int) -> Apply:
+        def apply(k: Hashable, x: Any) -> Any:
+            inner._do_transform, inner.x, inner.y, inner.z = drawn[i]
+            mode, padding_mode, align_corners, dtype = options[k]
+            return inner(x, mode=mode, padding_mode=padding_mode, align_corners=align_corners, dtype=dtype,
+                         randomize=False, lazy=False)  # fmt: skip
+
+        return apply
+
+    _assemble(batch, keys, {i: turned(i) for i in drawn}, lambda x: x.to(torch.float32))
     return True

@@ -267,6 +267,27 @@ def tail_2d_unbatched() -> list[Any]:
     return [crop2(), RandAdjustContrastd(keys="image", prob=1.0)]
 
 
+def tail_slices() -> list[Any]:
+    from monai.transforms import RandFlipd, RandRotated, RandScaleIntensityd, RandSpatialCropSamplesd, SqueezeDimd
+
+    return [
+        RandSpatialCropSamplesd(keys=K, roi_size=(16, 16, 1), num_samples=3, random_size=False),
+        SqueezeDimd(keys=K, dim=-1),
+        RandFlipd(keys=K, spatial_axis=0, prob=0.5),
+        RandRotated(keys=K, range_x=0.4, prob=0.5, mode=("bilinear", "nearest")),
+        RandScaleIntensityd(keys="image", factors=0.2, prob=0.5),
+    ]
+
+
+def tail_samples_random_size() -> list[Any]:
+    from monai.transforms import RandFlipd, RandSpatialCropSamplesd
+
+    return [
+        RandSpatialCropSamplesd(keys=K, roi_size=(8, 8, 8), max_roi_size=(14, 14, 14), num_samples=2, random_size=True),
+        RandFlipd(keys=K, prob=0.5),
+    ]
+
+
 def tail_flip_only() -> list[Any]:
     from monai.transforms import RandFlipd
 
@@ -377,6 +398,8 @@ ROWS: dict[str, Row] = {
             tail_affine,
             note="RandAffined: exact on the CPU (one batched grid_sample); tests/loaders/test_tail_affine.py: GPU",
         ),
+        Row("slices-samples-squeeze-rotate", "3d", head_3d, tail_slices),
+        Row("samples-random-size", "3d", head_3d, tail_samples_random_size, raises=r"shapes differ|equal size"),
         Row("crop-subclass", "3d", head_3d, tail_subclass),  # folds.py folds exact classes only
         Row("function-ends-head", "3d", head_load, tail_after_fn, refused=r"Orientationd.*clip_image"),
         Row("centre-crop-larger-than-volume", "3d-ragged", head_3d, tail_centre_larger),  # item 11

@@ -309,3 +309,50 @@ def test_drop_in_draws_from_the_sets_as_persistent_dataset_draws(
         assert set(g) == set(w)
         for key in ("image", "label"):
             assert np.array_equal(np.asarray(g[key]), np.asarray(w[key])), key
+
+
+SLICES = """
+from monai.transforms import (Compose, EnsureChannelFirstd, LoadImaged, RandFlipd, RandRotated,
+                              RandSpatialCropSamplesd, SqueezeDimd)
+K = ["image", "label"]
+transform = Compose([LoadImaged(keys=K), EnsureChannelFirstd(keys=K),
+    RandSpatialCropSamplesd(keys=K, roi_size=(8, 8, 1), num_samples=3, random_size=False),
+    SqueezeDimd(keys=K, dim=-1), RandFlipd(keys=K, prob=0.5, spatial_axis=0),
+    RandRotated(keys=K, range_x=0.4, prob=0.5, mode=("bilinear", "nearest"))])
+"""
+
+
+def test_slices_of_volumes_read_only_their_crops_and_run_batched(tmp_path: Path) -> None:
+    """RandSpatialCropSamplesd is folded into the read (only the slices' bytes move), SqueezeDimd and
+    RandRotated run over the batch, and the batches equal MONAI's per-item chain; where an item's keys
+    differ in spatial shape (MONAI then draws each key's windows over its own) the crop is not folded."""
+    from loaders.fast.folds import SpatialSamplesFold
+    from prep.cache import prepare_cache
+
+    datalist = _volumes(tmp_path / "data", 3, "uint8")
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(SLICES)
+    prepare_cache(datalist, pipeline, tmp_path / "cache", workers=1)
+    loader = PreparedLoader(tmp_path / "cache", _transform(pipeline), batch_size=2, device="cpu", shuffle=False,
+                            drop_last=True, gpu_budget=0)  # fmt: skip
+    loader.set_random_state(3)
+    assert isinstance(loader.fold, SpatialSamplesFold)
+    assert loader.assembly.tail.fallbacks == []  # nothing per item through MONAI
+    got = list(loader)
+    want = _monai_batches(datalist, pipeline, [[0, 1], [2, 3]], 3)
+    for g, w in zip(got, want):
+        _same(g, w)
+    plan = loader.assembly.fetch(loader.assembly.plan([0, 1], 0))  # (draws: after the comparison)
+    assert set(plan.reads) == {"regions"} and len(plan.rows) == 6
+    loader.close()
+    cache = loader.cache
+    assert cache.same_spatial(["image", "label"]) and cache.same_spatial(["image"])
+    from loaders.cache.writing import write_items
+    from loaders.fast.folds import split_fold
+
+    items = [{"image": np.zeros((1, 8, 8, 4), np.float32), "label": np.zeros((1, 8, 8, 5), np.uint8)}]
+    other = write_items(tmp_path / "other", items)
+    assert not other.same_spatial(["image", "label"]) and other.same_spatial(["label"])
+    crop = _transform(pipeline).transforms[2]
+    assert split_fold([crop], ["image", "label"], other)[0] is None  # each key's windows are its own: not folded
+    assert isinstance(split_fold([crop], ["image", "label"], cache)[0], SpatialSamplesFold)
