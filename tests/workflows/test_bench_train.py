@@ -143,7 +143,7 @@ WORKLOAD_TINY = {
     "brats": ["--size", "24", "--crop", "16", "--count", "4"],
     "gds-seed": ["--size", "24", "--crop", "16", "--count", "3"],
     "mednist": ["--size", "32", "--count", "16", "--batchsize", "8"],
-    "slices": ["--size", "40", "--crop", "24", "--count", "4"],
+    "slices": ["--size", "40", "--crop", "24", "--count", "4", "--batchsize", "2"],
     "seg-aug": ["--size", "40", "--crop", "16", "--count", "4"],
 }
 
