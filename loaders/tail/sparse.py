@@ -108,8 +108,9 @@ def rand_gaussian_smooth(t: Any, batch: TailBatch) -> bool:
 
 def rand_rotate(t: Any, batch: TailBatch) -> bool:
     """RandRotated: the dict's prob and the inner RandRotate's angles drawn for every item (MONAI draws the
-    angles whether or not the item turns, and for an item without the keys too); MONAI's RandRotate on the
-    turned items, float32 for the rest."""
+    angles whether or not the item turns, and for an item without the keys too); the turned items resampled
+    together with MONAI's own matrices and `AffineTransform` where the size is kept (else MONAI's RandRotate
+    item by item), float32 for the rest."""
     import torch
 
     keys = _ready(t, batch)
@@ -123,8 +124,13 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
         if t._do_transform:
             drawn[i] = (inner._do_transform, inner.x, inner.y, inner.z)
     options = {k: o for k, *o in t.key_iterator(batch.data, t.mode, t.padding_mode, t.align_corners, t.dtype)}
+    if inner.keep_size and drawn:
+        turned = {k: _rotated(inner, batch.data[k], drawn, *options[k]) for k in keys}
+        fired = {i: (lambda k, x, j=j: turned[k][j]) for j, i in enumerate(drawn)}
+        _assemble(batch, keys, fired, lambda x: x.to(torch.float32))
+        return True
 
-    def turned(i: int) -> Apply:
+    def one(i: int) -> Apply:
         def apply(k: Hashable, x: Any) -> Any:
             inner._do_transform, inner.x, inner.y, inner.z = drawn[i]
             mode, padding_mode, align_corners, dtype = options[k]
@@ -133,5 +139,31 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
 
         return apply
 
-    _assemble(batch, keys, {i: turned(i) for i in drawn}, lambda x: x.to(torch.float32))
+    _assemble(batch, keys, {i: one(i) for i in drawn}, lambda x: x.to(torch.float32))
     return True
+
+
+def _rotated(inner: Any, x: Any, drawn: dict[int, tuple[bool, float, float, float]], *options: Any) -> Any:
+    """The items of `x` that `drawn` turns, rotated in one resampling: each item's matrix as MONAI's `rotate`
+    builds it (the rotation about the centre, the output the input's size), `AffineTransform` over them all."""
+    import numpy as np
+    import torch
+    from monai.networks.layers import AffineTransform
+    from monai.transforms.utils import create_rotate, create_translate, resolves_modes
+    from monai.utils import get_equivalent_dtype
+
+    mode, padding_mode, align_corners, dtype = options
+    sp = tuple(int(s) for s in x.shape[2:])
+    nd = len(sp)
+    centre = create_translate(nd, ((np.array(sp) - 1) / 2).tolist())
+    back = create_translate(nd, (-(np.asarray(sp, dtype=int) - 1) / 2).tolist())
+    mats = []
+    for _, ax, ay, az in drawn.values():
+        angle = (ax,) if nd == 2 else (ax, ay, az)
+        mats.append(centre @ create_rotate(nd, angle, rotate_order="XYZ") @ back)
+    _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
+    corners = inner.align_corners if align_corners is None else align_corners
+    xform = AffineTransform(normalized=False, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=True)
+    img = x[list(drawn)].to(get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor))
+    theta = torch.as_tensor(np.stack(mats), dtype=img.dtype, device=img.device)
+    return xform(img, theta, spatial_size=sp).float()

@@ -85,7 +85,7 @@ def _loader_only(a: argparse.Namespace) -> int:
     gpu = a.device.startswith("cuda")
     for tail_thread in (True, False):
         loader = PreparedLoader(
-            cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, tail_thread=tail_thread
+            cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, tail_thread=tail_thread, feeder=False
         )
         loader.set_random_state(0)
         for _ in loader:  # warm: the tier fills
