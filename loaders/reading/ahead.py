@@ -10,6 +10,7 @@ started. The loader's batches (one thread: its random draws stay in batch order)
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,10 +28,20 @@ class InOrder:
         self._own = executor is None
         self._pool = executor if executor is not None else ThreadPoolExecutor(max(1, threads), thread_name_prefix=name)
         self._pending: deque[Future[Any]] = deque()
+        self._workers: set[int] = set()  # the threads that ran this stage's jobs
 
     def submit(self, job: Callable[..., Any], *args: Any) -> None:
         """Start `job(*args)` after the jobs submitted before it."""
-        self._pending.append(self._pool.submit(job, *args))
+        self._pending.append(self._pool.submit(self._run, job, args))
+
+    def _run(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self._workers.add(threading.get_ident())
+        return job(*args)
+
+    def _on_worker(self) -> bool:
+        """Whether this thread is one of the stage's own (a job, or a collection a job's allocation ran, that
+        ends its owner: the garbage collector may finalize an abandoned loader on any thread)."""
+        return threading.get_ident() in self._workers
 
     def take(self) -> Any:
         """The oldest job's result, waited for (its exception raised here)."""
@@ -47,7 +58,11 @@ class InOrder:
             self._pending.pop().cancel()
 
     def clear(self) -> None:
-        """Drop every job not taken: those not started are cancelled, the running ones waited for."""
+        """Drop every job not taken: those not started are cancelled, the running ones waited for (not from
+        one of the stage's own threads, which would wait for itself: `forget` there)."""
+        if self._on_worker():
+            self.forget()
+            return
         while self._pending:
             future = self._pending.pop()
             if not future.cancel():
@@ -57,7 +72,7 @@ class InOrder:
         """`clear`, then the threads stopped (a shared executor stays)."""
         self.clear()
         if self._own:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=not self._on_worker())
 
     def __enter__(self) -> InOrder:
         return self

@@ -126,8 +126,11 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
     options = {k: o for k, *o in t.key_iterator(batch.data, t.mode, t.padding_mode, t.align_corners, t.dtype)}
     if inner.keep_size and drawn:
         turned = {k: _rotated(inner, batch.data[k], drawn, *options[k]) for k in keys}
-        fired = {i: (lambda k, x, j=j: turned[k][j]) for j, i in enumerate(drawn)}
-        _assemble(batch, keys, fired, lambda x: x.to(torch.float32))
+
+        def row(j: int) -> Apply:
+            return lambda k, x: turned[k][j]
+
+        _assemble(batch, keys, {i: row(j) for j, i in enumerate(drawn)}, lambda x: x.to(torch.float32))
         return True
 
     def one(i: int) -> Apply:
