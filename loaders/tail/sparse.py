@@ -163,7 +163,7 @@ def _rotated(inner: Any, x: Any, drawn: dict[int, tuple[bool, float, float, floa
     mats = []
     for _, ax, ay, az in drawn.values():
         angle = (ax,) if nd == 2 else (ax, ay, az)
-        mats.append(centre @ create_rotate(nd, angle, rotate_order="XYZ") @ back)
+        mats.append(centre @ create_rotate(nd, angle) @ back)  # MONAI's default order (1.4 has no other)
     _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
     corners = inner.align_corners if align_corners is None else align_corners
     xform = AffineTransform(normalized=False, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=True)
