@@ -23,6 +23,12 @@ _log = logging.getLogger("loaders.tail")
 # subclass may change the behaviour, so it runs per item through MONAI).
 _HANDLERS: dict[str, tuple[str, str]] = {
     "NormalizeIntensityd": ("loaders.tail.intensity", "normalize_intensity"),
+    "RandAdjustContrastd": ("loaders.tail.fired", "rand_adjust_contrast"),
+    "RandBiasFieldd": ("loaders.tail.fired", "rand_bias_field"),
+    "RandCoarseDropoutd": ("loaders.tail.fired", "rand_coarse_dropout"),
+    "RandGaussianSharpend": ("loaders.tail.fired", "rand_gaussian_sharpen"),
+    "RandHistogramShiftd": ("loaders.tail.fired", "rand_histogram_shift"),
+    "RandStdShiftIntensityd": ("loaders.tail.fired", "rand_std_shift_intensity"),
     "RandAffined": ("loaders.tail.affine", "rand_affine"),
     "RandCropByPosNegLabeld": ("loaders.tail.crops", "rand_crop_by_pos_neg_label"),
     "RandFlipd": ("loaders.tail.flips", "rand_flip"),

@@ -18,20 +18,20 @@ from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
 Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
 
 
-def _ready(t: Any, batch: TailBatch) -> list[Hashable] | None:
+def ready(t: Any, batch: TailBatch) -> list[Hashable] | None:
     keys = keys_of(t, batch)
     if getattr(t, "lazy", False) is not False or not all(batch.is_batched(k) for k in keys):
         return None
     return keys
 
 
-def _assemble(batch: TailBatch, keys: list[Hashable], fired: dict[int, Apply], skipped: Callable[[Any], Any]) -> None:
+def assemble(batch: TailBatch, keys: list[Hashable], fired: dict[int, Apply], skipped: Callable[[Any], Any]) -> None:
     """Each key's rows: MONAI's output where it fired, `skipped(row)` elsewhere; stacked where shapes and
     dtypes agree, else the batch goes on item by item (as the per-item path would leave it)."""
     rows: dict[Hashable, list[Any]] = {}
     for k in keys:
         x = batch.data[k]
-        rows[k] = [_plain(fired[i](k, _row(batch, k, i))) if i in fired else skipped(x[i]) for i in range(batch.n)]
+        rows[k] = [_plain(fired[i](k, row_of(batch, k, i))) if i in fired else skipped(x[i]) for i in range(batch.n)]
     stacked = {k: _stack(v, promote=False) for k, v in rows.items()}
     if all(s is not None for s in stacked.values()):
         batch.data.update(stacked)
@@ -43,7 +43,7 @@ def _assemble(batch: TailBatch, keys: list[Hashable], fired: dict[int, Apply], s
     batch.set_items(items, list(range(batch.n)))
 
 
-def _row(batch: TailBatch, key: Hashable, i: int) -> Any:
+def row_of(batch: TailBatch, key: Hashable, i: int) -> Any:
     """Item i's tensor as MONAI's chain would hand it over (a copy where it views the caller's batch)."""
     return batch.item(i)[key]
 
@@ -53,7 +53,7 @@ def rand_zoom(t: Any, batch: TailBatch) -> bool:
     factors whether or not the item is zoomed); MONAI's RandZoom on the zoomed items, float32 for the rest."""
     import torch
 
-    keys = _ready(t, batch)
+    keys = ready(t, batch)
     if keys is None:
         return False
     if not keys:
@@ -75,14 +75,14 @@ def rand_zoom(t: Any, batch: TailBatch) -> bool:
 
         return apply
 
-    _assemble(batch, keys, {i: zoomed(i) for i in drawn}, lambda x: x.to(torch.float32))
+    assemble(batch, keys, {i: zoomed(i) for i in drawn}, lambda x: x.to(torch.float32))
     return True
 
 
 def rand_gaussian_smooth(t: Any, batch: TailBatch) -> bool:
     """RandGaussianSmoothd: the dict's prob for every item, the inner sigmas for the items it fires on (as
     MONAI draws them); MONAI's GaussianSmooth on those items, the rest as they are."""
-    keys = _ready(t, batch)
+    keys = ready(t, batch)
     if keys is None:
         return False
     inner = t.rand_smooth
@@ -102,7 +102,7 @@ def rand_gaussian_smooth(t: Any, batch: TailBatch) -> bool:
 
         return apply
 
-    _assemble(batch, keys, {i: smoothed(i) for i in drawn}, lambda x: x)
+    assemble(batch, keys, {i: smoothed(i) for i in drawn}, lambda x: x)
     return True
 
 
@@ -113,7 +113,7 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
     item by item), float32 for the rest."""
     import torch
 
-    keys = _ready(t, batch)
+    keys = ready(t, batch)
     if keys is None:
         return False
     inner = t.rand_rotate
@@ -130,7 +130,7 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
         def row(j: int) -> Apply:
             return lambda k, x: turned[k][j]
 
-        _assemble(batch, keys, {i: row(j) for j, i in enumerate(drawn)}, lambda x: x.to(torch.float32))
+        assemble(batch, keys, {i: row(j) for j, i in enumerate(drawn)}, lambda x: x.to(torch.float32))
         return True
 
     def one(i: int) -> Apply:
@@ -142,7 +142,7 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
 
         return apply
 
-    _assemble(batch, keys, {i: one(i) for i in drawn}, lambda x: x.to(torch.float32))
+    assemble(batch, keys, {i: one(i) for i in drawn}, lambda x: x.to(torch.float32))
     return True
 
 

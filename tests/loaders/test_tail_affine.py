@@ -51,11 +51,11 @@ def test_rand_affine_2d_and_mixed_chain() -> None:
         mt.RandAffined(K, prob=0.5, rotate_range=0.4, scale_range=(0.1, 0.2), mode=("bilinear", "nearest")),
         mt.RandFlipd(K, prob=0.5),
         mt.RandGaussianSmoothd("image", prob=0.5),
-        mt.RandHistogramShiftd("image", prob=0.5),
+        mt.RandGibbsNoised("image", prob=0.5),
         mt.RandShiftIntensityd("image", offsets=0.2, prob=0.5),
     ]
     got, tail = batched(chain, batch, seed=6)
-    assert tail.fallbacks == ["RandHistogramShiftd"]
+    assert tail.fallbacks == ["RandGibbsNoised"]
     assert got["image"].shape == (12, 1, 16, 16)
     assert_same(got, reference(chain, batch, seed=6), atol=1e-5)
 

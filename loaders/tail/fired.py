@@ -1,0 +1,198 @@
+"""The intensity augmentations MONAI's tutorials add after the crop, run on the items they fire on.
+
+`RandAdjustContrastd`, `RandHistogramShiftd`, `RandGaussianSharpend`, `RandStdShiftIntensityd`,
+`RandCoarseDropoutd` and `RandBiasFieldd` fire on a fraction of the items (`prob` 0.1-0.3 in the tutorials).
+Each item's numbers are drawn as MONAI's dict transform draws them (its prob, then, where it fires, its inner
+transform's numbers), item by item in batch order. The items it skips stay as they are, as MONAI leaves them; on
+the items it fires on MONAI's own array transform runs with the item's draws put back (`randomize=False`), except
+the bias field: MONAI computes it in numpy on the host (a device tensor goes down and up again per item), so it
+is evaluated here for all fired items at once, where the batch is, with the same Legendre recurrence in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from loaders.tail.batched import TailBatch, to_device
+from loaders.tail.sparse import Apply, assemble, ready, row_of
+
+Draws = dict[int, dict[str, Any]]  # fired item -> the inner transform's attributes as its draw left them
+
+
+def _drawn(inner: Any) -> dict[str, Any]:
+    """What `randomize` leaves on an inner transform (its numbers and flags), to be put back before applying."""
+    return {k: v for k, v in vars(inner).items() if k != "R"}
+
+
+def _fire(t: Any, batch: TailBatch, draw: Callable[[int], Any] | None) -> Draws:
+    """The dict transform's prob for every item and, on the items it fires on, `draw(i)` (the inner's numbers;
+    None where MONAI draws nothing more), in batch order as MONAI's per-item chain draws them."""
+    fired: Draws = {}
+    for i in range(batch.n):
+        t.randomize(None)
+        if t._do_transform:
+            fired[i] = draw(i) if draw is not None else {}
+    return fired
+
+
+def _inner(t: Any, name: str) -> Any:
+    return getattr(t, name, None)
+
+
+def _put_back(inner: Any, fired: Draws) -> dict[int, Apply]:
+    """MONAI's array transform on each fired item, with that item's draws put back."""
+
+    def one(i: int) -> Apply:
+        def apply(k: Hashable, x: Any) -> Any:
+            vars(inner).update(fired[i])
+            return inner(x, randomize=False)
+
+        return apply
+
+    return {i: one(i) for i in fired}
+
+
+def _drawn_without_image(t: Any, batch: TailBatch, name: str) -> bool:
+    """Dict transforms whose inner draws need no image (`randomize(None)`): contrast, histogram shift,
+    sharpening, std shift. MONAI draws the inner's numbers for a fired item whatever its keys hold."""
+    keys, inner = ready(t, batch), _inner(t, name)
+    if keys is None or inner is None:
+        return False
+
+    def draw(i: int) -> dict[str, Any]:
+        inner.randomize(None)
+        return _drawn(inner)
+
+    fired = _fire(t, batch, draw)
+    if keys and fired:
+        assemble(batch, keys, _put_back(inner, fired), lambda x: x)
+    return True
+
+
+def rand_adjust_contrast(t: Any, batch: TailBatch) -> bool:
+    """RandAdjustContrastd: MONAI's gamma on the items it fires on."""
+    return _drawn_without_image(t, batch, "adjuster")
+
+
+def rand_histogram_shift(t: Any, batch: TailBatch) -> bool:
+    """RandHistogramShiftd: MONAI's control points and mapping on the items it fires on."""
+    return _drawn_without_image(t, batch, "shifter")
+
+
+def rand_gaussian_sharpen(t: Any, batch: TailBatch) -> bool:
+    """RandGaussianSharpend: MONAI's sigmas and filters on the items it fires on."""
+    return _drawn_without_image(t, batch, "rand_sharpen")
+
+
+def rand_std_shift_intensity(t: Any, batch: TailBatch) -> bool:
+    """RandStdShiftIntensityd: MONAI's factor times the item's std on the items it fires on."""
+    return _drawn_without_image(t, batch, "shifter")
+
+
+def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
+    """RandCoarseDropoutd: holes drawn per fired item, and filled by MONAI right after (a random fill draws from
+    the same state while filling, so each item's holes and fills come before the next item's holes)."""
+    keys, inner = ready(t, batch), _inner(t, "dropper")
+    if keys is None or inner is None:
+        return False
+    if not keys:  # MONAI draws the prob only
+        _fire(t, batch, None)
+        return True
+    done: dict[int, dict[Hashable, Any]] = {}
+
+    def draw(i: int) -> dict[str, Any]:
+        inner.randomize(tuple(batch.data[keys[0]].shape[2:]))
+        done[i] = {k: inner(row_of(batch, k, i), randomize=False) for k in keys}
+        return {}
+
+    fired = _fire(t, batch, draw)
+
+    def made(i: int) -> Apply:
+        return lambda k, x: done[i][k]
+
+    assemble(batch, keys, {i: made(i) for i in fired}, lambda x: x)
+    return True
+
+
+def rand_bias_field(t: Any, batch: TailBatch) -> bool:
+    """RandBiasFieldd: MONAI's coefficients per fired item; the fields of all fired items evaluated at once where
+    the batch is (float64, the Legendre recurrence numpy's `leggrid2d`/`leggrid3d` run), then `img * exp(field)`
+    in float64 as MONAI computes it, in the transform's dtype."""
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    keys, inner = ready(t, batch), _inner(t, "rand_bias_field")
+    if keys is None or inner is None:
+        return False
+    if not keys:
+        _fire(t, batch, None)
+        return True
+    spatial = tuple(int(s) for s in batch.data[keys[0]].shape[2:])
+    if len(spatial) not in (2, 3) or any(tuple(batch.data[k].shape[2:]) != spatial for k in keys):
+        return False
+
+    def draw(i: int) -> dict[str, Any]:
+        inner.randomize(img_size=spatial)
+        return _drawn(inner)
+
+    fired = _fire(t, batch, draw)
+    if not fired:
+        return True
+    device = batch.data[keys[0]].device
+    fields = torch.exp(bias_fields(spatial, inner.degree, [fired[i]["_coeff"] for i in fired], device))
+    rows = {i: j for j, i in enumerate(fired)}
+
+    def apply(i: int) -> Apply:
+        def one(k: Hashable, x: Any) -> Any:
+            out = x.to(torch.float64) * fields[rows[i]]
+            return out.to(get_equivalent_dtype(inner.dtype, torch.Tensor) if inner.dtype is not None else x.dtype)
+
+        return one
+
+    assemble(batch, keys, {i: apply(i) for i in fired}, lambda x: x)
+    return True
+
+
+def _coefficient_mats(rank: int, degree: int, coeffs: list[list[float]]) -> Any:
+    """Each item's Legendre coefficients as the (degree+1)^rank matrix MONAI fills (total degree <= degree)."""
+    import numpy as np
+
+    mats = np.zeros((len(coeffs),) + (degree + 1,) * rank)
+    if rank == 2:
+        where: Any = np.tril_indices(degree + 1)
+    else:
+        pts = [(i, j, k) for i in range(degree + 1) for j in range(degree + 1 - i) for k in range(degree + 1 - i - j)]
+        where = tuple(np.array(pts).T)
+    for m, c in zip(mats, coeffs):
+        m[where] = c
+    return mats
+
+
+def _legval(x: Any, c: Any) -> Any:
+    """numpy's `legval(x, c, tensor=True)` over a leading batch axis: c (n, m, *rest) -> (n, *rest, len(x)), the
+    same Clenshaw steps in the same order, one torch op each (no fused multiply-add)."""
+    c = c.reshape(*c.shape, 1)
+    m = int(c.shape[1])
+    if m == 1:
+        return c[:, 0] + 0 * x
+    c0, c1 = c[:, -2], c[:, -1]
+    nd = m
+    for i in range(3, m + 1):
+        tmp = c0
+        nd = nd - 1
+        c0 = c[:, -i] - (c1 * (nd - 1)) / nd
+        c1 = tmp + (c1 * x * (2 * nd - 1)) / nd
+    return c0 + c1 * x
+
+
+def bias_fields(spatial: tuple[int, ...], degree: int, coeffs: list[list[float]], device: Any) -> Any:
+    """The bias fields (n, 1, *spatial), float64, of MONAI's RandBiasField for each coefficient list."""
+    import numpy as np
+    import torch
+
+    c = to_device(torch.from_numpy(_coefficient_mats(len(spatial), degree, coeffs)), device)
+    for dim in spatial:
+        x = to_device(torch.from_numpy(np.linspace(-1.0, 1.0, dim, dtype=np.float32)), device)
+        c = _legval(x, c)
+    return c.unsqueeze(1)

@@ -1,0 +1,78 @@
+"""The tutorials' per-item intensity augmentations, run on the items they fire on, against MONAI's per-item chain
++ list_data_collate on deep copies of the same transforms: bit for bit on the CPU (the bias field too: numpy's
+recurrence, op for op)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mt = pytest.importorskip("monai.transforms")
+
+from tailutil import K, assert_same, batched, make_batch, reference  # noqa: E402
+
+CHAINS = {
+    "contrast": [mt.RandAdjustContrastd("image", prob=0.5, gamma=(0.7, 1.5))],
+    "contrast_invert_stats": [mt.RandAdjustContrastd("image", prob=0.6, invert_image=True, retain_stats=True)],
+    "histogram": [mt.RandHistogramShiftd("image", prob=0.5, num_control_points=10)],
+    "histogram_range": [mt.RandHistogramShiftd(K, prob=0.7, num_control_points=(4, 9))],
+    "sharpen": [mt.RandGaussianSharpend("image", prob=0.5)],
+    "std_shift": [mt.RandStdShiftIntensityd("image", prob=0.5, factors=0.1)],
+    "std_shift_nonzero": [mt.RandStdShiftIntensityd("image", prob=0.6, factors=(0.1, 0.4), nonzero=True)],
+    "dropout": [mt.RandCoarseDropoutd(K, prob=0.5, holes=4, spatial_size=5)],
+    "dropout_fill": [mt.RandCoarseDropoutd("image", prob=0.6, holes=2, max_holes=5, spatial_size=3, fill_value=0.5)],
+    "dropout_keep": [mt.RandCoarseDropoutd("image", prob=0.6, holes=3, spatial_size=6, dropout_holes=False)],
+    "bias": [mt.RandBiasFieldd("image", prob=0.5, coeff_range=(0.0, 0.1))],
+    "bias_degree": [mt.RandBiasFieldd("image", prob=0.8, degree=4, coeff_range=(0.1, 0.3))],
+    "seg_aug_tail": [
+        mt.RandAdjustContrastd(keys="image", prob=0.3, gamma=(0.7, 1.5)),
+        mt.RandHistogramShiftd(keys="image", prob=0.3, num_control_points=10),
+        mt.RandBiasFieldd(keys="image", prob=0.3, coeff_range=(0.0, 0.1)),
+        mt.RandGaussianSharpend(keys="image", prob=0.2),
+        mt.RandCoarseDropoutd(keys="image", prob=0.3, holes=4, spatial_size=8),
+        mt.RandStdShiftIntensityd(keys="image", prob=0.3, factors=0.1),
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+@pytest.mark.parametrize("seed", [0, 7])
+def test_equals_monai_per_item(name: str, seed: int) -> None:
+    batch = make_batch(n=6)
+    got, tail = batched(CHAINS[name], batch, seed)
+    assert_same(
+        got,
+        reference(CHAINS[name], batch, seed),
+    )
+    assert tail.fallbacks == []
+
+
+@pytest.mark.parametrize("spatial", [(20, 22), (20, 22, 18)])
+def test_bias_fields_are_monais(spatial: tuple[int, ...]) -> None:
+    from loaders.tail.fired import bias_fields
+
+    inner = mt.RandBiasField(prob=1.0, degree=3)
+    coeffs = []
+    want = []
+    for seed in range(3):
+        inner.set_random_state(seed)
+        inner.randomize(img_size=spatial)
+        coeffs.append(list(inner._coeff))
+        want.append(inner._generate_random_field(spatial, inner.degree, inner._coeff))
+    got = bias_fields(spatial, 3, coeffs, "cpu")[:, 0].numpy()
+    for g, w in zip(got, want):
+        assert abs(g - w).max() <= 1e-12
+
+
+def test_the_last_fired_item_leaves_the_inner_as_monai() -> None:
+    chain = [mt.RandHistogramShiftd("image", prob=0.5, num_control_points=(4, 9))]
+    batch = make_batch(n=6)
+    _, tail = batched(chain, batch, 3)
+    want = mt.Compose([chain[0]])
+    want.set_random_state(3)
+    for i in range(6):
+        want({"image": batch["image"][i].clone()})
+    got_inner, want_inner = tail.transforms[0].shifter, chain[0].shifter
+    assert got_inner.R.get_state()[2] == want_inner.R.get_state()[2]
+    assert list(got_inner.floating_control_points) == list(want_inner.floating_control_points)
