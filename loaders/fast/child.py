@@ -75,8 +75,25 @@ def _bound_to_parent() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+PROFILE = "BLOCKPREP_FEEDER_PROFILE"  # a folder: the child's thread profiled (cProfile), feeder-PID.prof there
+
+
 def serve() -> None:
-    """The child's end: connect, build the loader, run the epochs asked for."""
+    """The child's end: connect, build the loader, run the epochs asked for (under cProfile where `PROFILE`
+    names a folder: what the loader's thread spends in the child, read with `pstats`)."""
+    folder = os.environ.pop(PROFILE, "")
+    if not folder:
+        return _serve()
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(_serve)
+    finally:
+        prof.dump_stats(os.path.join(folder, f"feeder-{os.getpid()}.prof"))
+
+
+def _serve() -> None:
     from multiprocessing.connection import Client
 
     _bound_to_parent()

@@ -313,3 +313,21 @@ def test_loaders_on_two_gpus_in_one_process_with_the_defaults(made: tuple[Path, 
     finally:
         for loader in fed.values():
             loader.close()
+
+
+def test_the_child_writes_its_profile_on_request(
+    made: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pstats
+
+    from loaders.fast.child import PROFILE
+
+    monkeypatch.setenv(PROFILE, str(tmp_path))
+    fed = _loader(made, {**OPTIONS, "feeder": True})
+    try:
+        assert [_plain(b) for b in fed]
+        pid = fed.feeder_pid
+    finally:
+        fed.close()
+    stats = pstats.Stats(str(tmp_path / f"feeder-{pid}.prof"))
+    assert any(path.endswith("loader.py") for path, _, _ in stats.stats)  # type: ignore[attr-defined]
