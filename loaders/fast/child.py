@@ -80,20 +80,28 @@ PROFILE = "BLOCKPREP_FEEDER_PROFILE"  # a folder: the child's thread profiled (c
 
 def serve() -> None:
     """The child's end: connect, build the loader, run the epochs asked for (under cProfile where `PROFILE`
-    names a folder: what the loader's thread spends in the child, read with `pstats`)."""
+    names a folder: what the loader's thread spends in the child, read with `pstats`; written when the parent
+    says close, before the loader is closed, and again after)."""
     folder = os.environ.pop(PROFILE, "")
     if not folder:
-        return _serve()
+        return _serve(lambda: None)
     import cProfile
 
     prof = cProfile.Profile()
+    path = os.path.join(folder, f"feeder-{os.getpid()}.prof")
+
+    def dump() -> None:
+        prof.disable()
+        prof.dump_stats(path)
+        prof.enable()
+
     try:
-        prof.runcall(_serve)
+        prof.runcall(_serve, dump)
     finally:
-        prof.dump_stats(os.path.join(folder, f"feeder-{os.getpid()}.prof"))
+        prof.dump_stats(path)
 
 
-def _serve() -> None:
+def _serve(closing: Any) -> None:
     from multiprocessing.connection import Client
 
     _bound_to_parent()
@@ -121,6 +129,7 @@ def _serve() -> None:
         while True:
             msg = loads(conn.recv_bytes())
             if msg[0] == "close":
+                closing()
                 return
             if msg[0] == "fences":
                 ring.open_fences(msg[1])
