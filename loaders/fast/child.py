@@ -80,8 +80,8 @@ PROFILE = "BLOCKPREP_FEEDER_PROFILE"  # a folder: the child's thread profiled (c
 
 def serve() -> None:
     """The child's end: connect, build the loader, run the epochs asked for (under cProfile where `PROFILE`
-    names a folder: what the loader's thread spends in the child, read with `pstats`; written when the parent
-    says close, before the loader is closed, and again after)."""
+    names a folder: what the loader's thread spends in the child, read with `pstats`; written once its loader is
+    built, when the parent says close (before the loader's cleanup) and at the end)."""
     folder = os.environ.pop(PROFILE, "")
     if not folder:
         return _serve(lambda: None)
@@ -101,7 +101,7 @@ def serve() -> None:
         prof.dump_stats(path)
 
 
-def _serve(closing: Any) -> None:
+def _serve(checkpoint: Any) -> None:
     from multiprocessing.connection import Client
 
     _bound_to_parent()
@@ -122,14 +122,19 @@ def _serve(closing: Any) -> None:
         import torch
 
         torch.cuda.set_device(loader.device)
-    send("ready")
+    try:
+        send("ready")
+    except OSError:  # the parent closed the loader while this one was built: nothing to do
+        loader.close()
+        return
+    checkpoint()  # the profile as of the loader built (its start)
     ring = Ring(loader.prefetch + 2)
     ahead: _Ahead | None = None
     try:
         while True:
             msg = loads(conn.recv_bytes())
             if msg[0] == "close":
-                closing()
+                checkpoint()
                 return
             if msg[0] == "fences":
                 ring.open_fences(msg[1])

@@ -275,12 +275,15 @@ class Feeder:
             self.close()
 
     def close(self) -> None:
-        """Stop the child (it leaves after its epoch's stop; killed if it does not within 10 s)."""
+        """Stop the child (it leaves after its epoch's stop; killed if it does not within 10 s, and at once while it
+        is still starting: it holds nothing yet)."""
         if self._listener is None:
             return
         # the child's buffers released here first: a producer that exits while a consumer still maps its CUDA
         # memory prints torch's "Producer process has been terminated before all shared CUDA tensors released"
         self._slots, self._events, self._fences = [], [], []
+        if not self._ready and self._proc.poll() is None:  # still starting (imports, CUDA): nothing of it to keep
+            self._proc.kill()
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._send("close")

@@ -170,7 +170,6 @@ class PreparedLoader:
 
         self._feeder = Feeder(payload)
         weakref.finalize(self, self._feeder.close)
-        self.tier.budget = 0  # the child keeps the items on the device; this process only while it starts
 
     def _feeder_payload(self, given: dict[str, Any]) -> bytes | None:
         """The feeder child's arguments (loaders.fast.feeder) when this loader's batches are made in a process of their
@@ -189,7 +188,8 @@ class PreparedLoader:
                  "prefetch", "backend", "backend_options", "keys", "verify", "tail_thread", "switch_interval",
                  "copy_threads", "torch_threads")  # fmt: skip
         spec = {name: given[name] for name in names}
-        spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False)
+        # the budget as resolved here: the child's own "auto" would count this process's tier as used memory
+        spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False, gpu_budget=self.budget)
         try:
             return payload(spec)
         except FeederError:
@@ -279,8 +279,20 @@ class PreparedLoader:
         if self._feeder is not None:
             if not self._feeder_ready():
                 return self._until_fed(chunks, epoch, skip)
+            self._tier_to_feeder()
             return self._feeder.run(self, epoch, skip, len(chunks))
         return self._run(chunks, epoch, skip, self.tail_thread)
+
+    def _tier_to_feeder(self) -> None:
+        """The device tier this process filled while the child started, given up as the child takes over (its
+        memory back to the device, for the child's own tier: the same budget, not twice)."""
+        if self.tier.budget == 0:
+            return
+        self.tier.clear()
+        self.tier.budget = 0
+        if self.gpu:
+            with self._on_device():
+                self.torch.cuda.empty_cache()
 
     def _until_fed(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
         """While the feeder's child starts (its imports and its loader: seconds), this process makes the batches;
@@ -300,6 +312,7 @@ class PreparedLoader:
                 return
         finally:
             here.close()  # the batches read ahead here are dropped, their draws undone (`Cursor.end`)
+        self._tier_to_feeder()
         yield from self._feeder.run(self, epoch, k, len(chunks))
 
     def _feeder_ready(self) -> bool:
@@ -318,7 +331,6 @@ class PreparedLoader:
             self._feeder.close()
             self._feeder = None
             self.tail_thread = self.tail_thread or self._tail_default
-            self.tier.budget = self.budget  # the tier is this process's now
             return False
 
     def _run(

@@ -325,9 +325,22 @@ def test_the_child_writes_its_profile_on_request(
     monkeypatch.setenv(PROFILE, str(tmp_path))
     fed = _loader(made, {**OPTIONS, "feeder": True})
     try:
-        assert [_plain(b) for b in fed]
+        fed._feeder.wait_ready()  # a child still starting is stopped at once on close, with nothing to write
+        assert [_plain(b) for b in fed] and fed.made_here == 0
         pid = fed.feeder_pid
     finally:
         fed.close()
     stats = pstats.Stats(str(tmp_path / f"feeder-{pid}.prof"))
     assert any(path.endswith("loader.py") for path, _, _ in stats.stats)  # type: ignore[attr-defined]
+
+
+def test_closing_while_the_child_starts_stops_it_at_once(made: tuple[Path, Path]) -> None:
+    """A child still starting holds nothing: close() kills it rather than waiting out its imports."""
+    import signal
+
+    fed = _loader(made, {**OPTIONS, "feeder": True})
+    first = _plain(next(iter(fed)))  # made in this process while the child imports
+    starting = not fed._feeder.ready
+    fed.close()
+    assert first and fed.made_here >= 1
+    assert fed._feeder._proc.poll() == (-signal.SIGKILL if starting else 0)
