@@ -267,10 +267,12 @@ class Cursor:
     def __init__(self, draws: Draws) -> None:
         self.draws = draws
         self.live: Position | None = None
+        self.left: Position | None = None  # where the last epoch was left (whole, or by a `break`)
         self.resume = 0
 
     def begin(self, epoch: int, skip: int) -> dict[int, tuple[Any, ...]]:
         """An epoch starts at batch `skip` from the states of now; returns them."""
+        self.left = None
         self.live = Position(epoch, skip, self.draws.take())
         return self.live.snap
 
@@ -282,17 +284,24 @@ class Cursor:
         """The epoch is left (whole or early): the states go back to those of the last batch delivered."""
         if self.live is not None:
             self.draws.put(self.live.snap)
-            self.live = None
+            self.left, self.live = self.live, None
 
     def start_at(self, epoch_resume: int, snap: Mapping[int, tuple[Any, ...]]) -> None:
         """The next epoch goes on from its batch `epoch_resume` with the states `snap` (a loaded state, or the
         parent's states in a feeder's child)."""
         self.draws.put(snap)
-        self.resume = epoch_resume
+        self.left, self.resume = None, epoch_resume
 
     def now(self, epoch: int) -> Position:
-        """As of the last batch delivered: the live epoch's position, or `epoch`'s start between epochs."""
-        return self.live if self.live is not None else Position(epoch, self.resume, self.draws.take())
+        """As of the last batch delivered: the live epoch's position; between epochs, where the last one was left
+        (a `break` closes the loop's iterator: the state after it is the state inside it) while `epoch` is the
+        one after it and no state was set since; else `epoch`'s start."""
+        if self.live is not None:
+            return self.live
+        left, snap = self.left, self.draws.take()
+        if left is not None and left.epoch == epoch - 1 and not self.resume and same(left.snap, snap):
+            return left
+        return Position(epoch, self.resume, snap)
 
 
 def fingerprint(manifest: Mapping[str, Any], names: Sequence[str]) -> str:

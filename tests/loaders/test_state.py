@@ -133,6 +133,32 @@ def test_state_after_a_whole_epoch_points_at_the_next(made: tuple[Path, Path]) -
     assert not all(np.array_equal(a["image"], b["image"]) for a, b in zip(first, after))  # negative control
 
 
+@pytest.mark.parametrize("feeder", [False, True], ids=["in-process", "feeder"])
+def test_state_after_break_is_the_state_inside_the_loop(made: tuple[Path, Path], feeder: bool) -> None:
+    """The usual checkpoint: a flag set, the loop left with `break`, the state saved after it (the loop's
+    iterator is closed by then); resumed, the run gives the rest of that epoch, then the next."""
+    options = {"gpu_budget": 0, "feeder": feeder}
+    whole = _loader(made, options)
+    want = [_plain(b) for b in whole] + [_plain(b) for b in whole]
+    whole.close()
+    run = _loader(made, options)
+    got = []
+    for k, batch in enumerate(run):
+        got.append(_plain(batch))
+        if k == 1:
+            inside = run.state_dict()
+            break
+    after = run.state_dict()
+    run.close()
+    assert after == inside and (after["epoch"], after["batch"]) == (0, 2)
+    resumed = _loader(made, options)
+    resumed.load_state_dict(after)
+    got += [_plain(b) for b in resumed] + [_plain(b) for b in resumed]
+    resumed.close()
+    _same(got, want[: len(got)], "resumed after break")
+    assert len(got) == len(want)
+
+
 def test_a_state_from_elsewhere_is_refused_in_one_line(made: tuple[Path, Path]) -> None:
     options = CONFIGS["crops-read-thread"]
     loader = _loader(made, options)
