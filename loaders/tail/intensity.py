@@ -36,9 +36,18 @@ def _apply(op: Any, x: Any, values: list[Any], neutral: float) -> Any:
     it to half on the CPU, mul keeps it in float32), and a tensor operand is rounded otherwise."""
     import torch
 
-    if x.dtype in (torch.float16, torch.bfloat16) and not any(isinstance(v, (list, tuple)) for v in values):
-        return torch.stack([x[i] if v is None else op(x[i], v) for i, v in enumerate(values)])
+    if x.dtype in (torch.float16, torch.bfloat16):  # per-channel values: channel by channel, as MONAI's loop
+        return torch.stack([x[i] if v is None else _scalar_op(op, x[i], v) for i, v in enumerate(values)])
     return op(x, _per_channel(values, x, neutral))
+
+
+def _scalar_op(op: Any, item: Any, value: Any) -> Any:
+    """op(item, value) with python scalars: one for the item, or one per channel."""
+    import torch
+
+    if isinstance(value, (list, tuple)):
+        return torch.stack([op(channel, v) for channel, v in zip(item, value)])
+    return op(item, value)
 
 
 def draws(t: Any, inner: Any, attr: str, images: list[Any]) -> list[Any]:

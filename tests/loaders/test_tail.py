@@ -125,15 +125,18 @@ def test_2d() -> None:
     assert_same(got, reference(chain, batch, seed=3))
 
 
-def test_channel_wise_multichannel() -> None:
-    batch = make_batch()
-    batch["image"] = torch.cat([batch["image"], 1 - batch["image"]], dim=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_channel_wise_multichannel(dtype: torch.dtype) -> None:
+    """Per-channel factors and offsets; on half types channel by channel with python scalars, as MONAI's loop."""
+    batch = make_batch(n=6)
+    batch["image"] = torch.cat([batch["image"], 1 - batch["image"], 3 * batch["image"]], dim=1).to(dtype)
     chain = [
-        mt.RandScaleIntensityd("image", factors=0.4, prob=0.7, channel_wise=True),
+        mt.RandScaleIntensityd("image", factors=0.4, prob=0.7, channel_wise=True, dtype=None),
         mt.RandShiftIntensityd("image", offsets=0.4, prob=0.7, channel_wise=True),
     ]
-    got, _ = batched(chain, batch, seed=4)
+    got, tail = batched(chain, batch, seed=4)
     assert_same(got, reference(chain, batch, seed=4))
+    assert tail.fallbacks == []
 
 
 def test_fallback_runs_per_item_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
