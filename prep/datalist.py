@@ -33,9 +33,25 @@ def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> 
         _check_section(path, section, doc[section])
     out = []
     for section in sections:
-        for entry in load_decathlon_datalist(str(path), is_segmentation=True, data_list_key=section):
+        seg = _segmentation(path.parent, doc[section])
+        for entry in load_decathlon_datalist(str(path), is_segmentation=seg, data_list_key=section):
             out.append((section, dict(entry)))
     return out
+
+
+def _segmentation(folder: Path, entries: list[Any]) -> bool:
+    """Whether a section's "label" values are files, as a segmentation datalist's are: MONAI then joins every
+    one to the datalist's folder (`is_segmentation=True`). A section whose string labels name no file there is
+    a classification datalist (class names: "Hand", "CT"): read with `is_segmentation=False`, they stay as
+    written, as the user's own MONAI loading gives them (a value naming a file is joined either way)."""
+    import os
+
+    named: list[str] = []
+    for entry in entries:
+        label = entry.get("label") if isinstance(entry, dict) else None
+        values = label if isinstance(label, list) else [label]
+        named += [v for v in values if isinstance(v, str)]
+    return not named or any(os.path.exists(os.path.normpath(os.path.join(folder, v))) for v in named)
 
 
 def _check_section(path: Path, section: str, value: Any) -> None:
