@@ -205,7 +205,11 @@ class TailBatch:
             raise ragged_error(
                 sorted({tuple(v.shape) for it in self.items for v in it.values() if hasattr(v, "shape")})
             )
-        return dict(self.data)
+        out = dict(self.data)
+        for k, v in out.items():  # one list every item holds, as long as the batch: given once per item, so that
+            if k not in self.per_item and isinstance(v, (list, tuple)) and len(v) == self.n:  # it is not read as
+                out[k] = [v] * self.n  # one value per item (MONAI collates each item's whole list)
+        return out
 
 
 def ragged_error(shapes: Sequence[tuple[int, ...]]) -> PrepError:

@@ -94,6 +94,14 @@ def keys_seen(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+SHARED_RANGE = [0.1, 0.9]  # one list object every item gets
+
+
+def add_shared_list(d: dict[str, Any]) -> dict[str, Any]:
+    """A plain function adding one list object to every item (as long as a batch of two: not one value a row)."""
+    return {**d, "window": SHARED_RANGE, "names": ["image", "label"]}
+
+
 def _subclass_crop() -> type:
     from monai.transforms import RandSpatialCropd
 
@@ -255,6 +263,12 @@ def tail_dict_fn() -> list[Any]:
     return [crop3(), RandFlipd(keys=K, prob=0.5), keys_seen, clip_image]
 
 
+def tail_shared_list() -> list[Any]:
+    from monai.transforms import RandFlipd
+
+    return [crop3(), add_shared_list, RandFlipd(keys=K, prob=0.5)]
+
+
 def tail_2d() -> list[Any]:
     from monai.transforms import RandFlipd, RandRotate90d
 
@@ -377,6 +391,7 @@ ROWS: dict[str, Row] = {
         Row("map-items-false", "3d", head_3d, tail_lazy, compose={"map_items": False}),
         Row("select-items-at-end", "3d", head_3d, tail_select),
         Row("plain-function-over-dict", "3d", head_3d, tail_dict_fn),
+        Row("tail-adds-a-shared-list", "3d", head_3d, tail_shared_list),  # batch 2, lists of 2: collated per item
         Row("one-of", "3d", head_3d, tail_one_of),
         Row("some-of", "3d", head_3d, tail_some_of),
         Row("random-order", "3d", head_3d, tail_random_order),
