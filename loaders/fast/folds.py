@@ -42,8 +42,8 @@ class Fold:
         raise NotImplementedError
 
     def spatial_key(self, keys: Sequence[str]) -> str:
-        """The key whose spatial shape the draw takes (MONAI's: the first cropped key's)."""
-        return keys[0]
+        """The key whose spatial shape the draw takes (MONAI's: the transform's first key the item has)."""
+        return next((k for k in self.transform.keys if k in keys), keys[0])
 
 
 class SpatialCropFold(Fold):
@@ -59,9 +59,6 @@ class SpatialSamplesFold(Fold):
 
     def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
         return [_window(s, spatial) for s in draw_samples(self.transform, tuple(spatial))]
-
-    def spatial_key(self, keys: Sequence[str]) -> str:
-        return next(k for k in self.transform.keys if k in keys)
 
 
 def draw_crop(crop: Any, spatial: Sequence[int]) -> Window:
@@ -122,16 +119,21 @@ class LabelCropFold(Fold):
         return [_window(Crop.compute_slices(roi_center=c, roi_size=roi), spatial) for c in t.cropper.centers]
 
 
+def _same_spatial(t: Any, cache: Any) -> bool:
+    """Whether every item's keys that `t` crops share one spatial shape (from the index): one window read
+    for every key, as MONAI cuts them. Elsewhere (a label smaller than its image) the crop runs in the tail."""
+    keys = [k for k in t.keys if cache is not None and k in cache.keys]
+    return cache is not None and bool(keys) and bool(cache.same_spatial(keys))
+
+
 def _spatial_fold(t: Any, cache: Any) -> Fold | None:
-    return SpatialCropFold(t)
+    """RandSpatialCropd: one window per item, drawn over the transform's first key's shape."""
+    return SpatialCropFold(t) if cache is None or _same_spatial(t, cache) else None
 
 
 def _samples_fold(t: Any, cache: Any) -> Fold | None:
-    """RandSpatialCropSamplesd, where every item's cropped keys share one spatial shape (from the index)."""
-    keys = [k for k in t.keys if cache is not None and k in cache.keys]
-    if cache is None or not keys or not cache.same_spatial(keys):
-        return None
-    return SpatialSamplesFold(t)
+    """RandSpatialCropSamplesd (MONAI draws each key's windows over its own shape): where the keys share one."""
+    return SpatialSamplesFold(t) if _same_spatial(t, cache) else None
 
 
 def _label_fold(t: Any, cache: Any) -> Fold | None:

@@ -99,8 +99,9 @@ transform = Compose(head + [AsDiscreted(keys="label", to_onehot=3),
 }
 
 
-def _volumes(root: Path, ndim: int, dtype: str, n: int = 5) -> Path:
-    """n image/label pairs of different shapes: a noisy image, labels 0/1/2 in two blobs."""
+def _volumes(root: Path, ndim: int, dtype: str, n: int = 5, trim: int = 0) -> Path:
+    """n image/label pairs of different shapes: a noisy image, labels 0/1/2 in two blobs (`trim` voxels off
+    the label's first axis at each end: the two keys' shapes differ)."""
     import nibabel as nib
 
     rng = np.random.default_rng(ndim)
@@ -113,6 +114,8 @@ def _volumes(root: Path, ndim: int, dtype: str, n: int = 5) -> Path:
         r = np.sqrt(((grid - centre) ** 2).sum(0))
         label = (r < 4).astype(dtype) + (r < 2 + i % 2).astype(dtype)
         image = (rng.random(shape) + label).astype(np.float32)
+        if trim:
+            label = label[trim:-trim]
         for name, data in (("image", image), ("label", label)):
             nib.save(nib.Nifti1Image(data, np.eye(4)), root / f"{name}{i}.nii.gz")
         entries.append({"image": f"image{i}.nii.gz", "label": f"label{i}.nii.gz"})
@@ -356,3 +359,34 @@ def test_slices_of_volumes_read_only_their_crops_and_run_batched(tmp_path: Path)
     crop = _transform(pipeline).transforms[2]
     assert split_fold([crop], ["image", "label"], other)[0] is None  # each key's windows are its own: not folded
     assert isinstance(split_fold([crop], ["image", "label"], cache)[0], SpatialSamplesFold)
+
+
+FIRST_KEY = (
+    HEAD
+    + """
+from monai.transforms import RandSpatialCropd
+transform = Compose(head + [RandSpatialCropd(keys=["label", "image"], roi_size=(6, 5, 4)),
+                            RandFlipd(keys=K, prob=0.5, spatial_axis=0)])
+"""
+)
+
+
+@pytest.mark.parametrize("crop_read", ["auto", False])
+def test_spatial_crop_draws_over_the_transforms_first_key(tmp_path: Path, crop_read: Any) -> None:
+    """RandSpatialCropd(keys=["label", "image"]) over keys of different shapes: MONAI draws the window over
+    its first key's (the label's) shape and cuts every key with it; so does the loader, folded or not."""
+    from prep.cache import prepare_cache
+
+    datalist = _volumes(tmp_path / "data", 3, "uint8", trim=2)
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(FIRST_KEY)
+    prepare_cache(datalist, pipeline, tmp_path / "cache", workers=1)
+    loader = PreparedLoader(tmp_path / "cache", _transform(pipeline), batch_size=2, device="cpu", shuffle=False,
+                            drop_last=True, gpu_budget=0, crop_read=crop_read)  # fmt: skip
+    loader.set_random_state(4)
+    got = [b for _ in range(2) for b in loader]
+    loader.close()
+    want = _monai_batches(datalist, pipeline, [[0, 1], [2, 3]] * 2, 4)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        _same(g, w)
