@@ -152,7 +152,9 @@ class BatchAssembly:
             batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}
         self.values.into_tail(batch, [item for item, _ in plan.rows])
         # the user's transforms never see the loader's `_items`
-        out, origin = (self._ragged_tail if ragged else self.tail).run(batch)
+        per = len(plan.rows) // max(len(plan.items), 1)  # a folded multi-sample crop's rows, item by item
+        groups = [r // per for r in range(len(plan.rows))] if per * len(plan.items) == len(plan.rows) else None
+        out, origin = (self._ragged_tail if ragged else self.tail).run(batch, groups)
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         out = nested_batch(self.values.collate(out))
         return values_to(out, self.reader.device) if self.gpu else out

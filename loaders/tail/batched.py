@@ -84,9 +84,10 @@ class TailBatch:
     per_item: set[Hashable] = field(default_factory=set)  # passed-through lists with one entry per item
     inputs: set[int] = field(default_factory=set)  # storages of the caller's tensors (never written)
     origin: list[int] = field(default_factory=list)  # the input item each current item came from
+    groups: list[int] = field(default_factory=list)  # the MONAI item each current item is a sample of
 
     @classmethod
-    def from_batch(cls, batch: Mapping[Any, Any], device: Any = None) -> TailBatch:
+    def from_batch(cls, batch: Mapping[Any, Any], device: Any = None, groups: Sequence[int] | None = None) -> TailBatch:
         import torch
 
         data = {k: _plain(v) for k, v in batch.items()}
@@ -98,7 +99,8 @@ class TailBatch:
             data = {k: v.to(device, non_blocking=True) if cls._batched(v, n) else v for k, v in data.items()}
         per_item = {k for k, v in data.items() if isinstance(v, (list, tuple)) and len(v) == n}
         inputs = {v.untyped_storage().data_ptr() for v in data.values() if isinstance(v, torch.Tensor)}
-        return cls(data=data, n=n, per_item=per_item, inputs=inputs, origin=list(range(n)))
+        groups = list(groups) if groups is not None else list(range(n))
+        return cls(data=data, n=n, per_item=per_item, inputs=inputs, origin=list(range(n)), groups=groups)
 
     @staticmethod
     def _batched(value: Any, n: int) -> bool:
@@ -133,6 +135,7 @@ class TailBatch:
 
         n_out = len(sources)
         self.origin = [self.origin[s] for s in sources]
+        self.groups = [self.groups[s] for s in sources]
         identity = list(sources) == list(range(self.n))
         rest: dict[Hashable, Any] = {}
         for k, v in self.data.items():
@@ -168,6 +171,7 @@ class TailBatch:
         """The per-item outputs of a MONAI transform (output j from input item `sources[j]`): stacked again
         where shapes and dtypes agree."""
         self.origin = [self.origin[s] for s in sources]
+        self.groups = [self.groups[s] for s in sources]
         self.items, self.n = [{k: _plain(v) for k, v in it.items()} for it in items], len(items)
         self.data = {}
         self.try_stack()
@@ -265,13 +269,36 @@ def _per_item(transform: Any, batch: TailBatch) -> None:
 
     outs: list[dict[Hashable, Any]] = []
     sources: list[int] = []
-    for i in range(batch.n):
-        item, keys = nested(batch.item(i))
-        out = transform(item)
+    for rows in _monai_items(transform, batch):
+        given = [nested(batch.item(i)) for i in rows]
+        out = transform([item for item, _ in given] if len(rows) > 1 else given[0][0])
         out = out if isinstance(out, list) else [out]
+        keys = given[0][1]
         outs.extend(flat_again(o, keys) for o in out)
-        sources.extend([i] * len(out))
+        sources.extend(rows if len(out) == len(rows) else [rows[0]] * len(out))
     batch.set_items(outs, sources)
+
+
+def _monai_items(transform: Any, batch: TailBatch) -> list[list[int]]:
+    """The rows each call of `transform` gets: one row at a time, except where MONAI hands a Compose (`OneOf`,
+    `SomeOf`, `RandomOrder`, ...) an item's whole list of samples (MONAI 1.5 on: one choice per item, for all
+    of its samples), which is then the rows of one item."""
+    from monai.transforms import Compose
+
+    if not isinstance(transform, Compose) or not _compose_takes_lists() or len(set(batch.groups)) == batch.n:
+        return [[i] for i in range(batch.n)]
+    rows: dict[int, list[int]] = {}
+    for i, g in enumerate(batch.groups):
+        rows.setdefault(g, []).append(i)
+    return list(rows.values())
+
+
+def _compose_takes_lists() -> bool:
+    """Whether this MONAI's `apply_transform` hands a list to a Compose whole (1.5 on) rather than item by item."""
+    import monai
+
+    major, minor = (int(x) for x in monai.__version__.split(".")[:2])
+    return (major, minor) >= (1, 5)
 
 
 def _walk(transforms: Sequence[Any], map_items: Any) -> list[Any]:
@@ -362,9 +389,12 @@ class BatchedTail:
     def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:
         return self.run(batch)[0]
 
-    def run(self, batch: Mapping[Any, Any]) -> tuple[dict[Hashable, Any], list[int]]:
-        """(the tail's batch, the input item each output item came from: num_samples crops repeat it)."""
-        tb = TailBatch.from_batch(batch, self.device)
+    def run(
+        self, batch: Mapping[Any, Any], groups: Sequence[int] | None = None
+    ) -> tuple[dict[Hashable, Any], list[int]]:
+        """(the tail's batch, the input item each output item came from: num_samples crops repeat it).
+        `groups`: the MONAI item each input row is a sample of, where a multi-sample crop was made before."""
+        tb = TailBatch.from_batch(batch, self.device, groups)
         for t, handler in zip(self.transforms, self._handlers):
             tb.try_stack()
             if handler is not None and tb.items is None and handler(t, tb):

@@ -321,6 +321,15 @@ def tail_some_of() -> list[Any]:
                              RandScaleIntensityd(keys="image", factors=0.2, prob=1.0)], num_transforms=2)]  # fmt: skip
 
 
+def tail_samples_one_of() -> list[Any]:
+    from monai.transforms import OneOf, RandFlipd, RandRotate90d, RandSpatialCropSamplesd, SomeOf
+
+    return [RandSpatialCropSamplesd(keys=K, roi_size=CROP3, num_samples=3, random_size=False),
+            OneOf([RandFlipd(keys=K, prob=1.0), RandRotate90d(keys=K, prob=1.0)]),
+            SomeOf([RandFlipd(keys=K, prob=1.0, spatial_axis=1), RandRotate90d(keys=K, prob=1.0)], num_transforms=1),
+            RandFlipd(keys=K, prob=0.5, spatial_axis=2)]  # fmt: skip
+
+
 def tail_random_order() -> list[Any]:
     from monai.transforms import RandFlipd, RandomOrder, RandScaleIntensityd
 
@@ -395,6 +404,7 @@ ROWS: dict[str, Row] = {
         Row("one-of", "3d", head_3d, tail_one_of),
         Row("some-of", "3d", head_3d, tail_some_of),
         Row("random-order", "3d", head_3d, tail_random_order),
+        Row("samples-then-one-of", "3d", head_3d, tail_samples_one_of),  # MONAI 1.5+: one choice per item
         Row("lambda", "3d", head_3d, tail_lambda),
         Row("2d-class-label-0d", "2d", head_2d, tail_2d),
         Row("2d-batch-1-per-item", "2d", head_2d, tail_2d_unbatched, loader={"batch_size": 1}),
