@@ -233,9 +233,16 @@ class Draws:
         return {**early, **self.take(self.late)}
 
     def put(self, snap: Mapping[int, tuple[Any, ...]]) -> None:
-        """Set the random states back in place (objects sharing one RandomState stay sharing it)."""
+        """Set the random states back in place. Objects sharing one RandomState stay sharing it where `snap`
+        holds one state for them; where it holds two (it was taken where they no longer share one: MONAI's
+        `set_random_state(seed=)` gives each its own, as RandSpatialCropSamples' draws do), each gets its own."""
+        done: dict[int, Any] = {}  # id of a RandomState set here -> the state it was set to
         for i, state in snap.items():
-            self.objs[i].R.set_state(as_state(state))  # the next take reads the bytes set here
+            obj = self.objs[i]
+            if id(obj.R) in done and not same({0: done[id(obj.R)]}, {0: state}):
+                obj.R = np.random.RandomState()
+            obj.R.set_state(as_state(state))  # the next take reads the bytes set here
+            done[id(obj.R)] = state
 
     def names(self) -> list[str]:
         return [type(o).__name__ for o in self.objs]

@@ -97,3 +97,28 @@ class _Counting(np.random.RandomState):
     def get_state(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         self._calls.append(1)
         return super().get_state(*args, **kwargs)
+
+
+def test_put_gives_each_its_state_where_a_shared_generator_was_split() -> None:
+    """RandSpatialCropSamples shares its RandomState with its inner crop until a draw re-seeds each with
+    set_random_state(seed=): a snapshot taken after (two states) put into a copy still sharing one (a feeder's
+    training process, which never draws) gives each its own state, so the two sides' snapshots agree."""
+    from monai.transforms import RandSpatialCropSamplesd
+
+    from loaders.state import same
+
+    def chain() -> Compose:
+        c = Compose([RandSpatialCropSamplesd(keys="image", roi_size=(4, 4), num_samples=2, random_size=False)])
+        c.set_random_state(3)
+        return c
+
+    drawn, idle = chain(), chain()
+    samples = drawn.transforms[0].cropper
+    assert samples.R is samples.cropper.R and idle.transforms[0].cropper.R is idle.transforms[0].cropper.cropper.R
+    drawn({"image": torch.zeros((1, 9, 9))})  # re-seeds both (each its own) and draws from the inner one
+    assert samples.R is not samples.cropper.R
+    snap = Draws(drawn).take()
+    mine = Draws(idle)
+    mine.put(snap)
+    assert same(mine.take(), snap)
+    assert all(np.array_equal(a, b) for a, b in zip(as_state(mine.take()[2]), samples.R.get_state()))
