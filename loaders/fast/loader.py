@@ -315,6 +315,16 @@ class PreparedLoader:
         self._tier_to_feeder()
         yield from self._feeder.run(self, epoch, k, len(chunks))
 
+    def wait_feeder(self) -> None:
+        """Wait until the feeder's child makes the batches (it starts beside the training: its imports and its
+        loader, seconds); at once without a feeder. Until then this process makes them, so nothing needs it;
+        a benchmark of a long run's steady state does. feeder="auto": a child that could not start is said
+        once and the batches stay here."""
+        import time
+
+        while self._feeder is not None and not self._feeder_ready():
+            time.sleep(0.02)
+
     def _feeder_ready(self) -> bool:
         """Whether the feeder's child is ready, without waiting. feeder="auto": a child that could not start or
         build its loader is closed and this process makes the batches from now on (said once, with why)."""

@@ -285,10 +285,17 @@ def _monai_items(transform: Any, batch: TailBatch) -> list[list[int]]:
     of its samples), which is then the rows of one item."""
     from monai.transforms import Compose
 
-    if not isinstance(transform, Compose) or not _compose_takes_lists() or len(set(batch.groups)) == batch.n:
-        return [[i] for i in range(batch.n)]
+    if not isinstance(transform, Compose) or not _compose_takes_lists():
+        return item_rows(None, batch.n)
+    return item_rows(batch.groups, batch.n)
+
+
+def item_rows(groups: Sequence[int] | None, n: int) -> list[list[int]]:
+    """The rows of each MONAI item, in order of their first row (one row each without `groups`)."""
+    if groups is None:
+        return [[i] for i in range(n)]
     rows: dict[int, list[int]] = {}
-    for i, g in enumerate(batch.groups):
+    for i, g in enumerate(groups):
         rows.setdefault(g, []).append(i)
     return list(rows.values())
 

@@ -22,9 +22,11 @@ class PerItemTail:
     def __init__(self, compose: Any) -> None:
         self.compose = compose
 
-    def run(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """(the batch through the tail, the input item each output came from)."""
-        from loaders.tail.batched import ragged_error
+    def run(self, batch: dict[str, Any], groups: Sequence[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+        """(the batch through the tail, the input item each output came from). `groups`: the MONAI item each
+        row is a sample of (a folded multi-sample crop): its samples go through the tail as the list MONAI's
+        chain hands on after such a crop."""
+        from loaders.tail.batched import item_rows, ragged_error
 
         keys = [k for k in batch if not k.startswith("_")]
         n = len(batch[keys[0]])
@@ -35,14 +37,14 @@ class PerItemTail:
             sources = list(range(n))
         else:
             outs, sources = [], []
-            for i in range(n):
+            for rows in item_rows(groups, n):
                 # the head's nested outputs (ClassesToIndicesd's index list, cached as "key/0", "key/1", ...)
                 # reach MONAI as it made them, and its outputs are flat again for the batch
-                item, nested_keys = nested({k: batch[k][i] for k in keys})
-                out = self.compose(item)
+                given = [nested({k: batch[k][i] for k in keys}) for i in rows]
+                out = self.compose([g for g, _ in given] if len(rows) > 1 else given[0][0])
                 out = out if isinstance(out, list) else [out]  # num_samples crops: MONAI's list layout
-                outs.extend(flat_again(o, nested_keys) for o in out)
-                sources.extend([i] * len(out))
+                outs.extend(flat_again(o, given[0][1]) for o in out)
+                sources.extend(rows if len(out) == len(rows) else [rows[0]] * len(out))
         result = {k: stack([_plain(o[k]) for o in outs]) for k in outs[0]}
         shapes = {tuple(t.shape) for v in result.values() if isinstance(v, list) for t in v if hasattr(t, "shape")}
         ragged = sorted(shapes)

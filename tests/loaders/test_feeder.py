@@ -325,7 +325,7 @@ def test_the_child_writes_its_profile_on_request(
     monkeypatch.setenv(PROFILE, str(tmp_path))
     fed = _loader(made, {**OPTIONS, "feeder": True})
     try:
-        fed._feeder.wait_ready()  # a child still starting is stopped at once on close, with nothing to write
+        fed.wait_feeder()  # a child still starting is stopped at once on close, with nothing to write
         assert [_plain(b) for b in fed] and fed.made_here == 0
         pid = fed.feeder_pid
     finally:

@@ -166,3 +166,12 @@ def test_tutorial_workloads_run_every_loader(workload: str, out: Path) -> None:
     assert any(n.startswith("blockprep PreparedPersistentDataset") for n in names), names
     assert any(n.startswith("monai PersistentDataset") for n in names), names
     assert all(float(r["items_per_s"]) > 0 for r in rows)
+
+
+def test_serving_row_times_the_feeders_batches(out: Path) -> None:
+    """fast-serving: the defaults with the feeder forced on the CPU (auto keeps the batches in process there),
+    timed once its child serves: the row runs and says so in its name."""
+    rows = "fast-serving@feeder=True"
+    assert benchmark.main(["train", *TINY, "--rows", rows, "--out", str(out / "s")]) == 0
+    names = [r["name"] for r in _rows(out / "s" / "bench.csv")]
+    assert any("timed once the feeder serves" in n for n in names), names

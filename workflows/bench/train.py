@@ -88,6 +88,10 @@ def _jobs(
         ("fast-whole", lambda: fast_path(pipeline, cache, opts, 0, "no GPU tier, whole reads", crop_read=False)),
         ("fast-half", lambda: fast_path(pipeline, cache, opts, half, "GPU tier = half the dataset")),
         ("fast-feeder", lambda: fast_path(pipeline, cache, opts, "auto", "defaults, feeder=True", feeder=True)),
+        (
+            "fast-serving",
+            lambda: fast_path(pipeline, cache, opts, "auto", "defaults, timed once the feeder serves", serving=True),
+        ),  # fmt: skip
         ("fast-budget", lambda: fast_path(pipeline, cache, opts, min(budget, nbytes), "GPU tier = --gpu-budget")),
     ]
 
@@ -98,6 +102,7 @@ def _variants(opts: TrainOptions, pipeline: Path, cache: Path, half: int) -> lis
         "fast": (0, "no GPU tier (page cache), crop read"),
         "fast-half": (half, "GPU tier = half the dataset"),
         "fast-auto": ("auto", "defaults (gpu_budget=auto)"),
+        "fast-serving": ("auto", "defaults, timed once the feeder serves"),
     }
     jobs: list[_Job] = []
     for spec in opts.rows:  # variants of the fast path: "fast@tail_thread=False;switch_interval=0.0005"
@@ -105,6 +110,7 @@ def _variants(opts: TrainOptions, pipeline: Path, cache: Path, half: int) -> lis
         if options and base in fast:
             budget_b, label = fast[base]
             kw = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options.split(";"))}
+            kw.update({"serving": True} if base == "fast-serving" else {})
             jobs.append((spec, lambda b=budget_b, lb=f"{label}, {options}", kw=kw: fast_path(  # type: ignore[misc]
                 pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
     return jobs
@@ -195,8 +201,8 @@ def train(
             "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,transport-tail,transport-peer,"
             "transport-tail-meta,"
             "fast-auto,fast,"
-            "fast-whole,fast-half,fast-budget,fast-feeder; fast, fast-auto or fast-half with PreparedLoader "
-            "options: fast@tail_thread=False;switch_interval=0.0005"
+            "fast-whole,fast-half,fast-budget,fast-feeder,fast-serving; fast, fast-auto, fast-half or fast-serving "
+            "with PreparedLoader options: fast@tail_thread=False;switch_interval=0.0005"
         ),
     ] = "",
     ddp: Annotated[bool, typer.Option(help="under torchrun: the fast path over every rank's GPU")] = False,

@@ -307,9 +307,12 @@ def fast_path(
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
     from loaders.fast.loader import PreparedLoader
 
+    serving = options.pop("serving", False)  # a long run's steady state: the feeder's start (seconds) waited out
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
     loader.set_random_state(opts.seed)
+    if serving:
+        loader.wait_feeder()
     try:
         row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts)
         row.extra["GPU tier GB"] = loader.tier_bytes / 1e9
