@@ -225,8 +225,20 @@ class SetStore:
         self.files[SETS].check()
         self.rows = _checked_rows(self.where, doc, self.files[BITS].size)
         self.n_sets = int(doc["n_sets"])
+        self._open()
+
+    def _open(self) -> None:
         self._bits = np.memmap(self.where / BITS, dtype=np.uint8, mode="r") if self.files[BITS].size else None
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock and its mapping of the bits (a DataLoader worker started by spawn or
+        forkserver maps the file again; its reads are checked on use, as before)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_bits", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open()
 
     def sets(self, item: int, nvox: int) -> list[MaskSet]:
         """Item `item`'s sets; FormatError when they do not cover `nvox` voxels (the label's spatial size)."""

@@ -207,6 +207,14 @@ class PersistentCore:
         self._in_place: dict[int, Any] = {}
         self._check_quarantine()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its lock (DataLoader workers started by spawn or forkserver get a new one)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_crop_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._crop_lock = threading.Lock()
+
     def __len__(self) -> int:
         return len(self.data)
 

@@ -390,3 +390,43 @@ def test_spatial_crop_draws_over_the_transforms_first_key(tmp_path: Path, crop_r
     assert len(got) == len(want)
     for g, w in zip(got, want):
         _same(g, w)
+
+
+def test_drop_in_with_label_crops_pickles_and_runs_under_spawned_workers(tmp_path: Path) -> None:
+    """The drop-in (its lock, the sets' lock and mapping) pickles; under DataLoader workers started by spawn it
+    gives PersistentDataset's batches under the same workers and seed."""
+    import pickle
+
+    import torch
+    from monai.data import DataLoader, PersistentDataset
+
+    from loaders import PreparedPersistentDataset
+    from prep.cache import load_datalist, prepare_cache
+
+    ndim, dtype, source = CHAINS["posneg-3d"]
+    datalist = _volumes(tmp_path / "data", ndim, dtype, n=4)
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(source)
+    prepare_cache(datalist, pipeline, tmp_path / "cache", workers=1)
+    data = [e for _, e in load_datalist(datalist)]
+    ours = PreparedPersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "cache")
+    assert ours._label is not None
+    back = pickle.loads(pickle.dumps(ours))
+    back.transform.set_random_state(1)
+    ours.transform.set_random_state(1)
+    for i in range(len(data)):
+        a, b = ours[i], back[i]
+        for j in range(len(a)):
+            assert np.array_equal(np.asarray(a[j]["image"]), np.asarray(b[j]["image"]))
+
+    def batches(ds: Any) -> list[dict[str, Any]]:
+        torch.manual_seed(5)  # the workers' seeds (MONAI's worker_init_fn seeds each worker's chain from them)
+        loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="spawn", timeout=120)
+        return list(loader)
+
+    want = batches(PersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "pt"))
+    got = batches(PreparedPersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "cache"))
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        for key in ("image", "label"):
+            assert np.array_equal(np.asarray(g[key]), np.asarray(w[key])), key
