@@ -75,6 +75,7 @@ class BatchAssembly:
         chain.check_fingerprint(transform, self.cache.manifest, str(self.cache.root / "manifest.json"))
         _, tail = chain.split(transform)
         exact.refuse_meta_readers(tail)
+        exact.refuse_nested_samples(tail)
         options = chain.compose_options(transform)
         self.fold: Any = None
         rest = list(tail)

@@ -39,6 +39,28 @@ def refuse_meta_readers(tail: Sequence[Any]) -> None:
             )
 
 
+def _samples(t: Any) -> int:
+    """How many crops a transform makes of one item (`num_samples`, its own or its cropper's; 1 otherwise)."""
+    for holder in (t, getattr(t, "cropper", None)):
+        n = getattr(holder, "num_samples", None)
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
+    return 1
+
+
+def refuse_nested_samples(tail: Sequence[Any]) -> None:
+    """UnsupportedChainError for two multi-sample crops in one tail: MONAI's per-item chain then makes lists of
+    lists, and its collate a list of batches, one for each of the second crop's samples."""
+    many = [t for t in _members(tail) if _samples(t) > 1]
+    if len(many) > 1:
+        a, b = many[0], many[1]
+        raise UnsupportedChainError(
+            f"PreparedLoader: two multi-sample crops in the tail ({_name(a)} with num_samples={_samples(a)}, then "
+            f"{_name(b)} with num_samples={_samples(b)}): MONAI's batch is then a list of {_samples(b)} batches, "
+            "which this loader does not make; use one crop with more samples, or PreparedPersistentDataset"
+        )
+
+
 def _members(tail: Sequence[Any]) -> list[Any]:
     """The tail's transforms, into Composes and their subclasses (OneOf, SomeOf, RandomOrder)."""
     from monai.transforms import Compose

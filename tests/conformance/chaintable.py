@@ -330,6 +330,13 @@ def tail_samples_one_of() -> list[Any]:
             RandFlipd(keys=K, prob=0.5, spatial_axis=2)]  # fmt: skip
 
 
+def tail_two_sample_crops() -> list[Any]:
+    from monai.transforms import RandSpatialCropSamplesd
+
+    return [RandSpatialCropSamplesd(keys=K, roi_size=(12, 12, 12), num_samples=2, random_size=False),
+            RandSpatialCropSamplesd(keys=K, roi_size=(8, 8, 8), num_samples=2, random_size=False)]  # fmt: skip
+
+
 def tail_random_order() -> list[Any]:
     from monai.transforms import RandFlipd, RandomOrder, RandScaleIntensityd
 
@@ -427,6 +434,7 @@ ROWS: dict[str, Row] = {
         Row("samples-random-size", "3d", head_3d, tail_samples_random_size, raises=r"shapes differ|equal size"),
         Row("crop-subclass", "3d", head_3d, tail_subclass),  # folds.py folds exact classes only
         Row("function-ends-head", "3d", head_load, tail_after_fn, refused=r"Orientationd.*clip_image"),
+        Row("two-sample-crops", "3d", head_3d, tail_two_sample_crops, refused=r"two multi-sample crops.*list of 2"),
         Row("centre-crop-larger-than-volume", "3d-ragged", head_3d, tail_centre_larger),  # item 11
         Row("centre-crop-larger-than-volume-even", "3d", head_3d, tail_centre_larger),
         Row("random-crop-larger-than-volume", "3d-ragged", head_3d, tail_random_larger),

@@ -79,7 +79,13 @@ def plain(value: Any) -> Any:
 
 
 def assert_batch_equal(got: dict[str, Any], want: dict[str, Any], atol: float = 0.0, where: str = "") -> None:
-    """Same keys (less the loader's `_items`), dtypes, shapes and values (bit for bit unless atol)."""
+    """Same keys (less the loader's `_items`), dtypes, shapes and values (bit for bit unless atol); a list of
+    batches (MONAI's after two multi-sample crops) batch by batch."""
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (where, type(got))
+        for j, (g, w) in enumerate(zip(got, want)):
+            assert_batch_equal(g, w, atol, f"{where}[{j}]")
+        return
     keys = set(want)
     assert set(got) - {"_items"} == keys, (where, sorted(map(str, got)), sorted(map(str, keys)))
     for k in sorted(keys, key=str):
