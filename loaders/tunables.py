@@ -47,6 +47,17 @@ OPEN_AT_ONCE = 64
 DEFAULT_BATCH = 32
 
 
+# --- The feeder (loaders.fast.trial) ---
+
+# feeder="auto" compares the training loop's period with the batches made in process (the latest TRIAL_WINDOW
+# periods) and fed by the child (TRIAL_LEAST periods after its first whole epoch, its tier then filled); the
+# batches come back to the training process where the fed period is longer by more than TRIAL_MARGIN (a second
+# CUDA context time-sliced against the training's can cost more than the Python it takes off: docs/loaders.md)
+TRIAL_WINDOW = 64
+TRIAL_LEAST = 16
+TRIAL_MARGIN = 0.03
+
+
 # --- The random tail (loaders.tail) ---
 
 # Batches of a costly random transform's draws (RandGaussianNoised) made ahead on a thread.

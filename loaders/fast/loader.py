@@ -47,6 +47,7 @@ from loaders.deps import require
 from loaders.errors import ArgumentTypeError
 from loaders.fast.assembly import BatchAssembly
 from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
+from loaders.fast.trial import FeederTrial
 from loaders.reading.ahead import InOrder
 from loaders.reading.reads import Reader
 
@@ -129,6 +130,8 @@ class PreparedLoader:
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
         self._feeder: Any = None
         self.made_here = 0  # batches this process made for a loader with a feeder (while its child started)
+        self._trial: FeederTrial | None = FeederTrial() if payload is not None and self._feeder_auto else None
+        self._verdict: str | None = None
         if payload is not None:
             self._start_feeder(payload)
 
@@ -276,12 +279,31 @@ class PreparedLoader:
         order = self.epoch_items(epoch)
         chunks = epoch_batches(order, self.batch_size, self.drop_last)
         skip, self.cursor.resume = self.cursor.resume, 0
-        if self._feeder is not None:
-            if not self._feeder_ready():
-                return self._until_fed(chunks, epoch, skip)
+        if self._feeder is None:
+            return self._run(chunks, epoch, skip, self.tail_thread)
+        if self._feeder_ready():
             self._tier_to_feeder()
-            return self._feeder.run(self, epoch, skip, len(chunks))
-        return self._run(chunks, epoch, skip, self.tail_thread)
+            batches = self._feeder.run(self, epoch, skip, len(chunks))
+        else:
+            batches = self._until_fed(chunks, epoch, skip)
+        return batches if self._trial is None else self._on_trial(batches, self._trial)
+
+    def _on_trial(self, batches: Iterator[dict[str, Any]], trial: FeederTrial) -> Iterator[dict[str, Any]]:
+        """feeder="auto": the epoch's batches timed where they were made (`loaders.fast.trial`); at its end,
+        once decided, the batches stay with the child or come back to this process for good."""
+        yield from trial.watch(batches, lambda: self.made_here)
+        if trial.decide():
+            self._feeder_back()
+        if trial.verdict is not None:
+            self._trial, self._verdict = None, trial.verdict
+
+    def _feeder_back(self) -> None:
+        """The batches made in this process from the next epoch on (the random states are this process's already:
+        the cursor put them back at the epoch's end); the child closed, this process's tier filled again."""
+        feeder, self._feeder = self._feeder, None
+        feeder.close()
+        self.tier.budget = self.budget
+        self.tail_thread = self.tail_thread or self._tail_default
 
     def _tier_to_feeder(self) -> None:
         """The device tier this process filled while the child started, given up as the child takes over (its
@@ -417,6 +439,12 @@ class PreparedLoader:
         else:
             batch = self.assembly.finish(plan)
         return batch, event, self.cursor.draws.after(plan.early)
+
+    @property
+    def feeder_verdict(self) -> str | None:
+        """feeder="auto": where the batches are made after comparing both (`loaders.fast.trial`), with the two
+        loop periods measured; None before that (or with no feeder)."""
+        return self._verdict
 
     @property
     def feeder_pid(self) -> int | None:

@@ -92,6 +92,10 @@ def _jobs(
             "fast-serving",
             lambda: fast_path(pipeline, cache, opts, "auto", "defaults, timed once the feeder serves", serving=True),
         ),  # fmt: skip
+        (
+            "fast-settled",
+            lambda: fast_path(pipeline, cache, opts, "auto", "defaults, timed once feeder=auto chose", settled=True),
+        ),  # fmt: skip
         ("fast-budget", lambda: fast_path(pipeline, cache, opts, min(budget, nbytes), "GPU tier = --gpu-budget")),
     ]
 
@@ -103,6 +107,7 @@ def _variants(opts: TrainOptions, pipeline: Path, cache: Path, half: int) -> lis
         "fast-half": (half, "GPU tier = half the dataset"),
         "fast-auto": ("auto", "defaults (gpu_budget=auto)"),
         "fast-serving": ("auto", "defaults, timed once the feeder serves"),
+        "fast-settled": ("auto", "defaults, timed once feeder=auto chose"),
     }
     jobs: list[_Job] = []
     for spec in opts.rows:  # variants of the fast path: "fast@tail_thread=False;switch_interval=0.0005"
@@ -110,7 +115,7 @@ def _variants(opts: TrainOptions, pipeline: Path, cache: Path, half: int) -> lis
         if options and base in fast:
             budget_b, label = fast[base]
             kw = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options.split(";"))}
-            kw.update({"serving": True} if base == "fast-serving" else {})
+            kw.update({"serving": base == "fast-serving", "settled": base == "fast-settled"})
             jobs.append((spec, lambda b=budget_b, lb=f"{label}, {options}", kw=kw: fast_path(  # type: ignore[misc]
                 pipeline, cache, opts, b, lb, **kw)))  # fmt: skip
     return jobs
@@ -201,7 +206,8 @@ def train(
             "persistent,cache-gpu,gds,smart-cache,drop-in,drop-in-threads,transport,transport-tail,transport-peer,"
             "transport-tail-meta,"
             "fast-auto,fast,"
-            "fast-whole,fast-half,fast-budget,fast-feeder,fast-serving; fast, fast-auto, fast-half or fast-serving "
+            "fast-whole,fast-half,fast-budget,fast-feeder,fast-serving,fast-settled; fast, fast-auto, fast-half, "
+            "fast-serving or fast-settled "
             "with PreparedLoader options: fast@tail_thread=False;switch_interval=0.0005"
         ),
     ] = "",

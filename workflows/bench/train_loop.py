@@ -140,11 +140,16 @@ def on_device(x: Any, device: str) -> Any:
     return x.to(device, non_blocking=True)
 
 
+SETTLE_S = 300.0  # a row timed once its loader settled waits at most this long (then is timed as it is)
+
+
 def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts: TrainOptions,
-              device: str | None = None, ddp: bool = False, note: str = "") -> TrainRow:  # fmt: skip
+              device: str | None = None, ddp: bool = False, note: str = "",
+              settled: Callable[[], bool] | None = None) -> TrainRow:  # fmt: skip
     """Train `opts.epochs` epochs over `epochs(e)`, and more until the timed steps add up to `opts.min_seconds`
     (a `spheres` epoch on a GPU takes hundredths of a second, too short a window to time: docs/benchmarks.md,
-    Training); time every epoch after the first."""
+    Training); time every epoch after the first. `settled`: epochs before it says True (at an epoch's start,
+    within SETTLE_S) are trained untimed too: a long run's steady state."""
     import torch
 
     device = device or opts.device
@@ -152,8 +157,10 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
     # the training stream, as loss.item() syncs it; a loader's own stream (batches ahead) is not waited for
     sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.startswith("cuda") else (lambda: None)
     row = TrainRow(name, kind, note=note)
-    epoch = 0
-    while epoch < opts.epochs or (epoch > 1 and row.steps and row.seconds < opts.min_seconds):  # none: stop
+    epoch, untimed, t_start = 0, 1, time.perf_counter()
+    while epoch < opts.epochs + untimed - 1 or (row.steps and row.seconds < opts.min_seconds):  # none: stop
+        if epoch >= untimed and settled is not None and not settled() and time.perf_counter() - t_start < SETTLE_S:
+            untimed += 1
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
@@ -170,7 +177,7 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
             t1 = time.perf_counter()
             step(image, label)
             sync()
-            if epoch > 0:  # CPU over the same spans as the time: a tiny run's epoch end is not a step
+            if epoch >= untimed:  # CPU over the same spans as the time: a tiny run's epoch end is not a step
                 row.steps += 1
                 row.wait_seconds += t1 - t0
                 row.seconds += time.perf_counter() - t0

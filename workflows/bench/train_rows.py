@@ -308,14 +308,18 @@ def fast_path(
     from loaders.fast.loader import PreparedLoader
 
     serving = options.pop("serving", False)  # a long run's steady state: the feeder's start (seconds) waited out
+    settled = options.pop("settled", False)  # ... or trained untimed until feeder="auto" has chosen (trial.py)
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
     loader.set_random_state(opts.seed)
     if serving:
         loader.wait_feeder()
+    chosen = (lambda: loader.feeder_verdict is not None or loader.feeder_pid is None) if settled else None
     try:
-        row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts)
+        row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts, settled=chosen)
         row.extra["GPU tier GB"] = loader.tier_bytes / 1e9
+        if loader.feeder_verdict is not None:
+            row.note = f"{row.note}; {loader.feeder_verdict}".lstrip("; ")
         if loader.feeder_pid is not None:  # the batches' own process: its CPU over the row (warm epoch included)
             row.extra["feeder CPU s"] = _cpu_seconds(loader.feeder_pid)
     finally:

@@ -1,0 +1,87 @@
+"""feeder="auto" decided by measurement (`loaders.fast.trial`): the loop's periods with the batches made here
+and fed by the child, the verdict, and the batches coming back to the training process unchanged."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_state import _loader, _plain, _same, make_cache
+
+from loaders.fast.trial import FeederTrial
+
+
+def _epoch(trial: FeederTrial, made: list[int], plan: str, step_s: float, fed_s: float, here_s: float = 0.0) -> None:
+    """One epoch through `trial.watch`: `plan` says per batch where it is made (h: here, f: fed); the consumer
+    takes `step_s` a step, a fed batch keeps it waiting `fed_s` more, one made here `here_s`."""
+
+    def batches() -> Iterator[str]:
+        for where in plan:
+            if where == "h":
+                made[0] += 1
+            time.sleep(here_s if where == "h" else fed_s)
+            yield where
+
+    for _ in trial.watch(batches(), lambda: made[0]):
+        time.sleep(step_s)
+
+
+@pytest.mark.parametrize(("fed_s", "here_s", "back"), [(0.02, 0.0, True), (0.0, 0.02, False)])
+def test_the_verdict_follows_the_measured_periods(fed_s: float, here_s: float, back: bool) -> None:
+    """Fed batches that keep the loop waiting bring the batches back; fed ones that do not keep the feeder. The
+    child's first whole epoch (its tier filling) is not counted, nor a period across the hand-over."""
+    trial, made = FeederTrial(window=64, least=6, margin=0.03), [0]
+    _epoch(trial, made, "hhhhhhhh", 0.002, fed_s, here_s)
+    _epoch(trial, made, "hhhfffff", 0.002, fed_s, here_s)  # handed over mid-epoch: not a whole fed epoch
+    assert len(trial.here) == 9 and not trial.fed and trial.whole_fed == 0
+    _epoch(trial, made, "ffffffff", 0.002, fed_s, here_s)  # the child's first whole epoch: not counted
+    assert trial.whole_fed == 1 and not trial.fed and trial.decide() is None
+    _epoch(trial, made, "ffffffff", 0.002, fed_s, here_s)
+    assert len(trial.fed) == 7
+    assert trial.decide() is back
+    assert trial.verdict is not None and trial.verdict.startswith("batches made" if back else "feeder kept")
+    assert trial.decide() is None  # said once
+
+
+def test_no_batches_made_here_keeps_the_feeder() -> None:
+    """wait_feeder() before training: every batch the child's, nothing to compare with."""
+    trial, made = FeederTrial(least=4), [0]
+    for _ in range(3):
+        _epoch(trial, made, "fffff", 0.0, 0.01)
+    assert trial.decide() is False and "too few made in this process" in str(trial.verdict)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_cache(tmp_path_factory)
+
+
+def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Path, Path]) -> None:
+    """The verdict taken at an epoch's end brings the batches back to this process from the same random states:
+    every epoch, before, during and after the feeder, equal to the in-process loader's; the child is closed
+    and the tier fills again in this process."""
+    options: dict[str, Any] = {"gpu_budget": "1GiB", "prefetch": 2}
+    want_loader = _loader(made, {**options, "feeder": False})
+    want = [[_plain(b) for b in want_loader] for _ in range(5)]
+    fed = _loader(made, {**options, "feeder": True})
+    fed._trial = FeederTrial(least=1, margin=-1.0)  # any fed period longer than none: always back
+    try:
+        it = iter(fed)
+        got = [[_plain(next(it)), _plain(next(it))]]  # made here while the child imports
+        assert fed.made_here == 2
+        fed.wait_feeder()
+        child = fed._feeder._proc
+        got[0] += [_plain(b) for b in it]
+        got += [[_plain(b) for b in fed] for _ in range(2)]  # the child's first whole epoch, then one measured
+        assert fed.feeder_pid is None and child.poll() is not None  # decided at the second one's end
+        assert str(fed.feeder_verdict).startswith("batches made in this process again")
+        got += [[_plain(b) for b in fed] for _ in range(2)]
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+        assert fed.state_dict() == want_loader.state_dict()
+    finally:
+        fed.close()
+        want_loader.close()
