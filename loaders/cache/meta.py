@@ -349,6 +349,20 @@ def line_values(line: Mapping[str, Any] | None) -> dict[str, Any]:
     return decode(values) if (line or {}).get(TYPED) else values  # type: ignore[no-any-return]
 
 
+def values_text(line: Mapping[str, Any] | None) -> str:
+    """The line's non-tensor outputs as one text (still type-tagged) that `values_from_text` turns into a fresh
+    copy each time: a reader hands every read its own values without keeping a decoded object to deep-copy
+    (a JSON dump of the decoded values would lose what JSON has no type for: enums, tuples, arrays)."""
+    values = (line or {}).get(VALUES) or {}
+    return ("T" if (line or {}).get(TYPED) else "U") + json.dumps(values)
+
+
+def values_from_text(text: str) -> dict[str, Any]:
+    """The values `values_text` wrote, decoded with their types."""
+    values = json.loads(text[1:])
+    return decode(values) if text[0] == "T" and "__" in text else values  # type: ignore[no-any-return]
+
+
 def line_kinds(line: Mapping[str, Any] | None) -> dict[str, str]:
     """{flat key: "ndarray" | "numpy" | "tensor"} of the stored arrays that were no MetaTensor."""
     return dict((line or {}).get(KINDS) or {})

@@ -80,6 +80,14 @@ def head_load() -> list[Any]:
     return [LoadImaged(keys=K), EnsureChannelFirstd(keys=K)]
 
 
+def head_one_compose_fg() -> list[Any]:
+    """The whole head in one Compose: MONAI's PersistentDataset then caches nothing (a Compose is random by its
+    rule), so every item keeps the head's MetaTensors and CropForegroundd's coordinates as the head gives them."""
+    from monai.transforms import Compose, CropForegroundd
+
+    return [Compose([*head_3d(), CropForegroundd(keys=K, source_key="image", margin=1)])]
+
+
 # --- user code a chain may hold ---
 def clip_image(d: dict[str, Any]) -> dict[str, Any]:
     """A plain function over the whole dict (not a MONAI Transform)."""
@@ -302,6 +310,12 @@ def tail_samples_random_size() -> list[Any]:
     ]
 
 
+def tail_flip_image() -> list[Any]:
+    from monai.transforms import RandFlipd
+
+    return [RandFlipd(keys="image", prob=0.5, spatial_axis=0)]  # the label stays as the head gave it
+
+
 def tail_flip_only() -> list[Any]:
     from monai.transforms import RandFlipd
 
@@ -439,6 +453,7 @@ ROWS: dict[str, Row] = {
         Row("centre-crop-larger-than-volume-even", "3d", head_3d, tail_centre_larger),
         Row("random-crop-larger-than-volume", "3d-ragged", head_3d, tail_random_larger),
         Row("2d-per-item-batch-2", "2d", head_2d, tail_2d_unbatched),  # item 13: ["CT", "CT"] stays a list
+        Row("head-in-one-compose-foreground", "3d", head_one_compose_fg, tail_flip_image),  # issue 47 item 7
         Row("ragged-no-crop", "3d-ragged", head_3d, tail_flip_only, raises=r"shapes differ|equal size"),
     ]
 }
