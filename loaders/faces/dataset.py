@@ -24,6 +24,7 @@ import numpy as np
 
 from loaders import args
 from loaders.backends import Backend, check_backend
+from loaders.cache.dtypes import torch_dtype
 from loaders.cache.format import PreparedCache
 from loaders.cache.meta import as_kind, key_meta, line_kinds, meta_template, values_from_text, values_text
 from loaders.cache.nesting import unflatten
@@ -32,7 +33,7 @@ from loaders.deps import has
 from loaders.faces import batches
 from loaders.reading.reads import PLAN_CACHE, Reader, ReadPlan, fits_in_memory
 from loaders.reading.region import plan_read
-from loaders.reading.staging import torch_dtype, view
+from loaders.reading.staging import view
 from loaders.tunables import SMALL_OWN
 
 __all__ = ["DatasetCore", "fits_in_memory", "shard_items"]

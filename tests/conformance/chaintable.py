@@ -68,6 +68,13 @@ def head_half() -> list[Any]:
     return [*head_3d(), CastToTyped(keys="image", dtype=torch.float16)]
 
 
+def head_bf16() -> list[Any]:
+    import torch
+    from monai.transforms import CastToTyped
+
+    return [*head_3d(), CastToTyped(keys="image", dtype=torch.bfloat16)]  # stored as its 2-byte pattern
+
+
 def head_2d() -> list[Any]:
     from monai.transforms import EnsureChannelFirstd, EnsureTyped, LoadImaged
 
@@ -217,7 +224,7 @@ def tail_scale_bf16() -> list[Any]:
     import torch
     from monai.transforms import CastToTyped, RandScaleIntensityd
 
-    cast = CastToTyped(keys="image", dtype=torch.bfloat16)  # in the tail: a cache stores no bfloat16
+    cast = CastToTyped(keys="image", dtype=torch.bfloat16)  # in the tail (row head-ends-bf16: in the head)
     return [crop3(), cast, RandScaleIntensityd(keys="image", factors=0.3, prob=1.0)]
 
 
@@ -404,6 +411,8 @@ ROWS: dict[str, Row] = {
         Row("scale-some-fire-dtype-f64", "3d", head_3d, tail_scale_some_f64),
         Row("noise-some-fire-f16", "3d", head_half, tail_noise_some),
         Row("scale-bf16", "3d", head_3d, tail_scale_bf16),
+        Row("head-ends-bf16", "3d", head_bf16, tail_flips),  # issue 47 item 6
+        Row("head-ends-bf16-scale", "3d", head_bf16, tail_scale_all),
         Row("scale-f16", "3d", head_half, tail_scale_all),
         Row("same-object-twice", "3d", head_3d, tail_twice),
         Row("nested-compose", "3d", head_3d, tail_nested),
