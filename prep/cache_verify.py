@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from loaders.cache.dtypes import DTYPES, dtype_name
 from loaders.cache.format import PreparedCache, TensorEntry, checksum
 from loaders.cache.layout import open_read
-from loaders.cache.spec import DTYPES, align_up
+from loaders.cache.spec import align_up
 
 _CHUNK_ITEMS = 4096
 
@@ -98,7 +99,7 @@ def _check_meta(cache: PreparedCache) -> list[BadItem]:
 
 def _check_entry(entry: TensorEntry, shard_size: int, fds: dict[str, int]) -> str | None:
     """Why one tensor is bad, or None."""
-    if entry.dtype.name not in DTYPES:
+    if dtype_name(entry.dtype) not in DTYPES:
         return f"unknown dtype {entry.dtype}"
     expected = int(np.prod(entry.shape, dtype=np.int64)) * entry.dtype.itemsize
     if expected != entry.nbytes:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loaders.cache import sampling
+from loaders.cache.dtypes import dtype_name
 from loaders.cache.format import checksum
 from loaders.cache.spec import JOURNAL_DIR
 from loaders.cache.writing import atomic_write_bytes, fsync_dir
@@ -247,7 +248,7 @@ def committed_records(cache_dir: Path, positions: list[int]) -> list[dict[str, A
         shards = {e.shard for e in entries}
         if len(shards) != 1:
             return None
-        tensors = [{"key": e.key, "offset": e.offset, "nbytes": e.nbytes, "dtype": e.dtype.name,
+        tensors = [{"key": e.key, "offset": e.offset, "nbytes": e.nbytes, "dtype": dtype_name(e.dtype),
                     "shape": list(e.shape), "xxh3": e.xxh3} for e in entries]  # fmt: skip
         records.append({"item": position, "shard": names[shards.pop()], "tensors": tensors, "meta": cache.meta(n)})
     return records

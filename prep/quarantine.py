@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from loaders.cache.spec import dtype_code
+from loaders.cache.dtypes import dtype_code
 from prep.errors import FormatError
 from prep.item_size import declared, human
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loaders.cache.dtypes import dtype_name
 from loaders.cache.meta import meta_line, split_output
 from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR, align_up
 from loaders.cache.writing import ShardWriter
@@ -347,7 +348,7 @@ def _prepare_one(
         array = arrays[key]
         offset, nbytes, xxh3 = writer.write(array)
         tensors.append(
-            {"key": key, "offset": offset, "nbytes": nbytes, "dtype": array.dtype.name,
+            {"key": key, "offset": offset, "nbytes": nbytes, "dtype": dtype_name(array.dtype),
              "shape": list(array.shape), "xxh3": xxh3}
         )  # fmt: skip
     line = meta_line(entry, section, parts)

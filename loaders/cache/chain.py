@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from loaders.cache.dtypes import dtype_name, to_numpy
 from loaders.errors import StaleError
 
 # Attribute names that hold random state or per-call scratch, never configuration.
@@ -175,8 +176,13 @@ def _config(value: Any, depth: int = 0) -> Any:
     if isinstance(value, np.generic):
         return _config(value.item(), depth + 1)
     if isinstance(value, np.ndarray) or hasattr(value, "detach"):
-        arr = np.asarray(value.detach().cpu() if hasattr(value, "detach") else value)
-        return {"array": str(arr.dtype), "shape": list(arr.shape), "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}
+        arr = to_numpy(value) if hasattr(value, "detach") else np.asarray(value)
+        bits = dtype_name(arr.dtype) == "bfloat16"  # other dtypes keep the name fingerprints always had
+        return {
+            "array": "bfloat16" if bits else str(arr.dtype),
+            "shape": list(arr.shape),
+            "sha256": hashlib.sha256(arr.tobytes()).hexdigest(),
+        }
     if isinstance(value, Mapping):
         return {str(k): _config(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):

@@ -37,8 +37,8 @@ import numpy as np
 from loaders import args
 from loaders.cache import layout
 from loaders.cache.checksums import FileCheck, checksum, doc_checksum
+from loaders.cache.dtypes import DTYPES, np_dtype
 from loaders.cache.spec import (
-    DTYPES,
     INDEX,
     INDEX_DTYPE,
     JOURNAL_DIR,
@@ -50,7 +50,6 @@ from loaders.cache.spec import (
     SCHEMA_VERSION,
     SHARD_DIR,
     SMALL,
-    _np_dtype,
     align_up,
 )
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
@@ -246,7 +245,7 @@ class PreparedCache:
             shard=self._shard_paths[shard],
             offset=int(offset),
             nbytes=int(nbytes),
-            dtype=_np_dtype(DTYPES[dtype]),
+            dtype=np_dtype(DTYPES[dtype]),
             shape=tuple(int(s) for s in shape[:ndim]),
             xxh3=int(xxh3),
         )

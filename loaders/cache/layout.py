@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders.cache.dtypes import np_dtype
 from loaders.errors import FormatError
 
 _FIX = "rebuild it with `prep cache --force` (or ask whoever made it)"
@@ -190,7 +191,7 @@ def _check_sizes(where: Path, index: np.ndarray, dtypes: Sequence[str]) -> None:
     used = np.arange(shape.shape[1], dtype=np.uint8)[None, :] < ndim[:, None]
     if np.any(np.where(used, 0.0, shape)):
         raise FormatError(f"{where}: an index row has sizes past its ndim (edited?); {_FIX}")
-    itemsize = np.array([np.dtype(d).itemsize for d in dtypes], dtype=np.float64)[index["dtype"]]
+    itemsize = np.array([np_dtype(d).itemsize for d in dtypes], dtype=np.float64)[index["dtype"]]
     exact = np.where(used, shape, 1.0).prod(axis=1) * itemsize
     if np.any(exact >= 2.0**62) or np.any(exact != index["nbytes"]):
         raise FormatError(f"{where}: an index row's shape and dtype do not make its nbytes (edited?); {_FIX}")

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from loaders.cache.dtypes import dtype_code, dtype_name, to_numpy
 from loaders.cache.nesting import flatten, to_jsonable
-from loaders.cache.spec import dtype_code
 from loaders.errors import FormatError
 
 # meta line keys
@@ -75,7 +75,7 @@ def split_output(out: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
                     # tuples as lists: what MONAI's PersistentDataset gives back for a cached head's operations
                     ops[key] = encode(_reset_ids(list(leaf.applied_operations), _trace_none()), tuples=False)
                 leaf = leaf.as_tensor()
-            arrays[key] = _contiguous(leaf.detach().cpu().numpy())
+            arrays[key] = _contiguous(to_numpy(leaf))
         elif isinstance(leaf, (np.ndarray, np.generic)):
             kinds[key] = "ndarray" if isinstance(leaf, np.ndarray) else "numpy"
             arrays[key] = _contiguous(np.asarray(leaf))
@@ -100,8 +100,11 @@ def encode(value: Any, tuples: bool = True) -> Any:
     """`value` as JSON that `decode` turns back into the same types (numpy arrays and scalars with their
     dtype, tensors, tuples unless `tuples` is False, enums); other objects as `to_jsonable` writes them."""
     if hasattr(value, "detach"):  # torch tensor (MetaTensors in meta are stored as plain tensors)
-        array = value.detach().cpu().numpy()
-        return {"__pt__": array.dtype.name, "s": list(array.shape), "v": array.tolist()}
+        array = to_numpy(value)
+        name = dtype_name(array.dtype)
+        if name == "bfloat16":  # its values are float32 values exactly
+            array = value.detach().cpu().float().numpy()
+        return {"__pt__": name, "s": list(array.shape), "v": array.tolist()}
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
         return {"__nd__": value.dtype.name, "s": list(value.shape), "v": value.tolist()}
     if isinstance(value, np.generic) and value.dtype.kind in "biufc":
@@ -214,6 +217,8 @@ def decode(doc: Any, depth: int = 0) -> Any:
     if "__pt__" in doc:
         import torch
 
+        if doc["__pt__"] == "bfloat16":
+            return torch.as_tensor(_array({**doc, "__pt__": "float32"}, "__pt__")).to(torch.bfloat16)
         return torch.as_tensor(_array(doc, "__pt__"))
     if "__tuple__" in doc:
         return tuple(decode(v, depth + 1) for v in _list(doc["__tuple__"], "__tuple__"))
@@ -347,6 +352,20 @@ def line_values(line: Mapping[str, Any] | None) -> dict[str, Any]:
     """The head's non-tensor outputs stored in a meta line."""
     values = dict((line or {}).get(VALUES) or {})
     return decode(values) if (line or {}).get(TYPED) else values  # type: ignore[no-any-return]
+
+
+def values_text(line: Mapping[str, Any] | None) -> str:
+    """The line's non-tensor outputs as one text (still type-tagged) that `values_from_text` turns into a fresh
+    copy each time: a reader hands every read its own values without keeping a decoded object to deep-copy
+    (a JSON dump of the decoded values would lose what JSON has no type for: enums, tuples, arrays)."""
+    values = (line or {}).get(VALUES) or {}
+    return ("T" if (line or {}).get(TYPED) else "U") + json.dumps(values)
+
+
+def values_from_text(text: str) -> dict[str, Any]:
+    """The values `values_text` wrote, decoded with their types."""
+    values = json.loads(text[1:])
+    return decode(values) if text[0] == "T" and "__" in text else values  # type: ignore[no-any-return]
 
 
 def line_kinds(line: Mapping[str, Any] | None) -> dict[str, str]:

@@ -84,7 +84,8 @@ def _listify(node: Any) -> Any:
 def to_jsonable(value: Any) -> Any:
     """Metadata to plain JSON (numpy/torch arrays to nested lists, numpy scalars to Python)."""
     if hasattr(value, "detach"):  # torch tensor, without importing torch
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        value = (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()  # numpy has no bf16
     if isinstance(value, np.ndarray):
         return value.tolist()
     if isinstance(value, np.generic):

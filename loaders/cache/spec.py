@@ -1,14 +1,10 @@
-"""The cache layout's fixed terms: its schema version, file names, alignment, the dtypes it stores and the
-index's record (`loaders.cache.format` reads by them, `loaders.cache.writing` writes by them)."""
+"""The cache layout's fixed terms: its schema version, file names, alignment and the index's record
+(`loaders.cache.format` reads by them, `loaders.cache.writing` writes by them; the dtypes it stores:
+`loaders.cache.dtypes`)."""
 
 from __future__ import annotations
 
-from functools import cache
-from typing import Any
-
 import numpy as np
-
-from loaders.errors import FormatError
 
 # major.minor: readers reject another major, accept any minor of theirs. 2: file checksums in the manifest.
 SCHEMA_VERSION = "2.0"
@@ -26,19 +22,12 @@ JOURNAL_DIR = "journal"
 BMAP = "bmap.json"
 LAYOUT_FILES = (INDEX, META, META_OFFSETS)  # always present in a committed cache; BMAP when written
 
-# Little-endian, fixed-size numeric dtypes only. The position in this tuple is the on-disk code: append only.
-DTYPES: tuple[str, ...] = (
-    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-    "float16", "float32", "float64",
-)  # fmt: skip
-_DTYPE_CODE = {name: code for code, name in enumerate(DTYPES)}
-
 INDEX_DTYPE = np.dtype(
     [
         ("item", "<u4"),  # item number (row of meta.jsonl)
         ("key", "<u2"),  # position in manifest["keys"]
         ("shard", "<u4"),  # position in manifest["shards"]
-        ("dtype", "u1"),  # position in DTYPES
+        ("dtype", "u1"),  # position in loaders.cache.dtypes.DTYPES
         ("ndim", "u1"),
         ("offset", "<u8"),  # byte offset in the shard, multiple of ALIGN
         ("nbytes", "<u8"),  # tensor bytes (without padding)
@@ -48,27 +37,6 @@ INDEX_DTYPE = np.dtype(
 )
 
 
-@cache
-def _np_dtype(name: str) -> np.dtype:
-    """np.dtype(name), memoised (entries are built per item)."""
-    return np.dtype(name)
-
-
 def align_up(n: int, align: int = ALIGN) -> int:
     """Smallest multiple of `align` that is >= n."""
     return -(-n // align) * align
-
-
-def dtype_code(dtype: Any) -> int:
-    """On-disk code of a numpy dtype; FormatError for dtypes the layout does not store."""
-    dt = np.dtype(dtype)
-    if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
-        raise FormatError(
-            f"big-endian dtype {dt.str} is not stored; convert with .astype('{dt.newbyteorder('<').str}')"
-        )
-    if dt.names is not None or dt.subdtype is not None:
-        raise FormatError(f"structured dtype {dt} (e.g. RGB voxels) is not stored; split it into channels first")
-    name = dt.name
-    if name not in _DTYPE_CODE:
-        raise FormatError(f"dtype {name} is not stored; supported: {', '.join(DTYPES)}")
-    return _DTYPE_CODE[name]

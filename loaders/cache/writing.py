@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from loaders.cache.checksums import checksum, doc_checksum, file_record
+from loaders.cache.dtypes import dtype_code, dtype_name, to_numpy
 from loaders.cache.format import PreparedCache
 from loaders.cache.nesting import flatten, to_jsonable
 from loaders.cache.spec import (
@@ -31,7 +32,6 @@ from loaders.cache.spec import (
     SCHEMA_VERSION,
     SHARD_DIR,
     align_up,
-    dtype_code,
 )
 from loaders.errors import FormatError
 
@@ -217,12 +217,12 @@ def write_items(
     with ShardWriter(root / shard, prealloc=1 << 20) as writer:
         for i, f in enumerate(flat):
             for key, value in f.items():
-                array = np.asarray(value)
+                array = to_numpy(value) if hasattr(value, "detach") else np.asarray(value)
                 dtype_code(array.dtype)
                 offset, nbytes, xxh3 = writer.write(array)
                 rows.append(
                     {"item": i, "key": keys.index(key), "shard": 0, "offset": offset, "nbytes": nbytes,
-                     "dtype": array.dtype.name, "shape": array.shape, "xxh3": xxh3}
+                     "dtype": dtype_name(array.dtype), "shape": array.shape, "xxh3": xxh3}
                 )  # fmt: skip
     write_index(root, make_rows(rows))
     write_meta(root, metas if metas is not None else [{} for _ in items])

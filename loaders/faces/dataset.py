@@ -13,7 +13,6 @@ landing at aligned offsets of one buffer; tensors are zero-copy views of it. Bat
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,15 +24,16 @@ import numpy as np
 
 from loaders import args
 from loaders.backends import Backend, check_backend
+from loaders.cache.dtypes import torch_dtype
 from loaders.cache.format import PreparedCache
-from loaders.cache.meta import as_kind, key_meta, line_kinds, line_values, meta_template
+from loaders.cache.meta import as_kind, key_meta, line_kinds, meta_template, values_from_text, values_text
 from loaders.cache.nesting import unflatten
 from loaders.cache.order import epoch_order
 from loaders.deps import has
 from loaders.faces import batches
 from loaders.reading.reads import PLAN_CACHE, Reader, ReadPlan, fits_in_memory
 from loaders.reading.region import plan_read
-from loaders.reading.staging import torch_dtype, view
+from loaders.reading.staging import view
 from loaders.tunables import SMALL_OWN
 
 __all__ = ["DatasetCore", "fits_in_memory", "shard_items"]
@@ -52,7 +52,7 @@ class _ItemPlan:
     read: ReadPlan
     views: list[tuple[str, int, int, Any, tuple[int, ...]]]  # key, offset, nbytes, torch dtype, shape
     templates: dict[str, Any] | None = None  # key -> MetaTensor template (built on first use)
-    values: str | None = None  # JSON of the head's non-tensor outputs (parsed per item: each gets its own)
+    values: str | None = None  # the head's non-tensor outputs (`values_text`: decoded per item, each its own)
     kinds: dict[str, str] | None = None  # key -> "ndarray" | "numpy" | "tensor": leaves that were no MetaTensor
 
 
@@ -234,7 +234,7 @@ class DatasetCore:
         if self.meta and plan.templates is None:
             plan.templates = {key: meta_template(key_meta(line, key), len(shape)) for key, *_, shape in plan.views}
             plan.kinds = line_kinds(line) if getattr(self, "leaf_types", False) else {}
-        plan.values = json.dumps(line_values(line))
+        plan.values = values_text(line)
 
     def _assemble(self, item: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """Tensors (+ stored non-tensor outputs) -> the item's nested dict, MetaTensors restored."""
@@ -245,8 +245,8 @@ class DatasetCore:
         if self.meta and plan.templates:
             kinds = plan.kinds or {}
             flat = {k: as_kind(t, kinds.get(k), plan.templates.get(k)) for k, t in tensors.items()}
-        if self._all_keys and plan.values != "{}":  # non-tensor outputs of the head come back as they were
-            flat.update(json.loads(plan.values or "{}"))
+        if self._all_keys and plan.values and plan.values[1:] != "{}":  # the head's non-tensor outputs, as they were
+            flat.update(values_from_text(plan.values))
         return unflatten(flat)
 
     def _read_item(self, item: int) -> dict[str, Any]:

@@ -145,6 +145,17 @@ def _persistent_track_meta() -> bool:
     return True if param is None else bool(param.default)
 
 
+def _persistent_runs_whole(transform: Any) -> bool:
+    """True where MONAI's PersistentDataset caches nothing of this chain: its rule looks at the top-level
+    transforms only, and the first is random by it (any Compose is Randomizable, even one of deterministic
+    transforms; a plain function), so every item runs the whole chain and keeps the head's types and
+    MetaTensors whatever track_meta says. The drop-in reads the head from its cache and gives it so."""
+    from monai.transforms import RandomizableTrait, Transform
+
+    first = list(transform.transforms[:1])
+    return bool(first) and (isinstance(first[0], RandomizableTrait) or not isinstance(first[0], Transform))
+
+
 class PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
@@ -186,13 +197,14 @@ class PersistentCore:
         super().__init__(data, transform)  # type: ignore[call-arg]  # monai.data.Dataset's: wraps a list in Compose
         transform = self.transform
         self.track_meta = track_meta
+        whole = _persistent_runs_whole(transform)
         self.dataset = PreparedDataset(
             cache_dir,
             backend=backend,
             device=dropin_device(transform, device),
             verify=verify,
-            meta=track_meta,
-            leaf_types=_persistent_keeps_types(),
+            meta=track_meta or whole,
+            leaf_types=_persistent_keeps_types() or whole,
             **options,
         )
         with keep_random_states(transform):  # splitting the chain re-seeds it

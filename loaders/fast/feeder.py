@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from loaders.cache.dtypes import to_numpy, to_tensor
 from loaders.cache.nesting import map_leaves
 from loaders.errors import PrepError
 
@@ -89,15 +90,13 @@ def outgoing(value: Any) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
         plain = v.as_subclass(torch.Tensor) if type(v) is not torch.Tensor else v
-        return plain if plain.is_cuda else Host(plain.numpy())
+        return plain if plain.is_cuda else Host(to_numpy(plain))
 
     return map_leaves(value, leaf)
 
 
 def incoming(value: Any) -> Any:
-    import torch
-
-    return map_leaves(value, lambda v: torch.from_numpy(v.array) if isinstance(v, Host) else v)
+    return map_leaves(value, lambda v: to_tensor(v.array) if isinstance(v, Host) else v)
 
 
 class Host:

@@ -28,6 +28,7 @@ import numpy as np
 
 from loaders.backends import Backend, ReadRequest, get_backend
 from loaders.backends.base import aligned_empty
+from loaders.cache.dtypes import to_tensor
 from loaders.cache.format import PreparedCache, TensorEntry, check
 from loaders.cache.spec import align_up
 from loaders.errors import BackendError
@@ -290,9 +291,7 @@ class Reader:
 
     def region_tensors(self, got: Fetched) -> list[Any]:
         """Unpacked regions as tensors on the device."""
-        import torch
-
-        tensors = [torch.from_numpy(a) for a in got.arrays or []]
+        tensors = [to_tensor(a) for a in got.arrays or []]
         return [t.to(self.device, non_blocking=True) for t in tensors] if self.gpu else tensors
 
     # --- plans ---

@@ -9,8 +9,8 @@
 - `upload`: the one host-to-device step: a read buffer as one flat uint8 tensor on the device (a pinned
   slot: one async copy; a GPU backend's buffer: wrapped in place; host memory on the CPU: zero-copy);
 - `host_array`: the one place that tells a device buffer (cupy, torch CUDA) from a host one;
-- `torch_dtype`, `view`, `packed_view`, `stack`: bytes of a flat buffer as typed tensors, and a batch's
-  tensors stacked (or padded, or left a list when shapes differ).
+- `view`, `packed_view`, `stack`: bytes of a flat buffer as typed tensors (`loaders.cache.dtypes`: which), and
+  a batch's tensors stacked (or padded, or left a list when shapes differ).
 
 `import loaders.reading.staging` imports no torch; the stager runs only where torch sees a GPU (its tests are
 marked `gpu`).
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from loaders.backends.base import pinned_empty
+from loaders.cache.dtypes import torch_dtype
 from loaders.deps import require
 
 Place = tuple[Any, str, int, np.dtype, tuple[int, ...]]  # (tag, key, byte offset in the buffer, dtype, shape)
@@ -119,23 +120,6 @@ class PinnedStager:
         current.wait_stream(self.stream)
         dst.record_stream(current)  # the allocator must not reuse dst before the consumer's stream is done
         return dst
-
-
-_TORCH_DTYPES: dict[np.dtype, Any] = {}
-
-
-def torch_dtype(dtype: np.dtype) -> Any:
-    """The torch dtype of a numpy dtype the cache stores (memoised: reads ask per tensor, dtypes are few)."""
-    got = _TORCH_DTYPES.get(dtype)
-    if got is None:
-        import torch
-
-        got = _TORCH_DTYPES[dtype] = {
-            "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "uint16": torch.uint16,
-            "int16": torch.int16, "uint32": torch.uint32, "int32": torch.int32, "uint64": torch.uint64,
-            "int64": torch.int64, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
-        }[np.dtype(dtype).name]  # fmt: skip
-    return got
 
 
 def host_array(buf: Any) -> np.ndarray:

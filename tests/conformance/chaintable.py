@@ -68,6 +68,13 @@ def head_half() -> list[Any]:
     return [*head_3d(), CastToTyped(keys="image", dtype=torch.float16)]
 
 
+def head_bf16() -> list[Any]:
+    import torch
+    from monai.transforms import CastToTyped
+
+    return [*head_3d(), CastToTyped(keys="image", dtype=torch.bfloat16)]  # stored as its 2-byte pattern
+
+
 def head_2d() -> list[Any]:
     from monai.transforms import EnsureChannelFirstd, EnsureTyped, LoadImaged
 
@@ -78,6 +85,14 @@ def head_load() -> list[Any]:
     from monai.transforms import EnsureChannelFirstd, LoadImaged
 
     return [LoadImaged(keys=K), EnsureChannelFirstd(keys=K)]
+
+
+def head_one_compose_fg() -> list[Any]:
+    """The whole head in one Compose: MONAI's PersistentDataset then caches nothing (a Compose is random by its
+    rule), so every item keeps the head's MetaTensors and CropForegroundd's coordinates as the head gives them."""
+    from monai.transforms import Compose, CropForegroundd
+
+    return [Compose([*head_3d(), CropForegroundd(keys=K, source_key="image", margin=1)])]
 
 
 # --- user code a chain may hold ---
@@ -209,7 +224,7 @@ def tail_scale_bf16() -> list[Any]:
     import torch
     from monai.transforms import CastToTyped, RandScaleIntensityd
 
-    cast = CastToTyped(keys="image", dtype=torch.bfloat16)  # in the tail: a cache stores no bfloat16
+    cast = CastToTyped(keys="image", dtype=torch.bfloat16)  # in the tail (row head-ends-bf16: in the head)
     return [crop3(), cast, RandScaleIntensityd(keys="image", factors=0.3, prob=1.0)]
 
 
@@ -302,6 +317,12 @@ def tail_samples_random_size() -> list[Any]:
     ]
 
 
+def tail_flip_image() -> list[Any]:
+    from monai.transforms import RandFlipd
+
+    return [RandFlipd(keys="image", prob=0.5, spatial_axis=0)]  # the label stays as the head gave it
+
+
 def tail_flip_only() -> list[Any]:
     from monai.transforms import RandFlipd
 
@@ -390,6 +411,8 @@ ROWS: dict[str, Row] = {
         Row("scale-some-fire-dtype-f64", "3d", head_3d, tail_scale_some_f64),
         Row("noise-some-fire-f16", "3d", head_half, tail_noise_some),
         Row("scale-bf16", "3d", head_3d, tail_scale_bf16),
+        Row("head-ends-bf16", "3d", head_bf16, tail_flips),  # issue 47 item 6
+        Row("head-ends-bf16-scale", "3d", head_bf16, tail_scale_all),
         Row("scale-f16", "3d", head_half, tail_scale_all),
         Row("same-object-twice", "3d", head_3d, tail_twice),
         Row("nested-compose", "3d", head_3d, tail_nested),
@@ -439,6 +462,7 @@ ROWS: dict[str, Row] = {
         Row("centre-crop-larger-than-volume-even", "3d", head_3d, tail_centre_larger),
         Row("random-crop-larger-than-volume", "3d-ragged", head_3d, tail_random_larger),
         Row("2d-per-item-batch-2", "2d", head_2d, tail_2d_unbatched),  # item 13: ["CT", "CT"] stays a list
+        Row("head-in-one-compose-foreground", "3d", head_one_compose_fg, tail_flip_image),  # issue 47 item 7
         Row("ragged-no-crop", "3d-ragged", head_3d, tail_flip_only, raises=r"shapes differ|equal size"),
     ]
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from chaintable import ROWS, Row
+from transforms import TRANSFORMS
 from tutorials import TUTORIALS
 
 M = ["t1", "t2", "seg"]  # 3D: two modalities and a 0..3 label
@@ -716,4 +717,4 @@ HELDOUT: dict[str, Row] = {
     ]
 }
 
-ALL: dict[str, Row] = {**ROWS, **HELDOUT, **TUTORIALS}
+ALL: dict[str, Row] = {**ROWS, **HELDOUT, **TUTORIALS, **TRANSFORMS}

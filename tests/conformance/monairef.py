@@ -8,6 +8,7 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -78,25 +79,35 @@ def plain(value: Any) -> Any:
     return value.as_tensor() if hasattr(value, "as_tensor") else value
 
 
-def assert_batch_equal(got: dict[str, Any], want: dict[str, Any], atol: float = 0.0, where: str = "") -> None:
-    """Same keys (less the loader's `_items`), dtypes, shapes and values (bit for bit unless atol); a list of
-    batches (MONAI's after two multi-sample crops) batch by batch."""
+def assert_batch_equal(
+    got: dict[str, Any], want: dict[str, Any], atol: float = 0.0, where: str = "", meta: bool = True
+) -> None:
+    """Same keys (less the loader's `_items`), Python types (MetaTensor or Tensor, str or MONAI's enums, ...),
+    dtypes, shapes and values (bit for bit unless atol); a list of batches (MONAI's after two multi-sample crops)
+    batch by batch. meta=False: a MetaTensor of `want` may come as a plain Tensor (PreparedLoader's output is
+    plain tensors, docs/loaders.md); every other type must still match."""
     if isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), (where, type(got))
         for j, (g, w) in enumerate(zip(got, want)):
-            assert_batch_equal(g, w, atol, f"{where}[{j}]")
+            assert_batch_equal(g, w, atol, f"{where}[{j}]", meta)
         return
     keys = set(want)
     assert set(got) - {"_items"} == keys, (where, sorted(map(str, got)), sorted(map(str, keys)))
     for k in sorted(keys, key=str):
-        _assert_equal(got[k], want[k], atol, f"{where} {k}")
+        _assert_equal(got[k], want[k], atol, f"{where} {k}", meta)
 
 
-def _assert_equal(g: Any, w: Any, atol: float, where: str) -> None:
-    """Tensors as above; dicts (a collated meta dict) and lists entry by entry; anything else by ==."""
+def _same_type(g: Any, w: Any, meta: bool, where: str) -> None:
+    if not meta and isinstance(w, torch.Tensor) and type(g) is torch.Tensor:
+        return
+    assert type(g) is type(w), (where, type(g), type(w))
+
+
+def _assert_equal(g: Any, w: Any, atol: float, where: str, meta: bool = True) -> None:
+    """Tensors as above; dicts (a collated meta dict) and lists entry by entry; anything else by == (types first)."""
+    _same_type(g, w, meta, where)
     g, w = plain(g), plain(w)
     if isinstance(w, torch.Tensor):
-        assert isinstance(g, torch.Tensor), (where, type(g))
         g = g.cpu()
         assert g.dtype == w.dtype and g.shape == w.shape, (where, g.dtype, w.dtype, g.shape, w.shape)
         if atol == 0.0:
@@ -105,13 +116,15 @@ def _assert_equal(g: Any, w: Any, atol: float, where: str) -> None:
         else:
             torch.testing.assert_close(g.double(), w.double(), atol=atol, rtol=0, msg=where)
     elif isinstance(w, dict):
-        assert isinstance(g, dict) and set(g) == set(w), (where, sorted(map(str, g)), sorted(map(str, w)))
+        assert set(g) == set(w), (where, sorted(map(str, g)), sorted(map(str, w)))
         for k in w:
-            _assert_equal(g[k], w[k], atol, f"{where}/{k}")
+            _assert_equal(g[k], w[k], atol, f"{where}/{k}", meta)
     elif isinstance(w, (list, tuple)):
-        assert type(g) is type(w) and len(g) == len(w), (where, g, w)
+        assert len(g) == len(w), (where, g, w)
         for j, (a, b) in enumerate(zip(g, w)):
-            _assert_equal(a, b, atol, f"{where}[{j}]")
+            _assert_equal(a, b, atol, f"{where}[{j}]", meta)
+    elif isinstance(w, np.ndarray):
+        assert g.dtype == w.dtype and np.array_equal(g, w, equal_nan=g.dtype.kind in "fc"), (where, g, w)
     else:
         assert g == w, (where, g, w)
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loaders.cache import dtypes, nesting, spec, writing
 from loaders.cache import format as fmt
-from loaders.cache import nesting, spec, writing
 from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
 
 
@@ -67,10 +67,41 @@ def test_incomplete_and_future(tmp_path: Path) -> None:
         fmt.PreparedCache(tmp_path / "d")
 
 
-@pytest.mark.parametrize("dtype", [">f4", "c8", [("r", "u1"), ("g", "u1")]])
+@pytest.mark.parametrize("dtype", [">f4", "c8", "V2", [("r", "u1"), ("g", "u1")]])
 def test_unsupported_dtypes(dtype: object) -> None:
     with pytest.raises(FormatError):
-        spec.dtype_code(np.dtype(dtype))  # type: ignore[call-overload]
+        dtypes.dtype_code(np.dtype(dtype))  # type: ignore[call-overload]  # a plain void is no bfloat16
+
+
+def test_bfloat16_round_trips_through_a_cache_bit_for_bit(tmp_path: Path) -> None:
+    """numpy has no bfloat16: it is written as its 2-byte pattern (`dtypes.BFLOAT16`) and viewed back as
+    torch.bfloat16, every value (NaN, inf, subnormals) bit for bit; its index row names "bfloat16"."""
+    import torch
+
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)  # every bfloat16 bit pattern
+    x = bits.view(torch.bfloat16).reshape(4, 128, 128)
+    array = dtypes.to_numpy(x)
+    assert array.dtype == dtypes.BFLOAT16 and dtypes.dtype_name(array.dtype) == "bfloat16"
+    assert torch.equal(dtypes.to_tensor(array).view(torch.int16), bits.reshape(4, 128, 128))
+    write_small_cache(tmp_path / "c", [{"image": x, "label": np.ones(3, np.uint8)}])
+    cache = fmt.PreparedCache(tmp_path / "c")
+    e = {e.key: e for e in cache.entries(0)}["image"]
+    assert dtypes.dtype_name(e.dtype) == "bfloat16" and dtypes.torch_dtype(e.dtype) == torch.bfloat16
+    raw = np.fromfile(e.shard, dtype=np.uint8, count=e.nbytes, offset=e.offset)
+    fmt.check(e, raw)
+    assert torch.equal(
+        torch.from_numpy(raw).view(torch.bfloat16).reshape(e.shape).view(torch.int16), bits.view(4, 128, 128)
+    )
+
+
+def test_bfloat16_tensors_in_meta_keep_their_dtype() -> None:
+    import torch
+
+    from loaders.cache import meta
+
+    x = torch.tensor([1.5, -0.0078125, 3.0e38], dtype=torch.bfloat16)
+    got = meta.decode(json.loads(json.dumps(meta.encode({"t": x}))))["t"]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, x)
 
 
 leaves = st.integers()
