@@ -56,6 +56,10 @@ DEFAULT_BATCH = 32
 TRIAL_WINDOW = 64
 TRIAL_LEAST = 16
 TRIAL_MARGIN = 0.03
+# The device tier filled while the child started is lent to it through CUDA IPC (no second fill, and nothing to
+# fill again if the batches come back) when it holds at most this many tensors: each is a handle sent and opened
+# (a dataset of many small items, MedNIST's 10,240 images, gives its tier up and the child fills its own)
+TIER_SHARE_TENSORS = 4096
 
 
 # --- The random tail (loaders.tail) ---

@@ -8,7 +8,7 @@ import pickle
 from typing import Any
 
 from loaders.errors import LoaderStateError
-from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, dumps, loads, outgoing
+from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, dumps, incoming, loads, outgoing
 from loaders.state import same
 
 __all__ = ["Ring", "serve"]
@@ -138,6 +138,8 @@ def _serve(checkpoint: Any) -> None:
                 return
             if msg[0] == "fences":
                 ring.open_fences(msg[1])
+            if msg[0] == "tier":
+                loader.tier.adopt({item: incoming(tensors) for item, tensors in msg[1].items()})
             if msg[0] == "epoch":
                 ahead = _epoch(loader, conn, send, msg[1], ring, ahead)
     except (EOFError, OSError):

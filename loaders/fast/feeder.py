@@ -238,6 +238,12 @@ class Feeder:
                 self._stop()
             loader.cursor.end()
 
+    def lend_tier(self, items: dict[int, dict[str, Any]]) -> None:
+        """The training process's device tier sent to the child through CUDA IPC (kept alive here: the child
+        ends before this process's tier is cleared, `PreparedLoader.close`)."""
+        self.wait_ready()
+        self._send("tier", {item: outgoing(tensors) for item, tensors in items.items()})
+
     def _open_slots(self, msg: tuple[Any, ...]) -> None:
         """The child's slots (kept open for good) and its events; our fences, sent back."""
         import torch

@@ -50,6 +50,7 @@ from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_
 from loaders.fast.trial import FeederTrial
 from loaders.reading.ahead import InOrder
 from loaders.reading.reads import Reader
+from loaders.tunables import TIER_SHARE_TENSORS
 
 
 class PreparedLoader:
@@ -299,16 +300,23 @@ class PreparedLoader:
 
     def _feeder_back(self) -> None:
         """The batches made in this process from the next epoch on (the random states are this process's already:
-        the cursor put them back at the epoch's end); the child closed, this process's tier filled again."""
+        the cursor put them back at the epoch's end); the child closed, this process's tier as it lent it (or, where
+        it was given up, filled again)."""
         feeder, self._feeder = self._feeder, None
         feeder.close()
         self.tier.budget = self.budget
         self.tail_thread = self.tail_thread or self._tail_default
 
     def _tier_to_feeder(self) -> None:
-        """The device tier this process filled while the child started, given up as the child takes over (its
-        memory back to the device, for the child's own tier: the same budget, not twice)."""
+        """The device tier this process filled while the child started, lent to the child as it takes over (kept
+        here, opened there through CUDA IPC: the child's tier starts full, and it is still here if the batches
+        come back); where it holds too many tensors to send, given up (its memory back to the device, for the
+        child's own tier: the same budget, not twice)."""
         if self.tier.budget == 0:
+            return
+        if self.gpu and self.tier.shareable(TIER_SHARE_TENSORS):
+            self._feeder.lend_tier(self.tier.items)
+            self.tier.budget = 0  # nothing added here while the child makes the batches
             return
         self.tier.clear()
         self.tier.budget = 0

@@ -59,6 +59,20 @@ class DeviceTier:
         """Forget the promises of reads that never finished (an epoch left early): what is held stays."""
         self._promised, self._reserved = set(self.items), self.nbytes
 
+    def adopt(self, items: dict[int, dict[str, Any]]) -> None:
+        """Hold `items` as they are (the training process's tier, opened here through CUDA IPC: the feeder's
+        child starts with the tier already filled, not a second copy of it)."""
+        for item, tensors in items.items():
+            if item not in self.items:
+                self.items[item] = tensors
+                self.nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.settle()
+
+    def shareable(self, most: int) -> bool:
+        """Whether the tier is worth sending to the feeder's child: held, and at most `most` tensors (each is one
+        IPC handle sent and opened)."""
+        return 0 < sum(len(t) for t in self.items.values()) <= most
+
     def clear(self) -> None:
         """Drop every item."""
         self.items.clear()

@@ -59,11 +59,12 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_cache(tmp_path_factory)
 
 
-def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Path, Path], device: str) -> None:
     """The verdict taken at an epoch's end brings the batches back to this process from the same random states:
-    every epoch, before, during and after the feeder, equal to the in-process loader's; the child is closed
-    and the tier fills again in this process."""
-    options: dict[str, Any] = {"gpu_budget": "1GiB", "prefetch": 2}
+    every epoch, before, during and after the feeder, equal to the in-process loader's; the child is closed.
+    On a GPU the tier filled here was lent to the child (kept here) and serves again as it was."""
+    options: dict[str, Any] = {"gpu_budget": "1GiB", "prefetch": 2, "device": device}
     want_loader = _loader(made, {**options, "feeder": False})
     want = [[_plain(b) for b in want_loader] for _ in range(5)]
     fed = _loader(made, {**options, "feeder": True})
@@ -75,9 +76,13 @@ def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Pat
         fed.wait_feeder()
         child = fed._feeder._proc
         got[0] += [_plain(b) for b in it]
+        lent = fed.tier_bytes
+        assert (lent > 0) == (device != "cpu")  # lent to the child and kept here on a GPU; given up on the CPU
         got += [[_plain(b) for b in fed] for _ in range(2)]  # the child's first whole epoch, then one measured
         assert fed.feeder_pid is None and child.poll() is not None  # decided at the second one's end
         assert str(fed.feeder_verdict).startswith("batches made in this process again")
+        if device != "cpu":
+            assert fed.tier_bytes == lent  # the tier lent is this process's again, not filled a second time
         got += [[_plain(b) for b in fed] for _ in range(2)]
         for e, (g, w) in enumerate(zip(got, want)):
             _same(g, w, f"epoch {e}")
