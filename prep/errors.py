@@ -9,6 +9,7 @@ from loaders.errors import (
     MissingDependencyError,
     PrepError,
     StaleError,
+    UnsafeFileError,
     UnsupportedFilesystemError,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "MissingDependencyError",
     "PrepError",
     "StaleError",
+    "UnsafeFileError",
     "UnsupportedFilesystemError",
     "UsageError",
 ]
