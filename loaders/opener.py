@@ -16,7 +16,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from loaders.errors import UnsafeFileError
 
@@ -123,3 +123,37 @@ def split(path: str | os.PathLike[str]) -> tuple[str, str]:
     """(folder, name) of a path, for a file whose folder is the root it is confined to."""
     path = os.fspath(path)
     return os.path.dirname(path) or ".", os.path.basename(path)
+
+
+def open_to_write(path: str | os.PathLike[str], flags: int, fix: str, mode: int = 0o644) -> int:
+    """A descriptor to write the regular file `path` of an output (`prep cache`'s lock, journals, shards, temp
+    files): never through a symlink (O_NOFOLLOW), never a FIFO or device (O_NONBLOCK, then fstat), never a file
+    with a second name (a hard link from outside would be truncated or overwritten); UnsafeFileError otherwise."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        what = kind(os.lstat(path).st_mode)
+        raise UnsafeFileError(f"{path}: is {what}, where a file of this output belongs; refused (nothing is "
+                              f"written through a link); {fix}") from None  # fmt: skip
+    try:
+        st = os.fstat(fd)
+        check_stat(path, st, fix)
+        if st.st_nlink > 1:
+            raise UnsafeFileError(f"{path}: has {st.st_nlink} names (a hard link: writing would change a file "
+                                  f"outside this output); refused; {fix}")  # fmt: skip
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_new(path: str | os.PathLike[str], fix: str, mode: int = 0o644) -> int:
+    """A new, empty file at `path` for writing (a temp file to rename): whatever held the name is unlinked
+    first, then O_CREAT | O_EXCL | O_NOFOLLOW, so nothing planted there is ever written through."""
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+    return open_to_write(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fix, mode)

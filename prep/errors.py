@@ -18,6 +18,10 @@ class UsageError(PrepError):
     """Bad arguments: a missing parent directory, a count of 0, an unwritable path."""
 
 
+class UnsafeOutputError(UsageError):
+    """The output folder holds a link (or a FIFO, device, hard link) `prep` did not make where it writes."""
+
+
 class LockedError(PrepError):
     """Another `prep` run holds the output's lock."""
 
@@ -31,6 +35,7 @@ __all__ = [
     "PrepError",
     "StaleError",
     "UnsafeFileError",
+    "UnsafeOutputError",
     "UnsupportedFilesystemError",
     "UsageError",
 ]

@@ -39,7 +39,7 @@ from loaders.cache.checksums import FileCheck, doc_checksum, file_record
 from loaders.cache.layout import npy_array
 from loaders.cache.spec import MAX_MANIFEST
 from loaders.errors import ChecksumError, FormatError, UnsafeFileError
-from loaders.opener import read_in
+from loaders.opener import create_new, read_in
 
 SCHEMA = "1.0"
 DIR = "sampling"
@@ -50,6 +50,7 @@ BLOCK_BITS = 4096  # bits per counted block: a select unpacks at most 512 bytes
 MAX_SETS = 1024  # classes per item, a bound on what a manifest may declare
 MAX_ROWS_BYTES = 1 << 30  # sets.npy is read into memory: at most this
 _FIX = "re-run `prep sampling` to remake them"
+_OUT_FIX = "remove it, or choose another output folder (prep never writes through a link)"
 SETS_DTYPE = np.dtype(
     [("item", "<u4"), ("set", "<u2"), ("offset", "<u8"), ("nvox", "<u8"), ("count", "<u8")]
 )  # fmt: skip
@@ -144,7 +145,7 @@ def write_sets(
     rows: list[tuple[int, int, int, int, int]] = []
     pos = 0
 
-    with open(where / BITS, "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
+    with os.fdopen(create_new(where / BITS, _OUT_FIX), "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
         for item, sets in zip(range(n_items), _ordered(pool, sets_of, n_items, 2 * max(1, workers))):
             if len(sets) > MAX_SETS:
                 raise FormatError(f"{where}: item {item} has {len(sets)} classes; at most {MAX_SETS} are kept")
@@ -155,7 +156,7 @@ def write_sets(
         f.flush()
         os.fsync(f.fileno())
     table = np.array(rows, dtype=SETS_DTYPE)
-    with open(where / SETS, "wb") as f:
+    with os.fdopen(create_new(where / SETS, _OUT_FIX), "wb") as f:
         np.save(f, table, allow_pickle=False)
     n_sets = len(rows) // n_items if n_items else 0
     doc: dict[str, Any] = {"format": "blockprep-sampling", "schema_version": SCHEMA, "signature": dict(sig),
@@ -164,7 +165,8 @@ def write_sets(
                            "files": {name: file_record(where / name) for name in (SETS, BITS)}}  # fmt: skip
     doc["checksum"] = doc_checksum(doc)
     tmp = where / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
+    with os.fdopen(create_new(tmp, _OUT_FIX), "w") as out:
+        out.write(json.dumps(doc, indent=1))
     os.replace(tmp, where / MANIFEST)
     return where
 
