@@ -157,3 +157,9 @@ def create_new(path: str | os.PathLike[str], fix: str, mode: int = 0o644) -> int
     with suppress(FileNotFoundError):
         os.unlink(path)
     return open_to_write(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fix, mode)
+
+
+def safe_to_map(st: os.stat_result) -> bool:
+    """Whether a file may be memory-mapped to read: only this user or root owns it, so nobody else can truncate
+    it under the mapping (a read past its new end is SIGBUS, no exception). Another user's file is read instead."""
+    return st.st_uid in (os.geteuid(), 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -9,6 +10,7 @@ import os
 import platform
 import sys
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -66,6 +68,8 @@ class FdCache:
         self.root = root
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        # the descriptors close with their cache: a dropped dataset (and its backend) never keeps its shards open
+        weakref.finalize(self, _close_fds, self._fds)
 
     def get(self, path: str) -> int:
         """Open (or reuse) a descriptor for `path`."""
@@ -101,9 +105,14 @@ class FdCache:
     def close(self) -> None:
         """Close every cached descriptor."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            _close_fds(self._fds)
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):  # already gone (a forked child's copy closed it): nothing to release
+            os.close(fd)
+    fds.clear()
 
 
 def pread_full(fd: int, buf: memoryview, offset: int) -> int:

@@ -238,6 +238,12 @@ class SetStore:
         self.rows = _checked_rows(self.where, doc, rows, self.files[BITS].size)
         self.n_sets = int(doc["n_sets"])
 
+    def stored(self, item: int) -> Packed:
+        """Item `item`'s sets as stored, (voxels, bits and counts, members) each, read and checked now: what
+        `packed_sets` makes from its label (`prep verify` compares the two)."""
+        rows = self.rows[item * self.n_sets : (item + 1) * self.n_sets].tolist()
+        return [(n, self.files[BITS].read(offset, _stored_size(n)), count) for _, _, offset, n, count in rows]
+
     def sets(self, item: int, nvox: int) -> list[MaskSet]:
         """Item `item`'s sets; FormatError when they do not cover `nvox` voxels (the label's spatial size).
         Their bits are read (and their chunks checked) on every call, never mapped: a bits.bin edited or
@@ -307,6 +313,21 @@ def _checked_rows(where: Path, doc: Mapping[str, Any], rows: np.ndarray, bits_si
     if bad:
         raise FormatError(f"{where / SETS}: rows out of order, overlapping or outside {BITS}; re-run `prep sampling`")
     return rows
+
+
+def stored_signatures(cache_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The signature of every set folder of a cache (`prep verify` checks each against the label); FormatError
+    for a folder whose manifest is damaged or names a signature other than its folder's."""
+    top = Path(cache_root) / DIR
+    if not os.path.isdir(top) or os.path.islink(top):
+        return []
+    out = []
+    for name in sorted(n for n in os.listdir(top) if not n.startswith(".")):
+        sig = _read_manifest(Path(cache_root), f"{DIR}/{name}/{MANIFEST}").get("signature")
+        if not isinstance(sig, dict) or folder(cache_root, sig).name != name:
+            raise FormatError(f"{top / name}: its manifest names the sets of another crop; {_FIX}")
+        out.append(sig)
+    return out
 
 
 def open_store(cache: Any, sig: Mapping[str, Any]) -> SetStore | None:
