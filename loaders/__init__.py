@@ -21,6 +21,7 @@ from loaders.errors import (
     PrepError,
     SchemaVersionError,
     StaleError,
+    UnsafeFileError,
 )
 
 # Public names whose modules import torch (or MONAI): resolved on first access, so `import loaders` stays light.
@@ -61,6 +62,7 @@ __all__ = [
     "ReadRequest",
     "SchemaVersionError",
     "StaleError",
+    "UnsafeFileError",
     "backend_names",
     "collate",
     "get_backend",

@@ -21,6 +21,7 @@ from loaders.errors import (
     ArgumentTypeError,
     ArgumentValueError,
 )
+from loaders.tunables import MAX_WORLD_SIZE
 
 MAX_SEED = 2**63 - 1
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -169,6 +170,9 @@ def shard(rank: Any, world_size: Any, names: tuple[str, str] = ("rank", "world_s
     0 <= rank < world_size."""
     count(names[1], world_size, 1)
     count(names[0], rank, 0)
+    if world_size > MAX_WORLD_SIZE:
+        raise ArgumentValueError(f"{names[1]} {world_size} is over the {MAX_WORLD_SIZE} ranks a reader is sharded "
+                                 "over; pass the number of processes of the run")  # fmt: skip
     if rank >= world_size:
         raise ArgumentValueError(f"{names[0]} {rank} is outside {names[1].replace('_', ' ')} {world_size}")
 

@@ -20,6 +20,11 @@ class FormatError(PrepError):
     """A prepared cache or block map is malformed, from the future, or incomplete."""
 
 
+class UnsafeFileError(FormatError):
+    """A file of a cache or block map is a link, a FIFO, a device, outside its root, over its size bound, or
+    changed under the reader: refused before a byte is used (`loaders.opener`)."""
+
+
 class IncompleteCacheError(FormatError):
     """The cache has no manifest: it was never committed (interrupted run). Re-run `prep cache`."""
 

@@ -17,6 +17,7 @@ import base64
 import contextlib
 import ctypes
 import hashlib
+import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -206,10 +207,26 @@ def _decode(value: Any, where: str) -> tuple[Any, ...]:
         name, keys, pos, has_gauss, gauss = value
         words = np.frombuffer(base64.b64decode(str(keys), validate=True), dtype="<u4").astype(np.uint32)
         state = (str(name), words, int(pos), int(has_gauss), float(gauss))
+        wrong = _wrong_state(state)
+        if wrong:
+            raise ValueError(wrong)
         np.random.RandomState().set_state(state)  # refused here, not half-way through a restore
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise LoaderStateError(f"{where}: a random state is damaged ({exc}); save the state again") from exc
     return state
+
+
+def _wrong_state(state: tuple[Any, ...]) -> str:
+    """What makes a decoded legacy RandomState no state numpy makes ("" when none): numpy's own set_state takes
+    a key of all zeros (the twister then draws zeros forever) and a NaN cached gaussian."""
+    name, words, pos, has_gauss, gauss = state
+    if name != "MT19937" or len(words) != 624:
+        return f"a {name[:20]!r} generator of {len(words)} words, not MT19937's 624"
+    if not words.any():
+        return "its key is all zeros (a generator that draws only zeros)"
+    if not 0 <= pos <= 624 or has_gauss not in (0, 1) or not math.isfinite(gauss):
+        return f"position {pos}, has_gauss {has_gauss} or gauss {gauss} out of range"
+    return ""
 
 
 class Draws:
@@ -336,5 +353,7 @@ def check(state: Any, want: Mapping[str, Any], where: str = "load_state_dict") -
             raise LoaderStateError(f"{where}: the state was saved with {name}={state.get(name)!r}, this loader "
                                    f"has {want[name]!r}; {fix}")  # fmt: skip
     for name in ("epoch", "batch"):
-        if not isinstance(state.get(name), int) or isinstance(state.get(name), bool) or state[name] < 0:
-            raise LoaderStateError(f"{where}: {name} must be a non-negative integer, not {state.get(name)!r}")
+        value = state.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+            raise LoaderStateError(f"{where}: {name} must be a non-negative integer below 2^62, not "
+                                   f"{str(value)[:40]!r}; save the state again")  # fmt: skip

@@ -97,3 +97,6 @@ BMAP_COLD_THREADS = 2
 # After a batch found not in the page cache, BmapSource asks again at every this many-th batch only: on cold data
 # opening the two files to ask waits for their inodes (docs/benchmarks.md, DALI sources)
 MEMORY_PROBES_AFTER_MISS = 16
+# The most DDP ranks a reader is sharded over: a rank's order is padded to the world size, so a world of 10^12
+# would ask for terabytes (a bare MemoryError); a million ranks is far past any machine room
+MAX_WORLD_SIZE = 1 << 20

@@ -14,6 +14,8 @@ from loaders.cache.layout import open_read
 from loaders.cache.spec import align_up
 
 _CHUNK_ITEMS = 4096
+_SWAPPED = ("sampling sets differ from the ones its cached label makes (swapped or edited); remake them with "
+            "`prep sampling CACHE --pipeline P --force`")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,35 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
             bad.append(BadItem(-1, "", Path(name).name, f"shard is {sizes[name]} bytes, index says {end}"))
     if len(cache.index) and int(cache.index["item"].max()) >= cache.n_items:
         bad.append(BadItem(int(cache.index["item"].max()), "", "", "index row beyond the manifest's n_items"))
+    if not bad:  # the sets are made from the tensors: checked against them once those are known good
+        bad += _check_sets(cache)
+    return bad
+
+
+def _check_sets(cache: PreparedCache) -> list[BadItem]:
+    """Every item's stored sampling sets against the sets MONAI's own functions make from its cached label (and
+    image), as `prep sampling` made them: sets swapped, edited and resealed are listed, item by item."""
+    from loaders.cache import sampling
+
+    bad: list[BadItem] = []
+    for sig in sampling.stored_signatures(cache.root):
+        store = sampling.SetStore(cache.root, sig, cache.generation)  # files, rows and checksums checked
+        keys = [sig["label_key"]] + ([sig["image_key"]] if sig.get("image_key") else [])
+        missing = [k for k in keys if k not in cache.keys]
+        if missing:
+            bad.append(BadItem(-1, missing[0], "", f"sampling sets of {store.where.name} name a key the cache lacks"))
+            continue
+        from loaders import PreparedDataset
+
+        ds = PreparedDataset(cache.root, keys=keys, meta=False)
+        try:
+            for item in range(cache.n_items):
+                got = ds[item]
+                image = got.get(sig["image_key"]) if sig.get("image_key") else None
+                if store.stored(item) != sampling.packed_sets(sig, got[sig["label_key"]], image):
+                    bad.append(BadItem(item, sig["label_key"], f"{sampling.DIR}/{store.where.name}", _SWAPPED))
+        finally:
+            ds.close()
     return bad
 
 

@@ -9,12 +9,17 @@ from loaders.errors import (
     MissingDependencyError,
     PrepError,
     StaleError,
+    UnsafeFileError,
     UnsupportedFilesystemError,
 )
 
 
 class UsageError(PrepError):
     """Bad arguments: a missing parent directory, a count of 0, an unwritable path."""
+
+
+class UnsafeOutputError(UsageError):
+    """The output folder holds a link (or a FIFO, device, hard link) `prep` did not make where it writes."""
 
 
 class LockedError(PrepError):
@@ -29,6 +34,8 @@ __all__ = [
     "MissingDependencyError",
     "PrepError",
     "StaleError",
+    "UnsafeFileError",
+    "UnsafeOutputError",
     "UnsupportedFilesystemError",
     "UsageError",
 ]

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ from loaders.cache.dtypes import dtype_name
 from loaders.cache.format import checksum
 from loaders.cache.spec import JOURNAL_DIR
 from loaders.cache.writing import atomic_write_bytes, fsync_dir
-from prep.errors import LockedError, UsageError
+from loaders.opener import kind, open_to_write
+from prep.errors import LockedError, UnsafeOutputError, UsageError
 
 LOCK = ".lock"
 PLAN = "plan.json"
+_OUT_FIX = "remove it, or choose another --output (prep cache never writes through a link)"
 
 
 class CacheLock:
@@ -38,7 +41,7 @@ class CacheLock:
     def acquire(self) -> None:
         """Take the lock or raise LockedError naming the PID that holds it."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT, _OUT_FIX)  # checked before the ftruncate
         except OSError as exc:
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
@@ -101,7 +104,7 @@ class JournalWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = open_to_write(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, _OUT_FIX)
         self._named = False  # the folder's entry of this file made durable (with the first lines)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -230,6 +233,38 @@ def check_output(cache_dir: Path) -> None:
             f"{cache_dir}: not empty and not a blockprep cache (has {', '.join(sorted(foreign)[:3])}); "
             "choose an empty or new --output"
         )
+    check_no_links(cache_dir)
+
+
+_FOLDERS = (JOURNAL_DIR, "shards", sampling.DIR)
+
+
+def check_no_links(cache_dir: Path) -> None:
+    """UnsafeOutputError for anything in the output `prep cache` would write through but did not make: a
+    symlink (`.lock` -> a file elsewhere would be truncated, `shards/` -> a folder elsewhere filled), a FIFO or
+    device, a folder where a file belongs or the reverse, or a file with a second name (a hard link)."""
+    with os.scandir(cache_dir) as entries:
+        listed = list(entries)
+    for entry in listed:
+        folder = entry.name in _FOLDERS
+        _check_entry(Path(entry.path), folder)
+        if folder and entry.is_dir(follow_symlinks=False):
+            for inner, dirs, files in os.walk(entry.path):  # never follows a link (followlinks=False)
+                for name in dirs:
+                    _check_entry(Path(inner) / name, True)
+                for name in files:
+                    _check_entry(Path(inner) / name, False)
+
+
+def _check_entry(path: Path, folder: bool) -> None:
+    st = path.lstat()
+    if folder and stat.S_ISDIR(st.st_mode):
+        return
+    if not folder and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return
+    what = f"a file with {st.st_nlink} names (a hard link)" if stat.S_ISREG(st.st_mode) else kind(st.st_mode)
+    raise UnsafeOutputError(f"{path}: is {what} that `prep cache` did not make, where it writes a "
+                            f"{'folder' if folder else 'file'}; refused; {_OUT_FIX}")  # fmt: skip
 
 
 def committed_records(cache_dir: Path, positions: list[int]) -> list[dict[str, Any]] | None:

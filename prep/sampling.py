@@ -15,6 +15,7 @@ from typing import Any
 from loaders.cache import sampling
 from loaders.cache.format import PreparedCache
 from loaders.fast.folds import crop_sets_of
+from loaders.opener import open_to_write
 
 
 def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force: bool = False) -> str:
@@ -67,7 +68,8 @@ class WorkerSets:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for stale in self.path.parent.glob(".worker-sets-*.bin"):  # a killed run's (the cache lock is held)
             stale.unlink(missing_ok=True)
-        self._file = open(self.path, "w+b")  # noqa: SIM115  (closed by close())
+        fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, "remove it, or choose another --output")
+        self._file = os.fdopen(fd, "w+b")  # closed by close()
         self._at: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # item -> (offset, (nvox, nbytes, count))
         self._lock = threading.Lock()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -9,6 +10,7 @@ import os
 import platform
 import sys
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from loaders.cache.layout import open_read
 from loaders.cache.spec import ALIGN
 from loaders.deps import require
 from loaders.errors import BackendError
+from loaders.opener import open_in
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,16 @@ def pinned_empty(nbytes: int, align: int = ALIGN) -> tuple[Any, np.ndarray]:
 class FdCache:
     """A small thread-safe LRU of open file descriptors, so a batch of reads does not reopen files."""
 
-    def __init__(self, flags: int = os.O_RDONLY, capacity: int = 256) -> None:
+    def __init__(self, flags: int = os.O_RDONLY, capacity: int = 256, root: str | None = None) -> None:
+        """root: paths are names below this folder, opened by `loaders.opener.open_in` (no link followed,
+        regular files only): the filesystem reads of a block map's files."""
         self.flags = flags
         self.capacity = capacity
+        self.root = root
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        # the descriptors close with their cache: a dropped dataset (and its backend) never keeps its shards open
+        weakref.finalize(self, _close_fds, self._fds)
 
     def get(self, path: str) -> int:
         """Open (or reuse) a descriptor for `path`."""
@@ -71,7 +79,10 @@ class FdCache:
                 self._fds.move_to_end(path)
                 return fd
         try:
-            fd = open_read(path, self.flags)  # a cache shard: only the file checked when its cache opened
+            if self.root is not None:
+                fd = open_in(self.root, path, "re-run `prep bmap` on the files as they are now")[0]
+            else:
+                fd = open_read(path, self.flags)  # a cache shard: only the file checked when its cache opened
         except OSError as exc:
             raise BackendError(f"{path}: cannot open ({exc.strerror}); check the path and permissions") from exc
         with self._lock:
@@ -86,17 +97,22 @@ class FdCache:
 
     def __getstate__(self) -> dict[str, Any]:
         # Descriptors and locks do not cross processes: a DataLoader worker reopens what it reads.
-        return {"flags": self.flags, "capacity": self.capacity}
+        return {"flags": self.flags, "capacity": self.capacity, "root": self.root}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["flags"], state["capacity"])  # type: ignore[misc]
+        self.__init__(state["flags"], state["capacity"], state.get("root"))  # type: ignore[misc]
 
     def close(self) -> None:
         """Close every cached descriptor."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            _close_fds(self._fds)
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):  # already gone (a forked child's copy closed it): nothing to release
+            os.close(fd)
+    fds.clear()
 
 
 def pread_full(fd: int, buf: memoryview, offset: int) -> int:

@@ -25,12 +25,13 @@ from typing import Any, NamedTuple
 from loaders.backends.base import FdCache, ReadRequest, pread_full, short_read
 from loaders.blockmap.bmap import BlockMap, RawSource
 from loaders.blockmap.fiemap import EXTENT_FLAGS, FiemapReader
-from loaders.errors import BackendError
+from loaders.errors import BackendError, UnsafeFileError
+from loaders.opener import open_in
 
 UNCHECKED = "?"  # verdict of a file whose check has not run (or is still running)
 MOVED = "its blocks moved on the device: defragmented or rewritten in place"
 _IGNORED_FLAGS = EXTENT_FLAGS["LAST"] | EXTENT_FLAGS["MERGED"]  # say nothing about where the bytes are
-_OPEN = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_FIX = "re-run `prep bmap` on the files as they are now"
 _local = threading.local()  # one FIEMAP buffer per checking thread
 
 
@@ -219,10 +220,10 @@ class MappedFiles:
             self.window = window(bmap, source)
         self.source = RawSource(source.path, self.window.base)
         self.why: dict[str, str | None] = {}
-        self._expect: dict[str, tuple[int, int, int, list[tuple[int, int, int, int]] | None]] = {}
+        self._expect: dict[str, tuple[int, int, int, int, list[tuple[int, int, int, int]] | None]] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
-        self._fs = FdCache(os.O_RDONLY)
+        self._fs = FdCache(os.O_RDONLY, root=bmap.root)  # below the root, no link followed
         self._clock = WriteClock(bmap.root) if self.check_stale else None
         self._seen: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # key -> (its lstat, clock) when checked
 
@@ -265,8 +266,8 @@ class MappedFiles:
                 if st is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == was[0]:
                     continue
             try:
-                fd = os.open(root + k, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
+                fd = open_in(self.bmap.root, k, _FIX)[0]
+            except (OSError, UnsafeFileError):
                 del why[k]
                 continue
             try:
@@ -295,10 +296,12 @@ class MappedFiles:
         stale = self.bmap.stale_reason(key)
         return f"changed since it was mapped ({stale})" if stale else None
 
-    def _expected(self, r: dict[str, Any]) -> tuple[int, int, int, list[tuple[int, int, int, int]] | None]:
-        """(size, inode, mtime_ns, runs of its extents) of a record: what a fresh file shows (runs: None for
-        a flat map, whose one extent is compared on its own terms)."""
-        return r["size"], r["inode"], r["mtime_ns"], None if self.bmap.flat else _runs(r["extents"], r["size"])
+    def _expected(self, r: dict[str, Any]) -> tuple[int, int, int, int, list[tuple[int, int, int, int]] | None]:
+        """(size, inode, mtime_ns, ctime_ns, runs of its extents) of a record: what a fresh file shows (runs:
+        None for a flat map, whose one extent is compared on its own terms; ctime -1 for a map without it,
+        which no file matches)."""
+        runs = None if self.bmap.flat else _runs(r["extents"], r["size"])
+        return r["size"], r["inode"], r["mtime_ns"], r.get("ctime_ns", -1), runs
 
     def _compare(self, key: str, r: dict[str, Any], fd: int, clock: tuple[int, ...] | None = None) -> str | None:
         """The verdict of an open file: its stat and its extents now against its record (the record's side
@@ -310,16 +313,16 @@ class MappedFiles:
             want = self._expect[key] = self._expected(r)
         try:
             st = os.fstat(fd)
-            if (st.st_size, st.st_ino, st.st_mtime_ns) != want[:3]:
+            if (st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != want[:4]:
                 return self._stale(key) or "changed since it was mapped (replaced while checked)"
             now = current_extents(fd, key)
         except OSError as exc:
             return f"changed since it was mapped (cannot map it now: {exc.strerror})"
-        if want[3] is None:  # flat: one run of whole LBAs, the file's bytes must lie in one extent starting there
+        if want[4] is None:  # flat: one run of whole LBAs, the file's bytes must lie in one extent starting there
             runs, ph = _runs(now, r["size"]), r["extents"][0][1]
             same = len(runs) == 1 and runs[0][:2] == (0, ph) and runs[0][2] >= r["size"] and not runs[0][3]
         else:
-            same = _runs(now, r["size"]) == want[3]
+            same = _runs(now, r["size"]) == want[4]
         if not same:
             return f"changed since it was mapped ({MOVED})"
         if clock is not None:
@@ -329,7 +332,7 @@ class MappedFiles:
     def check_many(self, keys: Iterable[str]) -> None:
         """Verdicts of `keys`: open through the filesystem, fstat, one FIEMAP, close (for batches: the
         blockdev backend runs this on a small pool beside its data reads)."""
-        files, root, open_, close = self.bmap.files, self.bmap.root + "/", os.open, os.close
+        files, root, close = self.bmap.files, self.bmap.root, os.close
         clock = self._clock.now() if self._clock is not None else None
         for k in keys:
             if self.precheck(k) is not None:
@@ -337,10 +340,13 @@ class MappedFiles:
             if not self.check_stale:
                 self.why[k] = None
                 continue
-            try:
-                fd = open_(root + k, _OPEN)
+            try:  # below the root, no link followed, regular files only (loaders.opener)
+                fd = open_in(root, k, _FIX)[0]
             except OSError as exc:
                 self.why[k] = self._stale(k) or f"changed since it was mapped (cannot open it now: {exc.strerror})"
+                continue
+            except UnsafeFileError as exc:
+                self.why[k] = f"changed since it was mapped ({str(exc).split(': ', 1)[-1]})"
                 continue
             try:
                 self.why[k] = self._compare(k, files[k], fd, clock)
@@ -357,12 +363,13 @@ class MappedFiles:
         path = self.bmap.file_path(key)
         if not self.fallback:
             raise BackendError(f"{path}: {why}; re-run `prep bmap` or allow fallback=True")
+        fd = self._fs.get(key)  # below the root, no link followed: UnsafeFileError before any warning
         with self._lock:
             first = key not in self._warned
             self._warned.add(key)
         if first:
             warnings.warn(f"{path}: {why}; reading it through the filesystem", RuntimeWarning, stacklevel=5)
-        got = pread_full(self._fs.get(path), buf, req.offset)
+        got = pread_full(fd, buf, req.offset)
         if got < req.nbytes:
             raise short_read(req, got)
 
@@ -377,4 +384,4 @@ class MappedFiles:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        self._fs = FdCache(os.O_RDONLY)
+        self._fs = FdCache(os.O_RDONLY, root=self.bmap.root)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from loaders.backends.base import Backend, FdCache, ReadRequest, pread_full, short_read
+from loaders.opener import safe_to_map
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -77,7 +78,8 @@ class PosixBackend(Backend):
         out = []
         for req in requests:
             fd = self._fds.get(req.path)
-            if os.fstat(fd).st_size < req.offset + req.nbytes:
+            st = os.fstat(fd)
+            if st.st_size < req.offset + req.nbytes or not safe_to_map(st):  # another user's shard: read, not mapped
                 return None
             if req.nbytes == 0:
                 out.append(np.empty(0, dtype=np.uint8))

@@ -10,7 +10,7 @@ Document (JSON, UTF-8; all offsets and lengths in bytes)::
      "partition_start":0, "logical_block_size":512, "fs_block_size":4096, "fstype":"ext4", "uuid":...,
      "loop":{"backing_file":..., "offset":...} | null,
      "extent_fields":["logical","physical","length","flags"], "flag_bits":{"LAST":1, ...},
-     "files":{"<key relative to root>":{"size":..,"inode":..,"mtime_ns":..,"extents":[[l,p,n,f],...],
+     "files":{"<key relative to root>":{"size":..,"inode":..,"mtime_ns":..,"ctime_ns":..,"extents":[[l,p,n,f],...],
                                       "raw_readable":true,"reason":null}}}
 
 `checksum` is xxh3-64 of the document without it, serialised canonically (sorted keys, no spaces); the
@@ -32,13 +32,15 @@ import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from loaders.errors import ChecksumError, FormatError, SchemaVersionError, StaleError
+from loaders.opener import read_in, split
 
 BMAP_FORMAT = "blockprep-bmap"
-BMAP_VERSION = "1.0"  # major.minor: readers reject an unknown major
+BMAP_VERSION = "1.1"  # major.minor: readers reject an unknown major. 1.1: each file's ctime_ns
+MAX_BMAP = 4 << 30  # bytes of a bmap.json: read whole into memory, bounded before it is read
+NO_CTIME = "mapped without its ctime (a map older than version 1.1): re-run `prep bmap`"
 EXTENT_FIELDS = ("logical", "physical", "length", "flags")
 _HEADER = re.compile(rb'\{"checksum":"xxh3:([0-9a-f]{16})",')
 FLAT_FORMAT = "flat-seed"  # `format` of a document built from a flat research map
@@ -82,14 +84,15 @@ def flat_document(
     for key, v in flat.items():
         first, last = int(v["startblock"]), int(v["endblock"])
         run = (last - first + 1) * lbs
-        rec: dict[str, Any] = {"size": run, "inode": -1, "mtime_ns": -1, "raw_readable": run > 0, "reason": None}
+        rec: dict[str, Any] = {"size": run, "inode": -1, "mtime_ns": -1, "ctime_ns": -1, "raw_readable": run > 0,
+                               "reason": None}  # fmt: skip
         rec["extents"] = [[0, first * lbs - start, run, 1]]
         try:
-            st = os.stat(os.path.join(root, key)) if root else None
+            st = os.lstat(os.path.join(root, key)) if root else None
         except OSError:
             st = None
         if st is not None:
-            rec.update(size=st.st_size, inode=st.st_ino, mtime_ns=st.st_mtime_ns)
+            rec.update(size=st.st_size, inode=st.st_ino, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
             if st.st_size > run:
                 rec.update(raw_readable=False, reason="fragmented: the flat map holds its first extent only")
         files[key] = rec
@@ -231,6 +234,7 @@ class FileEntry:
     raw_readable: bool
     reason: str | None
     xxh3: int | None = None
+    ctime_ns: int | None = None  # None: a map older than version 1.1 (never raw-read: NO_CTIME)
 
 
 class RawSource(NamedTuple):
@@ -286,8 +290,9 @@ class BlockMap:
     ) -> BlockMap:
         """Read and check a bmap.json (version, checksum), or read a flat research map (see `from_flat`;
         `device` gives its LBA size and is recorded as its device)."""
-        try:
-            data = Path(path).read_bytes()
+        folder, name = split(path)
+        try:  # never through a link, never a FIFO, bounded before reading (loaders.opener)
+            data = read_in(folder, name, "pass the map `prep bmap` wrote, not a link to it", MAX_BMAP)
         except OSError as exc:
             raise FormatError(f"{path}: cannot read the block map ({exc.strerror}); check the path") from None
         if not _HEADER.match(data):
@@ -354,7 +359,9 @@ class BlockMap:
         r = self.files[k]
         ext = tuple((int(e[0]), int(e[1]), int(e[2]), int(e[3])) for e in r["extents"])
         reason, xxh3 = r.get("reason"), r.get("xxh3")
-        e = self._entries[k] = FileEntry(k, r["size"], r["inode"], r["mtime_ns"], ext, r["raw_readable"], reason, xxh3)
+        e = self._entries[k] = FileEntry(
+            k, r["size"], r["inode"], r["mtime_ns"], ext, r["raw_readable"], reason, xxh3, r.get("ctime_ns")
+        )
         return e
 
     def file_path(self, key: str) -> str:
@@ -362,10 +369,12 @@ class BlockMap:
         return os.path.join(self.root, key)
 
     def stale_reason(self, key: str | os.PathLike[str]) -> str | None:
-        """Why the file no longer matches its entry (size, inode, mtime changed; missing), or None."""
+        """Why the file no longer matches its entry (size, inode, mtime or ctime changed, a link now; missing),
+        or None. ctime: a file rewritten in place with its mtime put back (`cp -p`, `rsync -t`, `tar x`)
+        keeps size, inode and mtime, and its new bytes may not have reached the mapped blocks yet."""
         e = self.entry(key)
         try:
-            st = os.stat(self.file_path(e.key))
+            st = os.lstat(self.file_path(e.key))
         except OSError as exc:
             return f"cannot stat ({exc.strerror})"
         changed = [
@@ -375,6 +384,12 @@ class BlockMap:
         ]
         if e.mtime_ns != st.st_mtime_ns:
             changed.append("mtime changed")
+        if e.ctime_ns is None:
+            changed.append(NO_CTIME)
+        elif e.ctime_ns != st.st_ctime_ns:
+            changed.append("ctime changed (rewritten in place, its mtime put back?)")
+        if os.path.islink(self.file_path(e.key)):
+            changed.append("it is a symlink now")
         return ", ".join(changed) or None
 
     def check_fresh(self, key: str | os.PathLike[str]) -> FileEntry:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from loaders.errors import ChecksumError, FormatError
+from loaders.opener import open_in, read_fd
 
 CHUNK = 1 << 20  # checksum granularity of the layout's files
 
@@ -71,40 +71,60 @@ def _record_fields(path: Path, record: Any) -> tuple[int, int, list[int]]:
 
 
 class FileCheck:
-    """One layout file against its manifest record: size checked at once, chunks checked once each, as read."""
+    """One layout file against its manifest record, opened through `loaders.opener` (confined to its root, a
+    regular file, no link followed) on every use: its size checked against the record then, and the chunks of
+    every read checked on that read (a file swapped or edited after open is caught where it is used)."""
 
-    def __init__(self, path: Path, record: Mapping[str, Any]) -> None:
-        self.path = path
-        self.size, self.chunk, self.digests = _record_fields(path, record)
-        self._ok: set[int] = set()
-        self._lock = threading.Lock()
+    def __init__(self, root: str | os.PathLike[str], rel: str, record: Mapping[str, Any], fix: str = _REBUILD) -> None:
+        self.root, self.rel, self.fix = os.fspath(root), rel, fix
+        self.path = Path(self.root) / rel
+        self.size, self.chunk, self.digests = _record_fields(self.path, record)
+        if len(self.digests) != -(-self.size // self.chunk):
+            raise ChecksumError(f"{self.path}: the manifest's record lists {len(self.digests)} checksums for "
+                                f"{self.size} bytes; {fix}")  # fmt: skip
+        os.close(self._open())
+
+    def _open(self) -> int:
+        """A checked descriptor of the file: UnsafeFileError for a link or FIFO, ChecksumError for another size."""
         try:
-            size = path.stat().st_size
+            fd, st = open_in(self.root, self.rel, self.fix)
         except FileNotFoundError:
-            raise FormatError(f"{path}: missing from the cache; rebuild it with `prep cache --force`") from None
-        if size != self.size or len(self.digests) != -(-self.size // self.chunk):
-            raise ChecksumError(
-                f"{path}: {size} bytes, the manifest says {self.size}; rebuild with `prep cache --force`"
-            )
+            raise FormatError(f"{self.path}: missing from the cache; {self.fix}") from None
+        if st.st_size != self.size:
+            os.close(fd)
+            raise ChecksumError(f"{self.path}: {st.st_size} bytes, the manifest says {self.size}; {self.fix}")
+        return fd
 
-    def check(self, offset: int = 0, length: int | None = None) -> None:
-        """Raise ChecksumError unless every chunk holding bytes [offset, offset + length) matches."""
+    def read(self, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes [offset, offset + length) (to the end when length is None), each chunk holding them checked."""
         end = self.size if length is None else min(self.size, offset + length)
-        todo = [c for c in range(offset // self.chunk, -(-end // self.chunk)) if c not in self._ok]
-        if not todo:
-            return
-        with self._lock, open(self.path, "rb") as f:
-            for c in todo:
-                if checksum(os.pread(f.fileno(), self.chunk, c * self.chunk)) != self.digests[c]:
-                    raise ChecksumError(
-                        f"{self.path}: bytes {c * self.chunk}-{min(self.size, (c + 1) * self.chunk)} fail their "
-                        "checksum (changed since `prep cache` wrote them); rebuild with `prep cache --force`"
-                    )
-                self._ok.add(c)
+        if end <= offset:
+            return b""
+        first, stop = offset // self.chunk, -(-end // self.chunk)
+        fd = self._open()
+        try:
+            data = read_fd(fd, min(self.size, stop * self.chunk) - first * self.chunk, str(self.path), self.fix,
+                           first * self.chunk)  # fmt: skip
+        finally:
+            os.close(fd)
+        view = memoryview(data)
+        for c in range(first, stop):
+            self._match(c, view[(c - first) * self.chunk : (c - first + 1) * self.chunk])
+        return data[offset - first * self.chunk : end - first * self.chunk]
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "_lock"}
+    def check(self) -> None:
+        """Raise ChecksumError unless every chunk of the file matches (read one chunk at a time)."""
+        fd = self._open()
+        try:
+            for c in range(len(self.digests)):
+                size = min(self.chunk, self.size - c * self.chunk)
+                self._match(c, read_fd(fd, size, str(self.path), self.fix, c * self.chunk))
+        finally:
+            os.close(fd)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        vars(self).update(state)
-        self._lock = threading.Lock()
+    def _match(self, c: int, data: Any) -> None:
+        if checksum(data) != self.digests[c]:
+            raise ChecksumError(
+                f"{self.path}: bytes {c * self.chunk}-{min(self.size, (c + 1) * self.chunk)} fail their "
+                f"checksum (changed since `prep cache` wrote them); {self.fix}"
+            )

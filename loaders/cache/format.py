@@ -5,7 +5,7 @@ A cache is a directory::
     CACHE/
       manifest.json        written LAST (temp, fsync, rename, fsync dir): no manifest = incomplete, resumable;
                            holds its own checksum and the size + per-MiB xxh3 of index, meta and offsets
-      index.npy            one row per tensor (INDEX_DTYPE), numpy .npy so it opens by mmap in microseconds
+      index.npy            one row per tensor (INDEX_DTYPE), numpy .npy, read into memory and checked whole on open
       meta.jsonl           one JSON line per item, in item order: source entry, per-key MetaTensor meta
       meta_offsets.npy     uint64 byte offset of each line of meta.jsonl (random access without parsing all)
       shards/*.bin         tensors at ALIGN-aligned offsets, each padded to ALIGN (O_DIRECT/GDS need no bounce)
@@ -13,10 +13,12 @@ A cache is a directory::
       bmap.json            optional: the shards' block map
 
 Every file a reader trusts is covered by a checksum: index.npy, meta.jsonl and meta_offsets.npy by the
-manifest (`files`), checked whole on open while at most SMALL bytes (larger ones chunk by chunk as they are
-read); tensors by their own xxh3 in the index; the manifest by its own; bmap.json (remade wherever the cache
-is copied) by its document checksum and the files' current extents (loaders.blockmap.bmap). Caches of schema 1 had
-no such checksums and are refused with the fix (re-run `prep cache --force`).
+manifest (`files`): index and offsets read into memory and checked whole on open, meta.jsonl too while at most
+SMALL bytes (a larger one's chunks checked again on every read); every one opened by `loaders.opener` (no link
+followed, no FIFO, confined to the cache); tensors by their own xxh3 in the index; the manifest by its own;
+bmap.json (remade wherever the cache is copied) by its document checksum and the files' current extents
+(loaders.blockmap.bmap). Caches of schema 1 had no such checksums and are refused with the fix (re-run
+`prep cache --force`).
 
 Nested outputs (lists of tensors, dicts) are flattened to path keys: {"image": t, "crops": [a, b]} ->
 {"image": t, "crops/0": a, "crops/1": b} (loaders.cache.nesting). The writers are in loaders.cache.writing.
@@ -28,7 +30,6 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ from loaders.cache.spec import (
     JOURNAL_DIR,
     LAYOUT_FILES,
     MANIFEST,
+    MAX_IN_MEMORY,
+    MAX_MANIFEST,
     MAX_META_LINE,
     META,
     META_OFFSETS,
@@ -52,7 +55,8 @@ from loaders.cache.spec import (
     SMALL,
     align_up,
 )
-from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError
+from loaders.errors import ChecksumError, FormatError, IncompleteCacheError, SchemaVersionError, UnsafeFileError
+from loaders.opener import read_in
 
 
 @dataclass(frozen=True)
@@ -76,23 +80,26 @@ class TensorEntry:
 
 def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Load and check manifest.json: FormatError naming what the path is when it is no cache,
-    IncompleteCacheError if uncommitted, SchemaVersionError for another schema, ChecksumError if edited."""
+    IncompleteCacheError if uncommitted, SchemaVersionError for another schema, ChecksumError if edited;
+    UnsafeFileError for a manifest that is a link, a FIFO or over MAX_MANIFEST bytes."""
     root = Path(cache_dir)
     path = root / MANIFEST
     if root.is_file():
         raise FormatError(f"{root}: is a file, not a cache directory; pass the folder `prep cache --output` wrote")
     if not root.is_dir():
         raise FormatError(f"{root}: no such cache directory; create it with `prep cache`")
-    if not path.exists():
-        if not any((root / name).exists() for name in (JOURNAL_DIR, SHARD_DIR, ".lock")):  # traces of `prep cache`
+    try:
+        raw = read_in(root, MANIFEST, "rebuild it with `prep cache --force`", MAX_MANIFEST)
+    except FileNotFoundError:
+        if not any(os.path.lexists(root / name) for name in (JOURNAL_DIR, SHARD_DIR, ".lock")):  # `prep cache` traces
             raise FormatError(
                 f"{root}: not a prepared cache (no {MANIFEST}, no {JOURNAL_DIR}/); create one with `prep cache`"
-            )
+            ) from None
         raise IncompleteCacheError(
             f"{path}: missing, so the cache is incomplete (interrupted run?); re-run the same `prep cache` to finish it"
-        )
+        ) from None
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:80]
         raise FormatError(f"{path}: not valid JSON ({why}); re-run `prep cache --force` to rebuild") from None
@@ -112,17 +119,18 @@ def read_manifest(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
-def _stat_key(path: str | Path) -> tuple[int, int, int] | None:
-    """(inode, size, mtime) of a file, None when missing: manifest.json is replaced by rename on a rebuild."""
+def _stat_key(path: str | Path) -> tuple[int, int, int, int] | None:
+    """(inode, size, mtime, ctime) of a name (a link's own), None when missing: manifest.json is replaced by
+    rename on a rebuild."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class PreparedCache:
-    """Read-only view of a committed cache: manifest, index (mmap), per-item metadata, shard paths.
+    """Read-only view of a committed cache: manifest, index (in memory), per-item metadata, shard paths.
 
     Opening reads the manifest and maps the index; metadata lines are read on demand, so a cache of a
     million items opens in milliseconds.
@@ -143,12 +151,13 @@ class PreparedCache:
         self.generation = self.manifest.get("generation")
         self.files = self._file_checks()
         index_path = self.root / INDEX
-        try:
-            self.index: np.ndarray = np.load(index_path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise FormatError(f"{index_path}: unreadable index ({exc}); re-run `prep cache --force`") from exc
-        if self.index.dtype != INDEX_DTYPE:
-            raise FormatError(f"{index_path}: unexpected row layout {self.index.dtype}")
+        # read into memory and checked there: a mapping would show later edits and die of SIGBUS on truncation
+        self.index: np.ndarray = layout.npy_array(self._whole(INDEX), index_path, what="an index")
+        if self.index.dtype != INDEX_DTYPE or self.index.ndim != 1:
+            raise FormatError(f"{index_path}: rows are a {self.index.ndim}-D {self.index.dtype} array, not the "
+                              "index's 1-D row layout; rebuild with `prep cache --force`")  # fmt: skip
+        offsets = layout.npy_array(self._whole(META_OFFSETS), self.root / META_OFFSETS, what="an array of offsets")
+        self._meta_offsets = layout.check_offsets(self.root / META_OFFSETS, offsets, self.files[META].size)
         self.n_items = layout.check_counts(self.root, self.manifest, len(self._meta_offsets))
         self.keys: list[str] = list(self.manifest["keys"])
         self.shards: list[Path] = layout.shard_paths(self.root, self.manifest.get("shards"), allow_outside)
@@ -162,7 +171,16 @@ class PreparedCache:
         )
         self._shard_paths = [str(p) for p in self.shards]  # entries are built per item: no Path -> str each time
         self._meta_path = str(self.root / META)
+        self._meta = self.files[META].read() if self.files[META].size <= SMALL else None  # larger: read per use
         self._starts = np.searchsorted(self.index["item"], np.arange(self.n_items + 1))
+
+    def _whole(self, name: str) -> bytes:
+        """A layout file read whole into memory (at most MAX_IN_MEMORY bytes) and checked against its record."""
+        check = self.files[name]
+        if check.size > MAX_IN_MEMORY:
+            raise UnsafeFileError(f"{check.path}: {check.size} bytes, over the {MAX_IN_MEMORY >> 30} GiB a "
+                                  "layout file may hold; rebuild with `prep cache --force`")  # fmt: skip
+        return check.read()
 
     def _file_checks(self) -> dict[str, FileCheck]:
         """Check each layout file's presence and size; the small ones' checksums now, the rest as read."""
@@ -180,23 +198,10 @@ class PreparedCache:
             raise FormatError(
                 f"{self.root / MANIFEST}: no checksum for {', '.join(missing)}; rebuild with `prep cache --force`"
             )
-        checks = {name: FileCheck(self.root / name, record) for name, record in records.items()}
-        for check in checks.values():
-            if check.size <= SMALL:  # larger files: the parts read are checked as they are read
-                check.check()
-        return checks
+        return {name: FileCheck(self.root, name, record) for name, record in records.items()}
 
     def __len__(self) -> int:
         return self.n_items
-
-    def _rows_checked(self, start: int, stop: int) -> None:
-        """Check the index bytes of rows [start, stop) (a large index is not checked whole on open)."""
-        base = int(getattr(self.index, "offset", 0))
-        self.files[INDEX].check(base + start * INDEX_DTYPE.itemsize, (stop - start) * INDEX_DTYPE.itemsize)
-
-    @cached_property
-    def _meta_offsets(self) -> np.ndarray:
-        return layout.load_offsets(self.root / META_OFFSETS, self.files[META].size)
 
     def check_current(self) -> None:
         """FormatError in one line when the cache was rebuilt (or removed) since this reader opened it: a
@@ -204,10 +209,9 @@ class PreparedCache:
         key = _stat_key(self._manifest_path)
         if key == self._manifest_stat and key is not None:
             return
-        path = self.root / MANIFEST
         try:
-            generation = json.loads(path.read_bytes()).get("generation")
-        except (OSError, ValueError, AttributeError, RecursionError):
+            generation = json.loads(read_in(self.root, MANIFEST, "reopen it", MAX_MANIFEST)).get("generation")
+        except (OSError, ValueError, AttributeError, RecursionError, FormatError):
             generation = None
         if key is None or generation is None or generation != self.generation:
             raise FormatError(
@@ -221,13 +225,11 @@ class PreparedCache:
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
         start, stop = int(self._starts[item]), int(self._starts[item + 1])
-        self._rows_checked(start, stop)
         return [self._entry(row) for row in self.index[start:stop].tolist()]  # tuples of ints: one C call
 
     def same_spatial(self, keys: Sequence[str]) -> bool:
         """Whether every item holds each of `keys` and their tensors share one spatial shape (every dim but the
         channel), as the index says."""
-        self._rows_checked(0, len(self.index))
         rows = self.index[np.isin(self.index["key"], [self.keys.index(k) for k in keys])]
         if len(rows) != len(keys) * self.n_items:
             return False
@@ -256,17 +258,13 @@ class PreparedCache:
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
         offsets = self._meta_offsets
-        base = int(getattr(offsets, "offset", 0))
-        self.files[META_OFFSETS].check(base + item * 8, 16)
         start = int(offsets[item])
         stop = int(offsets[item + 1]) if item + 1 < len(offsets) else self.files[META].size
         if stop - start > MAX_META_LINE:
             raise FormatError(f"{self._meta_path}: item {item}'s meta line is {stop - start} bytes, over the "
                               f"{MAX_META_LINE >> 20} MiB limit; re-run `prep cache --force`")  # fmt: skip
-        self.files[META].check(start, stop - start)
-        with open(self._meta_path, "rb") as f:
-            f.seek(start)
-            raw = f.read(stop - start)
+        # checked in memory at open, or (a large meta.jsonl) read and its chunks checked again on every use
+        raw = self._meta[start:stop] if self._meta is not None else self.files[META].read(start, stop - start)
         try:
             line = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -288,7 +286,6 @@ class PreparedCache:
 
     def iter_entries(self) -> Iterator[TensorEntry]:
         """Every tensor of the cache, in index order."""
-        self._rows_checked(0, len(self.index))
         for row in self.index:
             yield self._entry(row)
 

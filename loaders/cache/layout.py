@@ -141,17 +141,36 @@ def check_counts(root: Path, manifest: Mapping[str, Any], meta_lines: int) -> in
     return n
 
 
-def load_offsets(path: Path, meta_size: int) -> np.ndarray:
-    """meta_offsets.npy, memory-mapped, after checking it is what `write_meta` writes: a 1-D integer array
+def npy_array(data: bytes, where: Path | str, fix: str = _FIX, what: str = "an .npy array") -> np.ndarray:
+    """The array of an .npy file's bytes, read-only and sharing them: header parsed by numpy's own reader, never
+    pickled objects, C order, and exactly as many bytes as its shape and dtype make; FormatError otherwise."""
+    import io
+
+    from numpy.lib import format as npy
+
+    f = io.BytesIO(data)
+    try:
+        read = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(npy.read_magic(f))
+        if read is None:
+            raise ValueError("an .npy version prep does not write")
+        shape, fortran, dtype = read(f, max_header_size=10_000)
+    except (ValueError, TypeError, SyntaxError, EOFError) as exc:
+        raise FormatError(f"{where}: not {what} ({str(exc)[:80]}); {fix}") from None
+    if fortran or dtype.hasobject or len(shape) > 8:
+        raise FormatError(f"{where}: not {what} (objects or Fortran order, not what `prep` writes); {fix}")
+    count = float(np.prod(np.asarray(shape, dtype=np.float64)))
+    if count * dtype.itemsize != len(data) - f.tell():
+        raise FormatError(f"{where}: not {what} (the header's shape {str(shape)[:60]} does not match the file's "
+                          f"{len(data)} bytes); {fix}")  # fmt: skip
+    return np.frombuffer(data, dtype=dtype, count=int(count), offset=f.tell()).reshape(shape)
+
+
+def check_offsets(path: Path, offsets: np.ndarray, meta_size: int) -> np.ndarray:
+    """meta_offsets.npy (as `npy_array` parsed it), checked to be what `write_meta` writes: a 1-D integer array
     (never pickled objects), starting at 0, never decreasing, every offset inside meta.jsonl; FormatError
     in one line otherwise (checked whole: one vectorised pass, 8 bytes per item)."""
-    try:
-        offsets = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:  # pickled objects, an absurd header, a short file
-        raise FormatError(f"{path}: not an array of offsets ({str(exc)[:80]}); {_FIX}") from None
-    if not isinstance(offsets, np.ndarray) or offsets.ndim != 1 or offsets.dtype.kind not in "iu":
-        what = f"{getattr(offsets, 'ndim', '?')}-D {getattr(offsets, 'dtype', '?')}"
-        raise FormatError(f"{path}: offsets are a {what} array, not 1-D integers; {_FIX}")
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        raise FormatError(f"{path}: offsets are a {offsets.ndim}-D {offsets.dtype} array, not 1-D integers; {_FIX}")
     if not len(offsets):
         return offsets
     wide = offsets.astype(np.float64)  # uint64 past 2^63 and negative int64 alike compare right

@@ -16,8 +16,10 @@ Layout, one folder per crop signature (what the sets depend on: kind, label key,
       manifest.json     written last: signature, the cache generation the sets were made from, checksums
 
 Untrusted like the rest of a cache: the manifest carries its own checksum and the files' per-MiB xxh3
-(checked as read); rows are checked on open (order, counts, extents inside bits.bin, no overlap), each
-item's counts on use (monotone, ending at the set's size, at most BLOCK_BITS per block).
+(checked as read); every file opened by `loaders.opener` (no link, no FIFO, confined to the cache); rows read
+into memory and checked on open (order, counts, extents inside bits.bin, no overlap), each item's bits read and
+checked again on use, with its counts (monotone, ending at the set's size, at most BLOCK_BITS per block).
+`prep verify` checks the sets against the cached label they were made from (prep.cache_verify).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +36,10 @@ from typing import Any
 import numpy as np
 
 from loaders.cache.checksums import FileCheck, doc_checksum, file_record
-from loaders.errors import ChecksumError, FormatError
+from loaders.cache.layout import npy_array
+from loaders.cache.spec import MAX_MANIFEST
+from loaders.errors import ChecksumError, FormatError, UnsafeFileError
+from loaders.opener import create_new, read_in
 
 SCHEMA = "1.0"
 DIR = "sampling"
@@ -44,6 +48,9 @@ SETS = "sets.npy"
 BITS = "bits.bin"
 BLOCK_BITS = 4096  # bits per counted block: a select unpacks at most 512 bytes
 MAX_SETS = 1024  # classes per item, a bound on what a manifest may declare
+MAX_ROWS_BYTES = 1 << 30  # sets.npy is read into memory: at most this
+_FIX = "re-run `prep sampling` to remake them"
+_OUT_FIX = "remove it, or choose another output folder (prep never writes through a link)"
 SETS_DTYPE = np.dtype(
     [("item", "<u4"), ("set", "<u2"), ("offset", "<u8"), ("nvox", "<u8"), ("count", "<u8")]
 )  # fmt: skip
@@ -138,7 +145,7 @@ def write_sets(
     rows: list[tuple[int, int, int, int, int]] = []
     pos = 0
 
-    with open(where / BITS, "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
+    with os.fdopen(create_new(where / BITS, _OUT_FIX), "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
         for item, sets in zip(range(n_items), _ordered(pool, sets_of, n_items, 2 * max(1, workers))):
             if len(sets) > MAX_SETS:
                 raise FormatError(f"{where}: item {item} has {len(sets)} classes; at most {MAX_SETS} are kept")
@@ -149,7 +156,7 @@ def write_sets(
         f.flush()
         os.fsync(f.fileno())
     table = np.array(rows, dtype=SETS_DTYPE)
-    with open(where / SETS, "wb") as f:
+    with os.fdopen(create_new(where / SETS, _OUT_FIX), "wb") as f:
         np.save(f, table, allow_pickle=False)
     n_sets = len(rows) // n_items if n_items else 0
     doc: dict[str, Any] = {"format": "blockprep-sampling", "schema_version": SCHEMA, "signature": dict(sig),
@@ -158,7 +165,8 @@ def write_sets(
                            "files": {name: file_record(where / name) for name in (SETS, BITS)}}  # fmt: skip
     doc["checksum"] = doc_checksum(doc)
     tmp = where / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
+    with os.fdopen(create_new(tmp, _OUT_FIX), "w") as out:
+        out.write(json.dumps(doc, indent=1))
     os.replace(tmp, where / MANIFEST)
     return where
 
@@ -210,7 +218,8 @@ class SetStore:
 
     def __init__(self, cache_root: str | os.PathLike[str], sig: Mapping[str, Any], generation: str | None) -> None:
         self.where = folder(cache_root, sig)
-        doc = _read_manifest(self.where / MANIFEST)
+        rel = os.path.relpath(self.where, cache_root)
+        doc = _read_manifest(Path(cache_root), f"{rel}/{MANIFEST}")
         if doc.get("signature") != dict(sig) or doc.get("block_bits") != BLOCK_BITS:
             raise FormatError(f"{self.where}: sets of another crop; re-run `prep sampling` to remake them")
         if doc.get("generation") != generation:
@@ -219,49 +228,52 @@ class SetStore:
         if not isinstance(files, dict) or set(files) != {SETS, BITS}:
             raise FormatError(f"{self.where / MANIFEST}: no checksums for its files; re-run `prep sampling`")
         try:
-            self.files = {name: FileCheck(self.where / name, files[name]) for name in (SETS, BITS)}
+            self.files = {name: FileCheck(cache_root, f"{rel}/{name}", files[name], _FIX) for name in (SETS, BITS)}
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{self.where / MANIFEST}: bad file record ({exc}); re-run `prep sampling`") from None
-        self.files[SETS].check()
-        self.rows = _checked_rows(self.where, doc, self.files[BITS].size)
+        if self.files[SETS].size > MAX_ROWS_BYTES:
+            raise UnsafeFileError(f"{self.where / SETS}: {self.files[SETS].size} bytes, over the "
+                                  f"{MAX_ROWS_BYTES >> 20} MiB sets.npy may hold; {_FIX}")  # fmt: skip
+        rows = npy_array(self.files[SETS].read(), self.where / SETS, _FIX)  # in memory, checked whole
+        self.rows = _checked_rows(self.where, doc, rows, self.files[BITS].size)
         self.n_sets = int(doc["n_sets"])
-        self._open()
 
-    def _open(self) -> None:
-        self._bits = np.memmap(self.where / BITS, dtype=np.uint8, mode="r") if self.files[BITS].size else None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled without its lock and its mapping of the bits (a DataLoader worker started by spawn or
-        forkserver maps the file again; its reads are checked on use, as before)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_bits", "_lock")}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._open()
+    def stored(self, item: int) -> Packed:
+        """Item `item`'s sets as stored, (voxels, bits and counts, members) each, read and checked now: what
+        `packed_sets` makes from its label (`prep verify` compares the two)."""
+        rows = self.rows[item * self.n_sets : (item + 1) * self.n_sets].tolist()
+        return [(n, self.files[BITS].read(offset, _stored_size(n)), count) for _, _, offset, n, count in rows]
 
     def sets(self, item: int, nvox: int) -> list[MaskSet]:
-        """Item `item`'s sets; FormatError when they do not cover `nvox` voxels (the label's spatial size)."""
-        rows = self.rows[item * self.n_sets : (item + 1) * self.n_sets]
-        out = []
-        for _, _, offset, n, count in rows.tolist():
+        """Item `item`'s sets; FormatError when they do not cover `nvox` voxels (the label's spatial size).
+        Their bits are read (and their chunks checked) on every call, never mapped: a bits.bin edited or
+        truncated after open is a ChecksumError or UnsafeFileError naming it, never wrong draws or SIGBUS."""
+        if not 0 <= item < len(self.rows) // max(1, self.n_sets):
+            raise FormatError(f"{self.where}: no sets for item {item}; re-run `prep sampling`")
+        rows = self.rows[item * self.n_sets : (item + 1) * self.n_sets].tolist()
+        if not rows:
+            return []
+        for _, _, _, n, _ in rows:
             if n != nvox:
                 raise FormatError(f"{self.where}: item {item}'s sets cover {n} voxels, its label {nvox}; "
                                   "re-run `prep sampling`")  # fmt: skip
-            nbits, nblocks = -(-n // 64) * 8, -(-n // BLOCK_BITS)
-            self.files[BITS].check(offset, _stored_size(n))
-            assert self._bits is not None  # rows of a set exist only with bits
-            cum = self._bits[offset + nbits : offset + nbits + 8 * (nblocks + 1)].view("<i8")
+        base = rows[0][2]
+        blob = np.frombuffer(self.files[BITS].read(base, rows[-1][2] + _stored_size(rows[-1][3]) - base), np.uint8)
+        out = []
+        for _, _, offset, n, count in rows:
+            nbits, nblocks, at = -(-n // 64) * 8, -(-n // BLOCK_BITS), offset - base
+            cum = blob[at + nbits : at + nbits + 8 * (nblocks + 1)].view("<i8")
             steps = np.diff(cum)
             if cum[0] != 0 or cum[-1] != count or (steps < 0).any() or (steps > BLOCK_BITS).any():
                 raise FormatError(f"{self.where}: item {item}'s counts are inconsistent; re-run `prep sampling`")
-            out.append(MaskSet(self._bits[offset : offset + nbits], np.asarray(cum), count))
+            out.append(MaskSet(blob[at : at + nbits], np.asarray(cum), count))
         return out
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def _read_manifest(root: Path, rel: str) -> dict[str, Any]:
+    path = root / rel
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_in(root, rel, _FIX, MAX_MANIFEST))
     except FileNotFoundError:
         raise FormatError(f"{path}: missing (no sampling sets); add them with `prep sampling`") from None
     except (OSError, ValueError, RecursionError) as exc:
@@ -275,7 +287,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _checked_rows(where: Path, doc: Mapping[str, Any], bits_size: int) -> np.ndarray:
+def _checked_rows(where: Path, doc: Mapping[str, Any], rows: np.ndarray, bits_size: int) -> np.ndarray:
     """sets.npy checked whole (vectorised): the declared counts, item/set order, extents inside bits.bin
     that do not overlap, counts within the voxels."""
     n_items, n_sets = doc.get("n_items"), doc.get("n_sets")
@@ -283,10 +295,6 @@ def _checked_rows(where: Path, doc: Mapping[str, Any], bits_size: int) -> np.nda
         0 <= n_sets <= MAX_SETS and 0 <= n_items < 1 << 32  # type: ignore[operator]
     ):
         raise FormatError(f"{where / MANIFEST}: bad n_items/n_sets; re-run `prep sampling`")
-    try:
-        rows = np.load(where / SETS, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{where / SETS}: unreadable ({exc}); re-run `prep sampling`") from None
     if rows.dtype != SETS_DTYPE or rows.ndim != 1 or len(rows) != n_items * n_sets:  # type: ignore[operator]
         raise FormatError(f"{where / SETS}: not {n_items} x {n_sets} rows of the sets layout; re-run `prep sampling`")
     want_item = np.repeat(np.arange(n_items, dtype=np.int64), n_sets)  # type: ignore[arg-type]
@@ -307,9 +315,24 @@ def _checked_rows(where: Path, doc: Mapping[str, Any], bits_size: int) -> np.nda
     return rows
 
 
+def stored_signatures(cache_root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The signature of every set folder of a cache (`prep verify` checks each against the label); FormatError
+    for a folder whose manifest is damaged or names a signature other than its folder's."""
+    top = Path(cache_root) / DIR
+    if not os.path.isdir(top) or os.path.islink(top):
+        return []
+    out = []
+    for name in sorted(n for n in os.listdir(top) if not n.startswith(".")):
+        sig = _read_manifest(Path(cache_root), f"{DIR}/{name}/{MANIFEST}").get("signature")
+        if not isinstance(sig, dict) or folder(cache_root, sig).name != name:
+            raise FormatError(f"{top / name}: its manifest names the sets of another crop; {_FIX}")
+        out.append(sig)
+    return out
+
+
 def open_store(cache: Any, sig: Mapping[str, Any]) -> SetStore | None:
     """The cache's sets for `sig`, or None when it has none (made before sets existed, or for another crop)."""
-    if not (folder(cache.root, sig) / MANIFEST).exists():
+    if not os.path.lexists(folder(cache.root, sig) / MANIFEST):
         return None
     return SetStore(cache.root, sig, cache.generation)
 

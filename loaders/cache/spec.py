@@ -12,6 +12,8 @@ ALIGN = 4096
 SMALL = 16 << 20  # files up to this size are checked whole on open; larger ones chunk by chunk as read
 MAX_NDIM = 6
 MAX_META_LINE = 16 << 20  # bytes of one item's meta line, at write and at read
+MAX_MANIFEST = 64 << 20  # bytes of manifest.json (checksums of the layout files, shard names): read whole
+MAX_IN_MEMORY = 4 << 30  # index.npy and meta_offsets.npy are read into memory (never mapped): at most this each
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"

@@ -34,6 +34,7 @@ from loaders.cache.spec import (
     align_up,
 )
 from loaders.errors import FormatError
+from loaders.opener import create_new, open_to_write
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -45,11 +46,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+_OUT_FIX = "remove it, or choose another output folder (prep never writes through a link)"
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write a file so readers see the old or the new content, never a torn one (temp, fsync, rename)."""
+    """Write a file so readers see the old or the new content, never a torn one (temp, fsync, rename); the temp
+    file is made new (O_EXCL, O_NOFOLLOW) and the rename replaces a name, never writes through a link."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with os.fdopen(create_new(tmp, _OUT_FIX), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -64,7 +69,7 @@ class ShardWriter:
     def __init__(self, path: str | os.PathLike[str], prealloc: int = 256 << 20, start: int = 0) -> None:
         self.path = Path(path)
         self.prealloc = prealloc
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT, _OUT_FIX)  # checked before the ftruncate
         self.size = align_up(start)
         self._allocated = self.size
         os.ftruncate(self._fd, self.size)
@@ -153,7 +158,7 @@ def write_index(cache_dir: str | os.PathLike[str], rows: np.ndarray) -> None:
 def _atomic_save(path: Path, array: np.ndarray) -> None:
     """np.save through a temp file, fsync and rename (no torn .npy even on a crash)."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with os.fdopen(create_new(tmp, _OUT_FIX), "wb") as f:
         np.save(f, array, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())

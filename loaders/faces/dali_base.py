@@ -37,19 +37,22 @@ def list_labeled_files(
     root: str | os.PathLike[str],
     file_filters: Sequence[str] = DEFAULT_FILE_FILTERS,
     case_sensitive_filter: bool = False,
+    follow_links: bool = True,
 ) -> list[tuple[str, int]]:
     """(path relative to root, label) as `fn.readers.file(file_root=root)` lists them: every subfolder of
-    root in byte order is a label (empty ones too), its matching files in byte order; nothing deeper."""
+    root in byte order is a label (empty ones too), its matching files in byte order; nothing deeper.
+    follow_links=False leaves out symlinked folders and files (a block map's tree: nothing outside its root)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such folder of class subfolders")
-    classes = sorted((d.name for d in os.scandir(root) if d.is_dir()), key=os.fsencode)
+    with os.scandir(root) as entries:
+        classes = sorted((d.name for d in entries if d.is_dir(follow_symlinks=follow_links)), key=os.fsencode)
     out = []
     for label, name in enumerate(classes):
         files = [
             f.name
             for f in os.scandir(root / name)
-            if f.is_file() and _matches(f.name, file_filters, case_sensitive_filter)
+            if f.is_file(follow_symlinks=follow_links) and _matches(f.name, file_filters, case_sensitive_filter)
         ]
         out += [(f"{name}/{f}", label) for f in sorted(files, key=os.fsencode)]
     return out

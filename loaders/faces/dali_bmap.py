@@ -14,7 +14,7 @@ import numpy as np
 
 from loaders import args
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, get_backend
-from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError
+from loaders.errors import ArgumentTypeError, ArgumentValueError, BackendError, UnsafeFileError
 from loaders.faces.dali_base import (
     DEFAULT_FILE_FILTERS,
     _EpochSource,
@@ -74,7 +74,12 @@ class BmapSource(_EpochSource):
         self.prefix = folder.strip("/") + "/" if folder.strip("/") else ""
         tree = Path(self.bmap.root) / self.prefix
         mounted = not (self.bmap.flat and not self.bmap.doc["root"]) and tree.is_dir()
-        self.files = list_labeled_files(tree, file_filters) if mounted else self._from_keys(file_filters)
+        if mounted:
+            _no_link_to(self.bmap.root, self.prefix)
+        # no symlinked class folder or file is listed (or read): nothing outside the map's root
+        self.files = (
+            list_labeled_files(tree, file_filters, follow_links=False) if mounted else self._from_keys(file_filters)
+        )
         self._tree = str(tree) if mounted else None  # where the files are read through the filesystem
         self._misses = 0  # batches since the page cache was last found without a batch (0: ask next time)
         self._asked: tuple[int, int, bool] | None = None  # (first, last position, in memory) of the last answer
@@ -155,7 +160,8 @@ class BmapSource(_EpochSource):
         files, prefix, unmapped = self.files, self.prefix, self._unmapped
         if not self._cold_epoch and self._in_memory(positions):  # a cold epoch reads raw, with no probe
             self._check_first([prefix + files[i][0] for i in positions if files[i][0] not in unmapped])
-            return read_whole_files([f"{self._tree}/{files[i][0]}" for i in positions]), _labels(files, positions)
+            whole = read_whole_files([prefix + files[i][0] for i in positions], root=self.bmap.root)
+            return whole, _labels(files, positions)
         rels = [files[i][0] for i in positions]
         keys = [prefix + r for r in rels if r not in unmapped]
         records = self.bmap.files  # the raw records: a FileEntry per file only for its size costs microseconds
@@ -170,7 +176,7 @@ class BmapSource(_EpochSource):
             if r in unmapped or k in stale:
                 if r not in unmapped:
                     next(read)  # its raw bytes are not used: the size may have changed too, read it whole now
-                data.append(np.fromfile(self.bmap.file_path(k), dtype=np.uint8))
+                data.append(read_whole_files([k], root=self.bmap.root)[0])  # below the root, no link followed
             else:
                 data.append(next(read))
         return data, _labels(files, positions)
@@ -202,6 +208,16 @@ def _check_bmap_args(
     args.options("backend_options", backend_options)
     if folder is not None and not isinstance(folder, str):
         raise ArgumentTypeError(f"folder={folder!r} is not a folder name inside the map (e.g. 'train')")
+
+
+def _no_link_to(root: str, prefix: str) -> None:
+    """UnsafeFileError when a folder of `prefix` below `root` is a symlink (its files would lie elsewhere)."""
+    at = root
+    for part in [p for p in prefix.split("/") if p]:
+        at = os.path.join(at, part)
+        if os.path.islink(at):
+            raise UnsafeFileError(f"{at}: is a symlink, where a folder of the block map's root {root} belongs; "
+                                  "refused (links are never followed); pass the real folder")  # fmt: skip
 
 
 def _folder_hint(keys: Any) -> str:

@@ -9,17 +9,22 @@ from typing import Any
 
 import numpy as np
 
+from loaders.opener import open_in
 from loaders.tunables import HINT_BYTES, OPEN_AT_ONCE
 
+_FIX = "re-run `prep bmap` on the files as they are now"
 
-def read_whole_files(paths: Sequence[str]) -> list[np.ndarray]:
+
+def read_whole_files(paths: Sequence[str], root: str | None = None) -> list[np.ndarray]:
     """Whole files as uint8 arrays, OPEN_AT_ONCE files at a time: opened and fstat'd, each read into an array
     of its own (one buffer for a batch would be a large allocation, which the C library maps fresh and the
     kernel zeroes page by page, batch after batch), and closed. The size comes from the open file, so a file
-    that changed between listing and reading is read whole; one that shrank while read gives what it holds."""
+    that changed between listing and reading is read whole; one that shrank while read gives what it holds.
+    root: `paths` are names below it, opened by `loaders.opener.open_in` (no link followed, regular files only:
+    a block map's files)."""
     out: list[np.ndarray] = []
     for i in range(0, len(paths), OPEN_AT_ONCE):
-        out += _read_group(paths[i : i + OPEN_AT_ONCE])
+        out += _read_group(paths[i : i + OPEN_AT_ONCE], root)
     return out
 
 
@@ -40,13 +45,13 @@ def read_fd(fd: int) -> np.ndarray:
     return buf[: finish_read(fd, buf, os.preadv(fd, [buf.data], 0) if len(buf) else 0, len(buf))]
 
 
-def _read_group(paths: Sequence[str]) -> list[np.ndarray]:
+def _read_group(paths: Sequence[str], root: str | None = None) -> list[np.ndarray]:
     open_, fstat, readv, close, empty = os.open, os.fstat, os.readv, os.close, np.empty
     fds: list[int] = []
     try:
         bufs = []
         for p in paths:
-            fds.append(open_(p, os.O_RDONLY | os.O_CLOEXEC))
+            fds.append(open_(p, os.O_RDONLY | os.O_CLOEXEC) if root is None else open_in(root, p, _FIX)[0])
             bufs.append(empty(fstat(fds[-1]).st_size, np.uint8))
         out = []
         for fd, buf in zip(fds, bufs):
@@ -81,7 +86,7 @@ def _resident(path: str) -> bool:
     page whose read is still in flight as cached, so a hinted batch looked warm and its read waited on the
     pipeline's thread. Where the kernel has no RWF_NOWAIT for this file: cachestat; True where neither tells."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO never blocks a probe
     except OSError:
         return True  # read_whole_files says what is wrong with it
     try:
@@ -111,7 +116,7 @@ def cached_whole(path: str) -> bool:
     if not probe.available:
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -128,7 +133,7 @@ def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:
     open_, close, fstat, fadvise, willneed = os.open, os.close, os.fstat, os.posix_fadvise, os.POSIX_FADV_WILLNEED
     for p in paths:
         try:
-            fd = open_(p, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             continue
         try:

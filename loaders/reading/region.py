@@ -32,6 +32,7 @@ from loaders.backends.base import Backend, PageCacheProbe, ReadRequest
 from loaders.cache.format import TensorEntry
 from loaders.cache.layout import open_read
 from loaders.cache.spec import ALIGN, align_up
+from loaders.opener import safe_to_map
 from loaders.reading.staging import host_array
 from loaders.tunables import BANDWIDTH_BPS, COLD_INFLIGHT, REQUEST_COST_S, SEQUENTIAL_BELOW
 
@@ -358,7 +359,7 @@ def _mapping(path: str) -> np.ndarray | None:
     hit = _MAPS.get(path)
     if hit is not None and hit[0] == os.getpid() and hit[1] == ident:
         return hit[2]
-    if st.st_size == 0:
+    if st.st_size == 0 or not safe_to_map(st):  # another user could truncate it under the mapping: SIGBUS
         return None
     try:
         fd = open_read(path)

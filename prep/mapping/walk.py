@@ -165,14 +165,27 @@ def classify(extents: Sequence[Sequence[int]], size: int) -> str | None:
     return ",".join(reasons) or None
 
 
-def record_json(size: int, inode: int, mtime_ns: int, extents: Sequence[Sequence[int]], xxh3: int | None = None) -> str:
+def record_json(
+    size: int,
+    inode: int,
+    mtime_ns: int,
+    extents: Sequence[Sequence[int]],
+    xxh3: int | None = None,
+    ctime_ns: int | None = None,
+) -> str:
     """One file's record as canonical JSON (sorted keys, no spaces: exactly `json.dumps(record, sort_keys=True,
     separators=(",", ":"))`), formatted directly: a million-file map is a million of these."""
-    return _record(size, inode, mtime_ns, extents, classify(extents, size), xxh3)
+    return _record(size, inode, mtime_ns, extents, classify(extents, size), xxh3, ctime_ns)
 
 
 def _record(
-    size: int, inode: int, mtime_ns: int, extents: Sequence[Sequence[int]], reason: str | None, xxh3: int | None
+    size: int,
+    inode: int,
+    mtime_ns: int,
+    extents: Sequence[Sequence[int]],
+    reason: str | None,
+    xxh3: int | None,
+    ctime_ns: int | None = None,
 ) -> str:
     if len(extents) == 1:
         lo, ph, n, fl = extents[0]
@@ -180,7 +193,8 @@ def _record(
     else:
         ext = "[" + ",".join(f"[{e[0]},{e[1]},{e[2]},{e[3]}]" for e in extents) + "]"
     tail = "" if xxh3 is None else f',"xxh3":{xxh3}'
-    head = f'{{"extents":{ext},"inode":{inode},"mtime_ns":{mtime_ns},'
+    lead = "{" if ctime_ns is None else f'{{"ctime_ns":{ctime_ns},'  # ctime: a rewrite with mtime restored shows
+    head = f'{lead}"extents":{ext},"inode":{inode},"mtime_ns":{mtime_ns},'
     if reason is None:
         return f'{head}"raw_readable":true,"reason":null,"size":{size}{tail}}}'
     return f'{head}"raw_readable":false,"reason":{_json_str(reason)},"size":{size}{tail}}}'
@@ -260,7 +274,7 @@ def _map_names(root: str, rel_dir: str, names: list[str], checksums: bool, root_
                 size = st.st_size
                 # one plain extent: nothing to classify (classify's own first test, without the call)
                 reason = None if len(ext) == 1 and not ext[0][3] & unsafe else classify_(ext, size)
-                records.append(_record(size, st.st_ino, st.st_mtime_ns, ext, reason, xxh3))
+                records.append(_record(size, st.st_ino, st.st_mtime_ns, ext, reason, xxh3, st.st_ctime_ns))
             finally:
                 close(fd)
             keys.append(prefix + name)

@@ -56,7 +56,13 @@ def test_entries_keys_and_staleness(tmp_path: Path) -> None:
     f.parent.mkdir()
     f.write_bytes(b"abc")
     st_ = f.stat()
-    rec = {"size": 3, "inode": st_.st_ino, "mtime_ns": st_.st_mtime_ns, "extents": [[0, 8192, 4096, 1]]}
+    rec = {
+        "size": 3,
+        "inode": st_.st_ino,
+        "mtime_ns": st_.st_mtime_ns,
+        "ctime_ns": st_.st_ctime_ns,
+        "extents": [[0, 8192, 4096, 1]],
+    }
     path = tmp_path / "m.json"
     path.write_bytes(encode_document(doc_for(tmp_path / "data", {"x.bin": rec | {"raw_readable": True}})))
     bm = BlockMap.load(path)

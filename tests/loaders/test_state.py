@@ -4,6 +4,7 @@ stopped: label-driven crops, the tier, whole and crop reads, the tail on either 
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,9 @@ def test_state_after_break_is_the_state_inside_the_loop(made: tuple[Path, Path],
     assert len(got) == len(want)
 
 
+_ZERO_KEY = base64.b64encode(bytes(624 * 4)).decode()  # a twister that draws zeros forever (numpy takes it)
+
+
 def test_a_state_from_elsewhere_is_refused_in_one_line(made: tuple[Path, Path]) -> None:
     options = CONFIGS["crops-read-thread"]
     loader = _loader(made, options)
@@ -173,6 +177,22 @@ def test_a_state_from_elsewhere_is_refused_in_one_line(made: tuple[Path, Path]) 
         (_loader(made, options), {**saved, "random": saved["random"][:-1]}, "number of random transforms"),
         (_loader(made, options), {**saved, "random": [[*r[:1], "@@", *r[2:]] for r in saved["random"]]}, "damaged"),
         (_loader(made, options), {**saved, "batch": -1}, "non-negative"),
+        (_loader(made, options), {**saved, "epoch": 2**70}, "below 2\\^62"),
+        (
+            _loader(made, options),
+            {**saved, "random": [[r[0], _ZERO_KEY, *r[2:]] for r in saved["random"]]},
+            "all zeros",
+        ),
+        (
+            _loader(made, options),
+            {**saved, "random": [[*r[:4], float("nan")] for r in saved["random"]]},
+            "out of range",
+        ),
+        (
+            _loader(made, options),
+            {**saved, "random": [[*r[:2], 9999, *r[3:]] for r in saved["random"]]},
+            "out of range",
+        ),
         (_loader(made, options), {"epoch": 1}, "not a blockprep loader state"),
     ]
     for target, state, match in cases:

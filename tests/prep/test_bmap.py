@@ -273,7 +273,7 @@ def test_cli_map_verify_and_corrupt_maps(make_loopfs: Callable[..., Any], tmp_pa
     one_line_error(runner.invoke(app, ["bmap", "verify", str(tmp_path / "trunc.json")]), "trunc.json", "truncated")
     (tmp_path / "edit.json").write_bytes(good.replace(b'"size":3000', b'"size":3001'))
     one_line_error(runner.invoke(app, ["bmap", "verify", str(tmp_path / "edit.json")]), "edit.json", "checksum")
-    (tmp_path / "future.json").write_bytes(good.replace(b'"version":"1.0"', b'"version":"2.0"'))
+    (tmp_path / "future.json").write_bytes(good.replace(b'"version":"1.1"', b'"version":"2.0"'))
     one_line_error(runner.invoke(app, ["bmap", "verify", str(tmp_path / "future.json")]), "future.json", "version")
     one_line_error(runner.invoke(app, ["bmap", "verify", str(tmp_path / "none.json")]), "none.json")
     # a map of another filesystem image

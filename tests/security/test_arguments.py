@@ -62,6 +62,7 @@ def test_a_cuda_device_without_a_gpu(good_cache: Path) -> None:
         (lambda ds: ds[1.5], TypeError, "not an integer item index"),
         (lambda ds: ds.shard(1.5, 2), TypeError, "rank=1.5"),
         (lambda ds: ds.shard(0, 0), ValueError, "world_size=0"),
+        (lambda ds: ds.shard(0, 10**12), ValueError, "world_size 1000000000000 is over the 1048576 ranks"),
         (lambda ds: ds.shard(0, 2, seed=2**70), ValueError, "outside 0..2**63-1"),
         (lambda ds: ds.shard(0, 2, shuffle="no"), TypeError, "shuffle='no' is not a flag"),
         (lambda ds: ds.subset([1.5]), TypeError, "not integer positions"),
