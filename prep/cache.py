@@ -23,7 +23,17 @@ from loaders.cache.format import PreparedCache
 from loaders.cache.spec import MANIFEST
 from loaders.fast.folds import crop_sets_of
 from loaders.machine import available_memory
-from prep.cache_plan import check_head, differences, load_json, load_plan, reconcile, reopen, up_to_date
+from prep.cache_plan import (
+    check_head,
+    differences,
+    head_differences,
+    load_json,
+    load_plan,
+    reconcile,
+    regrow,
+    reopen,
+    up_to_date,
+)
 from prep.cache_verify import verify_cache
 from prep.cluster import (
     ClusterStarter,
@@ -170,10 +180,10 @@ def _committed(
         _verify(summary, root, verify)
         return summary
     manifest = load_json(root / MANIFEST)
-    diffs = differences(manifest, plan) if manifest is not None else []
+    diffs = differences(manifest, plan) if manifest is not None and head_differences(manifest, plan) else []
     if diffs:  # refused before taking the lock, so a read-only cache says what changed too
         raise StaleError(f"{root}: {'; '.join(diffs)} since this cache was made; re-run with --force to rebuild")
-    return None
+    return None  # work to do: items to retry, or a datalist changed (the items still listed are kept)
 
 
 def _start_while_planning(
@@ -247,6 +257,9 @@ def _reused_or_prepared(
     """Under the lock: the committed cache where it is current with nothing to retry, else the run prepared."""
     root, n_items = run.root, len(run.items)
     manifest = reconcile(root, run.plan, force)
+    if manifest is not None and differences(manifest, run.plan):  # the datalist changed (reconcile: only it)
+        kept = regrow(root, manifest, run.plan, run.items, max_item_bytes)
+        return _prepare(run, stack, starter, t0, (kept, int(manifest["n_items"]) - kept))
     if manifest is not None and not reopen(root, manifest, run.plan, n_items, max_item_bytes):
         return up_to_date(root, run.plan, run.pipe, n_items, t0) or summary_of(
             root, manifest, n_items, 0, 0, time.perf_counter() - t0, up_to_date=True
@@ -267,8 +280,11 @@ class _Statuses:
             self.made.add(statuses)
 
 
-def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float) -> CacheSummary:
-    """Prepare the items no journal marks finished, then commit and map the shards."""
+def _prepare(
+    run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float, regrown: tuple[int, int] = (0, 0)
+) -> CacheSummary:
+    """Prepare the items no journal marks finished, then commit and map the shards. `regrown`: (items kept,
+    items dropped) of a committed cache whose datalist changed."""
     root, items = run.root, run.items
     write_plan(root, run.plan)
     before = read_journals(root)
@@ -289,7 +305,8 @@ def _prepare(run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: fl
     state, manifest, bmap_note = _commit_while_closing(run, starter)
     worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
     start_cpu_s = starter.start_cpu_s if starter is not None else 0.0
-    summary = summary_of(root, manifest, len(items), n_todo, len(items) - n_todo, time.perf_counter() - t0)
+    summary = summary_of(root, manifest, len(items), n_todo, len(items) - n_todo - regrown[0], time.perf_counter() - t0)
+    summary.n_kept, summary.n_dropped = regrown
     if made is not None:  # "" where a resumed run's items have none: prepare_cache's pass makes them
         summary.sampling = made.write(state.order(len(items)), run.pipe.tail)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s

@@ -16,15 +16,17 @@ from typing import Any
 
 from loaders.cache import chain, layout, sampling
 from loaders.cache.format import PreparedCache
+from loaders.cache.meta import SECTION, line_source
 from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
 from loaders.cache.writing import fsync_dir
-from prep.datalist import Repeats, datalist_hash, load_datalist, unique_items
+from prep.datalist import Repeats, datalist_hash, entry_key, load_datalist, unique_items
 from prep.errors import StaleError, UsageError
 from prep.journal import JournalWriter, committed_records, read_plan, write_plan
 from prep.pipeline import Pipeline, file_sha256
 from prep.quarantine import to_retry
 from prep.summary import CacheSummary, summary_of
 
+_Items = list[tuple[str, dict[str, Any]]]  # the datalist entries to prepare: (section, entry)
 _COMMITTED = "committed.jsonl"  # a committed cache's items as journal lines, while its quarantine is retried
 
 
@@ -44,13 +46,55 @@ def reopen(root: Path, manifest: dict[str, Any], plan: dict[str, Any], n_items: 
     kept = [{"item": q["item"], "quarantined": q["reason"], "path": q.get("path", ""),
              **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}}
             for q in quarantined if int(q["item"]) not in retry]  # fmt: skip
+    _journaled(root, plan, records + kept)
+    return True
+
+
+def regrow(root: Path, manifest: dict[str, Any], plan: dict[str, Any], items: _Items, max_item_bytes: int) -> int:
+    """Turn a committed cache made from another datalist (same head) into a resumable run of this one: each
+    item whose entry (`prep.datalist.entry_key`) is still listed becomes a journal line at its new position, a
+    quarantined entry still listed keeps its quarantine unless it is worth retrying; the run then prepares the
+    new and changed entries and commits anew (the left-out items' bytes go with the shards trimmed or dropped).
+    Returns how many prepared items were kept; a kill anywhere leaves a cache this run resumes."""
+    cache = PreparedCache(root)
+    free: dict[str, list[int]] = {}
+    for position, (section, entry) in enumerate(items):
+        free.setdefault(entry_key(section, entry), []).append(position)
+    positions: list[int | None] = []
+    for n in range(cache.n_items):
+        line = cache.meta(n)
+        slots = free.get(entry_key(line.get(SECTION), line_source(line)))
+        positions.append(slots.pop(0) if slots else None)
+    records = committed_records(root, positions)
+    if records is None:
+        raise StaleError(f"{root}: datalist changed and this cache was not written by `prep cache` (an item's "
+                         "tensors span shards); re-run with --force to rebuild")  # fmt: skip
+    by_entry = {json.dumps(items[p][1], sort_keys=True, default=str): p for p in sorted(_left(free), reverse=True)}
+    retry = set(to_retry(list(manifest.get("quarantined", [])), max_item_bytes))
+    kept = []
+    for q in manifest.get("quarantined", []):
+        position = by_entry.pop(json.dumps(q.get("source"), sort_keys=True, default=str), -1)
+        if position >= 0 and int(q["item"]) not in retry:
+            kept.append({"item": position, "quarantined": q["reason"], "path": q.get("path", ""),
+                         **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}})  # fmt: skip
+    _journaled(root, plan, records + kept)
+    return len(records)
+
+
+def _left(free: dict[str, list[int]]) -> list[int]:
+    """The positions no committed item was found for."""
+    return [p for slots in free.values() for p in slots]
+
+
+def _journaled(root: Path, plan: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """A committed cache's kept items as the journal of a run of `plan`: plan first, manifest removed last,
+    so a kill at any point leaves either the committed cache or a run that resumes."""
     write_plan(root, plan)
     (root / JOURNAL_DIR / _COMMITTED).unlink(missing_ok=True)
     with JournalWriter(root / JOURNAL_DIR / _COMMITTED) as journal:
-        journal.append_many(records + kept)
+        journal.append_many(records)
     (root / MANIFEST).unlink()
     fsync_dir(root)
-    return True
 
 
 def check_head(pipe: Pipeline, allow_empty_head: bool) -> None:
@@ -119,6 +163,11 @@ def _plan(pipe: Pipeline, datalist: Path, items: list[tuple[str, dict[str, Any]]
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed between the plan an existing cache was made with and this run's plan."""
+    return head_differences(old, new) + datalist_differences(old, new)
+
+
+def head_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed in how items are prepared (format, head, library versions): every item is stale."""
     version = str(old.get("schema_version", SCHEMA_VERSION))  # plans carry none: they are this run's kind
     if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
         return [f"blockprep's cache format changed (schema {version} -> {SCHEMA_VERSION})"]
@@ -131,6 +180,12 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     refuse, _ = chain.compare_versions(old.get("versions", {}), new["versions"])
     if refuse:
         diffs.append(f"library versions changed ({'; '.join(refuse)})")
+    return diffs
+
+
+def datalist_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed in which items are prepared (entries, sections, repeats): the items still listed are not."""
+    diffs = []
     if old.get("datalist_hash") != new["datalist_hash"]:
         diffs.append(f"datalist changed ({old.get('n_datalist')} -> {new['n_datalist']} items, {new['datalist']})")
     if old.get("repeats", "kept") != new.get("repeats", "kept"):  # older caches prepared every copy
@@ -141,7 +196,8 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] | None:
-    """The existing manifest if the cache is complete and current; else wipe (fresh/force) or keep (resume)."""
+    """The existing manifest if the cache is complete and made with this head (its datalist may differ: see
+    `regrow`); else wipe (fresh/force) or keep (resume)."""
     manifest = load_json(root / MANIFEST)
     previous = manifest if manifest is not None else read_plan(root)
     if previous is None:
@@ -149,6 +205,9 @@ def reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] |
             _wipe(root)  # leftovers without a plan: the run died before any item could be journaled
         return None
     diffs = differences(previous, plan)
+    if manifest is not None and diffs and not force and not head_differences(manifest, plan):
+        _open_checked(root)  # only the datalist changed: the caller keeps what is still listed (`regrow`)
+        return manifest
     if diffs and not force:
         state = "cache" if manifest is not None else "partial cache (interrupted run)"
         raise StaleError(f"{root}: {'; '.join(diffs)} since this {state} was made; re-run with --force to rebuild")

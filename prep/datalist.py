@@ -72,6 +72,12 @@ def _check_section(path: Path, section: str, value: Any) -> None:
             )
 
 
+def entry_key(section: Any, entry: Any) -> str:
+    """What identifies a prepared item: its section and its resolved entry (file paths included), as JSON; the
+    entry is what MONAI's PersistentDataset hashes to name an item's file."""
+    return json.dumps([section, entry], sort_keys=True, default=str)
+
+
 def datalist_hash(items: list[tuple[str, dict[str, Any]]]) -> str:
     """sha256 of the resolved entries (what is prepared), independent of formatting of the JSON file."""
     return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
@@ -108,7 +114,7 @@ def unique_items(
     unique: list[tuple[str, dict[str, Any]]] = []
     count, first = 0, None
     for item in items:
-        key = json.dumps(item, sort_keys=True, default=str)
+        key = entry_key(*item)
         if key in seen:
             count += 1
             first = first or item

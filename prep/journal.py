@@ -267,10 +267,10 @@ def _check_entry(path: Path, folder: bool) -> None:
                             f"{'folder' if folder else 'file'}; refused; {_OUT_FIX}")  # fmt: skip
 
 
-def committed_records(cache_dir: Path, positions: list[int]) -> list[dict[str, Any]] | None:
-    """Journal records of a committed cache's items (item n is datalist position `positions[n]`), so a run
-    that prepares its quarantined items again commits the others untouched; None when the cache is not as
-    `prep cache` writes it (each item's tensors in one shard)."""
+def committed_records(cache_dir: Path, positions: list[int | None]) -> list[dict[str, Any]] | None:
+    """Journal records of a committed cache's items (item n is datalist position `positions[n]`; None: left
+    out), so a run that prepares its quarantined or new items commits the others untouched; None when the
+    cache is not as `prep cache` writes it (each item's tensors in one shard)."""
     from loaders.cache.format import PreparedCache
 
     cache = PreparedCache(cache_dir)
@@ -279,6 +279,8 @@ def committed_records(cache_dir: Path, positions: list[int]) -> list[dict[str, A
     names = {str(p): name for p, name in zip(cache.shards, cache.manifest["shards"])}
     records = []
     for n, position in enumerate(positions):
+        if position is None:
+            continue
         entries = cache.entries(n)
         shards = {e.shard for e in entries}
         if len(shards) != 1:

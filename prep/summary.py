@@ -39,6 +39,8 @@ class CacheSummary:
     item_cpu_s: float = 0.0  # CPU seconds of this run's items on their own threads (check, head, write, sets)
     worker_start_cpu_s: float = 0.0  # the local worker processes' CPU seconds once started and warm
     repeats: str = ""  # repeated datalist entries, said once (prep.datalist.Repeats.note)
+    n_kept: int = 0  # items of a cache made from another datalist kept as they were (prep.cache_plan.regrow)
+    n_dropped: int = 0  # and its items no longer listed
 
     @property
     def items_per_s(self) -> float:
@@ -60,6 +62,9 @@ class CacheSummary:
             state += f", {self.mode})" if self.mode else ")"
             if self.n_resumed:
                 state += f", {self.n_resumed} resumed from the journal"
+            if self.n_kept or self.n_dropped:
+                state += (f", {self.n_kept} kept from the cache made from the earlier datalist "
+                          f"({self.n_dropped} no longer listed, dropped)")  # fmt: skip
         out = [
             f"{self.output}: {counts}; {state}",
             f"  head: {' -> '.join(self.head) or 'empty'}; {self.head_reason}" if self.head_reason else "",

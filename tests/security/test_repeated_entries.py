@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from loaders.cache.format import PreparedCache
 from prep.cache import load_datalist, prepare_cache
 from prep.cli import app
-from prep.errors import StaleError
 
 torch = pytest.importorskip("torch")
 
@@ -55,10 +54,9 @@ def test_keep_repeats_prepares_every_copy_and_is_part_of_the_plan(tmp_path: Path
     out = tmp_path / "cache"
     summary = prepare_cache(datalist, SPHERES, out, workers=1, processes=False, keep_repeats=True)
     assert summary.n_items == 5 and "each copy prepared and read as listed (--keep-repeats)" in summary.repeats
-    with pytest.raises(
-        StaleError, match="repeated datalist entries: kept -> once since this cache was made; re-run with --force"
-    ):
-        prepare_cache(datalist, SPHERES, out, workers=1, processes=False)
+    once = prepare_cache(datalist, SPHERES, out, workers=1, processes=False)  # the copies dropped, none prepared
+    assert (once.n_items, once.n_new, once.n_kept, once.n_dropped) == (3, 0, 3, 2)
+    assert PreparedCache(out).manifest.get("repeats") == "once"
     summary = prepare_cache(datalist, SPHERES, out, workers=1, processes=False, force=True)
     assert summary.n_items == 3 and summary.n_new == 3
 
