@@ -19,6 +19,12 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_LIVE: dict[int, int] = {}  # address -> length of every mapping `_private_map` made that is still mapped
+
+
+def _unmap(addr: int, length: int) -> None:
+    _LIVE.pop(addr, None)
+    _libc.munmap(addr, length)
 
 
 def _private_map(fd: int, offset: int, length: int) -> np.ndarray | None:
@@ -30,8 +36,34 @@ def _private_map(fd: int, offset: int, length: int) -> np.ndarray | None:
     if addr is None or addr == _MAP_FAILED:
         return None
     buffer = (ctypes.c_ubyte * length).from_address(addr)
-    weakref.finalize(buffer, _libc.munmap, addr, length)
+    _LIVE[addr] = length
+    weakref.finalize(buffer, _unmap, addr, length)
     return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
+
+
+def _mapped_at(address: int) -> bool:
+    return any(a <= address < a + n for a, n in list(_LIVE.items()))
+
+
+def own_storage(obj: Any) -> Any:
+    """`obj` (an item: tensors in dicts, lists and tuples) with every tensor that is a view of a mapping of
+    `PosixBackend.mapped` replaced by a copy. An item leaves the dataset so: a mapping of a shard that its owner
+    truncates later would kill the process with SIGBUS on the first touch of a page past the new end, wherever
+    the item is then; copied, it is the reader's own memory. A tail that crops made new tensors already
+    (nothing is copied then)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = own_storage(v)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [own_storage(v) for v in obj]
+        return obj
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(own_storage(v) for v in obj)
+    storage = getattr(obj, "untyped_storage", None)
+    if _LIVE and storage is not None and _mapped_at(storage().data_ptr()):
+        return obj.clone()
+    return obj
 
 
 class PosixBackend(Backend):

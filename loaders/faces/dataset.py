@@ -24,6 +24,7 @@ import numpy as np
 
 from loaders import args
 from loaders.backends import Backend, check_backend
+from loaders.backends.posix import own_storage
 from loaders.cache.dtypes import torch_dtype
 from loaders.cache.format import PreparedCache
 from loaders.cache.meta import as_kind, key_meta, line_kinds, meta_template, values_from_text, values_text
@@ -249,13 +250,13 @@ class DatasetCore:
             flat.update(values_from_text(plan.values))
         return unflatten(flat)
 
-    def _read_item(self, item: int) -> dict[str, Any]:
-        """One item: {key: tensor}, views of copy-on-write mappings of its bytes where read buffered on the host
-        (`Reader.mapped`), else of one host buffer read with one backend call."""
+    def _read_item(self, item: int, mapped: bool) -> dict[str, Any]:
+        """One item: {key: tensor}, views of copy-on-write mappings of its bytes where `mapped` and read buffered
+        on the host (`Reader.mapped`), else of one host buffer read with one backend call."""
         import torch
 
         plan = self._plan(item)
-        arrays = None if plan.read.small else self.reader.mapped(plan.read)
+        arrays = None if plan.read.small or not mapped else self.reader.mapped(plan.read)
         if arrays is not None:  # buffered reads: the page cache's pages, mapped, none copied
             return {k: torch.from_numpy(a).view(dt).reshape(shape) for (k, *_, dt, shape), a in zip(plan.views, arrays)}
         # In a DataLoader worker process the workers are the parallelism (torch gives each one intra-op
@@ -273,15 +274,23 @@ class DatasetCore:
         return {key: view(flat, at, dtype, shape) for _, key, at, dtype, shape in got.places}
 
     def __getitem__(self, index: int) -> Any:
+        transform = self.transform
+        out = self.read(index, mapped=transform is not None)
+        return own_storage(transform(out)) if transform is not None else out
+
+    def read(self, index: int, mapped: bool = False) -> dict[str, Any]:
+        """`self[index]` before `transform`: its nested dict. mapped: its tensors may be views of mappings of the shards
+        (`Reader.mapped`: for a transform that crops, only the crop's pages come in); the caller then hands the
+        transform's output on through `loaders.backends.posix.own_storage` (a mapping held past that is killed
+        with SIGBUS when its shard is truncated)."""
         item = int(self.items[args.index(index, len(self.items))])
         if self.roi is not None:
             flat = self._read_roi(item)
         elif self.reader.staged or self.backend.gpu:
             flat = self._read_device(item)
         else:
-            flat = self._read_item(item)
-        out = self._assemble(item, flat)
-        return self.transform(out) if self.transform is not None else out
+            flat = self._read_item(item, mapped)
+        return self._assemble(item, flat)
 
     # --- batches (loaders.faces.batches) ---
     def iter_batches(

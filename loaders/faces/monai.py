@@ -23,6 +23,7 @@ from typing import Any
 
 from loaders import args
 from loaders.backends import Backend
+from loaders.backends.posix import own_storage
 from loaders.cache import chain
 from loaders.cache.chain import tail_compose
 from loaders.cache.meta import line_source
@@ -281,11 +282,11 @@ class PersistentCore:
     def _transform(self, index: int) -> Any:
         # monai.data.Dataset.__getitem__ handles slices and index lists, then calls this per item
         item = self._lookup(int(index))
-        head = self.dataset[item]
         if self.tail is None:
-            return head
+            return self.dataset.read(item)
+        head = self.dataset.read(item, mapped=True)  # the tail's output leaves through own_storage: no mapping
         if self._label is None:
-            return run_from(self.transform, head, self._head_len)
+            return own_storage(run_from(self.transform, head, self._head_len))
         # the label-driven crop draws from the cache's sampling sets (no scan of the label), MONAI does the rest
         fold = self._label
         spatial = tuple(head[fold.transform.label_key].shape[1:])  # the label MONAI draws over
@@ -295,7 +296,7 @@ class PersistentCore:
             with self._crop_lock, fold.precomputed(item, spatial):
                 yield
 
-        return run_from(self.transform, head, self._head_len, crop)
+        return own_storage(run_from(self.transform, head, self._head_len, crop))
 
     def set_random_state(self, seed: int | None = None) -> Any:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is

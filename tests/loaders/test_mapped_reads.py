@@ -30,10 +30,10 @@ def test_item_tensors_are_mappings_with_the_stored_values_and_writes_stay_privat
     ds = PreparedDataset(root, backend="posix", meta=False)
     assert ds.reader.mapped(ds._plan(0).read) is not None  # this is the mapped path
     for i, item in enumerate(items):
-        got = ds[i]
+        got = ds.read(i, mapped=True)
         for key in ("image", "label"):
             assert np.array_equal(got[key].numpy(), item[key]), key
-    first = ds[0]
+    first = ds.read(0, mapped=True)  # what a transform sees
     first["image"].add_(1.0)  # a tail writing in place: this process's own pages
     first["label"][:, :8] = 9
     again = ds[0]
@@ -72,13 +72,13 @@ def test_checksums_and_other_backends_read_as_before(tmp_path: Path, monkeypatch
     real = Reader.mapped
     monkeypatch.setattr(Reader, "mapped", lambda self, plan: calls.append(1) or real(self, plan))
     direct = PreparedDataset(root, backend="direct", meta=False)
-    assert np.array_equal(direct[1]["image"].numpy(), items[1]["image"])
+    assert np.array_equal(direct.read(1, mapped=True)["image"].numpy(), items[1]["image"])
     assert calls and direct.reader.mapped(direct._plan(1).read) is None  # O_DIRECT: never the page cache
     direct.close()
 
 
 def test_items_held_in_memory_hold_no_descriptors(tmp_path: Path) -> None:
-    """Mappings hold no file descriptor (Python's mmap keeps a duplicate one each): a user keeping 2,000 items'
+    """Mappings hold no file descriptor (Python's mmap keeps a duplicate one each): a caller keeping 2,000 items'
     tensors (4,000 mappings) uses none, and every mapping goes once its tensors are gone."""
     import os
 
@@ -88,7 +88,7 @@ def test_items_held_in_memory_hold_no_descriptors(tmp_path: Path) -> None:
     ds[0]  # the shard's descriptor opened once
     fds = len(os.listdir("/proc/self/fd"))
     maps = Path("/proc/self/maps").read_text().count(str(root))
-    held = [ds[i % 2] for i in range(2000)]
+    held = [ds.read(i % 2, mapped=True) for i in range(2000)]  # what transforms see
     assert len(os.listdir("/proc/self/fd")) <= fds + 8  # (other tests' descriptors may close meanwhile)
     assert Path("/proc/self/maps").read_text().count(str(root)) >= maps + 4000 - 64
     assert np.array_equal(held[-1]["image"].numpy(), items[1]["image"])
