@@ -187,15 +187,17 @@ class MaskSet:
     index), found from the running counts and one block's bits. `picks` keeps only those members
     (`max_samples_per_class`'s even subsample), as MONAI keeps them."""
 
-    def __init__(self, bits: np.ndarray, cum: np.ndarray, count: int, picks: np.ndarray | None = None) -> None:
-        self._bits, self._cum, self._count, self._picks = bits, cum, count, picks
+    def __init__(
+        self, bits: np.ndarray, cum: np.ndarray, count: int, picks: np.ndarray | None = None, where: str = "a set"
+    ) -> None:
+        self._bits, self._cum, self._count, self._picks, self.where = bits, cum, count, picks, where
 
     def __len__(self) -> int:
         return self._count if self._picks is None else len(self._picks)
 
     def keeping(self, max_samples: int | None) -> MaskSet:
         """This set as `map_classes_to_indices(max_samples_per_class=max_samples)` keeps it."""
-        return MaskSet(self._bits, self._cum, self._count, subsample(self._count, max_samples))
+        return MaskSet(self._bits, self._cum, self._count, subsample(self._count, max_samples), self.where)
 
     def __getitem__(self, k: Any) -> np.int64:
         k = int(k)
@@ -209,7 +211,7 @@ class MaskSet:
         hits = np.flatnonzero(chunk)
         at = k - int(self._cum[block])
         if not 0 <= at < len(hits):
-            raise ChecksumError(f"sampling set: block {block} holds {len(hits)} members, its counts say more")
+            raise ChecksumError(f"{self.where}: block {block} holds {len(hits)} members, its counts say more; {_FIX}")
         return np.int64(block * BLOCK_BITS + int(hits[at]))
 
 
@@ -266,7 +268,9 @@ class SetStore:
             steps = np.diff(cum)
             if cum[0] != 0 or cum[-1] != count or (steps < 0).any() or (steps > BLOCK_BITS).any():
                 raise FormatError(f"{self.where}: item {item}'s counts are inconsistent; re-run `prep sampling`")
-            out.append(MaskSet(blob[at : at + nbits], np.asarray(cum), count))
+            if np.unpackbits(blob[at + n // 8 : at + nbits], bitorder="little")[n % 8 :].any():
+                raise FormatError(f"{self.where / BITS}: item {item} has members past its {n} voxels; {_FIX}")
+            out.append(MaskSet(blob[at : at + nbits], np.asarray(cum), count, where=str(self.where / BITS)))
         return out
 
 

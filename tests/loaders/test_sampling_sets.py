@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,3 +105,59 @@ def test_bits_truncated_or_edited_under_a_reader_are_named(cache: Path) -> None:
     with pytest.raises(ChecksumError, match=f"{bits}: 16 bytes, the manifest says"):
         store.sets(0, nvox)
     assert first and all(n > 0 for n in first)
+
+
+def _reseal(where: Path, rows: Any, bits: bytes | None = None) -> None:
+    """sets.npy (and bits.bin) written as crafted, the manifest's checksums made to match them."""
+    if bits is not None:
+        (where / sampling.BITS).write_bytes(bits)
+    np.save(where / sampling.SETS, rows)
+    doc = json.loads((where / sampling.MANIFEST).read_text())
+    doc["files"] = {name: file_record(where / name) for name in (sampling.SETS, sampling.BITS)}
+    doc["checksum"] = doc_checksum(doc)
+    (where / sampling.MANIFEST).write_text(json.dumps(doc))
+
+
+def _craft(how: str, rows: np.ndarray, bits: bytearray, size: int) -> tuple[Any, bytearray]:
+    """Sets crafted six ways (issue 48, finding 7: each gave a bare exception or a read outside bounds)."""
+    n = int(rows["nvox"][0])
+    at, nbits = int(rows["offset"][0]), -(-n // 64) * 8
+    cum = at + nbits  # item 0 set 0's running counts
+    if how == "wrong-dtype":
+        return rows.astype([(k, "<f8") for k in rows.dtype.names]), bits
+    if how == "wrong-shape":
+        return rows.reshape(len(rows) // 2, 2), bits
+    if how == "offset-past-end":
+        rows["offset"][-1] = size + 8
+    elif how == "overlapping":
+        rows["offset"][1] = rows["offset"][0]
+    elif how == "negative-count":
+        bits[cum + 8 : cum + 16] = np.int64(-5).tobytes()
+    elif how == "voxel-out-of-range":  # a member past the label's voxels (the mask's padding, or a count too many)
+        if n % 64:
+            bits[at + nbits - 1] |= 0x80
+        else:
+            bits[cum + 8 * (n // sampling.BLOCK_BITS) : cum + 8 * (n // sampling.BLOCK_BITS + 1)] = np.int64(
+                int(np.frombuffer(bytes(bits[cum : cum + 8 * (n // sampling.BLOCK_BITS + 1)]), "<i8")[-1]) + 1
+            ).tobytes()
+    return rows, bits
+
+
+@pytest.mark.parametrize(
+    "how", ["wrong-dtype", "wrong-shape", "offset-past-end", "overlapping", "negative-count", "voxel-out-of-range"]
+)
+def test_crafted_resealed_sets_are_one_line_naming_the_file(cache: Path, how: str) -> None:
+    from loaders.errors import FormatError
+
+    where = _where(cache)
+    rows = np.load(where / sampling.SETS)
+    bits = bytearray((where / sampling.BITS).read_bytes())
+    rows, bits = _craft(how, rows, bits, len(bits))
+    _reseal(where, rows, bytes(bits))
+    with pytest.raises(FormatError) as got:  # at open, or at the first use of item 0's sets
+        store = _store(cache)
+        for s in store.sets(0, int(store.rows["nvox"][0])):
+            for k in range(len(s)):
+                s[k]
+    msg = str(got.value)
+    assert "\n" not in msg and str(where) in msg and "re-run `prep sampling`" in msg, msg
