@@ -190,6 +190,7 @@ class PersistentCore:
     ) -> None:
         from loaders.faces.torch_data import PreparedDataset
 
+        self._reset_ops_id = bool(options.get("reset_ops_id", True))  # what an item computed here keeps
         for name in _PERSISTENT_ONLY:
             options.pop(name, None)
         args.check_dropin(data, transform, cache_dir, track_meta, [n for n in options if n not in _DATASET_OPTIONS])
@@ -233,7 +234,7 @@ class PersistentCore:
 
     def set_data(self, data: Sequence[Any]) -> None:
         """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
-        cache is kept: it is read-only here, and items not in it are refused when read, in one line."""
+        cache is kept: it is read-only here; entries not in it are computed when read (`_computed`)."""
         self.data = data
         self._in_place = {}
         self._check_quarantine()
@@ -256,9 +257,9 @@ class PersistentCore:
                 "entry out of data"
             )
 
-    def _lookup(self, index: int) -> int:
+    def _lookup(self, index: int) -> int | None:
         """The cache item holding data[index]: same position when the sources agree, else by source entry
-        (file paths compared as real paths)."""
+        (file paths compared as real paths); None when the cache has none (a new or changed entry)."""
         cache = self.dataset.cache
         if self._items is None:
             entry = self.data[index]
@@ -271,17 +272,24 @@ class PersistentCore:
                 return index
             bases = _source_bases(cache.manifest)
             self._items = {_key(_resolved(line_source(cache.meta(i)), bases)): i for i in range(len(cache))}
-        item = self._items.get(_key(_resolved(self.data[index], [Path.cwd()])))
-        if item is None:
-            raise StaleError(
-                f"{self.dataset.root}: data[{index}] is not in the cache (quarantined, or the datalist changed "
-                "since `prep cache`); re-run `prep cache` on this datalist"
-            )
-        return item
+        return self._items.get(_key(_resolved(self.data[index], [Path.cwd()])))
+
+    def _computed(self, index: int) -> Any:
+        """data[index], which the prepared cache lacks, as PersistentDataset gives an item it has no file for:
+        MONAI's own PersistentDataset (no cache folder: nothing is written, so any number of DataLoader workers
+        may ask at once) runs the head on a copy of the entry in this process, then the rest of the chain with
+        the same transform objects, so the random draws follow the user's seeding. Computed again at each read;
+        `prep cache` on the grown datalist prepares just these entries (docs/loaders.md)."""
+        from monai.data import PersistentDataset
+
+        once = PersistentDataset([self.data[index]], self.transform, cache_dir=None, reset_ops_id=self._reset_ops_id)
+        return once[0]
 
     def _transform(self, index: int) -> Any:
         # monai.data.Dataset.__getitem__ handles slices and index lists, then calls this per item
         item = self._lookup(int(index))
+        if item is None:
+            return self._computed(int(index))
         if self.tail is None:
             return self.dataset.read(item)
         head = self.dataset.read(item, mapped=True)  # the tail's output leaves through own_storage: no mapping
