@@ -24,7 +24,6 @@ import numpy as np
 
 from loaders import args
 from loaders.backends import Backend, check_backend
-from loaders.backends.posix import own_storage
 from loaders.cache.dtypes import torch_dtype
 from loaders.cache.format import PreparedCache
 from loaders.cache.meta import as_kind, key_meta, line_kinds, meta_template, values_from_text, values_text
@@ -32,6 +31,7 @@ from loaders.cache.nesting import unflatten
 from loaders.cache.order import epoch_order
 from loaders.deps import has
 from loaders.faces import batches
+from loaders.reading.mappings import own_storage
 from loaders.reading.reads import PLAN_CACHE, Reader, ReadPlan, fits_in_memory
 from loaders.reading.region import plan_read
 from loaders.reading.staging import view
@@ -281,7 +281,7 @@ class DatasetCore:
     def read(self, index: int, mapped: bool = False) -> dict[str, Any]:
         """`self[index]` before `transform`: its nested dict. mapped: its tensors may be views of mappings of the shards
         (`Reader.mapped`: for a transform that crops, only the crop's pages come in); the caller then hands the
-        transform's output on through `loaders.backends.posix.own_storage` (a mapping held past that is killed
+        transform's output on through `loaders.reading.mappings.own_storage` (a mapping held past that is killed
         with SIGBUS when its shard is truncated)."""
         item = int(self.items[args.index(index, len(self.items))])
         if self.roi is not None:

@@ -23,13 +23,13 @@ from typing import Any
 
 from loaders import args
 from loaders.backends import Backend
-from loaders.backends.posix import own_storage
 from loaders.cache import chain
 from loaders.cache.chain import tail_compose
 from loaders.cache.meta import line_source
 from loaders.cache.nesting import to_jsonable
 from loaders.cache.spec import MANIFEST
 from loaders.errors import StaleError
+from loaders.reading.mappings import own_storage
 from loaders.state import keep_random_states
 
 __all__ = ["PersistentCore", "dropin_device"]
