@@ -125,17 +125,22 @@ def split(path: str | os.PathLike[str]) -> tuple[str, str]:
     return os.path.dirname(path) or ".", os.path.basename(path)
 
 
-def open_to_write(path: str | os.PathLike[str], flags: int, fix: str, mode: int = 0o644) -> int:
+def open_to_write(
+    path: str | os.PathLike[str], flags: int, fix: str, mode: int = 0o644, dir_fd: int | None = None
+) -> int:
     """A descriptor to write the regular file `path` of an output (`prep cache`'s lock, journals, shards, temp
     files): never through a symlink (O_NOFOLLOW), never a FIFO or device (O_NONBLOCK, then fstat), never a file
-    with a second name (a hard link from outside would be truncated or overwritten); UnsafeFileError otherwise."""
+    with a second name (a hard link from outside would be truncated or overwritten); UnsafeFileError otherwise.
+    `dir_fd`: the descriptor of the file's folder, opened once (the file's name is taken relative to it, so a
+    folder swapped for a link after that cannot redirect the write); `path` then only names it in messages."""
     path = os.fspath(path)
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             raise
-        what = kind(os.lstat(path).st_mode)
+        what = kind(os.lstat(name, dir_fd=dir_fd).st_mode)
         raise UnsafeFileError(f"{path}: is {what}, where a file of this output belongs; refused (nothing is "
                               f"written through a link); {fix}") from None  # fmt: skip
     try:
@@ -151,12 +156,13 @@ def open_to_write(path: str | os.PathLike[str], flags: int, fix: str, mode: int 
     return fd
 
 
-def create_new(path: str | os.PathLike[str], fix: str, mode: int = 0o644) -> int:
+def create_new(path: str | os.PathLike[str], fix: str, mode: int = 0o644, dir_fd: int | None = None) -> int:
     """A new, empty file at `path` for writing (a temp file to rename): whatever held the name is unlinked
-    first, then O_CREAT | O_EXCL | O_NOFOLLOW, so nothing planted there is ever written through."""
+    first, then O_CREAT | O_EXCL | O_NOFOLLOW, so nothing planted there is ever written through. `dir_fd`: as
+    for `open_to_write`."""
     with suppress(FileNotFoundError):
-        os.unlink(path)
-    return open_to_write(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fix, mode)
+        os.unlink(path if dir_fd is None else os.path.basename(path), dir_fd=dir_fd)
+    return open_to_write(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fix, mode, dir_fd)
 
 
 def safe_to_map(st: os.stat_result) -> bool:

@@ -100,3 +100,8 @@ MEMORY_PROBES_AFTER_MISS = 16
 # The most DDP ranks a reader is sharded over: a rank's order is padded to the world size, so a world of 10^12
 # would ask for terabytes (a bare MemoryError); a million ranks is far past any machine room
 MAX_WORLD_SIZE = 1 << 20
+
+# A file whose ctime is less than this before its full freshness check is checked in full (written back, fstat,
+# FIEMAP) on every read call, never by the one-lstat shortcut: a write in the same timestamp tick as that check
+# (1-10 ms coarse clocks) leaves ctime as it was, its new bytes only in the page cache (loaders.backends.mapped)
+RECENT_CTIME_S = 1.0

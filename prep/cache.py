@@ -20,7 +20,7 @@ from typing import Any
 
 from loaders.cache import chain
 from loaders.cache.format import PreparedCache
-from loaders.cache.spec import MANIFEST
+from loaders.cache.spec import JOURNAL_DIR, MANIFEST, SHARD_DIR
 from loaders.fast.folds import crop_sets_of
 from loaders.machine import available_memory
 from prep.cache_plan import (
@@ -54,6 +54,7 @@ from prep.datalist import Repeats, load_datalist
 from prep.errors import PrepError, StaleError, UsageError
 from prep.item_size import declared_total, default_max_item_bytes
 from prep.journal import CacheLock, JournalState, check_output, read_journals, write_plan
+from prep.outdirs import OutputDirs
 from prep.pipeline import Pipeline, load_pipeline
 from prep.processes import start_forkserver
 from prep.quarantine import input_paths, to_retry
@@ -117,11 +118,12 @@ def prepare_cache(
     with ExitStack() as stack:  # closes in reverse: the cluster is gone before the lock is released
         stack.enter_context(interrupt_scope())
         stack.enter_context(CacheLock(root))
+        dirs = stack.enter_context(OutputDirs(root))  # every write of the run is relative to these (prep.outdirs)
         starter = _start_while_planning(stack, early, workers, scheduler, processes, pipeline, bundle_key, security)
         pipe, items, plan, repeats = _load(pipeline, bundle_key, allow_empty_head, datalist, sections, keep_repeats)
         stack.enter_context(_no_space(root))
         run = _Run(root, plan, pipe, items, workers, scheduler, processes, shard_size, batch_size, progress,
-                   security, max_item_bytes)  # fmt: skip
+                   dirs, security, max_item_bytes)  # fmt: skip
         summary = _reused_or_prepared(run, stack, starter, force, max_item_bytes, t0)
         _complete(summary, root, pipe, repeats, workers, verify)
     return summary
@@ -247,6 +249,7 @@ class _Run:
     shard_size: int
     batch_size: int | None
     progress: Progress | None
+    dirs: OutputDirs  # the output's folders, held open from start-up: every write of the run is relative to them
     security: Any = None
     max_item_bytes: int | None = None
 
@@ -286,8 +289,9 @@ def _prepare(
     """Prepare the items no journal marks finished, then commit and map the shards. `regrown`: (items kept,
     items dropped) of a committed cache whose datalist changed."""
     root, items = run.root, run.items
-    write_plan(root, run.plan)
-    before = read_journals(root)
+    write_plan(root, run.plan, run.dirs.fd(JOURNAL_DIR))
+    run.dirs.fd(SHARD_DIR)  # opened (made) here: tasks compare their own with it
+    before = read_journals(root, run.dirs)
     todo = [i for i in range(len(items)) if i not in before.finished]
     n_todo = len(todo)  # the probe's items (prepared before the tasks) count as this run's
     if run.progress:
@@ -377,11 +381,11 @@ def _commit_while_closing(run: _Run, starter: ClusterStarter | None) -> tuple[Jo
     if closer is not None:
         closer.start()
     try:
-        state = read_journals(run.root)
+        state = read_journals(run.root, run.dirs)
         missing = [i for i in range(len(run.items)) if i not in state.finished]
         if missing:
             raise PrepError(f"{run.root}: {len(missing)} items were not prepared (workers lost?); re-run to resume")
-        manifest, bmap_note = commit(run.root, run.plan, run.pipe, run.items, state)
+        manifest, bmap_note = commit(run.root, run.plan, run.pipe, run.items, state, run.dirs)
     finally:
         if closer is not None:
             closer.join()
@@ -398,7 +402,8 @@ def _mode(run: _Run, processes: bool) -> str:
 def _spec(run: _Run, run_id: str, threads: int, heads: int, sets: dict[str, Any] | None) -> TaskSpec:
     """The tasks' spec of this run (the probe's too): where to write, which pipeline, how to run it."""
     return TaskSpec(str(run.root.resolve()), str(run.pipe.path), run.pipe.bundle_key, run.pipe.fingerprint,
-                    run.shard_size, run_id, threads, run.max_item_bytes, heads, sets)  # fmt: skip
+                    run.shard_size, run_id, threads, run.max_item_bytes, heads, sets,
+                    run.dirs.ids())  # fmt: skip
 
 
 def _starter(run: _Run, processes: bool) -> ClusterStarter:

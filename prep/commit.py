@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -15,23 +16,29 @@ from typing import Any
 from loaders.cache import chain
 from loaders.cache.spec import BMAP, JOURNAL_DIR, MANIFEST, SHARD_DIR, align_up
 from loaders.cache.writing import make_rows, write_index, write_manifest, write_meta
+from loaders.opener import open_to_write
 from prep.errors import PrepError
 from prep.journal import JournalState
+from prep.outdirs import OutputDirs
 from prep.pipeline import Pipeline
+
+_FIX = "remove it, or choose another --output (prep cache never writes through a link)"
 
 
 def commit(
-    root: Path, plan: dict[str, Any], pipe: Pipeline, items: list[tuple[str, dict[str, Any]]], state: JournalState
-) -> tuple[dict[str, Any], str]:
+    root: Path, plan: dict[str, Any], pipe: Pipeline, items: list[tuple[str, dict[str, Any]]], state: JournalState,
+    dirs: OutputDirs | None = None,
+) -> tuple[dict[str, Any], str]:  # fmt: skip
     """Consolidate journals into index.npy + meta.jsonl, map the shards, write manifest.json last (with every
-    file's checksum), drop the journals. Returns the manifest and why no block map was written ("" if one was)."""
+    file's checksum), drop the journals. Returns the manifest and why no block map was written ("" if one was).
+    `dirs`: the run's folders held open; shards are trimmed and removed, journals removed, relative to them."""
     for stale_tmp in root.glob(".*.tmp*"):  # temp files of a commit that ran out of space or was killed
         stale_tmp.unlink()
     order = state.order(len(items))
     records = [state.done[i] for i in order]
     keys = sorted({t["key"] for r in records for t in r["tensors"]})
     shards = sorted({r["shard"] for r in records})
-    trim_shards(root, records, set(shards))
+    trim_shards(root, records, set(shards), dirs)
     key_pos = {k: n for n, k in enumerate(keys)}
     shard_pos = {s: n for n, s in enumerate(shards)}
     rows = [
@@ -61,23 +68,45 @@ def commit(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     write_manifest(root, manifest)
-    shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
+    if dirs is None:
+        shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
+    else:
+        _drop_journals(dirs)
     return json.loads((root / MANIFEST).read_text()), bmap_note
 
 
-def trim_shards(root: Path, records: list[dict[str, Any]], used: set[str]) -> None:
-    """Cut each shard after its last trusted tensor (a killed writer leaves preallocation); drop orphans."""
+def trim_shards(root: Path, records: list[dict[str, Any]], used: set[str], dirs: OutputDirs | None = None) -> None:
+    """Cut each shard after its last trusted tensor (a killed writer leaves preallocation); drop orphans. `dirs`:
+    the run's folders held open (shards are opened, without following links, and removed relative to them)."""
     ends: dict[str, int] = {}
     for r in records:
         for t in r["tensors"]:
             ends[r["shard"]] = max(ends.get(r["shard"], 0), int(t["offset"]) + align_up(int(t["nbytes"])))
-    for shard in used:
-        path = root / shard
-        if path.stat().st_size != ends.get(shard, 0):
-            os.truncate(path, ends.get(shard, 0))
-    for path in (root / SHARD_DIR).glob("*"):
-        if f"{SHARD_DIR}/{path.name}" not in used:
-            path.unlink()
+    folder = os.open(root / SHARD_DIR, os.O_RDONLY | os.O_DIRECTORY) if dirs is None else dirs.fd(SHARD_DIR)
+    try:
+        for shard in used:
+            fd = open_to_write(root / shard, os.O_WRONLY, _FIX, dir_fd=folder)
+            try:
+                if os.fstat(fd).st_size != ends.get(shard, 0):
+                    os.ftruncate(fd, ends.get(shard, 0))
+            finally:
+                os.close(fd)
+        for name in os.listdir(folder):
+            if f"{SHARD_DIR}/{name}" not in used:
+                os.unlink(name, dir_fd=folder)
+    finally:
+        if dirs is None:
+            os.close(folder)
+
+
+def _drop_journals(dirs: OutputDirs) -> None:
+    """Remove the journal folder's files through its descriptor, then the folder (not a link put in its place)."""
+    folder = dirs.fd(JOURNAL_DIR)
+    for name in os.listdir(folder):
+        with suppress(OSError):
+            os.unlink(name, dir_fd=folder)
+    with suppress(OSError):  # ENOTDIR: the name is a link now, left as it is
+        os.rmdir(JOURNAL_DIR, dir_fd=dirs.fd())
 
 
 def write_bmap(root: Path) -> tuple[Path | None, str]:

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,11 @@ from typing import Any
 from loaders.cache import sampling
 from loaders.cache.dtypes import dtype_name
 from loaders.cache.format import checksum
-from loaders.cache.spec import JOURNAL_DIR
+from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR
 from loaders.cache.writing import atomic_write_bytes, fsync_dir
 from loaders.opener import kind, open_to_write
 from prep.errors import LockedError, UnsafeOutputError, UsageError
+from prep.outdirs import OutputDirs
 
 LOCK = ".lock"
 PLAN = "plan.json"
@@ -92,19 +94,22 @@ def read_plan(cache_dir: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def write_plan(cache_dir: Path, plan: dict[str, Any]) -> None:
-    """Record what this run prepares (fingerprint, datalist hash, ...) before any item is written."""
+def write_plan(cache_dir: Path, plan: dict[str, Any], dir_fd: int | None = None) -> None:
+    """Record what this run prepares (fingerprint, datalist hash, ...) before any item is written. `dir_fd`:
+    the journal folder's descriptor (`prep.outdirs`; else the folder is made and named by path)."""
     journal = Path(cache_dir) / JOURNAL_DIR
-    journal.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(journal / PLAN, json.dumps(plan, indent=1).encode())
+    if dir_fd is None:
+        journal.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(journal / PLAN, json.dumps(plan, indent=1).encode(), dir_fd)
 
 
 class JournalWriter:
     """Append-only JSON-lines journal of one writer (one task run); lines fsynced in groups by the caller."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dir_fd: int | None = None) -> None:
         self.path = Path(path)
-        self._fd = open_to_write(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, _OUT_FIX)
+        self._dir: Path | int = self.path.parent if dir_fd is None else dir_fd  # `dir_fd`: its folder's, held open
+        self._fd = open_to_write(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, _OUT_FIX, dir_fd=dir_fd)
         self._named = False  # the folder's entry of this file made durable (with the first lines)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -119,7 +124,7 @@ class JournalWriter:
             done += os.write(self._fd, data[done:])
         os.fsync(self._fd)
         if not self._named:  # until then a crash may lose the file, and with it lines nobody could trust yet
-            fsync_dir(self.path.parent)
+            fsync_dir(self._dir)
             self._named = True
 
     def close(self) -> None:
@@ -172,14 +177,15 @@ class JournalState:
         return [i for i in range(n_items) if i in self.done]
 
 
-def read_journals(cache_dir: Path) -> JournalState:
-    """Every trustworthy record of every journal. The first valid record of an item wins."""
+def read_journals(cache_dir: Path, dirs: OutputDirs | None = None) -> JournalState:
+    """Every trustworthy record of every journal. The first valid record of an item wins. `dirs`: the run's
+    folders held open (journals and shards are then found relative to them, never through a swapped folder)."""
     root = Path(cache_dir)
     done: dict[int, dict[str, Any]] = {}
     quarantined: dict[int, dict[str, Any]] = {}
     shard_sizes: dict[str, int] = {}
-    for path in sorted((root / JOURNAL_DIR).glob("*.jsonl")):
-        for raw in path.read_bytes().splitlines():
+    for data in _journal_bytes(root, dirs):
+        for raw in data.splitlines():
             record = _unsealed(raw)
             if record is None:
                 continue  # torn line from a killed writer, or damaged
@@ -188,16 +194,40 @@ def read_journals(cache_dir: Path) -> JournalState:
                 continue
             if "quarantined" in record:
                 quarantined[item] = record
-            elif _shard_holds(root, record, shard_sizes):
+            elif _shard_holds(root, record, shard_sizes, dirs):
                 done[item] = record
     return JournalState(done, quarantined)
 
 
-def _shard_holds(root: Path, record: dict[str, Any], sizes: dict[str, int]) -> bool:
+def _journal_bytes(root: Path, dirs: OutputDirs | None) -> Iterator[bytes]:
+    """The content of each journal file, in name order (regular files only, never through a link)."""
+    if dirs is None:
+        for path in sorted((root / JOURNAL_DIR).glob("*.jsonl")):
+            yield path.read_bytes()
+        return
+    folder = dirs.fd(JOURNAL_DIR)
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+        except OSError:
+            continue  # a link or a FIFO planted since the start-up check: no line of it is trusted
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                yield f.read()
+
+
+def _shard_holds(root: Path, record: dict[str, Any], sizes: dict[str, int], dirs: OutputDirs | None) -> bool:
     shard = str(record.get("shard", ""))
     if shard not in sizes:
         try:
-            sizes[shard] = (root / shard).stat().st_size
+            if dirs is None:
+                sizes[shard] = (root / shard).stat().st_size
+            else:
+                folder, name = os.path.split(shard)
+                if folder != SHARD_DIR or name in ("", ".", ".."):
+                    raise FileNotFoundError(shard)  # not a name a writer makes
+                st = os.stat(name, dir_fd=dirs.fd(SHARD_DIR), follow_symlinks=False)
+                sizes[shard] = st.st_size if stat.S_ISREG(st.st_mode) else -1
         except OSError:
             sizes[shard] = -1
     return all(int(t["offset"]) + int(t["nbytes"]) <= sizes[shard] for t in record.get("tensors", []))

@@ -32,6 +32,7 @@ from prep.finish import finish_later, raise_failed
 from prep.grids import shared_grids
 from prep.inflated import served
 from prep.journal import JournalWriter
+from prep.outdirs import Ids, OutputDirs
 from prep.pipeline import Pipeline, load_pipeline
 from prep.quarantine import check_entry, input_paths, input_stats
 
@@ -76,6 +77,7 @@ class TaskSpec:
     max_item_bytes: int | None = None  # an input whose header declares more is quarantined before decoding
     heads: int = 0  # heads a worker process runs at once (memory: prep.cluster.heads_at_once); 0: no bound
     sets: dict[str, Any] | None = None  # the tail's label-driven crop signature: its sampling sets made here too
+    dirs: Ids = ()  # the output's folders as the run opened them: a task refuses one swapped since (prep.outdirs)
 
 
 _SLOTS: dict[int, threading.BoundedSemaphore] = {}  # heads at once in this process, by bound
@@ -178,8 +180,8 @@ def keep_pipeline(pipe: Pipeline) -> None:
 class _Shards:
     """The shard files of one task run: a new file whenever the current one reaches shard_size."""
 
-    def __init__(self, root: Path, name: str, shard_size: int) -> None:
-        self.root, self.name, self.shard_size = root, name, shard_size
+    def __init__(self, root: Path, name: str, shard_size: int, dir_fd: int) -> None:
+        self.root, self.name, self.shard_size, self.dir_fd = root, name, shard_size, dir_fd
         self.count = 0
         self.writer: ShardWriter | None = None
         self.rel = ""
@@ -200,7 +202,7 @@ class _Shards:
             self.close()
             self.rel = f"{SHARD_DIR}/shard-{self.name}-{self.count:03d}.bin"
             self.count += 1
-            self.writer = ShardWriter(self.root / self.rel, prealloc=self._prealloc())
+            self.writer = ShardWriter(self.root / self.rel, prealloc=self._prealloc(), dir_fd=self.dir_fd)
         return self.writer
 
     def close(self) -> None:
@@ -215,20 +217,17 @@ def run_batch(
     """Prepare (item number, resolved entry, section) triples; returns one small status dict per item.
     `commit_later`: the task's last commit runs after it returns (`prep.finish`; the caller then waits for
     `wait_commits` before reading the journals), else before."""
-    root = Path(spec.output)
     _quiet_disk_full()
     raise_failed()  # an earlier task's last commit that failed (a full disk) stops this one
     warm_torch()
     set_torch_threads(spec.torch_threads)
     head = _head(spec)
     name = f"{batch:06d}-{spec.run_id}-{uuid.uuid4().hex[:8]}"
-    (root / SHARD_DIR).mkdir(exist_ok=True)
-    shards = _Shards(root, name, spec.shard_size)
+    dirs, shards, journal = _open_task(spec, name)
     pending: list[dict[str, Any]] = []
     statuses: list[dict[str, Any]] = []
     # commits run on a thread, one at a time, so the head goes on computing while the disk writes back
     committer = ThreadPoolExecutor(1, thread_name_prefix="blockprep-commit")
-    journal = JournalWriter(root / JOURNAL_DIR / f"{name}.jsonl")
     inflight: list[Future[None]] = []
     ending = False
     try:
@@ -236,12 +235,25 @@ def run_batch(
         ending = True
     finally:
         if not ending:  # an error: close what this task opened, commit nothing more
-            _close_task(committer, shards, journal)
+            _close_task(committer, shards, journal, dirs)
     if commit_later:
-        finish_later(_end_task, root, journal, pending, inflight, committer, shards)
+        finish_later(_end_task, dirs, journal, pending, inflight, committer, shards)
     else:
-        _end_task(root, journal, pending, inflight, committer, shards)
+        _end_task(dirs, journal, pending, inflight, committer, shards)
     return statuses
+
+
+def _open_task(spec: TaskSpec, name: str) -> tuple[OutputDirs, _Shards, JournalWriter]:
+    """This task's folders (opened here, checked against the run's: `spec.dirs`), shard files and journal."""
+    root = Path(spec.output)
+    dirs = OutputDirs(root, spec.dirs)
+    try:
+        shards = _Shards(root, name, spec.shard_size, dirs.fd(SHARD_DIR))
+        journal = JournalWriter(root / JOURNAL_DIR / f"{name}.jsonl", dirs.fd(JOURNAL_DIR))
+    except BaseException:
+        dirs.close()
+        raise
+    return dirs, shards, journal
 
 
 def _run_items(
@@ -251,7 +263,6 @@ def _run_items(
 ) -> None:  # fmt: skip
     """The task's items, one after another; a group of finished items is committed about every
     COMMIT_INTERVAL_S on `committer` (its future last in `inflight`), the rest stay in `pending`."""
-    root = Path(spec.output)
     last = time.monotonic()
     written = 0
     for n, (item, entry, section) in enumerate(items, 1):
@@ -273,33 +284,36 @@ def _run_items(
         if time.monotonic() - last >= COMMIT_INTERVAL_S and (not inflight or inflight[-1].done()):
             if inflight:
                 inflight.pop().result()  # re-raise its error (a full disk) here
-            inflight.append(committer.submit(_commit_group, root, journal, pending[:]))
+            inflight.append(committer.submit(_commit_group, shards.dir_fd, journal, pending[:]))
             pending.clear()
             last = time.monotonic()
 
 
 def _end_task(
-    root: Path, journal: JournalWriter, pending: list[dict[str, Any]], inflight: list[Future[None]],
+    dirs: OutputDirs, journal: JournalWriter, pending: list[dict[str, Any]], inflight: list[Future[None]],
     committer: ThreadPoolExecutor, shards: _Shards,
 ) -> None:  # fmt: skip
     """Commit a task's last items (after its group commit in flight), then close its files."""
     try:
         for future in inflight:
             future.result()
-        _commit_group(root, journal, pending)
+        _commit_group(shards.dir_fd, journal, pending)
     finally:
-        _close_task(committer, shards, journal)
+        _close_task(committer, shards, journal, dirs)
 
 
-def _close_task(committer: ThreadPoolExecutor, shards: _Shards, journal: JournalWriter) -> None:
+def _close_task(committer: ThreadPoolExecutor, shards: _Shards, journal: JournalWriter, dirs: OutputDirs) -> None:
     committer.shutdown(wait=True)  # before the journal closes
     try:
         shards.close()
     finally:
-        journal.close()
+        try:
+            journal.close()
+        finally:
+            dirs.close()
 
 
-def _commit_group(root: Path, journal: JournalWriter, group: list[dict[str, Any]]) -> None:
+def _commit_group(shards_fd: int, journal: JournalWriter, group: list[dict[str, Any]]) -> None:
     """Make a group of items durable: their shards' bytes first, then their journal lines (one fsync each).
 
     The shards are fsynced through a descriptor of their own: on Linux fsync flushes the file, whichever
@@ -308,7 +322,7 @@ def _commit_group(root: Path, journal: JournalWriter, group: list[dict[str, Any]
     if not group:
         return
     for shard in sorted({r["shard"] for r in group if "shard" in r}):
-        fd = os.open(root / shard, os.O_RDONLY)
+        fd = os.open(os.path.basename(shard), os.O_RDONLY | os.O_NOFOLLOW, dir_fd=shards_fd)
         try:
             os.fsync(fd)
         finally:

@@ -15,9 +15,12 @@ root is mounted from, and every raw extent must lie inside that filesystem's dev
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import stat
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -27,6 +30,7 @@ from loaders.blockmap.bmap import BlockMap, RawSource
 from loaders.blockmap.fiemap import EXTENT_FLAGS, FiemapReader
 from loaders.errors import BackendError, UnsafeFileError
 from loaders.opener import open_in
+from loaders.tunables import RECENT_CTIME_S
 
 UNCHECKED = "?"  # verdict of a file whose check has not run (or is still running)
 MOVED = "its blocks moved on the device: defragmented or rewritten in place"
@@ -187,6 +191,31 @@ def _runs(extents: Sequence[Sequence[int]], size: int) -> list[tuple[int, int, i
     return out
 
 
+_SYNC_WRITE_AND_WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER (linux/fs.h)
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def write_back(fd: int) -> None:
+    """Write the file's dirty pages to its device and wait (sync_file_range, on a read-only descriptor too; no
+    journal commit nor cache flush: a raw read needs the bytes on the device, not durable). A file rewritten and
+    not yet written back has its new bytes only in the page cache; the device, which raw reads go to, still holds
+    the old ones. Nothing dirty: one page-cache lookup (docs/security.md has the cost). OSError where it fails."""
+    fn = _sync_file_range()
+    if fn is None:  # not Linux's libc: the slower call that also writes metadata
+        os.fdatasync(fd)
+    elif fn(fd, 0, 0, _SYNC_WRITE_AND_WAIT) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 def current_extents(fd: int, name: str) -> list[tuple[int, int, int, int]]:
     """The file's extents now (FIEMAP without SYNC: dirty data shows as delalloc, so it differs from a map)."""
     reader = getattr(_local, "fiemap", None)
@@ -312,6 +341,8 @@ class MappedFiles:
         if want is None:
             want = self._expect[key] = self._expected(r)
         try:
+            t0 = time.time_ns()
+            write_back(fd)  # a dirty page's new bytes are on the device now: a raw read returns them
             st = os.fstat(fd)
             if (st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != want[:4]:
                 return self._stale(key) or "changed since it was mapped (replaced while checked)"
@@ -325,7 +356,7 @@ class MappedFiles:
             same = _runs(now, r["size"]) == want[4]
         if not same:
             return f"changed since it was mapped ({MOVED})"
-        if clock is not None:
+        if clock is not None and st.st_ctime_ns < t0 - int(RECENT_CTIME_S * 1e9):
             self._seen[key] = ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), clock)
         return None
 

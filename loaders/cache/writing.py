@@ -37,8 +37,11 @@ from loaders.errors import FormatError
 from loaders.opener import create_new, open_to_write
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so a rename inside it is durable."""
+def fsync_dir(path: str | os.PathLike[str] | int) -> None:
+    """fsync a directory (a path, or a descriptor already open) so a rename inside it is durable."""
+    if isinstance(path, int):
+        os.fsync(path)
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -49,27 +52,35 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 _OUT_FIX = "remove it, or choose another output folder (prep never writes through a link)"
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, dir_fd: int | None = None) -> None:
     """Write a file so readers see the old or the new content, never a torn one (temp, fsync, rename); the temp
-    file is made new (O_EXCL, O_NOFOLLOW) and the rename replaces a name, never writes through a link."""
+    file is made new (O_EXCL, O_NOFOLLOW) and the rename replaces a name, never writes through a link. `dir_fd`:
+    the folder's descriptor, opened once; names are taken relative to it (`path` then names it in messages)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with os.fdopen(create_new(tmp, _OUT_FIX), "wb") as f:
+    with os.fdopen(create_new(tmp, _OUT_FIX, dir_fd=dir_fd), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if dir_fd is None:
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    else:
+        os.replace(tmp.name, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
 
 
 class ShardWriter:
     """Append tensors to one shard file at ALIGN-aligned offsets, preallocating ahead so the shard is one or
     few extents. Use as a context manager; `close()` trims the preallocation to the bytes written."""
 
-    def __init__(self, path: str | os.PathLike[str], prealloc: int = 256 << 20, start: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], prealloc: int = 256 << 20, start: int = 0, dir_fd: int | None = None
+    ) -> None:
         self.path = Path(path)
         self.prealloc = prealloc
-        self._fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT, _OUT_FIX)  # checked before the ftruncate
+        # checked before the ftruncate; `dir_fd`: its folder's descriptor (the name is taken relative to it)
+        self._fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT, _OUT_FIX, dir_fd=dir_fd)
         self.size = align_up(start)
         self._allocated = self.size
         os.ftruncate(self._fd, self.size)
