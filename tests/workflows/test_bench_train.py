@@ -223,3 +223,22 @@ def test_crop_bytes_per_step_counts_each_keys_voxels_at_the_caches_dtype() -> No
 
     batch = {"image": ((2, 4, 8, 8, 8), "float"), "label": ((2, 1, 8, 8, 8), "binary"), "meta": ((2,), "class")}
     assert crop_bytes_per_step(batch, {"image": "float32", "label": "uint8"}) == 2 * 512 * (4 * 4 + 1)
+
+
+def test_proc_counter_counts_a_childs_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the data lies on no block device in /sys, the bytes read are /proc io's over the benchmark's
+    process tree: a child's reads count, also once it has exited (the kernel folds them into its parent)."""
+    from workflows.bench import train_cold
+    from workflows.bench.core import evict
+
+    monkeypatch.setattr(train_cold, "block_stat", lambda path: None)
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(1 << 20))
+    (counter,) = train_cold.read_counters(probe, os.getpid())
+    assert counter.how.startswith("/proc io")
+    if why := _evict_counts(tmp_path):
+        pytest.skip(why)
+    evict([probe])
+    before = counter.read()
+    subprocess.run(["cat", str(probe)], check=True, stdout=subprocess.DEVNULL)
+    assert counter.read() - before >= 1 << 20
