@@ -175,3 +175,70 @@ def test_serving_row_times_the_feeders_batches(out: Path) -> None:
     assert benchmark.main(["train", *TINY, "--rows", rows, "--out", str(out / "s")]) == 0
     names = [r["name"] for r in _rows(out / "s" / "bench.csv")]
     assert any("timed once the feeder serves" in n for n in names), names
+
+
+def _evict_counts(folder: Path) -> str:
+    """'' where a file written under `folder`, evicted and read back, counts bytes read here; else why not."""
+    from workflows.bench.core import Unavailable, evict
+    from workflows.bench.train_cold import read_counters
+
+    probe = folder / "probe.bin"
+    probe.write_bytes(os.urandom(1 << 20))
+    try:
+        counters = read_counters(probe, os.getpid())
+    except Unavailable as exc:
+        return str(exc)
+    evict([probe])
+    before = [c.read() for c in counters]
+    probe.read_bytes()
+    if any(c.read() == b for c, b in zip(counters, before)):
+        return f"{folder}: a file evicted and read back counts no bytes read here ({counters[0].how})"
+    return ""
+
+
+def test_cold_epochs_note_bytes_read_against_the_crops(out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--cold-epochs: every row but the ceiling notes MB read per timed epoch (and what counted them), the crops'
+    MB and the ratio; the disk's O_DIRECT rate is printed with the table. Nothing timed is asserted."""
+    args = ["train", *TINY, "--rows", "persistent,fast", "--cold-epochs", "--out", str(out / "c")]
+    status = benchmark.main(args)
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "disk read rate" in printed and "read MB/epoch" in printed, printed
+    doc = json.loads((out / "c" / "bench.json").read_text())
+    rows = [r for r in doc["results"] if r["kind"] != "ceiling"]
+    assert len(rows) == 2 and all("read MB/epoch" not in r["extra"] for r in doc["results"] if r not in rows)
+    for r in rows:
+        extra = r["extra"]
+        assert extra["read MB/epoch"] >= 0 and extra["read/crops"] >= 0 and extra["read counted by"], extra
+        assert extra["crops MB/epoch"] == pytest.approx(2 * 2 * 16**3 * 4 * 2 / 1e6, rel=0.5), extra  # 2 steps
+    assert any(line.startswith("disk read rate") for line in doc["footer"]), doc["footer"]
+    why = _evict_counts(out)
+    if why:
+        pytest.skip(why)
+    assert all(r["extra"]["read MB/epoch"] > 0 for r in rows), rows
+
+
+def test_crop_bytes_per_step_counts_each_keys_voxels_at_the_caches_dtype() -> None:
+    from workflows.bench.train_cold import crop_bytes_per_step
+
+    batch = {"image": ((2, 4, 8, 8, 8), "float"), "label": ((2, 1, 8, 8, 8), "binary"), "meta": ((2,), "class")}
+    assert crop_bytes_per_step(batch, {"image": "float32", "label": "uint8"}) == 2 * 512 * (4 * 4 + 1)
+
+
+def test_proc_counter_counts_a_childs_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the data lies on no block device in /sys, the bytes read are /proc io's over the benchmark's
+    process tree: a child's reads count, also once it has exited (the kernel folds them into its parent)."""
+    from workflows.bench import train_cold
+    from workflows.bench.core import evict
+
+    monkeypatch.setattr(train_cold, "block_stat", lambda path: None)
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(os.urandom(1 << 20))
+    (counter,) = train_cold.read_counters(probe, os.getpid())
+    assert counter.how.startswith("/proc io")
+    if why := _evict_counts(tmp_path):
+        pytest.skip(why)
+    evict([probe])
+    before = counter.read()
+    subprocess.run(["cat", str(probe)], check=True, stdout=subprocess.DEVNULL)
+    assert counter.read() - before >= 1 << 20

@@ -25,7 +25,8 @@ from typing import Annotated, Any
 import typer
 
 from workflows.bench import scenario
-from workflows.bench.core import Options, Rows
+from workflows.bench.core import Options, Rows, Unavailable
+from workflows.bench.train_cold import ColdEpochs
 from workflows.bench.train_loop import TrainOptions, TrainRow, as_result, build_data
 from workflows.bench.train_rows import (
     CEILING,
@@ -37,6 +38,7 @@ from workflows.bench.train_rows import (
     gds,
     gpu_budget,
     persistent,
+    persistent_dir,
     persistent_name,
     smart_cache,
     transport,
@@ -54,6 +56,10 @@ def run(opts: TrainOptions, work: Path) -> Rows:
 
     datalist, pipeline, cache = build_data(opts, work)
     nbytes = dataset_bytes(cache)
+    rate = ""
+    if opts.cold_epochs:
+        rate, cold = _cold(opts, work, cache)
+        opts = replace(opts, cold=cold)
     budget = gpu_budget(opts)
     what = WORKLOADS[opts.workload].describe(opts)
     timed = f"{opts.epochs - 1} timed epochs" + (f" or more ({opts.min_seconds:g} s)" if opts.min_seconds else "")
@@ -62,7 +68,30 @@ def run(opts: TrainOptions, work: Path) -> Rows:
     jobs = _jobs(opts, work, datalist, pipeline, cache, budget, nbytes)
     jobs += _variants(opts, pipeline, cache, nbytes // 2)
     _run_rounds(rows, jobs, opts)
+    if opts.cold is not None:
+        rows.footer += [rate, f"cold epochs: each row's epochs (not the ceiling's) start after {opts.cold.evicted}"
+                        f" of the workload's files; bytes read counted by {opts.cold.counters[0].how}"]  # fmt: skip
     return rows
+
+
+def _cold(opts: TrainOptions, work: Path, cache: Path) -> tuple[str, ColdEpochs]:
+    """For --cold-epochs: the disk's read rate (a footer line, or why not) and what every cold epoch
+    evicts (the workload's data, prepared cache, PersistentDataset and GDSDataset caches) and counts."""
+    from loaders.cache.format import PreparedCache
+    from loaders.tunables import COLD_INFLIGHT
+    from workflows.bench.train_cold import crop_bytes_per_step, disk_rates, read_counters
+
+    prepared = PreparedCache(cache)
+    depth = min(COLD_INFLIGHT, 8 * len(os.sched_getaffinity(0)))  # the cold reads' own depth (loaders.tunables)
+    try:
+        rate = disk_rates(list(prepared.shards), depth, opts.seed)
+    except Unavailable as exc:
+        rate = f"disk read rate: not measured ({exc})"
+    print(f"  {rate}", flush=True)
+    dtypes = {e.key: e.dtype for e in prepared.entries(0)}
+    crops = crop_bytes_per_step(WORKLOADS[opts.workload].ceiling(opts), dtypes)
+    folders = [cache.parent, persistent_dir(opts, work), work / "gds"]
+    return rate, ColdEpochs.of(folders, read_counters(cache, os.getpid()), crops)
 
 
 def _jobs(
@@ -229,17 +258,26 @@ def train(
         int | None,
         typer.Option(min=1, help="pin the benchmark and its workers to N cores, as a SLURM job's --cpus-per-task"),
     ] = None,
+    cold_epochs: Annotated[
+        bool,
+        typer.Option(
+            help="every epoch of a row starts with the workload's files evicted from the page cache; rows "
+            "note bytes read per epoch against the crops' bytes, the disk's rate is measured too"
+        ),
+    ] = False,
 ) -> Rows:
     """`python -m workflows.benchmark train --workload all --device cuda:0` (global --batchsize is the batch,
     --workers the DataLoader workers of the peers; left at 4 and 0 they are the workload's own)."""
     names = _workloads(workload)
+    if cold_epochs and ddp:
+        raise typer.BadParameter("--cold-epochs times one GPU's rows; it does not apply to --ddp")
     if cores is not None:
         pin_cores(cores)
     given = TrainOptions(epochs=epochs, device=opts.device, gpu_budget=gpu_budget,
                          channels=tuple(int(c) for c in channels.split(",")), out=opts.out or Path("bench_out"),
                          rows=tuple(r for r in rows.split(",") if r), shape_range=shape_range,
                          spacing_range=_spacing(spacing_range), rounds=rounds,
-                         min_seconds=_min_seconds(min_seconds, opts.device))  # fmt: skip
+                         min_seconds=_min_seconds(min_seconds, opts.device), cold_epochs=cold_epochs)  # fmt: skip
     return _each_workload(names, given, opts, (size, crop, count), ddp)
 
 

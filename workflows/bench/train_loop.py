@@ -9,11 +9,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loaders.cache.writing import atomic_write_bytes
 from workflows.bench.core import Result, Unavailable
 from workflows.bench.workloads import WORKLOADS, model_and_loss
+
+if TYPE_CHECKING:
+    from workflows.bench.train_cold import ColdEpochs
 
 __all__ = ["TrainOptions", "TrainRow", "as_result", "build_data", "make_step", "pipeline_source", "time_loop",
            "transform_of"]  # fmt: skip
@@ -40,6 +43,8 @@ class TrainOptions:
     spacing_range: tuple[float, float] | None = None  # voxel spacings in mm drawn from this range; None: own
     rounds: int = 1  # every row this many times, interleaved; a row is its median round
     min_seconds: float = 0.0  # epochs after `epochs` run until the timed steps add up to this many seconds
+    cold_epochs: bool = False  # every epoch of a row (but the ceiling's) starts with the workload's files evicted
+    cold: ColdEpochs | None = None  # what a cold epoch evicts and counts (set by `train.run` from `cold_epochs`)
 
     @property
     def gpu(self) -> bool:
@@ -149,7 +154,9 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
     """Train `opts.epochs` epochs over `epochs(e)`, and more until the timed steps add up to `opts.min_seconds`
     (a `spheres` epoch on a GPU takes hundredths of a second, too short a window to time: docs/benchmarks.md,
     Training); time every epoch after the first. `settled`: epochs before it says True (at an epoch's start,
-    within SETTLE_S) are trained untimed too: a long run's steady state."""
+    within SETTLE_S) are trained untimed too: a long run's steady state. With `opts.cold`, every epoch starts
+    with the workload's files evicted, before the epoch is requested (a loader's workers read ahead once it
+    is), and the row notes the bytes read per timed epoch."""
     import torch
 
     device = device or opts.device
@@ -157,10 +164,13 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
     # the training stream, as loss.item() syncs it; a loader's own stream (batches ahead) is not waited for
     sync = (lambda: torch.cuda.current_stream(device).synchronize()) if device.startswith("cuda") else (lambda: None)
     row = TrainRow(name, kind, note=note)
+    reads = opts.cold.row() if opts.cold is not None and kind != "ceiling" else None  # the ceiling reads nothing
     epoch, untimed, t_start = 0, 1, time.perf_counter()
     while epoch < opts.epochs + untimed - 1 or (row.steps and row.seconds < opts.min_seconds):  # none: stop
         if epoch >= untimed and settled is not None and not settled() and time.perf_counter() - t_start < SETTLE_S:
             untimed += 1
+        if reads is not None:
+            reads.begin()
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
@@ -184,9 +194,12 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
                 row.cpu_seconds += time.process_time() - cpu0
         if expected is not None and seen < expected:  # a loader thread died: its error was printed above
             raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
+        if reads is not None:
+            reads.end(timed=epoch >= untimed)
         epoch += 1
     if row.steps == 0:
         raise Unavailable(f"{name}: no timed steps (need --epochs >= 2 and count >= batch)")
+    row.extra.update(reads.fields(row.steps) if reads is not None else {})
     return row
 
 

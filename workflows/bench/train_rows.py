@@ -210,8 +210,13 @@ def _persistent_dataset(datalist: Path, pipeline: Path, opts: TrainOptions, work
     """The workload's MONAI PersistentDataset, its .pt files kept under `work` between rows and runs."""
     from monai.data import PersistentDataset
 
-    where = work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
+    where = persistent_dir(opts, work)
     return PersistentDataset(_datalist(datalist), transform_of(pipeline, opts.seed), cache_dir=where)
+
+
+def persistent_dir(opts: TrainOptions, work: Path) -> Path:
+    """Where the workload's PersistentDataset keeps its .pt files (shared by every size of the workload)."""
+    return work / ("persistent" if opts.workload == "spheres" else f"persistent_{opts.workload}")
 
 
 def persistent_name(opts: TrainOptions) -> str:
