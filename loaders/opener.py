@@ -156,6 +156,34 @@ def open_to_write(
     return fd
 
 
+def folder_to_write(root: str | os.PathLike[str], rel: str, fix: str) -> int:
+    """The descriptor of folder `rel` below an output's `root` (made where missing, mode 0755), every part opened
+    O_DIRECTORY | O_NOFOLLOW relative to the one above: a link anywhere below `root` is refused (UnsafeFileError),
+    and once held, a path swapped for a link redirects nothing written relative to it (`dir_fd=`). `root` is the
+    user's argument and may be reached through links."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    where = os.fspath(root)
+    try:
+        for part in _parts(rel, where, fix):
+            where = os.path.join(where, part)
+            with suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            try:
+                below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                what = kind(os.lstat(part, dir_fd=fd).st_mode)
+                raise UnsafeFileError(f"{where}: is {what}, where a folder of this output belongs; refused "
+                                      f"(nothing is written through a link); {fix}") from None  # fmt: skip
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def create_new(path: str | os.PathLike[str], fix: str, mode: int = 0o644, dir_fd: int | None = None) -> int:
     """A new, empty file at `path` for writing (a temp file to rename): whatever held the name is unlinked
     first, then O_CREAT | O_EXCL | O_NOFOLLOW, so nothing planted there is ever written through. `dir_fd`: as

@@ -8,9 +8,11 @@ resumed (journals of the same plan), or a committed cache reopened for quarantin
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,10 @@ from loaders.cache import chain, layout, sampling
 from loaders.cache.format import PreparedCache
 from loaders.cache.meta import SECTION, line_source
 from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
-from loaders.cache.writing import fsync_dir
 from prep.datalist import Repeats, datalist_hash, entry_key, load_datalist, unique_items
 from prep.errors import StaleError, UsageError
 from prep.journal import JournalWriter, committed_records, read_plan, write_plan
+from prep.outdirs import OutputDirs
 from prep.pipeline import Pipeline, file_sha256
 from prep.quarantine import to_retry
 from prep.summary import CacheSummary, summary_of
@@ -89,12 +91,15 @@ def _left(free: dict[str, list[int]]) -> list[int]:
 def _journaled(root: Path, plan: dict[str, Any], records: list[dict[str, Any]]) -> None:
     """A committed cache's kept items as the journal of a run of `plan`: plan first, manifest removed last,
     so a kill at any point leaves either the committed cache or a run that resumes."""
-    write_plan(root, plan)
-    (root / JOURNAL_DIR / _COMMITTED).unlink(missing_ok=True)
-    with JournalWriter(root / JOURNAL_DIR / _COMMITTED) as journal:
-        journal.append_many(records)
-    (root / MANIFEST).unlink()
-    fsync_dir(root)
+    with OutputDirs(root) as dirs:  # held: a folder swapped for a link redirects nothing (prep.outdirs)
+        journal_fd = dirs.fd(JOURNAL_DIR)
+        write_plan(root, plan, journal_fd)
+        with suppress(FileNotFoundError):
+            os.unlink(_COMMITTED, dir_fd=journal_fd)
+        with JournalWriter(root / JOURNAL_DIR / _COMMITTED, journal_fd) as journal:
+            journal.append_many(records)
+        os.unlink(MANIFEST, dir_fd=dirs.fd())
+        os.fsync(dirs.fd())
 
 
 def check_head(pipe: Pipeline, allow_empty_head: bool) -> None:

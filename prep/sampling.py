@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from loaders.cache import sampling
 from loaders.cache.format import PreparedCache
 from loaders.fast.folds import crop_sets_of
-from loaders.opener import open_to_write
+from loaders.opener import folder_to_write, open_to_write
+
+_FIX = "remove it, or choose another --output"
 
 
 def ensure_sets(cache_dir: str | Path, tail: list[Any], workers: int = 2, force: bool = False) -> str:
@@ -65,10 +68,11 @@ class WorkerSets:
 
         self.root, self.sig = Path(root), sig
         self.path = self.root / sampling.DIR / f".worker-sets-{uuid.uuid4().hex[:8]}.bin"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in self.path.parent.glob(".worker-sets-*.bin"):  # a killed run's (the cache lock is held)
-            stale.unlink(missing_ok=True)
-        fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, "remove it, or choose another --output")
+        self._dir = folder_to_write(self.root, sampling.DIR, _FIX)  # held: a swap of sampling/ redirects nothing
+        for stale in os.listdir(self._dir):  # a killed run's (the cache lock is held)
+            if stale.startswith(".worker-sets-") and stale.endswith(".bin"):
+                os.unlink(stale, dir_fd=self._dir)
+        fd = open_to_write(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, _FIX, dir_fd=self._dir)
         self._file = os.fdopen(fd, "w+b")  # closed by close()
         self._at: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # item -> (offset, (nvox, nbytes, count))
         self._lock = threading.Lock()
@@ -108,4 +112,6 @@ class WorkerSets:
 
     def close(self) -> None:
         self._file.close()
-        self.path.unlink(missing_ok=True)
+        with suppress(FileNotFoundError):
+            os.unlink(self.path.name, dir_fd=self._dir)
+        os.close(self._dir)

@@ -28,13 +28,19 @@ def checksum(buf: Any) -> int:
     return int(xxhash.xxh3_64_intdigest(buf))
 
 
-def file_record(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Size and the xxh3 of each CHUNK of a file, as the manifest records them."""
+def file_record(path: str | os.PathLike[str], dir_fd: int | None = None) -> dict[str, Any]:
+    """Size and the xxh3 of each CHUNK of a file, as the manifest records them. `dir_fd`: `path` is a name in that
+    held folder, opened without following a link (a file this run just wrote there)."""
+
+    def opener(name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+
     digests = []
-    with open(path, "rb") as f:
+    with open(path if dir_fd is None else os.path.basename(path), "rb", opener=opener) as f:
         while chunk := f.read(CHUNK):
             digests.append(f"{checksum(chunk):016x}")
-    return {"size": os.path.getsize(path), "chunk": CHUNK, "xxh3": digests}
+        size = os.fstat(f.fileno()).st_size
+    return {"size": size, "chunk": CHUNK, "xxh3": digests}
 
 
 def doc_checksum(doc: Mapping[str, Any]) -> str:

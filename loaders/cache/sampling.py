@@ -30,6 +30,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from loaders.cache.checksums import FileCheck, doc_checksum, file_record
 from loaders.cache.layout import npy_array
 from loaders.cache.spec import MAX_MANIFEST
 from loaders.errors import ChecksumError, FormatError, UnsafeFileError
-from loaders.opener import create_new, read_in
+from loaders.opener import create_new, folder_to_write, read_in
 
 SCHEMA = "1.0"
 DIR = "sampling"
@@ -140,12 +141,28 @@ def write_sets(
     """Commit every item's sets (`sets_of(item)`, as `packed_sets` makes them; on `workers` threads): bits and
     rows first, the manifest last (an interrupted run leaves no manifest and is redone)."""
     where = folder(cache_root, sig)
-    where.mkdir(parents=True, exist_ok=True)
-    (where / MANIFEST).unlink(missing_ok=True)
+    held = folder_to_write(cache_root, os.path.relpath(where, cache_root), _OUT_FIX)  # no link below the cache
+    try:
+        _write_held(held, where, sig, sets_of, n_items, generation, workers)
+    finally:
+        os.close(held)
+    return where
+
+
+def _write_held(
+    held: int, where: Path, sig: Mapping[str, Any], sets_of: Callable[[int], Packed], n_items: int,
+    generation: str, workers: int,
+) -> None:  # fmt: skip
+    """`write_sets` into the folder `held` (its descriptor; `where` names it in messages): every file made,
+    checksummed and renamed relative to it."""
+    with suppress(FileNotFoundError):
+        os.unlink(MANIFEST, dir_fd=held)
     rows: list[tuple[int, int, int, int, int]] = []
     pos = 0
-
-    with os.fdopen(create_new(where / BITS, _OUT_FIX), "wb") as f, ThreadPoolExecutor(max(1, workers)) as pool:
+    with (
+        os.fdopen(create_new(where / BITS, _OUT_FIX, dir_fd=held), "wb") as f,
+        ThreadPoolExecutor(max(1, workers)) as pool,
+    ):
         for item, sets in zip(range(n_items), _ordered(pool, sets_of, n_items, 2 * max(1, workers))):
             if len(sets) > MAX_SETS:
                 raise FormatError(f"{where}: item {item} has {len(sets)} classes; at most {MAX_SETS} are kept")
@@ -156,19 +173,18 @@ def write_sets(
         f.flush()
         os.fsync(f.fileno())
     table = np.array(rows, dtype=SETS_DTYPE)
-    with os.fdopen(create_new(where / SETS, _OUT_FIX), "wb") as f:
+    with os.fdopen(create_new(where / SETS, _OUT_FIX, dir_fd=held), "wb") as f:
         np.save(f, table, allow_pickle=False)
     n_sets = len(rows) // n_items if n_items else 0
     doc: dict[str, Any] = {"format": "blockprep-sampling", "schema_version": SCHEMA, "signature": dict(sig),
                            "generation": generation, "n_items": n_items, "n_sets": n_sets,
                            "block_bits": BLOCK_BITS,
-                           "files": {name: file_record(where / name) for name in (SETS, BITS)}}  # fmt: skip
+                           "files": {name: file_record(where / name, held) for name in (SETS, BITS)}}  # fmt: skip
     doc["checksum"] = doc_checksum(doc)
-    tmp = where / (MANIFEST + ".tmp")
-    with os.fdopen(create_new(tmp, _OUT_FIX), "w") as out:
+    tmp = MANIFEST + ".tmp"
+    with os.fdopen(create_new(where / tmp, _OUT_FIX, dir_fd=held), "w") as out:
         out.write(json.dumps(doc, indent=1))
-    os.replace(tmp, where / MANIFEST)
-    return where
+    os.replace(tmp, MANIFEST, src_dir_fd=held, dst_dir_fd=held)
 
 
 def _ordered(pool: ThreadPoolExecutor, fn: Callable[[int], Any], n: int, ahead: int) -> Iterator[Any]:

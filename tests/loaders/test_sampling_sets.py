@@ -161,3 +161,29 @@ def test_crafted_resealed_sets_are_one_line_naming_the_file(cache: Path, how: st
                 s[k]
     msg = str(got.value)
     assert "\n" not in msg and str(where) in msg and "re-run `prep sampling`" in msg, msg
+
+
+@pytest.mark.parametrize("which", ["sampling", "signature"])
+def test_sets_are_never_written_through_a_linked_folder(cache: Path, tmp_path: Path, which: str) -> None:
+    """`sampling/` or its signature folder swapped for a link to a folder elsewhere: making the sets again (what
+    `prep cache` does after its commit, `prep sampling --force`) is refused in one line naming the folder, and
+    nothing is written elsewhere; the workers' temporary file (under `sampling/`) is refused the same way."""
+    from prep.pipeline import load_pipeline
+    from prep.sampling import WorkerSets, ensure_sets
+
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text(CHAINS["posneg-3d"][2])
+    (sig,) = sampling.stored_signatures(cache)
+    where = _where(cache)
+    moved, elsewhere = tmp_path / "moved", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    swapped = where.parent if which == "sampling" else where
+    os.rename(swapped, moved)
+    swapped.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UnsafeFileError) as got:
+        ensure_sets(cache, load_pipeline(pipeline).tail, workers=1, force=True)
+    assert "\n" not in str(got.value) and str(swapped) in str(got.value) and "link" in str(got.value)
+    if which == "sampling":
+        with pytest.raises(UnsafeFileError, match="sampling"):
+            WorkerSets(cache, dict(sig))
+    assert list(elsewhere.rglob("*")) == []
