@@ -61,6 +61,18 @@ def _resolved(value: Any, bases: Sequence[Path]) -> Any:
     return value
 
 
+def _strings(value: Any) -> Iterator[str]:
+    """Every string of a datalist entry (nested in dicts and lists)."""
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
 def _source_bases(manifest: Mapping[str, Any]) -> list[Path]:
     """Where a cache's relative source paths may be relative to: the current folder, then the prepared
     datalist's folder and its parents (prep ran in one of them when it was given a relative datalist)."""
@@ -246,8 +258,17 @@ class PersistentCore:
         if not quarantined:
             return
         bases = _source_bases(self.dataset.cache.manifest)
-        why = {_key(_resolved(q.get("source"), bases)): q for q in quarantined if isinstance(q, Mapping)}
-        hits = [(i, why[k]) for i, k in enumerate(_key(_resolved(e, [Path.cwd()])) for e in self.data) if k in why]
+        mine = [_resolved(e, [Path.cwd()]) for e in self.data]
+        # only quarantined entries that name a file this datalist names (by base name, of the path as listed or
+        # as resolved) are resolved: a stat each, where a crafted manifest may list hundreds of thousands
+        names = {os.path.basename(v) for e in (*self.data, *mine) for v in _strings(e)}
+        near = (
+            q
+            for q in quarantined
+            if isinstance(q, Mapping) and names & {os.path.basename(v) for v in _strings(q.get("source"))}
+        )
+        why = {_key(_resolved(q.get("source"), bases)): q for q in near}
+        hits = [(i, why[k]) for i, k in enumerate(_key(e) for e in mine) if k in why]
         if hits:
             i, q = hits[0]
             raise StaleError(
