@@ -119,10 +119,11 @@ class LabelCropFold(Fold):
         return [_window(Crop.compute_slices(roi_center=c, roi_size=roi), spatial) for c in t.cropper.centers]
 
 
-def _same_spatial(t: Any, cache: Any) -> bool:
-    """Whether every item's keys that `t` crops share one spatial shape (from the index): one window read
-    for every key, as MONAI cuts them. Elsewhere (a label smaller than its image) the crop runs in the tail."""
-    keys = [k for k in t.keys if cache is not None and k in cache.keys]
+def _same_spatial(t: Any, cache: Any, also: Sequence[str | None] = ()) -> bool:
+    """Whether every item's keys that `t` crops (and `also`: the keys it draws over) share one spatial shape
+    (from the index): one window read for every key, as MONAI cuts them. Elsewhere (a label smaller than its
+    image) the crop runs in the tail."""
+    keys = [k for k in dict.fromkeys((*t.keys, *also)) if cache is not None and k is not None and k in cache.keys]
     return cache is not None and bool(keys) and bool(cache.same_spatial(keys))
 
 
@@ -138,7 +139,7 @@ def _samples_fold(t: Any, cache: Any) -> Fold | None:
 
 def _label_fold(t: Any, cache: Any) -> Fold | None:
     sig = sampling.signature(t)
-    if sig is None or cache is None:
+    if sig is None or cache is None or not _same_spatial(t, cache, (sig["label_key"], sig["image_key"])):
         return None
     store = sampling.open_store(cache, sig)
     if store is None:

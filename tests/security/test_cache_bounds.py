@@ -109,3 +109,26 @@ def test_an_inconsistent_index_is_refused(good_cache: Path, tmp_path: Path, edit
     assert result.exit_code == 1, result.output
     if says != "past the end of its shard":  # verify lists the short tensors one by one instead
         assert says in result.output, result.output
+
+
+def test_an_image_reshaped_against_its_label_is_not_cropped_through_the_label_fold(
+    good_cache: Path, tmp_path: Path
+) -> None:
+    """An item's image reshaped (same bytes) so that its spatial shape no longer agrees with its label's, the
+    manifest resealed: the label-driven crop is no longer folded into the read (one window for every key would
+    be cut from a different shape); the crop runs in the tail, as MONAI runs it on that content."""
+    from loaders.cache.format import PreparedCache
+    from loaders.fast.folds import LabelCropFold, label_fold
+    from prep.pipeline import load_pipeline
+
+    tail = load_pipeline(Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py").tail
+    assert isinstance(label_fold(tail, PreparedCache(good_cache)), LabelCropFold)
+    cache = copy_cache(good_cache, tmp_path / "c")
+
+    def reshape(rows: np.ndarray) -> None:
+        (at,) = np.flatnonzero((rows["item"] == 0) & (rows["key"] == 0))
+        d, h, w = rows["shape"][at, 1:4]
+        rows["shape"][at, 1:4] = [d * 2, h, w // 2]
+
+    edit_index(cache, reshape)
+    assert label_fold(tail, PreparedCache(cache)) is None
