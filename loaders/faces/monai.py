@@ -205,10 +205,10 @@ class PersistentCore:
     True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)); its
     numpy arrays come back as numpy arrays under MONAI 1.4 and as MetaTensors from 1.5, as there.
     device: where the output tensors go; None: where the head put them (`dropin_device`). backend, verify and
-    other options: as for PreparedDataset; PersistentDataset's own options (hash_func, pickle_module, ...) are
-    accepted and have nothing to do here. A `monai.data.Dataset` built as MONAI builds one (a list
-    `transform` becomes a Compose), so slicing, DataLoader, ThreadDataLoader and `set_data` work as with
-    PersistentDataset.
+    other options (keyword-only): as for PreparedDataset. PersistentDataset's own arguments come in its order
+    and are kept as its attributes. A `monai.data.PersistentDataset` (the class in `loaders.faces.monai_data`):
+    where no prepared cache serves (cache_dir=None, a folder `prep cache` never wrote, transform=None, data in
+    memory) its own code runs, unchanged.
     """
 
     transform: Any  # a Compose, set by monai.data.Dataset.__init__
