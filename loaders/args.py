@@ -271,8 +271,10 @@ def check_dropin(data: Any, transform_: Any, cache_dir_: Any, track_meta: Any, e
             f"data={_short(data)} is not a list of datalist entries; pass the list PersistentDataset takes "
             "(e.g. monai.data.load_decathlon_datalist(...))"
         )
-    transform(transform_)
-    cache_dir(cache_dir_)
+    if transform_ is not None:  # None: PersistentDataset's (no transform), as cache_dir=None is (no cache)
+        transform(transform_)
+    if cache_dir_ is not None:
+        cache_dir(cache_dir_)
     if track_meta is not None:
         flag("track_meta", track_meta)
     if extra:

@@ -169,6 +169,43 @@ def _persistent_runs_whole(transform: Any) -> bool:
     return bool(first) and (isinstance(first[0], RandomizableTrait) or not isinstance(first[0], Transform))
 
 
+def _persistent_arguments(
+    data: Any, transform: Any, cache_dir: Any, positional: Sequence[Any], options: dict[str, Any]
+) -> tuple[dict[str, Any], bool | None]:
+    """PersistentDataset's arguments, bound as the installed MONAI binds them (its positional order, its
+    names and defaults; a wrong one is its TypeError), taken out of `options`; and track_meta as given (None:
+    not given), which MONAI 1.4 does not take and the drop-in does."""
+    import inspect
+
+    from monai.data import PersistentDataset
+
+    signature = inspect.signature(PersistentDataset.__init__)
+    names = list(signature.parameters)[4:]  # after self, data, transform, cache_dir
+    track_meta = None if "track_meta" in names else options.pop("track_meta", None)
+    given = {name: options.pop(name) for name in names if name in options}
+    arguments = dict(signature.bind(None, data, transform, cache_dir, *positional, **given).arguments)
+    del arguments["self"]
+    if "track_meta" in names:
+        track_meta = arguments.get("track_meta")
+        if track_meta is None:
+            arguments.pop("track_meta", None)  # MONAI's default
+    return arguments, track_meta
+
+
+def _file_based(data: Sequence[Any]) -> bool:
+    """True where every entry is a datalist entry the prepared layout keys by (a dict or a path); numpy
+    arrays, tensors, lists and numbers are data in memory, which PersistentDataset hashes as they are."""
+    return all(isinstance(e, (Mapping, str, os.PathLike)) for e in data)
+
+
+def _serves(cache_dir: Any, transform: Any, data: Sequence[Any]) -> bool:
+    """True where the prepared layout serves: a prepared cache at `cache_dir`, a transform and file-based
+    data; else PersistentDataset's own code runs (its `<hash>.pt` files, or no cache for cache_dir=None)."""
+    return (
+        cache_dir is not None and transform is not None and (Path(cache_dir) / MANIFEST).is_file() and _file_based(data)
+    )
+
+
 class PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
@@ -180,10 +217,10 @@ class PersistentCore:
     True restores the head's MetaTensors with all their meta (PersistentDataset(track_meta=True)); its
     numpy arrays come back as numpy arrays under MONAI 1.4 and as MetaTensors from 1.5, as there.
     device: where the output tensors go; None: where the head put them (`dropin_device`). backend, verify and
-    other options: as for PreparedDataset; PersistentDataset's own options (hash_func, pickle_module, ...) are
-    accepted and have nothing to do here. A `monai.data.Dataset` built as MONAI builds one (a list
-    `transform` becomes a Compose), so slicing, DataLoader, ThreadDataLoader and `set_data` work as with
-    PersistentDataset.
+    other options (keyword-only): as for PreparedDataset. PersistentDataset's own arguments come in its order
+    and are kept as its attributes. A `monai.data.PersistentDataset` (the class in `loaders.faces.monai_data`):
+    where no prepared cache serves (cache_dir=None, a folder `prep cache` never wrote, transform=None, data in
+    memory) its own code runs, unchanged.
     """
 
     transform: Any  # a Compose, set by monai.data.Dataset.__init__
@@ -193,22 +230,25 @@ class PersistentCore:
         self,
         data: Sequence[Any],
         transform: Any,
-        cache_dir: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str] | None = None,
+        *persistent: Any,
         backend: str | Backend = "auto",
         device: str | None = None,
         verify: bool = False,
-        track_meta: bool | None = None,
         **options: Any,
     ) -> None:
         from loaders.faces.torch_data import PreparedDataset
 
-        self._reset_ops_id = bool(options.get("reset_ops_id", True))  # what an item computed here keeps
-        for name in _PERSISTENT_ONLY:
-            options.pop(name, None)
+        arguments, track_meta = _persistent_arguments(data, transform, cache_dir, persistent, options)
         args.check_dropin(data, transform, cache_dir, track_meta, [n for n in options if n not in _DATASET_OPTIONS])
+        super().__init__(**arguments)  # type: ignore[call-arg]  # PersistentDataset's: a list becomes a Compose
+        self._prepared = _serves(cache_dir, transform, data)
+        if not self._prepared:
+            return  # PersistentDataset's own behaviour throughout (docs/loaders.md says when and why)
+        self._reset_ops_id = bool(arguments.get("reset_ops_id", True))  # what an item computed here keeps
         if track_meta is None:
             track_meta = _persistent_track_meta()
-        super().__init__(data, transform)  # type: ignore[call-arg]  # monai.data.Dataset's: wraps a list in Compose
+        assert cache_dir is not None
         transform = self.transform
         self.track_meta = track_meta
         whole = _persistent_runs_whole(transform)
@@ -246,7 +286,13 @@ class PersistentCore:
 
     def set_data(self, data: Sequence[Any]) -> None:
         """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
-        cache is kept: it is read-only here; entries not in it are computed when read (`_computed`)."""
+        cache is kept: it is read-only here; entries not in it are computed when read (`_computed`). Without
+        a prepared cache, PersistentDataset's: its cache files are deleted (never a prepared cache's)."""
+        if self._prepared and not _file_based(data):
+            self._prepared = False  # in-memory data: PersistentDataset's own files from now on
+        if not self._prepared:
+            self._set_persistent_data(data)
+            return
         self.data = data
         self._in_place = {}
         self._check_quarantine()
@@ -306,8 +352,21 @@ class PersistentCore:
         once = PersistentDataset([self.data[index]], self.transform, cache_dir=None, reset_ops_id=self._reset_ops_id)
         return once[0]
 
+    def _set_persistent_data(self, data: Sequence[Any]) -> None:
+        """PersistentDataset.set_data, except in a folder that also holds a prepared cache: there only
+        PersistentDataset's own files (`<hash>.pt`) go."""
+        cache_dir = getattr(self, "cache_dir", None)
+        if cache_dir is None or not (Path(cache_dir) / MANIFEST).is_file():
+            super().set_data(data)  # type: ignore[misc]
+            return
+        self.data = data
+        for stale in Path(cache_dir).glob("*.pt"):
+            stale.unlink(missing_ok=True)
+
     def _transform(self, index: int) -> Any:
         # monai.data.Dataset.__getitem__ handles slices and index lists, then calls this per item
+        if not self._prepared:
+            return super()._transform(index)  # type: ignore[misc]
         item = self._lookup(int(index))
         if item is None:
             return self._computed(int(index))
@@ -331,5 +390,13 @@ class PersistentCore:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is
         then the one it draws under PersistentDataset, where MONAI's DataLoader (num_workers=0) seeds the
         dataset's `transform` (seeding a Compose of the tail alone gave its members other seeds)."""
+        if (
+            not self._prepared and seed is not None
+        ):  # as MONAI's set_rnd seeds a PersistentDataset: its attributes in name order
+            from monai.data.utils import set_rnd
+
+            for key in sorted(self.__dict__):
+                seed = set_rnd(self.__dict__[key], seed=seed)
+            return self
         self.transform.set_random_state(seed=seed)
         return self

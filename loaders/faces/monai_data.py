@@ -1,6 +1,6 @@
-"""The MONAI face of a prepared cache: `PreparedPersistentDataset`, a `monai.data.Dataset` in place of MONAI's
-`PersistentDataset`. This module imports MONAI; `loaders.faces.monai` holds the work and imports none, and
-`loaders` hands the name out on first use."""
+"""The MONAI face of a prepared cache: `PreparedPersistentDataset`, a `monai.data.PersistentDataset` that reads
+a prepared cache where one serves. This module imports MONAI; `loaders.faces.monai` holds the work and imports
+none, and `loaders` hands the name out on first use."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from loaders.deps import require
 
 require("monai", "PreparedPersistentDataset")
 
-from monai.data import Dataset  # noqa: E402
+from monai.data import PersistentDataset  # noqa: E402
 
 from loaders.faces.monai import PersistentCore  # noqa: E402
 
 __all__ = ["PreparedPersistentDataset"]
 
 
-class PreparedPersistentDataset(PersistentCore, Dataset):
+class PreparedPersistentDataset(PersistentCore, PersistentDataset):
     __doc__ = PersistentCore.__doc__
