@@ -124,6 +124,51 @@ def touches_cuda(head: Iterable[Any], depth: int = 3) -> bool:
     return any(names_cuda(t, 0) for t in _flat_transforms(list(head)))
 
 
+def track_meta_switch(transform: Any, depth: int = 3) -> str | None:
+    """The name of a transform in `transform` (or an object one holds, to `depth` levels, OneOf's members too)
+    whose code sets MONAI's process-wide `set_track_meta` (MONAI before 1.6: RandSimulateLowResolution turns
+    it off while it resizes): run on a thread beside the caller's, it makes the caller's own MONAI calls give
+    plain tensors meanwhile. None where none does."""
+
+    def switches(obj: Any, level: int) -> str | None:
+        if _sets_track_meta(type(obj)):
+            return type(obj).__name__
+        if level >= depth or not hasattr(obj, "__dict__"):
+            return None
+        held = [v for v in vars(obj).values() if not isinstance(v, type)]
+        held = [x for v in held for x in (v if isinstance(v, (list, tuple)) else [v]) if hasattr(x, "__dict__")]
+        return next((name for v in held if (name := switches(v, level + 1)) is not None), None)
+
+    return next((name for t in _flat_transforms(transform) if (name := switches(t, 0)) is not None), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _sets_track_meta(cls: type) -> bool:
+    """Whether a method of `cls` (its own or inherited, outside builtins) calls `set_track_meta`."""
+    return any(
+        inspect.isfunction(member) and _calls(member, "set_track_meta")
+        for klass in cls.__mro__
+        if klass.__module__ not in ("builtins", "torch", "numpy")
+        for member in vars(klass).values()
+    )
+
+
+def _calls(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn`'s code calls a function named `name` (`name(...)` or `x.name(...)`; not a mention in a
+    string). A function without source calls nothing found."""
+    text = _source_text(fn)
+    if name not in text:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(text))
+    except SyntaxError:
+        return False
+    return any(
+        isinstance(node, ast.Call) and name in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
+        for node in ast.walk(tree)
+    )
+
+
 # Code from these packages is named by module path; anything else (a class or function in the user's
 # PIPELINE.py) by its name and source hash, because prep runs that file under a generated module name while
 # training code imports it under its own.

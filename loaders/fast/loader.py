@@ -44,7 +44,7 @@ from loaders.backends import Backend, check_backend
 from loaders.cache.format import PreparedCache
 from loaders.cache.order import epoch_batches, epoch_order
 from loaders.deps import require
-from loaders.errors import ArgumentTypeError
+from loaders.errors import ArgumentTypeError, ArgumentValueError
 from loaders.fast.assembly import BatchAssembly
 from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
 from loaders.fast.trial import FeederTrial
@@ -120,6 +120,8 @@ class PreparedLoader:
         self.verify = verify
         payload = self._feeder_payload(locals())  # the child's arguments, or None: batches made in this process
         self._feeder_auto, self._tail_default = isinstance(feeder, str), tail_thread is None
+        if self._switches_track_meta(transform, tail_thread):  # the tail on the caller's thread, or the child's
+            self._tail_default, tail_thread = False, False
         if tail_thread is None:  # the feeder's child has no training loop beside it: the tail on its main thread
             tail_thread = payload is None
         self.tail_thread, self.switch_interval, self.copy_threads = tail_thread, switch_interval, copy_threads
@@ -165,6 +167,22 @@ class PreparedLoader:
         self._seeder = exact.Seeder(transform)
         early = self.fold.transform if self.fold is not None else None
         self.cursor = state.Cursor(state.Draws(self._seeder.compose, early))  # as of the last batch delivered
+
+    @staticmethod
+    def _switches_track_meta(transform: Any, tail_thread: bool | None) -> bool:
+        """Whether a transform of the chain sets MONAI's process-wide track_meta (MONAI before 1.6: see
+        `chain.track_meta_switch`): its tail then runs on no thread beside the training loop's, whose own MONAI
+        calls would give plain tensors meanwhile; tail_thread=True with it is refused, in one line."""
+        from loaders.cache.chain import track_meta_switch
+
+        name = track_meta_switch(transform)
+        if name is not None and tail_thread:
+            raise ArgumentValueError(
+                f"PreparedLoader(tail_thread=True): {name} sets MONAI's process-wide track_meta while it runs, "
+                "so on the loader's thread it would change what MONAI gives the training loop meanwhile; leave "
+                "tail_thread unset (the tail then runs on the training loop's thread) or use MONAI 1.6 or later"
+            )
+        return name is not None
 
     def _start_feeder(self, payload: bytes) -> None:
         """The feeder's child started with the loader's arguments (it builds its loader while this one goes on)."""

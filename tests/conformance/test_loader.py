@@ -17,6 +17,7 @@ from monairef import Reference, assert_batch_equal, differs, seeded
 from transforms import TRANSFORMS
 from tutorials import TUTORIALS
 
+from loaders.cache.chain import track_meta_switch
 from loaders.errors import PrepError
 
 SEED = 11
@@ -33,12 +34,6 @@ def _param(row: Row, *marks: Any) -> Any:
     return pytest.param(row, id=row.name, marks=[*marks, *more])
 
 
-# MONAI transforms that turn the process-wide track_meta off while they run (RandSimulateLowResolution, to resize
-# twice): run on the loader's tail thread, a reference's LoadImaged on the test's thread meanwhile loads plain
-# tensors (MONAI 1.4, CI)
-FLIPS_TRACK_META = {"RandSimulateLowResolutiond"}
-
-
 def _loader(row: Row, cache: Path, options: dict[str, Any]) -> tuple[Any, Any]:
     """(loader seeded the row's way, its transform)."""
     from loaders.fast.loader import PreparedLoader
@@ -47,8 +42,8 @@ def _loader(row: Row, cache: Path, options: dict[str, Any]) -> tuple[Any, Any]:
     shard = options.pop("shard", None)
     batch = row.loader.get("batch_size", 2)
     more = {k: v for k, v in row.loader.items() if k != "batch_size"}
-    if any(type(t).__name__ in FLIPS_TRACK_META for t in row.tail()):
-        options["tail_thread"] = False  # its tail on a thread would race the reference's LoadImaged here
+    if track_meta_switch(row.tail()) is not None:  # MONAI 1.4's RandSimulateLowResolution: tail_thread=True
+        options["tail_thread"] = None  # is refused, the loader's default runs the tail on this thread
     with seeded(row, SEED) as transform:
         loader = PreparedLoader(cache, transform, batch, device="cpu", drop_last=False, **options, **more)
     if shard is not None:

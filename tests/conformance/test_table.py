@@ -41,10 +41,7 @@ def _how(loader: Any, name: str) -> str:
 def loader_verdict(row: Row, caches: Any) -> str:
     """PreparedLoader over two epochs against MONAI's batches: exact, within the row's rounding, or refused."""
     try:
-        # the tail on this thread: MONAI's RandSimulateLowResolution turns the process-wide track_meta off while
-        # it resizes, so a tail on the loader's thread racing the reference's LoadImaged here made it load a
-        # plain tensor (MONAI 1.4, CI); the comparison needs one thread, not the loader's speed
-        loader, _ = _loader(row, caches(row), {**QUICK, "feeder": False, "tail_thread": False})
+        loader, _ = _loader(row, caches(row), {**QUICK, "feeder": False})
     except PrepError as exc:
         assert "\n" not in str(exc), row.name
         return f"refused: {exc}"
