@@ -142,15 +142,20 @@ def track_meta_switch(transform: Any, depth: int = 3) -> str | None:
     return next((name for t in _flat_transforms(transform) if (name := switches(t, 0)) is not None), None)
 
 
-@functools.lru_cache(maxsize=None)
 def _sets_track_meta(cls: type) -> bool:
-    """Whether a method of `cls` (its own or inherited, outside builtins) calls `set_track_meta`."""
-    return any(
-        inspect.isfunction(member) and _calls(member, "set_track_meta")
-        for klass in cls.__mro__
-        if klass.__module__ not in ("builtins", "torch", "numpy")
-        for member in vars(klass).values()
-    )
+    """Whether a method of `cls` (its own or inherited, outside builtins) calls `set_track_meta` (kept per class)."""
+    found = _SETS_TRACK_META.get(cls)
+    if found is None:
+        found = _SETS_TRACK_META[cls] = any(
+            inspect.isfunction(member) and _calls(member, "set_track_meta")
+            for klass in cls.__mro__
+            if klass.__module__ not in ("builtins", "torch", "numpy")
+            for member in vars(klass).values()
+        )
+    return found
+
+
+_SETS_TRACK_META: dict[type, bool] = {}
 
 
 def _calls(fn: Callable[..., Any], name: str) -> bool:
