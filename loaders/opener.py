@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from loaders.errors import UnsafeFileError
@@ -23,7 +23,8 @@ from loaders.errors import UnsafeFileError
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _DIR_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symlink"))  # fmt: skip
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symlink"),
+          (stat.S_ISREG, "a regular file"))  # fmt: skip
 
 
 def kind(mode: int) -> str:
@@ -166,22 +167,31 @@ def folder_to_write(root: str | os.PathLike[str], rel: str, fix: str) -> int:
     try:
         for part in _parts(rel, where, fix):
             where = os.path.join(where, part)
-            with suppress(FileExistsError):
-                os.mkdir(part, 0o755, dir_fd=fd)
-            try:
-                below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                what = kind(os.lstat(part, dir_fd=fd).st_mode)
-                raise UnsafeFileError(f"{where}: is {what}, where a folder of this output belongs; refused "
-                                      f"(nothing is written through a link); {fix}") from None  # fmt: skip
+
+            def refuse(what: str, where: str = where) -> Exception:
+                return UnsafeFileError(f"{where}: is {what}, where a folder of this output belongs; refused "
+                                       f"(nothing is written through a link); {fix}")  # fmt: skip
+
+            below = made_folder(part, fd, refuse)
             os.close(fd)
             fd = below
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def made_folder(name: str, dir_fd: int, refuse: Callable[[str], Exception]) -> int:
+    """The descriptor of folder `name` in the folder `dir_fd` (made where missing, mode 0755), opened
+    O_DIRECTORY | O_NOFOLLOW: where `name` is a link or no folder, `refuse(what it is)` is raised."""
+    with suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise refuse(kind(os.lstat(name, dir_fd=dir_fd).st_mode)) from None
 
 
 def create_new(path: str | os.PathLike[str], fix: str, mode: int = 0o644, dir_fd: int | None = None) -> int:

@@ -10,13 +10,11 @@ run opened (`OutputDirs.ids`, passed down in the task's spec); a folder that dif
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
-from contextlib import suppress
 from pathlib import Path
 
-from loaders.opener import kind
+from loaders.opener import made_folder
 from prep.errors import UnsafeOutputError
 
 _FIX = "remove it, or choose another --output (prep cache never writes through a link)"
@@ -40,18 +38,12 @@ class OutputDirs:
     def fd(self, name: str = "") -> int:
         """The descriptor of the output ("") or of its folder `name`, created (mode 0755) where missing."""
         if name not in self._fds:
-            root = self._fds[""]
-            with suppress(FileExistsError):
-                os.mkdir(name, 0o755, dir_fd=root)
-            try:
-                fd = os.open(name, _DIR | os.O_NOFOLLOW, dir_fd=root)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                what = kind(os.lstat(name, dir_fd=root).st_mode)
-                raise UnsafeOutputError(f"{self.root / name}: is {what} now (swapped during the run), where "
-                                        f"`prep cache` writes a folder; refused; {_FIX}") from None  # fmt: skip
-            self._fds[name] = self._checked(name, fd)
+
+            def refuse(what: str) -> Exception:
+                return UnsafeOutputError(f"{self.root / name}: is {what} now (swapped during the run), where "
+                                         f"`prep cache` writes a folder; refused; {_FIX}")  # fmt: skip
+
+            self._fds[name] = self._checked(name, made_folder(name, self._fds[""], refuse))
         return self._fds[name]
 
     def _checked(self, name: str, fd: int) -> int:

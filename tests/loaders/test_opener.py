@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loaders.errors import FormatError, UnsafeFileError
-from loaders.opener import open_in, opened_in, read_fd, read_in
+from loaders.opener import folder_to_write, open_in, opened_in, read_fd, read_in
 
 FIX = "the fix"
 
@@ -99,3 +99,27 @@ def test_a_missing_file_is_file_not_found_and_refusals_are_format_errors(root: P
     with pytest.raises(FileNotFoundError):
         open_in(root, "nothing", FIX)
     assert issubclass(UnsafeFileError, FormatError)
+
+
+def test_a_folder_to_write_is_made_part_by_part_and_held(root: Path) -> None:
+    fd = folder_to_write(root, "new/deeper", FIX)
+    try:
+        os.rename(root / "new", root / "moved")  # a swap after the open redirects nothing written relative to it
+        os.symlink(root.parent, root / "new")
+        with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as f:
+            f.write(b"x")
+    finally:
+        os.close(fd)
+    assert (root / "moved" / "deeper" / "f").read_bytes() == b"x"
+    assert not (root.parent / "deeper").exists()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_a_folder_to_write_where_a_link_or_file_lies_is_refused(root: Path, planted: str) -> None:
+    os.symlink(root.parent, root / "out") if planted == "symlink" else (root / "out").write_bytes(b"")
+    with pytest.raises(UnsafeFileError) as info:
+        folder_to_write(root, "out/shards", FIX)
+    message = str(info.value)
+    assert message.startswith(f"{root / 'out'}: is a {planted if planted == 'symlink' else 'regular file'}")
+    assert message.endswith(FIX) and "\n" not in message
+    assert not (root.parent / "shards").exists()
