@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from preputil import SPHERES
 
 from loaders.errors import StaleError
 from loaders.fast.loader import PreparedLoader, dataset_bytes, parse_bytes
@@ -182,9 +183,6 @@ def spheres(tmp_path_factory: pytest.TempPathFactory) -> Path:
     datalist = nifti_dataset(root / "nifti", count=3, size=40, seed=2)
     prepare_cache(datalist, SPHERES, root / "cache", workers=1)
     return root / "cache"
-
-
-SPHERES = Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def test_multi_sample_crops_give_monai_list_collate_layout(spheres: Path) -> None:

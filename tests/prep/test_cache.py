@@ -16,6 +16,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+from preputil import REPO, SPHERES, slow_pipeline
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache, check
@@ -27,9 +28,6 @@ from prep.cli import app
 from prep.errors import LockedError, PrepError, StaleError
 from prep.journal import write_plan
 from prep.pipeline import load_pipeline
-
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 # Keeps label dtype (dtype=None: uint8 stays uint8) and adds a list output, to test both through the cache.
 NESTED_PIPELINE = """
@@ -166,19 +164,7 @@ def test_sampling_sets_too_large_to_send_back_are_made_after_the_commit(
     assert verify_cache(tmp_path / "c") == []
 
 
-SLOW_PIPELINE = """
-import time
-from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
-
-class Slow(MapTransform):
-    def __call__(self, d):
-        time.sleep(0.4)
-        return d
-
-transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]),
-                     Slow(keys=["image"]),
-                     RandFlipd(keys=["image"], prob=0.5)])
-"""
+SLOW_PIPELINE = slow_pipeline(0.4)
 
 
 def _journaled(out: Path) -> dict[int, dict]:

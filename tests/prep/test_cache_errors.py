@@ -11,14 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from preputil import REPO, SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache
 from prep.cache import prepare_cache
 from prep.cli import app
-
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 
 def _cache_args(datalist: Path, out: Path, *extra: str, pipeline: Path = SPHERES) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from preputil import SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache
@@ -18,8 +19,6 @@ from prep.cache import prepare_cache
 from prep.cli import app
 from prep.errors import PrepError, UnsafeOutputError
 from prep.journal import CacheLock, JournalWriter
-
-SPHERES = Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from preputil import REPO, SPHERES, slow_pipeline
 from typer.testing import CliRunner
 
 import prep.worker
@@ -26,20 +27,7 @@ from prep.cli import app
 from prep.errors import StaleError
 from prep.synth import nifti_dataset
 
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
-SLOW_PIPELINE = """
-import time
-from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, MapTransform, RandFlipd
-
-class Slow(MapTransform):
-    def __call__(self, d):
-        time.sleep(0.3)
-        return d
-
-transform = Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"]),
-                     Slow(keys=["image"]), RandFlipd(keys=["image"], prob=0.5)])
-"""
+SLOW_PIPELINE = slow_pipeline(0.3)
 
 
 def _entries(tmp_path: Path, count: int) -> list[dict[str, str]]:

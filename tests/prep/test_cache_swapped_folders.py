@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from preputil import SPHERES
 
 import prep.cache
 import prep.worker
@@ -17,8 +18,6 @@ from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR
 from prep.cache import prepare_cache
 from prep.errors import PrepError, UnsafeOutputError
 from prep.outdirs import OutputDirs
-
-SPHERES = Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _swap(out: Path, name: str, moved: Path, elsewhere: Path) -> None:

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 from clusterutil import assert_same_cache, dask_cluster, kill9, make_certs, stop, subprocess_env
+from preputil import SPHERES
 from typer.testing import CliRunner
 
 from prep.cache import prepare_cache
 from prep.cache_verify import verify_cache
 from prep.cli import app
-
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 # Each item leaves a mark named by the PID that prepares it, then waits: the test sees which worker is busy.
 MARKING_PIPELINE = """

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from preputil import SPHERES
 
 from loaders.cache.spec import JOURNAL_DIR
 from prep import finish, worker
 from prep.cache import load_datalist
 from prep.journal import read_journals
 from prep.pipeline import load_pipeline
-
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 
 def _spec(out: Path) -> worker.TaskSpec:

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from preputil import REPO, SPHERES
 
 from prep.errors import UsageError
 from prep.pipeline import load_pipeline
 
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 BUNDLE = REPO / "workflows" / "pipelines" / "spheres_bundle.yaml"
 
 

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 from clusterutil import assert_same_cache, subprocess_env
+from preputil import SPHERES
 
 from prep.cache import prepare_cache
 from prep.cache_verify import verify_cache
-
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 # Python 3.12's filelock raised "os.fork is unsafe while filelock is changing descriptor ownership" from an
 # audit hook when distributed's start threads forked at once; this hook refuses every fork of this process.

@@ -14,11 +14,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from preputil import REPO, SPHERES
 
 from prep import worker
 
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 RUNS = 20
 # a run takes seconds (most of it importing torch; a minute on a busy 2-core box); a hung one never ends
 RUN_TIMEOUT_S = 180

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from preputil import SPHERES
 
 from loaders.cache.format import PreparedCache
 from loaders.cache.spec import JOURNAL_DIR
@@ -18,9 +19,6 @@ from prep import worker
 from prep.cache import load_datalist, prepare_cache
 from prep.journal import read_journals
 from prep.pipeline import load_pipeline
-
-REPO = Path(__file__).resolve().parents[2]
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 
 
 def _spec(out: Path) -> worker.TaskSpec:

@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from preputil import SPHERES
 
 from loaders import PreparedDataset
 from loaders.errors import ArgumentError
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("monai")
-
-SPHERES = Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _one_line(exc: pytest.ExceptionInfo[BaseException], kind: type) -> None:

@@ -11,6 +11,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 from PIL import Image
+from preputil import SPHERES
 from typer.testing import CliRunner
 
 from prep.cache import prepare_cache
@@ -18,8 +19,6 @@ from prep.cli import app
 from prep.errors import PrepError
 from prep.item_size import declared, parse_size
 from prep.quarantine import check_file
-
-SPHERES = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _nifti_claiming(path: Path, shape: tuple[int, ...], data: bytes = b"\0" * 4096) -> Path:

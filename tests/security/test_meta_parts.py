@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from craft import copy_cache, rewrite_meta
+from preputil import SPHERES
 from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedDataset
@@ -20,8 +21,6 @@ from prep.cli import app
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("monai")
-
-SPHERES = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _verify_refuses(cache: Path, says: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from preputil import SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache
@@ -18,8 +19,6 @@ from prep.cache import load_datalist, prepare_cache
 from prep.cli import app
 
 pytest.importorskip("monai")
-
-SPHERES = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _with_missing(root: Path) -> tuple[Path, Path]:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from preputil import SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache
@@ -14,8 +15,6 @@ from prep.cache import load_datalist, prepare_cache
 from prep.cli import app
 
 torch = pytest.importorskip("torch")
-
-SPHERES = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _repeating(root: Path, copies: int, size: int = 16) -> Path:

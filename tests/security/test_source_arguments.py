@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from preputil import SPHERES
 
 from loaders.errors import ArgumentError, BackendError, FormatError, PrepError
-
-SPHERES = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -7,9 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from preputil import SPHERES
 from slurmcluster import SlurmCluster, slurm_cluster, unavailable_reason
-
-SPHERES = Path(__file__).resolve().parents[2] / "workflows" / "pipelines" / "spheres.py"
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 from clusterutil import assert_same_cache, subprocess_env
+from preputil import REPO, SPHERES
 from slurmcluster import SlurmCluster
 
 from prep.cache import prepare_cache
 from prep.synth import nifti_dataset
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "workflows" / "slurm"
-SPHERES = REPO / "workflows" / "pipelines" / "spheres.py"
 CPU_NODE = ("--gres=none", "--mem=2G", "--cpus-per-task=1")
 
 
