@@ -41,7 +41,7 @@ def test_loop_reason_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cgroup_reason_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cgrouputil import cgroup_reason
+    from workflows.bench.memcg import cgroup_reason
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert cgroup_reason() == "memory cgroups need root"

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cgrouputil import MemoryCgroup, cgroup_reason
 
+from workflows.bench.memcg import MemoryCgroup, cgroup_reason
 from workflows.bench.train_loop import pipeline_source
 
 pytestmark = pytest.mark.slow

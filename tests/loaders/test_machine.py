@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cgrouputil import MemoryCgroup, cgroup_reason
 
 from loaders.machine import available_memory, cgroup_headroom, memory_cgroup
+from workflows.bench.memcg import MemoryCgroup, cgroup_reason
 
 MiB = 1 << 20
 LIMIT = 256 * MiB

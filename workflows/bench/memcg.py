@@ -1,5 +1,6 @@
-"""Memory cgroups for tests: made as root under the memory hierarchy's root (cgroup v1's memory controller, or v2's
-tree with the memory controller enabled), a limit and swap off, processes run inside, always removed."""
+"""Memory cgroups for the benchmarks and tests that run a reader with less memory than its data: made as root under
+the memory hierarchy's root (cgroup v1's memory controller, or v2's tree with the memory controller enabled), a
+limit and swap off, processes run inside, always removed."""
 
 from __future__ import annotations
 
@@ -48,13 +49,17 @@ def cgroup_reason() -> str | None:
     return None
 
 
+__all__ = ["MemoryCgroup", "cgroup_reason"]
+
+
 class MemoryCgroup:
     """A fresh memory cgroup of `limit` bytes (swap off for it where the kernel counts swap), a context manager:
     on exit its processes are killed by PID and it is removed."""
 
     def __init__(self, limit: int | None) -> None:
         found = _hierarchy()
-        assert found is not None, cgroup_reason()
+        if found is None:
+            raise OSError(f"no memory cgroup here: {cgroup_reason()}")
         root, self.version = found
         self.root = root
         self.folder = root / f"blockprep-test-{uuid.uuid4().hex[:8]}"
