@@ -38,3 +38,10 @@ def test_loop_reason_names_only_the_missing_tools(
 def test_loop_reason_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert loop_reason("ext4") == "loop mounts need root"
+
+
+def test_cgroup_reason_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workflows.bench.memcg import cgroup_reason
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cgroup_reason() == "memory cgroups need root"

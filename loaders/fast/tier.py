@@ -91,7 +91,8 @@ def dataset_bytes(cache_dir: str | Path, keys: Sequence[str] | None = None) -> i
 
 def auto_budget(device: Any, cache_dir: str | Path, keys: Sequence[str] | None) -> int:
     """gpu_budget="auto": the dataset when it fits in half the device's free memory, else that half; 0 on
-    the CPU."""
+    the CPU, where the page cache is the tier: the kernel reclaims it under memory pressure (a memory cgroup's
+    limit included), while items held in the process would be a second copy nothing can reclaim."""
     if device.type != "cuda":
         return 0
     import torch

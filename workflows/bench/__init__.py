@@ -16,6 +16,7 @@ Scenarios (each registers its subcommands when imported; `load_scenarios()` impo
     backends.py  every backend on the same byte ranges
     bmap.py      `prep bmap` against filefrag, raw range reads (root: loop-mounted ext4)
     cache.py     `prep cache` against MONAI PersistentDataset's first pass; opening a big index
+    cold_rate.py `cold-rate`: a cold epoch's read rate against the disk's, the loader in a memory cgroup
 
 Adding a scenario is one file here, e.g. workflows/bench/hello.py:
 

@@ -27,7 +27,15 @@ SEQUENTIAL_REQUEST = 1 << 20  # the sequential rate's request size
 SEQUENTIAL_BYTES = 1 << 30  # ... over at most this many bytes of the shards (the first ones)
 RANDOM_READS = 4096  # the random rate: this many 4 KiB reads at aligned offsets drawn over every shard
 
-__all__ = ["ColdEpochs", "EpochReads", "ReadCounter", "crop_bytes_per_step", "disk_rates", "read_counters"]
+__all__ = [
+    "ColdEpochs",
+    "EpochReads",
+    "ReadCounter",
+    "crop_bytes_per_step",
+    "disk_rates",
+    "read_counters",
+    "sequential_spans",
+]
 
 
 @dataclass(frozen=True)
@@ -171,15 +179,22 @@ class EpochReads:
         return out
 
 
+def sequential_spans(shards: list[Path]) -> list[Span]:
+    """The sequential rate's requests: 1 MiB in file order over up to the first GiB of `shards`."""
+    seq, left = [], SEQUENTIAL_BYTES
+    for p in shards:
+        size = os.path.getsize(p) // ALIGN * ALIGN
+        for off in range(0, min(size, left), SEQUENTIAL_REQUEST):
+            seq.append(Span(str(p), off, min(SEQUENTIAL_REQUEST, size - off)))
+        left -= min(size, left)
+    return seq
+
+
 def disk_rates(shards: list[Path], depth: int, seed: int = 0) -> str:
     """One line: the disk's O_DIRECT read rate over `shards`, sequential (1 MiB requests over up to 1 GiB) and
     random (4 KiB at aligned offsets), `depth` in flight, each pass after evicting the shards."""
     sizes = [(str(p), os.path.getsize(p) // ALIGN * ALIGN) for p in shards]
-    seq, left = [], SEQUENTIAL_BYTES
-    for path, size in sizes:
-        for off in range(0, min(size, left), SEQUENTIAL_REQUEST):
-            seq.append(Span(path, off, min(SEQUENTIAL_REQUEST, size - off)))
-        left -= min(size, left)
+    seq = sequential_spans(shards)
     rng = random.Random(seed)
     blocks = [(path, size // ALIGN) for path, size in sizes if size]
     if not seq or not blocks:

@@ -1,0 +1,127 @@
+"""A prepared cache twice the memory its reader may use: one epoch of `PreparedLoader` (its defaults, on the CPU) and
+one of `PreparedPersistentDataset` under a DataLoader, each in a child process inside a memory cgroup of half the
+cache's size (swap off for it), deliver every item once, with MONAI's values, and nothing is killed for memory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from workflows.bench.memcg import MemoryCgroup, cgroup_reason
+from workflows.bench.train_loop import pipeline_source
+
+pytestmark = pytest.mark.slow
+
+MiB = 1 << 20
+LIMIT = 384 * MiB
+COUNT, SIZE, CROP = 50, 128, 32  # 16 MiB an item (image and label, float32): 800 MiB
+SEED = 9
+KEPT = 2  # batches whose values are compared with MONAI's
+
+# run inside the cgroup: one epoch, every item's position noted, the first KEPT batches' values saved
+_CHILD = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import torch
+from prep.cache import load_datalist
+from prep.pipeline import load_pipeline
+mode, root, out, seed, kept = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+transform = load_pipeline(root / "pipeline.py").transform
+saved, items = {}, []
+if mode == "loader":
+    from loaders.fast.loader import PreparedLoader
+    batches = PreparedLoader(root / "cache", transform, batch_size=2, device="cpu")
+    batches.set_random_state(seed)
+else:
+    from monai.data import DataLoader
+    from loaders import PreparedPersistentDataset
+    data = [entry for _, entry in load_datalist(root / "nifti" / "dataset.json")]
+    torch.manual_seed(seed)
+    batches = DataLoader(PreparedPersistentDataset(data, transform, root / "cache"), batch_size=2, num_workers=2)
+for k, batch in enumerate(batches):
+    items += [int(i) for i in batch["_items"]] if mode == "loader" else [-1] * len(batch["image"])
+    if k < kept:
+        saved.update({f"{key}{k}": np.asarray(batch[key]) for key in ("image", "label")})
+np.savez(out, items=np.array(items), **saved)
+"""
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the spheres pipeline (32^3 crops), its NIfTI datalist and its 800 MiB prepared cache."""
+    reason = cgroup_reason()
+    if reason:
+        pytest.skip(reason)
+    from prep.cache import prepare_cache
+    from prep.synth import nifti_dataset
+
+    root = tmp_path_factory.mktemp("larger")
+    (root / "pipeline.py").write_text(pipeline_source(CROP))
+    datalist = nifti_dataset(root / "nifti", count=COUNT, size=SIZE, seed=3)
+    prepare_cache(datalist, root / "pipeline.py", root / "cache", workers=2)
+    from loaders.fast.loader import dataset_bytes
+
+    assert dataset_bytes(root / "cache") >= 2 * LIMIT
+    return root
+
+
+def _epoch_in_cgroup(root: Path, mode: str, out: Path) -> dict[str, Any]:
+    """One epoch in a child inside a fresh cgroup of LIMIT bytes, the cache evicted first: what it saved."""
+    from workflows.bench.core import evict, files_under
+
+    evict(files_under(root / "cache"), drop_caches=False)  # read inside the cgroup: its page cache charged there
+    repo = str(Path(__file__).resolve().parents[2])
+    with MemoryCgroup(LIMIT) as cgroup:
+        done = cgroup.run([sys.executable, "-c", _CHILD, repo, mode, str(root), str(out), str(SEED), str(KEPT)], 600)
+        assert (done.returncode, cgroup.oom_kills()) == (0, 0), done.stderr[-3000:]
+    with np.load(out) as saved:
+        return dict(saved)
+
+
+def _transform(root: Path) -> Any:
+    from prep.pipeline import load_pipeline
+
+    return load_pipeline(root / "pipeline.py").transform
+
+
+def _assert_values(got: dict[str, Any], want: list[dict[str, np.ndarray]]) -> None:
+    for k in range(KEPT):
+        for key in ("image", "label"):
+            np.testing.assert_allclose(got[f"{key}{k}"], np.stack([w[key] for w in want[2 * k : 2 * k + 2]]))
+
+
+def test_prepared_loader_trains_an_epoch_of_twice_its_memory(big: Path, tmp_path: Path) -> None:
+    from loaders import PreparedDataset
+    from loaders.cache.chain import tail_compose
+
+    got = _epoch_in_cgroup(big, "loader", tmp_path / "loader.npz")
+    assert sorted(got["items"].tolist()) == list(range(COUNT))  # every item once
+    tail = tail_compose(_transform(big))  # MONAI's per-item tail over the cached heads, in the epoch's order
+    tail.set_random_state(seed=SEED)
+    ds = PreparedDataset(big / "cache")
+    want = [tail(ds[int(i)]) for i in got["items"][: 2 * KEPT]]
+    _assert_values(got, [{k: np.asarray(w[k]) for k in ("image", "label")} for w in want])
+
+
+def test_the_drop_in_trains_an_epoch_of_twice_its_memory(big: Path, tmp_path: Path) -> None:
+    import torch
+    from monai.data import DataLoader, Dataset
+
+    from prep.cache import load_datalist
+
+    got = _epoch_in_cgroup(big, "drop-in", tmp_path / "dropin.npz")
+    assert len(got["items"]) == COUNT
+    data = [entry for _, entry in load_datalist(big / "nifti" / "dataset.json")]
+    torch.manual_seed(SEED)  # MONAI's whole chain on the NIfTI files, its workers seeded as the child's were
+    want = []
+    for k, batch in enumerate(DataLoader(Dataset(data, _transform(big)), batch_size=2, num_workers=2)):
+        want += [{key: np.asarray(batch[key][j]) for key in ("image", "label")} for j in range(2)]
+        if k + 1 == KEPT:
+            break
+    _assert_values(got, want)
