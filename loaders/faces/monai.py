@@ -142,7 +142,7 @@ def _persistent_keeps_types() -> bool:
     numpy); from MONAI 1.5 it converts every array to a (Meta)Tensor before saving."""
     import inspect
 
-    from monai.data import PersistentDataset
+    from monai.data.dataset import PersistentDataset  # its module: a swapped monai.data name is not MONAI's class
 
     return "track_meta" not in inspect.signature(PersistentDataset).parameters
 
@@ -152,7 +152,7 @@ def _persistent_track_meta() -> bool:
     1.4 (HPC containers with torch 2.3) has no such argument and gives the head's MetaTensors back."""
     import inspect
 
-    from monai.data import PersistentDataset
+    from monai.data.dataset import PersistentDataset  # its module: a swapped monai.data name is not MONAI's class
 
     param = inspect.signature(PersistentDataset).parameters.get("track_meta")
     return True if param is None else bool(param.default)
@@ -177,7 +177,7 @@ def _persistent_arguments(
     not given), which MONAI 1.4 does not take and the drop-in does."""
     import inspect
 
-    from monai.data import PersistentDataset
+    from monai.data.dataset import PersistentDataset  # its module: a swapped monai.data name is not MONAI's class
 
     signature = inspect.signature(PersistentDataset.__init__)
     names = list(signature.parameters)[4:]  # after self, data, transform, cache_dir
@@ -347,7 +347,7 @@ class PersistentCore:
         may ask at once) runs the head on a copy of the entry in this process, then the rest of the chain with
         the same transform objects, so the random draws follow the user's seeding. Computed again at each read;
         `prep cache` on the grown datalist prepares just these entries (docs/loaders.md)."""
-        from monai.data import PersistentDataset
+        from monai.data.dataset import PersistentDataset
 
         once = PersistentDataset([self.data[index]], self.transform, cache_dir=None, reset_ops_id=self._reset_ops_id)
         return once[0]

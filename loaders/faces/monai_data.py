@@ -8,7 +8,7 @@ from loaders.deps import require
 
 require("monai", "PreparedPersistentDataset")
 
-from monai.data import PersistentDataset  # noqa: E402
+from monai.data.dataset import PersistentDataset  # noqa: E402
 
 from loaders.faces.monai import PersistentCore  # noqa: E402
 
