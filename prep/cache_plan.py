@@ -18,11 +18,12 @@ from typing import Any
 
 from loaders.cache import chain, layout, sampling
 from loaders.cache.format import PreparedCache
+from loaders.cache.journals import JournalWriter
 from loaders.cache.meta import SECTION, line_source
 from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
 from prep.datalist import Repeats, datalist_hash, entry_key, load_datalist, unique_items
 from prep.errors import StaleError, UsageError
-from prep.journal import JournalWriter, committed_records, read_plan, write_plan
+from prep.journal import committed_records, read_plan, write_plan
 from prep.outdirs import OutputDirs
 from prep.pipeline import Pipeline, file_sha256
 from prep.quarantine import to_retry

@@ -12,12 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache
+from loaders.cache.journals import JournalWriter
 from loaders.cache.writing import ShardWriter, atomic_write_bytes, write_items
 from loaders.errors import UnsafeFileError
 from prep.cache import prepare_cache
 from prep.cli import app
 from prep.errors import PrepError, UnsafeOutputError
-from prep.journal import CacheLock, JournalWriter
+from prep.journal import CacheLock
 
 SPHERES = Path(__file__).parents[2] / "workflows" / "pipelines" / "spheres.py"
 
