@@ -315,7 +315,7 @@ class PersistentCore:
 
     def set_data(self, data: Sequence[Any]) -> None:
         """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
-        cache is kept: it is read-only here; entries not in it are computed when read (`_computed`). Without
+        cache is kept; entries not in it are computed when first read and written into it (`_computed`). Without
         a prepared cache, PersistentDataset's: its cache files are deleted (never a prepared cache's)."""
         if self._prepared and not _file_based(data):
             self._prepared = False  # in-memory data: PersistentDataset's own files from now on
