@@ -39,6 +39,7 @@ __all__ = ["FILL_PREFIX", "FILL_SUFFIX", "Fill", "fill_records"]
 FILL_PREFIX = "fill-"
 FILL_SUFFIX = ".fill"  # not ".jsonl": `prep cache`'s journal reader reads only its own workers' journals
 MAX_FILL_JOURNAL = 256 << 20  # bytes of one drop-in journal read (a line per item: far more than any datalist)
+MAX_FILL_FILES = 4096  # drop-in journals scanned (one per writing process); entries of any others are computed
 _FIX = "remove it (the drop-in never writes through a link); `prep cache --force` rebuilds the cache"
 
 
@@ -83,7 +84,8 @@ class _Scan:
         except OSError:
             return  # no journal folder (yet), or a link: nothing to trust
         try:
-            for name in sorted(n for n in os.listdir(folder) if n.startswith(FILL_PREFIX) and n.endswith(FILL_SUFFIX)):
+            names = sorted(n for n in os.listdir(folder) if n.startswith(FILL_PREFIX) and n.endswith(FILL_SUFFIX))
+            for name in names[:MAX_FILL_FILES]:
                 self._file(folder, name, fingerprint)
         finally:
             os.close(folder)

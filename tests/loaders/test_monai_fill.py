@@ -131,3 +131,32 @@ def test_prep_cache_takes_the_dropin_items(fresh: dict[str, Any], tmp_path: Path
     again = PreparedPersistentDataset(data, transform_of(tmp), cache, backend="posix")
     assert all(again._lookup(i) is not None for i in range(len(data)))
     assert len(PreparedDataset(cache, backend="posix")) == len(data)
+
+
+SHORT_HEAD = """
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+
+# PersistentDataset caches nothing of it (a Compose first counts as random there); the cache's head is the two
+transform = Compose([Compose([LoadImaged(keys=["image", "label"]), EnsureChannelFirstd(keys=["image", "label"])]),
+                     RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=0)])
+"""
+
+
+def test_a_head_shorter_than_persistent_datasets(grown: dict[str, Any], tmp_path: Path) -> None:
+
+    from loaders import PreparedPersistentDataset
+    from prep.cache import prepare_cache
+
+    data = grown["data"]
+    (tmp_path / "pipeline.py").write_text(SHORT_HEAD)
+    (tmp_path / "first4.json").write_text(json.dumps({"training": data[1:5]}))
+    prepare_cache(tmp_path / "first4.json", tmp_path / "pipeline.py", tmp_path / "cache", workers=1, processes=False)
+    theirs, mine = transform_of(tmp_path), transform_of(tmp_path)
+    ref = _primed(data, theirs, tmp_path / "pt", {"track_meta": True})
+    ours = PreparedPersistentDataset(data, mine, tmp_path / "cache", backend="posix", track_meta=True)
+    assert ours._head is not None  # the cache's head is written, not PersistentDataset's
+    for seed in (5, 6):
+        theirs.set_random_state(seed)
+        mine.set_random_state(seed)
+        same([ref[i] for i in range(len(data))], [ours[i] for i in range(len(data))], meta=True)
+    assert len(_records(tmp_path / "cache")) == MISSING
