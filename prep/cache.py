@@ -261,8 +261,8 @@ def _reused_or_prepared(
     root, n_items = run.root, len(run.items)
     manifest = reconcile(root, run.plan, force)
     if manifest is not None and differences(manifest, run.plan):  # the datalist changed (reconcile: only it)
-        kept = regrow(root, manifest, run.plan, run.items, max_item_bytes)
-        return _prepare(run, stack, starter, t0, (kept, int(manifest["n_items"]) - kept))
+        kept, taken = regrow(root, manifest, run.plan, run.items, max_item_bytes)
+        return _prepare(run, stack, starter, t0, (kept, int(manifest["n_items"]) - kept), taken)
     if manifest is not None and not reopen(root, manifest, run.plan, n_items, max_item_bytes):
         return up_to_date(root, run.plan, run.pipe, n_items, t0) or summary_of(
             root, manifest, n_items, 0, 0, time.perf_counter() - t0, up_to_date=True
@@ -284,10 +284,11 @@ class _Statuses:
 
 
 def _prepare(
-    run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float, regrown: tuple[int, int] = (0, 0)
-) -> CacheSummary:
+    run: _Run, stack: ExitStack, starter: ClusterStarter | None, t0: float, regrown: tuple[int, int] = (0, 0),
+    taken: int = 0,
+) -> CacheSummary:  # fmt: skip
     """Prepare the items no journal marks finished, then commit and map the shards. `regrown`: (items kept,
-    items dropped) of a committed cache whose datalist changed."""
+    items dropped) of a committed cache whose datalist changed; `taken`: its new entries the MONAI drop-in wrote."""
     root, items = run.root, run.items
     write_plan(root, run.plan, run.dirs.fd(JOURNAL_DIR))
     run.dirs.fd(SHARD_DIR)  # opened (made) here: tasks compare their own with it
@@ -309,8 +310,9 @@ def _prepare(
     state, manifest, bmap_note = _commit_while_closing(run, starter)
     worker_cpu_s = starter.worker_cpu_s if starter is not None else 0.0
     start_cpu_s = starter.start_cpu_s if starter is not None else 0.0
-    summary = summary_of(root, manifest, len(items), n_todo, len(items) - n_todo - regrown[0], time.perf_counter() - t0)
-    summary.n_kept, summary.n_dropped = regrown
+    n_resumed = len(items) - n_todo - regrown[0] - taken
+    summary = summary_of(root, manifest, len(items), n_todo, n_resumed, time.perf_counter() - t0)
+    summary.n_kept, summary.n_dropped, summary.n_taken = *regrown, taken
     if made is not None:  # "" where a resumed run's items have none: prepare_cache's pass makes them
         summary.sampling = made.write(state.order(len(items)), run.pipe.tail)
     summary.bmap_note, summary.worker_cpu_s = bmap_note or summary.bmap_note, worker_cpu_s

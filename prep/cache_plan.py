@@ -18,11 +18,13 @@ from typing import Any
 
 from loaders.cache import chain, layout, sampling
 from loaders.cache.format import PreparedCache
+from loaders.cache.journals import JournalWriter
 from loaders.cache.meta import SECTION, line_source
 from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
+from loaders.faces.monai_fill import fill_records
 from prep.datalist import Repeats, datalist_hash, entry_key, load_datalist, unique_items
 from prep.errors import StaleError, UsageError
-from prep.journal import JournalWriter, committed_records, read_plan, write_plan
+from prep.journal import committed_records, read_plan, write_plan
 from prep.outdirs import OutputDirs
 from prep.pipeline import Pipeline, file_sha256
 from prep.quarantine import to_retry
@@ -52,12 +54,16 @@ def reopen(root: Path, manifest: dict[str, Any], plan: dict[str, Any], n_items: 
     return True
 
 
-def regrow(root: Path, manifest: dict[str, Any], plan: dict[str, Any], items: _Items, max_item_bytes: int) -> int:
+def regrow(
+    root: Path, manifest: dict[str, Any], plan: dict[str, Any], items: _Items, max_item_bytes: int
+) -> tuple[int, int]:
     """Turn a committed cache made from another datalist (same head) into a resumable run of this one: each
     item whose entry (`prep.datalist.entry_key`) is still listed becomes a journal line at its new position, a
-    quarantined entry still listed keeps its quarantine unless it is worth retrying; the run then prepares the
-    new and changed entries and commits anew (the left-out items' bytes go with the shards trimmed or dropped).
-    Returns how many prepared items were kept; a kill anywhere leaves a cache this run resumes."""
+    new entry the MONAI drop-in computed and wrote (`loaders.faces.monai_fill`) too, a quarantined entry still
+    listed keeps its quarantine unless it is worth retrying; the run then prepares the other new and changed
+    entries and commits anew (the left-out items' bytes go with the shards trimmed or dropped, the drop-in's
+    journals with the journal folder). Returns how many prepared items were kept and how many of the drop-in's
+    taken; a kill anywhere leaves a cache this run resumes."""
     cache = PreparedCache(root)
     free: dict[str, list[int]] = {}
     for position, (section, entry) in enumerate(items):
@@ -71,6 +77,7 @@ def regrow(root: Path, manifest: dict[str, Any], plan: dict[str, Any], items: _I
     if records is None:
         raise StaleError(f"{root}: datalist changed and this cache was not written by `prep cache` (an item's "
                          "tensors span shards); re-run with --force to rebuild")  # fmt: skip
+    taken = _taken(root, plan, free)
     by_entry = {json.dumps(items[p][1], sort_keys=True, default=str): p for p in sorted(_left(free), reverse=True)}
     retry = set(to_retry(list(manifest.get("quarantined", [])), max_item_bytes))
     kept = []
@@ -79,8 +86,20 @@ def regrow(root: Path, manifest: dict[str, Any], plan: dict[str, Any], items: _I
         if position >= 0 and int(q["item"]) not in retry:
             kept.append({"item": position, "quarantined": q["reason"], "path": q.get("path", ""),
                          **{k: q[k] for k in ("inputs", "max_item_bytes") if k in q}})  # fmt: skip
-    _journaled(root, plan, records + kept)
-    return len(records)
+    _journaled(root, plan, records + taken + kept)
+    return len(records), len(taken)
+
+
+def _taken(root: Path, plan: dict[str, Any], free: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """Journal records, at their positions, of the entries still free that the MONAI drop-in wrote with this
+    plan's head (their positions taken from `free`); their shard bytes are checked as every journal's are
+    (`prep.journal.read_journals`) before the run counts them finished."""
+    records = []
+    for key, record in fill_records(root, plan["fingerprint"]).items():
+        slots = free.get(key)
+        if slots:
+            records.append({"item": slots.pop(0), **{k: record[k] for k in ("shard", "tensors", "meta")}})
+    return records
 
 
 def _left(free: dict[str, list[int]]) -> list[int]:

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loaders.cache.meta import entry_key  # its home: the meta line it keys
 from prep.errors import UsageError
+
+__all__ = ["Repeats", "datalist_hash", "entry_key", "load_datalist", "unique_items"]
 
 
 def load_datalist(path: str | Path, sections: Sequence[str] = ("training",)) -> list[tuple[str, dict[str, Any]]]:
@@ -70,12 +73,6 @@ def _check_section(path: Path, section: str, value: Any) -> None:
                 f"{path}: entry {n} of '{section}' is a {type(entry).__name__} ({str(entry)[:60]!r}), not an "
                 f"object; write it as {example}"
             )
-
-
-def entry_key(section: Any, entry: Any) -> str:
-    """What identifies a prepared item: its section and its resolved entry (file paths included), as JSON; the
-    entry is what MONAI's PersistentDataset hashes to name an item's file."""
-    return json.dumps([section, entry], sort_keys=True, default=str)
 
 
 def datalist_hash(items: list[tuple[str, dict[str, Any]]]) -> str:

@@ -21,9 +21,9 @@ from typing import Any
 
 from loaders.cache import sampling
 from loaders.cache.dtypes import dtype_name
-from loaders.cache.format import checksum
+from loaders.cache.journals import shard_size, tensors_inside, unsealed
 from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR
-from loaders.cache.writing import atomic_write_bytes, fsync_dir
+from loaders.cache.writing import atomic_write_bytes
 from loaders.opener import kind, open_to_write
 from prep.errors import LockedError, UnsafeOutputError, UsageError
 from prep.outdirs import OutputDirs
@@ -103,61 +103,14 @@ def write_plan(cache_dir: Path, plan: dict[str, Any], dir_fd: int | None = None)
     atomic_write_bytes(journal / PLAN, json.dumps(plan, indent=1).encode(), dir_fd)
 
 
-class JournalWriter:
-    """Append-only JSON-lines journal of one writer (one task run); lines fsynced in groups by the caller."""
-
-    def __init__(self, path: Path, dir_fd: int | None = None) -> None:
-        self.path = Path(path)
-        self._dir: Path | int = self.path.parent if dir_fd is None else dir_fd  # `dir_fd`: its folder's, held open
-        self._fd = open_to_write(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, _OUT_FIX, dir_fd=dir_fd)
-        self._named = False  # the folder's entry of this file made durable (with the first lines)
-
-    def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line and fsync it."""
-        self.append_many([record])
-
-    def append_many(self, records: list[dict[str, Any]]) -> None:
-        """Write records as lines (O_APPEND) and fsync once; a kill mid-write leaves at most a torn last line."""
-        data = b"".join((json.dumps(_sealed(r), separators=(",", ":")) + "\n").encode() for r in records)
-        done = 0
-        while done < len(data):
-            done += os.write(self._fd, data[done:])
-        os.fsync(self._fd)
-        if not self._named:  # until then a crash may lose the file, and with it lines nobody could trust yet
-            fsync_dir(self._dir)
-            self._named = True
-
-    def close(self) -> None:
-        """Close the journal file."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> JournalWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _record_sum(record: dict[str, Any]) -> str:
-    return f"{checksum(json.dumps(record, sort_keys=True, separators=(',', ':')).encode()):016x}"
-
-
-def _sealed(record: dict[str, Any]) -> dict[str, Any]:
-    """The record with the xxh3 of its content, so a damaged line is never trusted."""
-    return {**record, "line_xxh3": _record_sum(record)}
-
-
 def _unsealed(raw: bytes) -> dict[str, Any] | None:
-    """The record of a journal line, or None for a torn or damaged one."""
+    """The record of a `prep cache` journal line (one with an item number), or None for a torn or damaged one."""
+    record = unsealed(raw)
     try:
-        record = json.loads(raw)
-        seal = record.pop("line_xxh3")
-        int(record["item"])
-    except (ValueError, KeyError, TypeError, AttributeError):
+        int(record["item"])  # type: ignore[index]
+    except (ValueError, KeyError, TypeError):
         return None
-    return record if seal == _record_sum(record) else None
+    return record
 
 
 @dataclass
@@ -219,18 +172,14 @@ def _journal_bytes(root: Path, dirs: OutputDirs | None) -> Iterator[bytes]:
 def _shard_holds(root: Path, record: dict[str, Any], sizes: dict[str, int], dirs: OutputDirs | None) -> bool:
     shard = str(record.get("shard", ""))
     if shard not in sizes:
-        try:
-            if dirs is None:
+        if dirs is not None:
+            sizes[shard] = shard_size(shard, dirs.fd(SHARD_DIR))
+        else:
+            try:
                 sizes[shard] = (root / shard).stat().st_size
-            else:
-                folder, name = os.path.split(shard)
-                if folder != SHARD_DIR or name in ("", ".", ".."):
-                    raise FileNotFoundError(shard)  # not a name a writer makes
-                st = os.stat(name, dir_fd=dirs.fd(SHARD_DIR), follow_symlinks=False)
-                sizes[shard] = st.st_size if stat.S_ISREG(st.st_mode) else -1
-        except OSError:
-            sizes[shard] = -1
-    return all(int(t["offset"]) + int(t["nbytes"]) <= sizes[shard] for t in record.get("tensors", []))
+            except OSError:
+                sizes[shard] = -1
+    return tensors_inside(record, sizes[shard])
 
 
 def check_output(cache_dir: Path) -> None:

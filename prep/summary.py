@@ -41,6 +41,9 @@ class CacheSummary:
     repeats: str = ""  # repeated datalist entries, said once (prep.datalist.Repeats.note)
     n_kept: int = 0  # items of a cache made from another datalist kept as they were (prep.cache_plan.regrow)
     n_dropped: int = 0  # and its items no longer listed
+    n_taken: int = (
+        0  # items the MONAI drop-in had computed and written (loaders.faces.monai_fill), committed as they were
+    )
 
     @property
     def items_per_s(self) -> float:
@@ -65,6 +68,8 @@ class CacheSummary:
             if self.n_kept or self.n_dropped:
                 state += (f", {self.n_kept} kept from the cache made from the earlier datalist "
                           f"({self.n_dropped} no longer listed, dropped)")  # fmt: skip
+            if self.n_taken:
+                state += f", {self.n_taken} taken as the MONAI drop-in wrote them"
         out = [
             f"{self.output}: {counts}; {state}",
             f"  head: {' -> '.join(self.head) or 'empty'}; {self.head_reason}" if self.head_reason else "",

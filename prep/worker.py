@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loaders.cache.dtypes import dtype_name
+from loaders.cache.journals import JournalWriter, write_tensors
 from loaders.cache.meta import meta_line, split_output
 from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR, align_up
 from loaders.cache.writing import ShardWriter
@@ -31,7 +31,6 @@ from prep.errors import StaleError
 from prep.finish import finish_later, raise_failed
 from prep.grids import shared_grids
 from prep.inflated import served
-from prep.journal import JournalWriter
 from prep.outdirs import Ids, OutputDirs
 from prep.pipeline import Pipeline, load_pipeline
 from prep.quarantine import check_entry, input_paths, input_stats
@@ -356,15 +355,7 @@ def _prepare_one(
         reason = _root_cause(exc)
         return {"item": item, "quarantined": reason[:500], "path": _culprit(entry, exc), "inputs": input_stats(entry)}
     del decoded
-    writer = shards.current()
-    tensors = []
-    for key in sorted(arrays):
-        array = arrays[key]
-        offset, nbytes, xxh3 = writer.write(array)
-        tensors.append(
-            {"key": key, "offset": offset, "nbytes": nbytes, "dtype": dtype_name(array.dtype),
-             "shape": list(array.shape), "xxh3": xxh3}
-        )  # fmt: skip
+    tensors = write_tensors(shards.current(), arrays)
     line = meta_line(entry, section, parts)
     record = {"item": item, "shard": shards.rel, "tensors": tensors, "meta": line}
     made = _sets_of(sets, arrays) if sets else None

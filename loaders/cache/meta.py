@@ -389,6 +389,12 @@ def line_source(line: Mapping[str, Any] | None) -> Any:
     return (line or {}).get(SOURCE)
 
 
+def entry_key(section: Any, entry: Any) -> str:
+    """What identifies a prepared item: its section and its resolved entry (file paths included), as JSON; the
+    entry is what MONAI's PersistentDataset hashes to name an item's file."""
+    return json.dumps([section, entry], sort_keys=True, default=str)
+
+
 def line_meta(line: Mapping[str, Any] | None) -> dict[str, Any]:
     """{flat key: MetaTensor meta} (applied operations apart), values with their types."""
     metas = dict((line or {}).get(META) or {})

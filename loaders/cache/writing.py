@@ -135,6 +135,12 @@ class ShardWriter:
             os.close(self._fd)
             self._fd = -1
 
+    def abandon(self) -> None:
+        """Close without trimming: a forked child's copy of its parent's writer (the file stays the parent's)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
     def __enter__(self) -> ShardWriter:
         return self
 

@@ -233,22 +233,41 @@ class DatasetCore:
         """Read the item's meta line once: MetaTensor templates (when meta) and its non-tensor values."""
         line = self._item_meta(item)
         if self.meta and plan.templates is None:
-            plan.templates = {key: meta_template(key_meta(line, key), len(shape)) for key, *_, shape in plan.views}
-            plan.kinds = line_kinds(line) if getattr(self, "leaf_types", False) else {}
+            plan.templates, plan.kinds = self._templates(line, {key: len(shape) for key, *_, shape in plan.views})
         plan.values = values_text(line)
+
+    def _templates(self, line: Mapping[str, Any], ndims: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, str]]:
+        """A meta line's MetaTensor templates of keys `ndims` (key -> ndim) and the kinds of its leaves."""
+        templates = {key: meta_template(key_meta(line, key), ndim) for key, ndim in ndims.items()}
+        return templates, line_kinds(line) if getattr(self, "leaf_types", False) else {}
 
     def _assemble(self, item: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """Tensors (+ stored non-tensor outputs) -> the item's nested dict, MetaTensors restored."""
         plan = self._plan(item)
         if plan.values is None or (self.meta and plan.templates is None):
             self._load_meta(item, plan)
+        return self._assembled(tensors, plan.templates, plan.kinds, plan.values)
+
+    def _assembled(
+        self, tensors: dict[str, Any], templates: dict[str, Any] | None, kinds: dict[str, str] | None, values: Any
+    ) -> dict[str, Any]:
+        """{flat key: tensor} -> the item's nested dict: MetaTensors stamped from `templates` (when meta), leaves
+        made the kinds the head gave (`kinds`), its non-tensor `values` (`values_text`) added."""
         flat = {k: _own_storage(t) for k, t in tensors.items()}
-        if self.meta and plan.templates:
-            kinds = plan.kinds or {}
-            flat = {k: as_kind(t, kinds.get(k), plan.templates.get(k)) for k, t in tensors.items()}
-        if self._all_keys and plan.values and plan.values[1:] != "{}":  # the head's non-tensor outputs, as they were
-            flat.update(values_from_text(plan.values))
+        if self.meta and templates:
+            kinds = kinds or {}
+            flat = {k: as_kind(t, kinds.get(k), templates.get(k)) for k, t in tensors.items()}
+        if self._all_keys and values and values[1:] != "{}":  # the head's non-tensor outputs, as they were
+            flat.update(values_from_text(values))
         return unflatten(flat)
+
+    def read_record(self, tensors: dict[str, Any], line: Mapping[str, Any]) -> dict[str, Any]:
+        """An item that is not (yet) in the committed index, from its {flat key: host tensor} and its meta line
+        (the drop-in's journaled items, `loaders.faces.monai_fill`), assembled as `read` assembles a committed
+        item: the same keys, device, types and meta."""
+        tensors = {k: t.to(self.device) for k, t in tensors.items() if self._all_keys or k in self.keys}
+        templates, kinds = self._templates(line, {k: t.ndim for k, t in tensors.items()}) if self.meta else ({}, {})
+        return self._assembled(tensors, templates, kinds, values_text(line))
 
     def _read_item(self, item: int, mapped: bool) -> dict[str, Any]:
         """One item: {key: tensor}, views of copy-on-write mappings of its bytes where `mapped` and read buffered

@@ -25,10 +25,11 @@ from loaders import args
 from loaders.backends import Backend
 from loaders.cache import chain
 from loaders.cache.chain import tail_compose
-from loaders.cache.meta import line_source
+from loaders.cache.meta import entry_key, line_source
 from loaders.cache.nesting import to_jsonable
 from loaders.cache.spec import MANIFEST
 from loaders.errors import StaleError
+from loaders.faces.monai_fill import Fill
 from loaders.reading.mappings import own_storage
 from loaders.state import keep_random_states
 
@@ -192,6 +193,29 @@ def _persistent_arguments(
     return arguments, track_meta
 
 
+def _persistent_head_len(transform: Any) -> int:
+    """How many transforms MONAI's PersistentDataset runs before its tail (its rule: the top-level transforms up
+    to the first random one, or anything that is no Transform; a Compose counts as random)."""
+    from monai.transforms import RandomizableTrait, Transform
+
+    first = transform.get_index_of_first(lambda t: isinstance(t, RandomizableTrait) or not isinstance(t, Transform))
+    return len(transform.transforms) if first is None else int(first)
+
+
+def _compose(head: list[Any], transform: Any) -> Any:
+    """The head as a Compose with the user's Compose options (its transforms keep their random states)."""
+    from monai.transforms import Compose
+
+    with keep_random_states(transform):
+        return Compose(head, **chain.compose_options(transform))
+
+
+def _section(manifest: Mapping[str, Any]) -> str:
+    """The datalist section the drop-in's own records name: the cache's first ("training" by default)."""
+    sections = manifest.get("sections")
+    return str(sections[0]) if isinstance(sections, list) and sections else "training"
+
+
 def _file_based(data: Sequence[Any]) -> bool:
     """True where every entry is a datalist entry the prepared layout keys by (a dict or a path); numpy
     arrays, tensors, lists and numbers are data in memory, which PersistentDataset hashes as they are."""
@@ -265,7 +289,12 @@ class PersistentCore:
             chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
             self.tail = tail_compose(transform)
             self._label = _label_crop(self.tail, self.dataset.cache)
-            self._head_len = len(chain.split(transform)[0])
+            head = chain.split(transform)[0]
+            self._head_len = len(head)
+            # the head the cache holds, where it is not the part PersistentDataset runs before its tail
+            self._head = None if _persistent_head_len(transform) == len(head) else _compose(head, transform)
+        manifest = self.dataset.cache.manifest
+        self._fill = Fill(self.dataset.root, str(manifest.get("fingerprint")), _section(manifest))
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
         # position -> a copy of the entry found at the same position in the cache: an entry still equal to it
@@ -286,7 +315,7 @@ class PersistentCore:
 
     def set_data(self, data: Sequence[Any]) -> None:
         """Replace the datalist (scripts swap folds with it), as PersistentDataset.set_data does. The prepared
-        cache is kept: it is read-only here; entries not in it are computed when read (`_computed`). Without
+        cache is kept; entries not in it are computed when first read and written into it (`_computed`). Without
         a prepared cache, PersistentDataset's: its cache files are deleted (never a prepared cache's)."""
         if self._prepared and not _file_based(data):
             self._prepared = False  # in-memory data: PersistentDataset's own files from now on
@@ -343,14 +372,38 @@ class PersistentCore:
 
     def _computed(self, index: int) -> Any:
         """data[index], which the prepared cache lacks, as PersistentDataset gives an item it has no file for:
+<<<<<<< HEAD
         MONAI's own PersistentDataset (no cache folder: nothing is written, so any number of DataLoader workers
         may ask at once) runs the head on a copy of the entry in this process, then the rest of the chain with
         the same transform objects, so the random draws follow the user's seeding. Computed again at each read;
         `prep cache` on the grown datalist prepares just these entries (docs/loaders.md)."""
         from monai.data.dataset import PersistentDataset
+=======
+        MONAI's own PersistentDataset (no cache folder) runs the head on a copy of the entry in this process,
+        then the rest of the chain with the same transform objects, so the random draws follow the user's
+        seeding. In between, the head's output is written into the prepared cache as a drop-in record
+        (`loaders.faces.monai_fill`: this process's own files), which later reads use (`_journaled`) and the
+        next `prep cache` run takes (docs/loaders.md)."""
+        from monai.data import PersistentDataset
+>>>>>>> w46
 
-        once = PersistentDataset([self.data[index]], self.transform, cache_dir=None, reset_ops_id=self._reset_ops_id)
-        return once[0]
+        entry = self.data[index]
+        once = PersistentDataset([entry], self.transform, cache_dir=None, reset_ops_id=self._reset_ops_id)
+        pre = once._cachecheck(entry)  # as its _transform: the head on a copy of the entry
+        source = to_jsonable(entry)
+        head = self._head
+        self._fill.write(
+            entry_key(self._fill.section, source),
+            source,
+            (lambda: pre) if head is None else (lambda: head(copy.deepcopy(entry))),
+        )
+        return once._post_transform(pre)
+
+    def _journaled(self, index: int) -> Any:
+        """The head's output of data[index] from a drop-in record (written by this or another process), read
+        as a committed item is read (`PreparedDataset.read_record`); None where there is none to trust."""
+        found = self._fill.find(entry_key(self._fill.section, to_jsonable(self.data[index])))
+        return None if found is None else self.dataset.read_record(*found)
 
     def _set_persistent_data(self, data: Sequence[Any]) -> None:
         """PersistentDataset.set_data, except in a folder that also holds a prepared cache: there only
@@ -369,7 +422,10 @@ class PersistentCore:
             return super()._transform(index)  # type: ignore[misc]
         item = self._lookup(int(index))
         if item is None:
-            return self._computed(int(index))
+            head = self._journaled(int(index))
+            if head is None:
+                return self._computed(int(index))
+            return head if self.tail is None else own_storage(run_from(self.transform, head, self._head_len))
         if self.tail is None:
             return self.dataset.read(item)
         head = self.dataset.read(item, mapped=True)  # the tail's output leaves through own_storage: no mapping

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 
 from loaders.errors import StaleError
 from loaders.fast.loader import PreparedLoader, dataset_bytes, parse_bytes

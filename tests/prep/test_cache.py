@@ -16,7 +16,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from preputil import REPO, SPHERES, slow_pipeline
+from cacheutil import REPO, SPHERES, slow_pipeline
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache, check

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from preputil import REPO, SPHERES
+from cacheutil import REPO, SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache

@@ -9,16 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache
+from loaders.cache.journals import JournalWriter
 from loaders.cache.writing import ShardWriter, atomic_write_bytes, write_items
 from loaders.errors import UnsafeFileError
 from prep.cache import prepare_cache
 from prep.cli import app
 from prep.errors import PrepError, UnsafeOutputError
-from prep.journal import CacheLock, JournalWriter
+from prep.journal import CacheLock
 
 
 @pytest.fixture

@@ -15,14 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from preputil import REPO, SPHERES, slow_pipeline
+from cacheutil import REPO, SPHERES, same_as_clean, slow_pipeline
 from typer.testing import CliRunner
 
 import prep.worker
 from loaders.cache.format import PreparedCache
 from loaders.cache.spec import JOURNAL_DIR
 from prep.cache import prepare_cache
-from prep.cache_verify import verify_cache
 from prep.cli import app
 from prep.errors import StaleError
 from prep.synth import nifti_dataset
@@ -40,36 +39,6 @@ def _entries(tmp_path: Path, count: int) -> list[dict[str, str]]:
 def _datalist(path: Path, entries: list[dict[str, str]]) -> Path:
     path.write_text(json.dumps({"training": entries}))
     return path
-
-
-def _contents(root: Path) -> list[tuple[dict[str, Any], dict[str, tuple[str, tuple[int, ...], bytes]]]]:
-    """Every item's meta line and tensors (dtype, shape, bytes), in the cache's order."""
-    cache = PreparedCache(root)
-    out = []
-    for n in range(len(cache)):
-        tensors = {}
-        for e in cache.entries(n):
-            with open(e.shard, "rb") as f:
-                f.seek(e.offset)
-                tensors[e.key] = (str(e.dtype), tuple(e.shape), f.read(e.nbytes))
-        out.append((cache.meta(n), tensors))
-    return out
-
-
-def _same_as_clean(tmp_path: Path, datalist: Path, pipeline: Path, out: Path) -> None:
-    """`out` holds what a clean --force run on `datalist` makes, item by item, and passes `prep verify`."""
-    clean = tmp_path / "clean"
-    prepare_cache(datalist, pipeline, clean, workers=1, processes=False, force=True)
-    got, want = _contents(out), _contents(clean)
-    assert len(got) == len(want)
-    for n, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"item {n} differs from the clean run's"
-    keep = ("keys", "n_items", "datalist_hash", "fingerprint", "quarantined", "tensor_bytes")
-    mine, theirs = PreparedCache(out).manifest, PreparedCache(clean).manifest
-    assert {k: mine[k] for k in keep} == {k: theirs[k] for k in keep}
-    assert verify_cache(out) == []
-    result = CliRunner().invoke(app, ["verify", str(out)])
-    assert result.exit_code == 0, result.output
 
 
 def test_grown_and_changed_datalist_prepares_only_those(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +61,7 @@ def test_grown_and_changed_datalist_prepares_only_those(tmp_path: Path, monkeypa
     assert (summary.n_new, summary.n_kept, summary.n_dropped, summary.n_items) == (2, 4, 2, 6)
     assert "4 kept from the cache made from the earlier datalist (2 no longer listed, dropped)" in summary.lines()[0]
     monkeypatch.undo()
-    _same_as_clean(tmp_path, grown, SPHERES, out)
+    same_as_clean(tmp_path, grown, SPHERES, out)
     again = prepare_cache(grown, SPHERES, out, workers=1, processes=False)  # now current: nothing to do
     assert again.up_to_date and again.n_new == 0
 
@@ -155,5 +124,5 @@ def test_kill9_mid_regrow_resumes_to_the_clean_cache(tmp_path: Path) -> None:
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert "12 items: 12 cached" in again.stdout and "resumed from the journal" in again.stdout
-    _same_as_clean(tmp_path, grown, pipe, out)
+    same_as_clean(tmp_path, grown, pipe, out)
     assert np.unique([e.shard for n in range(12) for e in PreparedCache(out).entries(n)]).size >= 2

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 
 import prep.cache
 import prep.worker

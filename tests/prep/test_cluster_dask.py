@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cacheutil import SPHERES
 from clusterutil import assert_same_cache, dask_cluster, kill9, make_certs, stop, subprocess_env
-from preputil import SPHERES
 from typer.testing import CliRunner
 
 from prep.cache import prepare_cache

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from preputil import SPHERES
+from cacheutil import SPHERES
 
 from loaders.cache.spec import JOURNAL_DIR
 from prep import finish, worker

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loaders.cache.journals import JournalWriter
 from loaders.cache.spec import JOURNAL_DIR
-from prep.journal import JournalWriter, read_journals
+from prep.journal import read_journals
 
 
 def _record(item: int, shard: str) -> dict:

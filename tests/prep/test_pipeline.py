@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from preputil import REPO, SPHERES
+from cacheutil import REPO, SPHERES
 
 from prep.errors import UsageError
 from prep.pipeline import load_pipeline

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cacheutil import SPHERES
 from clusterutil import assert_same_cache, subprocess_env
-from preputil import SPHERES
 
 from prep.cache import prepare_cache
 from prep.cache_verify import verify_cache

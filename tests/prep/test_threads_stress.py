@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from preputil import REPO, SPHERES
+from cacheutil import REPO, SPHERES
 
 from prep import worker
 

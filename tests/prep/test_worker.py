@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from preputil import SPHERES
+from cacheutil import SPHERES
 
 from loaders.cache.format import PreparedCache
 from loaders.cache.spec import JOURNAL_DIR

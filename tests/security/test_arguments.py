@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 
 from loaders import PreparedDataset
 from loaders.errors import ArgumentError

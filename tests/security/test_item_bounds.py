@@ -10,8 +10,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+from cacheutil import SPHERES
 from PIL import Image
-from preputil import SPHERES
 from typer.testing import CliRunner
 
 from prep.cache import prepare_cache

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cacheutil import SPHERES
 from craft import copy_cache, rewrite_meta
-from preputil import SPHERES
 from typer.testing import CliRunner
 
 from loaders import FormatError, PreparedDataset

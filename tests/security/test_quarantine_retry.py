@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 from typer.testing import CliRunner
 
 from loaders.cache.format import PreparedCache

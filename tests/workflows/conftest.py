@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from preputil import SPHERES
+from cacheutil import SPHERES
 from slurmcluster import SlurmCluster, slurm_cluster, unavailable_reason
 
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cacheutil import REPO, SPHERES
 from clusterutil import assert_same_cache, subprocess_env
-from preputil import REPO, SPHERES
 from slurmcluster import SlurmCluster
 
 from prep.cache import prepare_cache
