@@ -372,20 +372,12 @@ class PersistentCore:
 
     def _computed(self, index: int) -> Any:
         """data[index], which the prepared cache lacks, as PersistentDataset gives an item it has no file for:
-<<<<<<< HEAD
-        MONAI's own PersistentDataset (no cache folder: nothing is written, so any number of DataLoader workers
-        may ask at once) runs the head on a copy of the entry in this process, then the rest of the chain with
-        the same transform objects, so the random draws follow the user's seeding. Computed again at each read;
-        `prep cache` on the grown datalist prepares just these entries (docs/loaders.md)."""
-        from monai.data.dataset import PersistentDataset
-=======
         MONAI's own PersistentDataset (no cache folder) runs the head on a copy of the entry in this process,
         then the rest of the chain with the same transform objects, so the random draws follow the user's
         seeding. In between, the head's output is written into the prepared cache as a drop-in record
         (`loaders.faces.monai_fill`: this process's own files), which later reads use (`_journaled`) and the
         next `prep cache` run takes (docs/loaders.md)."""
-        from monai.data import PersistentDataset
->>>>>>> w46
+        from monai.data.dataset import PersistentDataset  # its module: a swapped monai.data name is not MONAI's class
 
         entry = self.data[index]
         once = PersistentDataset([entry], self.transform, cache_dir=None, reset_ops_id=self._reset_ops_id)
