@@ -12,10 +12,10 @@ never waits:
   a batch in one backend call (`read_regions`);
 - the rest of the tail runs over the whole batch on the device (`loaders.tail.BatchedTail` where present,
   else MONAI per item);
-- batch k+1 is read, uploaded (pinned staging), assembled and transformed by a background thread on a side
-  CUDA stream while the model computes on batch k; the training thread's `next()` is a queue get and a
-  stream wait on the batch's CUDA event (`tail_thread=False`: the thread only reads, the rest is launched
-  by the training thread between steps);
+- batch k+1 is read by a background thread, then uploaded (pinned staging), assembled and transformed by a
+  second one on a side CUDA stream (while the first reads batch k+2) as the model computes on batch k; the
+  training thread's `next()` is a queue get and a stream wait on the batch's CUDA event (`tail_thread=False`:
+  the threads only read, the rest is launched by the training thread between steps);
 - items are kept on the device, whole, up to `gpu_budget` bytes, filled lazily during the first epoch
   (a crop of a resident item is a slice, a fresh crop every epoch); items beyond the budget stream from
   the page cache or the disk;
@@ -394,7 +394,17 @@ class PreparedLoader:
     def _run(
         self, chunks: list[np.ndarray], epoch: int, skip: int, tail_thread: bool
     ) -> Generator[dict[str, Any], None, None]:
-        ahead = InOrder(1, "blockprep-feed")  # one thread: the batches' draws stay in batch order
+        # one thread a stage, so the batches' draws stay in batch order: the reads, then (tail_thread) the tail,
+        # which runs batch k's tail while batch k+1 is read (a cold epoch keeps its reads in flight meanwhile)
+        reads = InOrder(1, "blockprep-read")
+        tails = InOrder(1, "blockprep-feed") if tail_thread else None
+        ahead = tails if tails is not None else reads
+
+        def submit(k: int) -> None:
+            reads.submit(self._fetch, chunks[k], k)
+            if tails is not None:
+                tails.submit(self._finish_next, reads)
+
         interval, threads = sys.getswitchinterval(), self.torch.get_num_threads()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
@@ -403,10 +413,10 @@ class PreparedLoader:
         self.cursor.begin(epoch, skip)
         try:
             for k in range(skip, min(len(chunks), skip + self.prefetch)):
-                ahead.submit(self._make, chunks[k], k, tail_thread)
+                submit(k)
             for k in range(skip, len(chunks)):
                 if k + self.prefetch < len(chunks):
-                    ahead.submit(self._make, chunks[k + self.prefetch], k + self.prefetch, tail_thread)
+                    submit(k + self.prefetch)
                 got = ahead.take()
                 if tail_thread:
                     batch, event, snap = got
@@ -418,7 +428,9 @@ class PreparedLoader:
                 self.cursor.delivered(epoch, k + 1, snap)
                 yield batch
         finally:
-            ahead.close()
+            if tails is not None:
+                tails.close()  # before the reads: a tail waiting for its batch's read gets it, or its cancellation
+            reads.close()
             sys.setswitchinterval(interval)
             if self._training_threads is not None:
                 self.torch.set_num_threads(threads)
@@ -442,22 +454,24 @@ class PreparedLoader:
                     v.record_stream(current)  # its memory is reused only after the caller's stream is done
         return batch
 
-    def _make(self, chunk: np.ndarray, k: int, tail_thread: bool) -> Any:
-        """Batch `k` on the read thread: its crops drawn, its reads done and, with `tail_thread`, uploaded,
-        assembled and run through the tail on the side stream: (batch, its event, the draws as of it); without,
-        the fetched plan (finished by the training thread)."""
-        torch = self.torch
-        if self._one_thread and torch.get_num_threads() != 1:
-            torch.set_num_threads(1)  # this thread's own (OpenMP's count is per thread): the rest are training's
-        if tail_thread and self.gpu and self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
+    def _fetch(self, chunk: np.ndarray, k: int) -> Any:
+        """Batch `k`'s plan on the read thread: its crops drawn and its reads done (finished by the tail thread,
+        `_finish_next`, or by the training thread)."""
+        self._thread_threads()
         plan = self.assembly.plan([int(i) for i in chunk], k)
         plan.early = self.cursor.draws.take(self.cursor.draws.early)
-        plan = self.assembly.fetch(plan)
-        if not tail_thread:
-            return plan
+        return self.assembly.fetch(plan)
+
+    def _finish_next(self, reads: InOrder) -> Any:
+        """The next batch read, uploaded, assembled and run through the tail on the tail thread (on its side
+        CUDA stream): (batch, its event, the draws as of it)."""
+        torch = self.torch
+        self._thread_threads()
+        plan = reads.take()
         event = None
         if self.gpu:
+            if self._side is None:
+                self._side = torch.cuda.Stream(device=self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(self._side):
                 batch = self.assembly.finish(plan)
                 event = torch.cuda.Event()
@@ -465,6 +479,12 @@ class PreparedLoader:
         else:
             batch = self.assembly.finish(plan)
         return batch, event, self.cursor.draws.after(plan.early)
+
+    def _thread_threads(self) -> None:
+        """torch's threads on a loader thread: one where the training loop keeps the rest (OpenMP's count is
+        per thread)."""
+        if self._one_thread and self.torch.get_num_threads() != 1:
+            self.torch.set_num_threads(1)
 
     @property
     def feeder_verdict(self) -> str | None:
