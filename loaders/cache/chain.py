@@ -128,7 +128,8 @@ def track_meta_switch(transform: Any, depth: int = 3) -> str | None:
     """The name of a transform in `transform` (or an object one holds, to `depth` levels, OneOf's members too)
     whose code sets MONAI's process-wide `set_track_meta` (MONAI before 1.6: RandSimulateLowResolution turns
     it off while it resizes): run on a thread beside the caller's, it makes the caller's own MONAI calls give
-    plain tensors meanwhile. None where none does."""
+    plain tensors meanwhile. None where none does. Flattening builds a MONAI Compose, which re-seeds the
+    transforms: callers keep their random states (`loaders.state.keep_random_states`)."""
 
     def switches(obj: Any, level: int) -> str | None:
         if _sets_track_meta(type(obj)):

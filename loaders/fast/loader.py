@@ -174,8 +174,10 @@ class PreparedLoader:
         `chain.track_meta_switch`): its tail then runs on no thread beside the training loop's, whose own MONAI
         calls would give plain tensors meanwhile; tail_thread=True with it is refused, in one line."""
         from loaders.cache.chain import track_meta_switch
+        from loaders.state import keep_random_states
 
-        name = track_meta_switch(transform)
+        with keep_random_states(transform):  # flattening the chain builds a Compose, which re-seeds it
+            name = track_meta_switch(transform)
         if name is not None and tail_thread:
             raise ArgumentValueError(
                 f"PreparedLoader(tail_thread=True): {name} sets MONAI's process-wide track_meta while it runs, "

@@ -22,6 +22,10 @@ _log = logging.getLogger("loaders.tail")
 # MONAI class name -> (module, function) of its batched version. Matched on the exact MONAI class (a user's
 # subclass may change the behaviour, so it runs per item through MONAI).
 _HANDLERS: dict[str, tuple[str, str]] = {
+    "CastToTyped": ("loaders.tail.shape", "whole_batch"),
+    "CopyItemsd": ("loaders.tail.shape", "whole_batch"),
+    "DeleteItemsd": ("loaders.tail.shape", "whole_batch"),
+    "EnsureTyped": ("loaders.tail.shape", "whole_batch"),
     "NormalizeIntensityd": ("loaders.tail.intensity", "normalize_intensity"),
     "RandAdjustContrastd": ("loaders.tail.fired", "rand_adjust_contrast"),
     "RandBiasFieldd": ("loaders.tail.fired", "rand_bias_field"),
@@ -30,6 +34,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandHistogramShiftd": ("loaders.tail.fired", "rand_histogram_shift"),
     "RandStdShiftIntensityd": ("loaders.tail.fired", "rand_std_shift_intensity"),
     "RandAffined": ("loaders.tail.affine", "rand_affine"),
+    "RandAxisFlipd": ("loaders.tail.flips", "rand_axis_flip"),
     "RandCropByPosNegLabeld": ("loaders.tail.crops", "rand_crop_by_pos_neg_label"),
     "RandFlipd": ("loaders.tail.flips", "rand_flip"),
     "RandGaussianNoised": ("loaders.tail.intensity", "rand_gaussian_noise"),

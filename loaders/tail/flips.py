@@ -68,3 +68,29 @@ def rand_rotate90(t: Any, batch: TailBatch) -> bool:
     if new:
         batch.replace(new, list(range(batch.n)))
     return True
+
+
+def rand_axis_flip(t: Any, batch: TailBatch) -> bool:
+    """RandAxisFlipd: each item draws whether it flips, then (always, as MONAI does) one spatial axis from its
+    first key's tensor; items grouped by the axis drawn, one torch.flip per group."""
+    import torch
+
+    keys = keys_of(t, batch)
+    if any(not batch.is_batched(k) for k in keys):
+        return False
+    if not keys:  # MONAI returns such an item as it is, with no draw
+        return True
+    first = batch.data[keys[0]]
+    axes = []
+    for i in range(batch.n):
+        t.randomize(None)
+        t.flipper.randomize(first[i])
+        axes.append(t.flipper._axis if t._do_transform else None)
+    for k in keys:
+        x = batch.data[k]
+        for axis in sorted({a for a in axes if a is not None}):
+            chosen = [i for i, a in enumerate(axes) if a == axis]
+            dims = spatial_batch_axes(x.ndim - 1, axis)
+            x = _where(x, chosen, lambda v, d=dims: torch.flip(v, d))
+        batch.data[k] = x
+    return True

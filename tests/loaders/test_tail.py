@@ -24,6 +24,17 @@ EXACT = {
     "flip_axis1": [mt.RandFlipd(K, prob=0.5, spatial_axis=1)],
     "flip_axes02": [mt.RandFlipd(K, prob=0.5, spatial_axis=(0, -1))],
     "rot90": [mt.RandRotate90d(K, prob=0.7, max_k=3, spatial_axes=(0, 2))],
+    "axis_flip": [mt.RandAxisFlipd(K, prob=0.6)],
+    "axis_flip_then_flip": [mt.RandAxisFlipd(K, prob=1.0), mt.RandFlipd(K, prob=0.5, spatial_axis=1)],
+    "axis_flip_missing_key": [mt.RandAxisFlipd(["mask", "image"], prob=0.5, allow_missing_keys=True)],
+    "ensure_typed": [mt.RandFlipd(K, prob=0.5), mt.EnsureTyped(K, dtype=torch.float16)],
+    "cast_to_typed": [mt.CastToTyped(K, dtype=(torch.float16, torch.uint8)), mt.RandRotate90d(K, 0.5, 3, (0, 2))],
+    "copy_then_delete": [
+        mt.CopyItemsd("image", times=2, names=["a", "b"]),
+        mt.RandScaleIntensityd("a", factors=0.3, prob=0.7),
+        mt.DeleteItemsd("b"),
+        mt.RandFlipd(["a", "label"], prob=0.5),
+    ],
     "scale": [mt.RandScaleIntensityd("image", factors=0.3, prob=0.6)],
     "scale_label_dtype": [mt.RandScaleIntensityd(K, factors=0.3, prob=1.0)],
     "shift": [mt.RandShiftIntensityd("image", offsets=0.5, prob=0.6)],
@@ -117,6 +128,7 @@ def test_2d() -> None:
         mt.RandSpatialCropd(K, roi_size=(10, 10)),
         mt.RandFlipd(K, prob=0.5),
         mt.RandRotate90d(K, prob=0.5),
+        mt.RandAxisFlipd(K, prob=0.5),
         mt.RandScaleIntensityd("image", factors=0.2, prob=0.5, channel_wise=True),
         mt.RandGaussianNoised("image", prob=0.5),
     ]
@@ -227,7 +239,7 @@ def test_import_loaders_stays_light() -> None:
 
 def test_batched_names_cover_the_issue_list() -> None:
     want = {"RandCropByPosNegLabeld", "RandSpatialCropd", "RandSpatialCropSamplesd", "RandFlipd", "RandRotate90d"}
-    want |= {"RandScaleIntensityd", "RandShiftIntensityd", "RandGaussianNoised", "RandAffined"}
+    want |= {"RandScaleIntensityd", "RandShiftIntensityd", "RandGaussianNoised", "RandAffined", "RandAxisFlipd"}
     assert want <= set(batched_names())
 
 
