@@ -1,6 +1,6 @@
 """PreparedPersistentDataset over a folder that holds no prepared cache: a new or empty one becomes a pending
 prepared cache (its marker, then every item a drop-in record, computed once), equal to MONAI's PersistentDataset
-throughout. A folder with anything else runs MONAI's own code."""
+throughout; `prep cache` commits it taking every record. A folder with anything else runs MONAI's own code."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("monai")
 
+from cacheutil import same_as_clean  # noqa: E402
 from grownutil import PIPELINE, as_they_come, records, same, theirs_options, transform_of  # noqa: E402
 
 from loaders.errors import FormatError, StaleError  # noqa: E402
@@ -139,3 +140,45 @@ def test_a_folder_it_cannot_start_warns_once(grown: dict[str, Any], tmp_path: Pa
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and str(folder) in str(w.message)]
     assert len(said) == 1 and "cannot start a prepared cache here" in said[0], said
     assert sorted(os.listdir(folder)) == [f".pending.json.tmp.{os.getpid()}"]  # nothing written
+
+
+def test_prep_cache_commits_a_pending_cache(grown: dict[str, Any], tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from loaders import PreparedLoader, PreparedPersistentDataset
+    from prep.cli import app
+
+    data, tmp, folder = grown["data"], grown["tmp"], tmp_path / "new"
+    ours = PreparedPersistentDataset(data, transform_of(tmp), folder, backend="posix")
+    [ours[i] for i in range(len(data))]  # one epoch: every item written as a drop-in record
+    datalist = tmp_path / "data.json"
+    datalist.write_text(json.dumps({"training": data}))
+    args = ["cache", str(datalist), "--pipeline", str(tmp / "pipeline.py"), "--output", str(folder), "--workers", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert f"0 processed in this run (0.0 items/s), {len(data)} taken as the MONAI drop-in wrote them" in result.output
+    assert not (folder / "pending.json").exists() and not (folder / "journal").exists()
+    same_as_clean(tmp_path, datalist, tmp / "pipeline.py", folder)
+    again = PreparedPersistentDataset(data, transform_of(tmp), folder, backend="posix")
+    assert again.dataset is not None and all(again._lookup(i) == i for i in range(len(data)))
+    # one item a batch: crops of items smaller than the crop differ in shape (MONAI's collate refuses them too)
+    loader = PreparedLoader(folder, transform_of(tmp), batch_size=1, device="cpu", shuffle=False, drop_last=False)
+    assert sum(len(batch["image"]) for batch in loader) == 2 * len(data)  # num_samples=2 crops an item
+
+
+def test_prep_cache_refuses_a_pending_cache_of_another_head(grown: dict[str, Any], tmp_path: Path) -> None:
+    from loaders import PreparedPersistentDataset
+    from prep.cache import prepare_cache
+
+    data, tmp, folder = grown["data"], grown["tmp"], tmp_path / "new"
+    ours = PreparedPersistentDataset(data, transform_of(tmp), folder, backend="posix")
+    ours[0]
+    (tmp_path / "pipeline.py").write_text(PIPELINE.replace("a_max=1000.0", "a_max=900.0"))
+    datalist = tmp_path / "data.json"
+    datalist.write_text(json.dumps({"training": data}))
+    with pytest.raises(StaleError, match="pending cache; re-run with --force to rebuild"):
+        prepare_cache(datalist, tmp_path / "pipeline.py", folder, workers=1, processes=False)
+    assert (folder / "pending.json").exists() and len(records(folder)) == 1  # left as it was
+    summary = prepare_cache(datalist, tmp_path / "pipeline.py", folder, workers=1, processes=False, force=True)
+    assert (summary.n_new, summary.n_taken, summary.n_items) == (len(data), 0, len(data))
+    assert not (folder / "pending.json").exists()
