@@ -236,7 +236,8 @@ class PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
     data: the datalist entries (as for MONAI; matched to cache items by their source entry). transform:
-    the full pipeline (Compose or list). cache_dir: the `prep cache` output. track_meta: as MONAI's
+    the full pipeline (Compose or list). cache_dir: the `prep cache` output (or a new or empty folder: a pending
+    cache). track_meta: as MONAI's
     PersistentDataset (default: the installed MONAI's, False; MONAI 1.4 has no such option and keeps meta):
     False gives the head's output as plain tensors, as
     PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
