@@ -24,6 +24,7 @@ from loaders.cache.spec import JOURNAL_DIR, MANIFEST, SHARD_DIR
 from loaders.fast.folds import crop_sets_of
 from loaders.machine import available_memory
 from prep.cache_plan import (
+    adopt,
     check_head,
     differences,
     head_differences,
@@ -267,7 +268,7 @@ def _reused_or_prepared(
         return up_to_date(root, run.plan, run.pipe, n_items, t0) or summary_of(
             root, manifest, n_items, 0, 0, time.perf_counter() - t0, up_to_date=True
         )
-    return _prepare(run, stack, starter, t0)
+    return _prepare(run, stack, starter, t0, taken=adopt(root, run.plan, run.items) if manifest is None else 0)
 
 
 class _Statuses:

@@ -2,7 +2,8 @@
 
 The plan of a run (pipeline fingerprint, library versions, datalist hash, sections) is compared with the plan
 an existing cache was made with: the folder is then up to date, stale (refused, or wiped with --force),
-resumed (journals of the same plan), or a committed cache reopened for quarantined items worth preparing again.
+resumed (journals of the same plan), a committed cache reopened for quarantined items worth preparing again, or
+a pending cache the MONAI drop-in started taken up (`adopt`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,19 @@ from loaders.cache import chain, layout, sampling
 from loaders.cache.format import PreparedCache
 from loaders.cache.journals import JournalWriter
 from loaders.cache.meta import SECTION, line_source
-from loaders.cache.spec import BMAP, INDEX, JOURNAL_DIR, MANIFEST, META, META_OFFSETS, SCHEMA_VERSION, SHARD_DIR
+from loaders.cache.pending import read_pending
+from loaders.cache.spec import (
+    BMAP,
+    INDEX,
+    JOURNAL_DIR,
+    MANIFEST,
+    META,
+    META_OFFSETS,
+    PENDING,
+    SCHEMA_VERSION,
+    SHARD_DIR,
+)
+from loaders.errors import FormatError
 from loaders.faces.monai_fill import fill_records
 from prep.datalist import Repeats, datalist_hash, entry_key, load_datalist, unique_items
 from prep.errors import StaleError, UsageError
@@ -65,9 +78,7 @@ def regrow(
     journals with the journal folder). Returns how many prepared items were kept and how many of the drop-in's
     taken; a kill anywhere leaves a cache this run resumes."""
     cache = PreparedCache(root)
-    free: dict[str, list[int]] = {}
-    for position, (section, entry) in enumerate(items):
-        free.setdefault(entry_key(section, entry), []).append(position)
+    free = _free(items)
     positions: list[int | None] = []
     for n in range(cache.n_items):
         line = cache.meta(n)
@@ -90,6 +101,27 @@ def regrow(
     return len(records), len(taken)
 
 
+def adopt(root: Path, plan: dict[str, Any], items: _Items) -> int:
+    """Turn a pending cache the MONAI drop-in started (`loaders.cache.pending`; `reconcile` checked its head
+    against this plan's) into a run of this plan to resume: each entry with a drop-in record of this head becomes
+    a journal line at its position; the run prepares the rest and commits (which removes the drop-in's journals
+    and the marker). Returns how many were taken; 0 where `root` holds no pending cache, or one whose run
+    already started (its plan journaled: resumed as any run)."""
+    if not (root / PENDING).is_file() or read_plan(root) is not None:
+        return 0
+    taken = _taken(root, plan, _free(items))
+    _journaled(root, plan, taken)
+    return len(taken)
+
+
+def _free(items: _Items) -> dict[str, list[int]]:
+    """The datalist's positions by entry (`prep.datalist.entry_key`), in order: what records are matched to."""
+    free: dict[str, list[int]] = {}
+    for position, (section, entry) in enumerate(items):
+        free.setdefault(entry_key(section, entry), []).append(position)
+    return free
+
+
 def _taken(root: Path, plan: dict[str, Any], free: dict[str, list[int]]) -> list[dict[str, Any]]:
     """Journal records, at their positions, of the entries still free that the MONAI drop-in wrote with this
     plan's head (their positions taken from `free`); their shard bytes are checked as every journal's are
@@ -108,8 +140,8 @@ def _left(free: dict[str, list[int]]) -> list[int]:
 
 
 def _journaled(root: Path, plan: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    """A committed cache's kept items as the journal of a run of `plan`: plan first, manifest removed last,
-    so a kill at any point leaves either the committed cache or a run that resumes."""
+    """A committed (or pending) cache's kept items as the journal of a run of `plan`: plan first, manifest
+    removed last, so a kill at any point leaves either the committed cache or a run that resumes."""
     with OutputDirs(root) as dirs:  # held: a folder swapped for a link redirects nothing (prep.outdirs)
         journal_fd = dirs.fd(JOURNAL_DIR)
         write_plan(root, plan, journal_fd)
@@ -117,7 +149,8 @@ def _journaled(root: Path, plan: dict[str, Any], records: list[dict[str, Any]]) 
             os.unlink(_COMMITTED, dir_fd=journal_fd)
         with JournalWriter(root / JOURNAL_DIR / _COMMITTED, journal_fd) as journal:
             journal.append_many(records)
-        os.unlink(MANIFEST, dir_fd=dirs.fd())
+        with suppress(FileNotFoundError):  # a pending cache has none
+            os.unlink(MANIFEST, dir_fd=dirs.fd())
         os.fsync(dirs.fd())
 
 
@@ -225,7 +258,9 @@ def reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] |
     manifest = load_json(root / MANIFEST)
     previous = manifest if manifest is not None else read_plan(root)
     if previous is None:
-        if force or (root / JOURNAL_DIR).exists() or (root / SHARD_DIR).exists():
+        if not force and _pending_of(root, plan):
+            return None  # a pending cache of this head: the caller takes its records (`adopt`)
+        if force or any((root / name).exists() for name in (JOURNAL_DIR, SHARD_DIR, PENDING)):
             _wipe(root)  # leftovers without a plan: the run died before any item could be journaled
         return None
     diffs = differences(previous, plan)
@@ -243,6 +278,22 @@ def reconcile(root: Path, plan: dict[str, Any], force: bool) -> dict[str, Any] |
     return manifest
 
 
+def _pending_of(root: Path, plan: dict[str, Any]) -> bool:
+    """True where `root` holds a pending cache (`loaders.cache.pending`) of this plan's head and libraries;
+    StaleError for one of another head or a marker that is not one; False where there is none."""
+    try:
+        marker = read_pending(root)
+    except FormatError as exc:
+        raise StaleError(f"{str(exc).split('; ')[0]}; re-run with --force to rebuild") from None
+    if marker is None:
+        return False
+    diffs = head_differences(marker, plan)
+    if diffs:
+        raise StaleError(f"{root}: {'; '.join(diffs)} since the MONAI drop-in started this pending cache; re-run "
+                         "with --force to rebuild")  # fmt: skip
+    return True
+
+
 def load_json(path: Path) -> dict[str, Any] | None:
     """A cache's JSON document (manifest), None where there is none; StaleError where it cannot be read."""
     try:
@@ -256,7 +307,7 @@ def load_json(path: Path) -> dict[str, Any] | None:
 
 def _wipe(root: Path) -> None:
     """Remove every cache file; the manifest first, so a crash mid-wipe leaves nothing trusted."""
-    for name in (MANIFEST, INDEX, META, META_OFFSETS, BMAP):
+    for name in (MANIFEST, INDEX, META, META_OFFSETS, BMAP, PENDING):
         (root / name).unlink(missing_ok=True)
     for name in (SHARD_DIR, JOURNAL_DIR, sampling.DIR):
         shutil.rmtree(root / name, ignore_errors=True)

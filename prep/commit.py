@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from loaders.cache import chain
-from loaders.cache.spec import BMAP, JOURNAL_DIR, MANIFEST, SHARD_DIR, align_up
+from loaders.cache.spec import BMAP, JOURNAL_DIR, MANIFEST, PENDING, SHARD_DIR, align_up
 from loaders.cache.writing import make_rows, write_index, write_manifest, write_meta
 from loaders.opener import open_to_write
 from prep.errors import PrepError
@@ -68,10 +68,14 @@ def commit(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     write_manifest(root, manifest)
+    # then a pending cache's marker (loaders.cache.pending): a reader takes the manifest over any marker
     if dirs is None:
         shutil.rmtree(root / JOURNAL_DIR, ignore_errors=True)
+        (root / PENDING).unlink(missing_ok=True)
     else:
         _drop_journals(dirs)
+        with suppress(FileNotFoundError):
+            os.unlink(PENDING, dir_fd=dirs.fd())
     return json.loads((root / MANIFEST).read_text()), bmap_note
 
 

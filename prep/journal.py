@@ -22,7 +22,7 @@ from typing import Any
 from loaders.cache import sampling
 from loaders.cache.dtypes import dtype_name
 from loaders.cache.journals import shard_size, tensors_inside, unsealed
-from loaders.cache.spec import JOURNAL_DIR, SHARD_DIR
+from loaders.cache.spec import JOURNAL_DIR, PENDING, SHARD_DIR
 from loaders.cache.writing import atomic_write_bytes
 from loaders.opener import kind, open_to_write
 from prep.errors import LockedError, UnsafeOutputError, UsageError
@@ -204,6 +204,7 @@ def check_output(cache_dir: Path) -> None:
         "meta.jsonl",
         "meta_offsets.npy",
         "bmap.json",
+        PENDING,  # a pending cache the MONAI drop-in started (loaders.cache.pending): `prep cache` commits it
         sampling.DIR,
     }
     foreign = [p.name for p in cache_dir.iterdir() if p.name not in ours and not p.name.startswith(".")]

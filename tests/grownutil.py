@@ -81,3 +81,10 @@ def theirs_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def as_they_come(batch: list[Any]) -> list[Any]:
     return batch
+
+
+def records(cache: Path) -> list[dict[str, Any]]:
+    """Every line of every drop-in journal of `cache`."""
+    return [
+        json.loads(line) for f in sorted((cache / "journal").glob("fill-*.fill")) for line in f.read_text().splitlines()
+    ]

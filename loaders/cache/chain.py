@@ -304,14 +304,19 @@ def compare_versions(
     return refuse, warn
 
 
-def check_versions(recorded: Mapping[str, str], where: str) -> None:
-    """StaleError when the libraries differ by REFUSE_ON from those the cache was made with; else a
-    VersionWarning for lesser differences (a patch release, another build of the same torch)."""
+_VERSIONS_FIX = "re-run `prep cache --force` with these libraries"
+_HEAD_FIX = "re-run `prep cache` with this pipeline or pass the pipeline the cache was made with"
+
+
+def check_versions(recorded: Mapping[str, str], where: str, fix: str = _VERSIONS_FIX) -> None:
+    """StaleError when the libraries differ by REFUSE_ON from those the cache was made with (`fix`: what the
+    message tells the user to do); else a VersionWarning for lesser differences (a patch release, another build
+    of the same torch)."""
     refuse, warn = compare_versions(recorded)
     if refuse:
         raise StaleError(
             f"{where}: made with other library versions ({'; '.join(refuse)}), which may change the head's output; "
-            "re-run `prep cache --force` with these libraries"
+            f"{fix}"
         )
     if warn:
         warnings.warn(
@@ -461,8 +466,11 @@ def describe(transforms: Iterable[Any]) -> list[str]:
     return lines
 
 
-def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -> None:
-    """StaleError unless the transform's head is the one the cache was prepared with."""
+def check_fingerprint(
+    transform: Any, manifest: Mapping[str, Any], where: str, fix: tuple[str, str] = (_HEAD_FIX, _VERSIONS_FIX)
+) -> None:
+    """StaleError unless the transform's head is the one the cache was prepared with (`manifest`: a manifest or
+    a pending marker, `loaders.cache.pending`; `fix`: what to do about another head, about other versions)."""
     head, _ = split(transform)
     want = manifest.get("fingerprint")
     got = fingerprint(head, compose_options(transform))
@@ -471,11 +479,10 @@ def check_fingerprint(transform: Any, manifest: Mapping[str, Any], where: str) -
         ours = "; ".join(describe(head)) or "empty"
         raise StaleError(
             f"{where}: the cache was prepared with a different pipeline head (cache: {cached} | "
-            f"this transform: {ours}; fingerprint {str(want)[:12]} != {got[:12]}); "
-            "re-run `prep cache` with this pipeline or pass the pipeline the cache was made with"
+            f"this transform: {ours}; fingerprint {str(want)[:12]} != {got[:12]}); {fix[0]}"
         )
     # the fingerprint holds no versions: a cache made on a CPU node (torch +cpu) is read on a GPU node (+cu130)
-    check_versions(manifest.get("versions", {}) or {}, where)
+    check_versions(manifest.get("versions", {}) or {}, where, fix[1])
 
 
 def tail_compose(transform: Any) -> Any:

@@ -22,6 +22,8 @@ META_OFFSETS = "meta_offsets.npy"
 SHARD_DIR = "shards"
 JOURNAL_DIR = "journal"
 BMAP = "bmap.json"
+PENDING = "pending.json"  # a cache the MONAI drop-in started, no `prep cache` run yet (loaders.cache.pending)
+MAX_PENDING = 1 << 20  # bytes of pending.json, read whole
 LAYOUT_FILES = (INDEX, META, META_OFFSETS)  # always present in a committed cache; BMAP when written
 
 INDEX_DTYPE = np.dtype(

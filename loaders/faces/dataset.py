@@ -37,7 +37,7 @@ from loaders.reading.region import plan_read
 from loaders.reading.staging import view
 from loaders.tunables import SMALL_OWN
 
-__all__ = ["DatasetCore", "fits_in_memory", "shard_items"]
+__all__ = ["DatasetCore", "fits_in_memory", "read_record", "shard_items"]
 
 
 # (start, shape) over the trailing dims, or a callable (item, {key: shape}) -> (start, shape) | None
@@ -238,8 +238,7 @@ class DatasetCore:
 
     def _templates(self, line: Mapping[str, Any], ndims: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, str]]:
         """A meta line's MetaTensor templates of keys `ndims` (key -> ndim) and the kinds of its leaves."""
-        templates = {key: meta_template(key_meta(line, key), ndim) for key, ndim in ndims.items()}
-        return templates, line_kinds(line) if getattr(self, "leaf_types", False) else {}
+        return _templates(line, ndims, getattr(self, "leaf_types", False))
 
     def _assemble(self, item: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """Tensors (+ stored non-tensor outputs) -> the item's nested dict, MetaTensors restored."""
@@ -251,23 +250,14 @@ class DatasetCore:
     def _assembled(
         self, tensors: dict[str, Any], templates: dict[str, Any] | None, kinds: dict[str, str] | None, values: Any
     ) -> dict[str, Any]:
-        """{flat key: tensor} -> the item's nested dict: MetaTensors stamped from `templates` (when meta), leaves
-        made the kinds the head gave (`kinds`), its non-tensor `values` (`values_text`) added."""
-        flat = {k: _own_storage(t) for k, t in tensors.items()}
-        if self.meta and templates:
-            kinds = kinds or {}
-            flat = {k: as_kind(t, kinds.get(k), templates.get(k)) for k, t in tensors.items()}
-        if self._all_keys and values and values[1:] != "{}":  # the head's non-tensor outputs, as they were
-            flat.update(values_from_text(values))
-        return unflatten(flat)
+        return _assembled(tensors, templates, kinds, values, self.meta, self._all_keys)
 
     def read_record(self, tensors: dict[str, Any], line: Mapping[str, Any]) -> dict[str, Any]:
         """An item that is not (yet) in the committed index, from its {flat key: host tensor} and its meta line
         (the drop-in's journaled items, `loaders.faces.monai_fill`), assembled as `read` assembles a committed
         item: the same keys, device, types and meta."""
-        tensors = {k: t.to(self.device) for k, t in tensors.items() if self._all_keys or k in self.keys}
-        templates, kinds = self._templates(line, {k: t.ndim for k, t in tensors.items()}) if self.meta else ({}, {})
-        return self._assembled(tensors, templates, kinds, values_text(line))
+        keys = None if self._all_keys else self.keys
+        return read_record(tensors, line, self.device, self.meta, getattr(self, "leaf_types", False), keys)
 
     def _read_item(self, item: int, mapped: bool) -> dict[str, Any]:
         """One item: {key: tensor}, views of copy-on-write mappings of its bytes where `mapped` and read buffered
@@ -362,3 +352,39 @@ class DatasetCore:
         reader = self.reader
         got = reader.fetch(reader.plan([item], [self.roi_window(item)], key_major=False))
         return {r.entry.key: t for (_, r), t in zip(got.plan.regions, reader.region_tensors(got))}
+
+
+def _templates(
+    line: Mapping[str, Any], ndims: Mapping[str, int], leaf_types: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A meta line's MetaTensor templates of keys `ndims` (key -> ndim) and, with `leaf_types`, the kinds of its
+    leaves."""
+    templates = {key: meta_template(key_meta(line, key), ndim) for key, ndim in ndims.items()}
+    return templates, line_kinds(line) if leaf_types else {}
+
+
+def _assembled(
+    tensors: dict[str, Any], templates: dict[str, Any] | None, kinds: dict[str, str] | None, values: Any, meta: bool,
+    all_keys: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """{flat key: tensor} -> the item's nested dict: MetaTensors stamped from `templates` (when meta), leaves
+    made the kinds the head gave (`kinds`), its non-tensor `values` (`values_text`) added (with `all_keys`)."""
+    flat = {k: _own_storage(t) for k, t in tensors.items()}
+    if meta and templates:
+        kinds = kinds or {}
+        flat = {k: as_kind(t, kinds.get(k), templates.get(k)) for k, t in tensors.items()}
+    if all_keys and values and values[1:] != "{}":  # the head's non-tensor outputs, as they were
+        flat.update(values_from_text(values))
+    return unflatten(flat)
+
+
+def read_record(
+    tensors: dict[str, Any], line: Mapping[str, Any], device: str, meta: bool, leaf_types: bool,
+    keys: Sequence[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """An item from its {flat key: host tensor} and its meta line (a drop-in record, `loaders.faces.monai_fill`),
+    assembled as a committed item is read: on `device`, MetaTensors restored with `meta`, each leaf the type the
+    head gave with `leaf_types`; only `keys` (None: all, with the head's non-tensor outputs)."""
+    tensors = {k: t.to(device) for k, t in tensors.items() if keys is None or k in keys}
+    templates, kinds = _templates(line, {k: t.ndim for k, t in tensors.items()}, leaf_types) if meta else ({}, {})
+    return _assembled(tensors, templates, kinds, values_text(line), meta, keys is None)

@@ -27,9 +27,10 @@ from loaders.cache import chain
 from loaders.cache.chain import tail_compose
 from loaders.cache.meta import entry_key, line_source
 from loaders.cache.nesting import to_jsonable
-from loaders.cache.spec import MANIFEST
+from loaders.cache.spec import MANIFEST, PENDING
 from loaders.errors import StaleError
 from loaders.faces.monai_fill import Fill
+from loaders.faces.monai_pending import is_pending, pending_fill, record_reader
 from loaders.reading.mappings import own_storage
 from loaders.state import keep_random_states
 
@@ -222,19 +223,21 @@ def _file_based(data: Sequence[Any]) -> bool:
     return all(isinstance(e, (Mapping, str, os.PathLike)) for e in data)
 
 
-def _serves(cache_dir: Any, transform: Any, data: Sequence[Any]) -> bool:
-    """True where the prepared layout serves: a prepared cache at `cache_dir`, a transform and file-based
-    data; else PersistentDataset's own code runs (its `<hash>.pt` files, or no cache for cache_dir=None)."""
-    return (
-        cache_dir is not None and transform is not None and (Path(cache_dir) / MANIFEST).is_file() and _file_based(data)
-    )
+def _serves(cache_dir: Any, transform: Any, data: Sequence[Any], pending: bool = False) -> bool:
+    """True where the prepared layout serves: a prepared cache at `cache_dir` (with `pending`: a pending one, or
+    a new or empty folder, `loaders.faces.monai_pending.is_pending`), a transform and file-based data; else
+    PersistentDataset's own code runs (its `<hash>.pt` files, or no cache for cache_dir=None)."""
+    if cache_dir is None or transform is None or not _file_based(data):
+        return False
+    return is_pending(cache_dir) if pending else (Path(cache_dir) / MANIFEST).is_file()
 
 
 class PersistentCore:
     """`PersistentDataset(data, transform, cache_dir)` over a prepared cache: head read, tail applied.
 
     data: the datalist entries (as for MONAI; matched to cache items by their source entry). transform:
-    the full pipeline (Compose or list). cache_dir: the `prep cache` output. track_meta: as MONAI's
+    the full pipeline (Compose or list). cache_dir: the `prep cache` output (or a new or empty folder: a pending
+    cache). track_meta: as MONAI's
     PersistentDataset (default: the installed MONAI's, False; MONAI 1.4 has no such option and keeps meta):
     False gives the head's output as plain tensors, as
     PersistentDataset reads them back from its cache (the tail then makes MetaTensors, as it does there);
@@ -243,12 +246,15 @@ class PersistentCore:
     device: where the output tensors go; None: where the head put them (`dropin_device`). backend, verify and
     other options (keyword-only): as for PreparedDataset. PersistentDataset's own arguments come in its order
     and are kept as its attributes. A `monai.data.PersistentDataset` (the class in `loaders.faces.monai_data`):
-    where no prepared cache serves (cache_dir=None, a folder `prep cache` never wrote, transform=None, data in
-    memory) its own code runs, unchanged.
+    where no prepared cache serves (cache_dir=None, a folder that holds files of its own or of anything but
+    blockprep, transform=None, data in memory) its own code runs, unchanged. A new or empty folder becomes a
+    pending prepared cache (`loaders.faces.monai_pending`), filled with the items as they are computed, which
+    `prep cache` then commits.
     """
 
     transform: Any  # a Compose, set by monai.data.Dataset.__init__
     data: Sequence[Any]
+    dataset: Any  # the committed cache's PreparedDataset; None over a pending cache
 
     def __init__(
         self,
@@ -261,46 +267,52 @@ class PersistentCore:
         verify: bool = False,
         **options: Any,
     ) -> None:
-        from loaders.faces.torch_data import PreparedDataset
-
         arguments, track_meta = _persistent_arguments(data, transform, cache_dir, persistent, options)
         args.check_dropin(data, transform, cache_dir, track_meta, [n for n in options if n not in _DATASET_OPTIONS])
         super().__init__(**arguments)  # type: ignore[call-arg]  # PersistentDataset's: a list becomes a Compose
         self._prepared = _serves(cache_dir, transform, data)
-        if not self._prepared:
+        pending = not self._prepared and _serves(cache_dir, transform, data, pending=True)
+        if not (self._prepared or pending):
             return  # PersistentDataset's own behaviour throughout (docs/loaders.md says when and why)
+        self._prepared = True
         self._reset_ops_id = bool(arguments.get("reset_ops_id", True))  # what an item computed here keeps
-        if track_meta is None:
-            track_meta = _persistent_track_meta()
+        self.track_meta = _persistent_track_meta() if track_meta is None else track_meta
+        whole = _persistent_runs_whole(self.transform)
         assert cache_dir is not None
-        transform = self.transform
-        self.track_meta = track_meta
-        whole = _persistent_runs_whole(transform)
-        self.dataset = PreparedDataset(
-            cache_dir,
-            backend=backend,
-            device=dropin_device(transform, device),
-            verify=verify,
-            meta=track_meta or whole,
-            leaf_types=_persistent_keeps_types() or whole,
-            **options,
-        )
-        with keep_random_states(transform):  # splitting the chain re-seeds it
-            chain.check_fingerprint(transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
-            self.tail = tail_compose(transform)
-            self._label = _label_crop(self.tail, self.dataset.cache)
-            head = chain.split(transform)[0]
+        reading: dict[str, Any] = {"device": dropin_device(self.transform, device), "meta": self.track_meta or whole}
+        reading["leaf_types"] = _persistent_keeps_types() or whole
+        with keep_random_states(self.transform):  # splitting the chain re-seeds it
+            head = chain.split(self.transform)[0]
+            self.tail = tail_compose(self.transform)
             self._head_len = len(head)
             # the head the cache holds, where it is not the part PersistentDataset runs before its tail
-            self._head = None if _persistent_head_len(transform) == len(head) else _compose(head, transform)
-        manifest = self.dataset.cache.manifest
-        self._fill = Fill(self.dataset.root, str(manifest.get("fingerprint")), _section(manifest))
+            self._head = None if _persistent_head_len(self.transform) == len(head) else _compose(head, self.transform)
+            if pending:  # no prepared cache yet: every item a drop-in record or computed (loaders.faces.monai_pending)
+                self.dataset, self._label = None, None
+                self._fill = pending_fill(Path(cache_dir), self.transform, head)
+                self._record = record_reader(**reading, keys=options.get("keys"))
+            else:
+                self._open(cache_dir, backend, verify, reading, options)
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
         # position -> a copy of the entry found at the same position in the cache: an entry still equal to it
         # needs no meta line read and no JSON key (a third of an item's Python on 64x64 MedNIST items)
         self._in_place: dict[int, Any] = {}
         self._check_quarantine()
+
+    def _open(
+        self, cache_dir: Any, backend: str | Backend, verify: bool, reading: dict[str, Any], options: dict[str, Any]
+    ) -> None:
+        """The committed cache at `cache_dir` read as PreparedDataset reads it, its head checked against this
+        transform's; its drop-in records (`loaders.faces.monai_fill`) keyed by its fingerprint."""
+        from loaders.faces.torch_data import PreparedDataset
+
+        self.dataset = PreparedDataset(cache_dir, backend=backend, verify=verify, **reading, **options)
+        chain.check_fingerprint(self.transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
+        self._label = _label_crop(self.tail, self.dataset.cache)
+        manifest = self.dataset.cache.manifest
+        self._fill = Fill(self.dataset.root, str(manifest.get("fingerprint")), _section(manifest))
+        self._record = self.dataset.read_record
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its lock (DataLoader workers started by spawn or forkserver get a new one)."""
@@ -329,6 +341,8 @@ class PersistentCore:
     def _check_quarantine(self) -> None:
         """Refuse, when built, a datalist naming an entry `prep cache` quarantined (rather than at the first
         batch that reaches it): its file is bad, and re-running `prep cache` once it is fixed prepares it."""
+        if self.dataset is None:
+            return  # a pending cache: nothing quarantined yet
         quarantined = self.dataset.cache.manifest.get("quarantined") or []
         if not quarantined:
             return
@@ -356,6 +370,8 @@ class PersistentCore:
     def _lookup(self, index: int) -> int | None:
         """The cache item holding data[index]: same position when the sources agree, else by source entry
         (file paths compared as real paths); None when the cache has none (a new or changed entry)."""
+        if self.dataset is None:
+            return None  # a pending cache: no committed item
         cache = self.dataset.cache
         if self._items is None:
             entry = self.data[index]
@@ -395,13 +411,13 @@ class PersistentCore:
         """The head's output of data[index] from a drop-in record (written by this or another process), read
         as a committed item is read (`PreparedDataset.read_record`); None where there is none to trust."""
         found = self._fill.find(entry_key(self._fill.section, to_jsonable(self.data[index])))
-        return None if found is None else self.dataset.read_record(*found)
+        return None if found is None else self._record(*found)
 
     def _set_persistent_data(self, data: Sequence[Any]) -> None:
-        """PersistentDataset.set_data, except in a folder that also holds a prepared cache: there only
-        PersistentDataset's own files (`<hash>.pt`) go."""
+        """PersistentDataset.set_data, except in a folder that also holds a prepared cache (or a pending one):
+        there only PersistentDataset's own files (`<hash>.pt`) go."""
         cache_dir = getattr(self, "cache_dir", None)
-        if cache_dir is None or not (Path(cache_dir) / MANIFEST).is_file():
+        if cache_dir is None or not any((Path(cache_dir) / name).is_file() for name in (MANIFEST, PENDING)):
             super().set_data(data)  # type: ignore[misc]
             return
         self.data = data

@@ -119,10 +119,13 @@ class Fill:
 
     root: the cache folder. fingerprint: its head's (records of another head are never used). section: the
     datalist section a record's meta line names (the cache's first section: `prep cache` matches records to
-    its datalist by section and entry)."""
+    its datalist by section and entry). writes: False where the folder cannot take them (said once already by
+    the caller): items are computed at each read, in every process."""
 
-    def __init__(self, root: Path, fingerprint: str, section: str) -> None:
-        self.root, self.fingerprint, self.section = Path(root), fingerprint, section
+    writes = True  # objects unpickled from before this existed
+
+    def __init__(self, root: Path, fingerprint: str, section: str, writes: bool = True) -> None:
+        self.root, self.fingerprint, self.section, self.writes = Path(root), fingerprint, section, writes
         self._scan = _Scan()
         self._new_state()
 
@@ -133,11 +136,11 @@ class Fill:
         self._shard: ShardWriter | None = None
         self._rel = ""
         self._dirs: list[int] = []  # the journal and shard folders' descriptors, while files are open
-        self._off = False  # writing failed here once (said in a warning): this process writes no more
+        self._off = not self.writes  # writing failed here once (said in a warning): this process writes no more
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without its files and lock: a spawned worker writes files of its own."""
-        return {k: v for k, v in self.__dict__.items() if k in ("root", "fingerprint", "section", "_scan")}
+        return {k: v for k, v in self.__dict__.items() if k in ("root", "fingerprint", "section", "writes", "_scan")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

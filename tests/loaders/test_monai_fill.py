@@ -15,16 +15,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("monai")
 
 from cacheutil import same_as_clean  # noqa: E402
-from grownutil import as_they_come, same, theirs_options, transform_of  # noqa: E402
+from grownutil import as_they_come, records, same, theirs_options, transform_of  # noqa: E402
 
 MISSING = 3  # entries of the grown datalist the cache lacks (one new at 0, one changed at 5, one new at 6)
-
-
-def _records(cache: Path) -> list[dict[str, Any]]:
-    """Every line of every drop-in journal of `cache`."""
-    return [
-        json.loads(line) for f in sorted((cache / "journal").glob("fill-*.fill")) for line in f.read_text().splitlines()
-    ]
 
 
 def _primed(data: list[Any], transform: Any, folder: Path, extra: dict[str, Any]) -> Any:
@@ -57,11 +50,11 @@ def test_workers_write_then_read_back(fresh: dict[str, Any], tmp_path: Path, con
                             multiprocessing_context=context)  # fmt: skip
         got = list(loader)
         same(want, got, meta=True)
-        records = _records(fresh["cache"])
-        assert len(records) == MISSING, f"epoch {epoch}: each missing entry written once, none again"
+        written = records(fresh["cache"])
+        assert len(written) == MISSING, f"epoch {epoch}: each missing entry written once, none again"
     files = list((fresh["cache"] / "journal").glob("fill-*.fill"))
     assert 1 <= len(files) <= 2 and len({f.name for f in files}) == len(files)  # one a worker that wrote
-    assert {r["shard"] for r in records} == {f"shards/{f.name[: -len('.fill')]}.bin" for f in files}
+    assert {r["shard"] for r in written} == {f"shards/{f.name[: -len('.fill')]}.bin" for f in files}
     assert not list(fresh["cache"].glob("*.pt"))
 
 
@@ -94,7 +87,7 @@ def test_a_record_not_to_trust_is_computed_again(fresh: dict[str, Any], damage: 
 
     data, tmp, cache = fresh["data"], fresh["tmp"], fresh["cache"]
     PreparedPersistentDataset(data, transform_of(tmp), cache, backend="posix", track_meta=True)[0]
-    (record,) = _records(cache)
+    (record,) = records(cache)
     shard = cache / record["shard"]
     if damage == "bytes":
         raw = bytearray(shard.read_bytes())
@@ -110,7 +103,7 @@ def test_a_record_not_to_trust_is_computed_again(fresh: dict[str, Any], damage: 
     theirs.set_random_state(3)
     mine.set_random_state(3)
     same(PersistentDataset(data[:1], theirs, None, track_meta=True)[0], ours[0], meta=True)  # computed again
-    assert len(_records(cache)) == 2 and ours._journaled(0) is not None  # and written again, in new files
+    assert len(records(cache)) == 2 and ours._journaled(0) is not None  # and written again, in new files
 
 
 def test_prep_cache_takes_the_dropin_items(fresh: dict[str, Any], tmp_path: Path) -> None:
@@ -120,7 +113,7 @@ def test_prep_cache_takes_the_dropin_items(fresh: dict[str, Any], tmp_path: Path
     data, tmp, cache = fresh["data"], fresh["tmp"], fresh["cache"]
     ours = PreparedPersistentDataset(data, transform_of(tmp), cache, backend="posix")
     [ours[i] for i in range(len(data))]  # an epoch: the missing entries written
-    assert len(_records(cache)) == MISSING
+    assert len(records(cache)) == MISSING
     datalist = tmp_path / "grown.json"
     datalist.write_text(json.dumps({"training": data}))
     summary = prepare_cache(datalist, tmp / "pipeline.py", cache, workers=1, processes=False)
@@ -159,4 +152,4 @@ def test_a_head_shorter_than_persistent_datasets(grown: dict[str, Any], tmp_path
         theirs.set_random_state(seed)
         mine.set_random_state(seed)
         same([ref[i] for i in range(len(data))], [ours[i] for i in range(len(data))], meta=True)
-    assert len(_records(tmp_path / "cache")) == MISSING
+    assert len(records(tmp_path / "cache")) == MISSING
