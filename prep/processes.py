@@ -22,7 +22,7 @@ import resource
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 PRELOAD = ("prep.nosigint", "distributed", "torch", "monai.transforms", "prep.worker", "prep.frozen")
 PRELOAD_S = 4.0  # the forkserver's imports of PRELOAD (a few seconds on a small shared machine: docs/benchmarks.md)
@@ -70,6 +70,12 @@ def start_forkserver(threads: int = 1) -> None:
         with dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"}):
             context = get_mp_context()  # distributed sets its own preload list once; ours replaces it
         context.set_forkserver_preload(list(PRELOAD))
+        server = forkserver._forkserver
+        if _started_at is None and getattr(server, "_forkserver_pid", None) is not None:
+            # a forkserver this process started for something else (a DataLoader's forkserver workers): without
+            # the preload and the workers' environment; stopped, the next user of it starts this one
+            with suppress(Exception):
+                server._stop()
         with _environ(worker_environ(threads)):
             forkserver.ensure_running()  # returns once the server runs; it imports PRELOAD meanwhile
         if _started_at is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from cacheutil import SPHERES
+from cacheutil import REPO, SPHERES
 
 from loaders.cache.format import PreparedCache
 from loaders.cache.spec import JOURNAL_DIR
@@ -270,3 +271,30 @@ def test_cluster_started_during_a_full_collection_leaves_no_gc_callback_error() 
     finally:
         sys.unraisablehook = hook
     assert [repr(e.exc_value) for e in errors] == []
+
+
+FORKSERVER_FIRST = """
+import multiprocessing, sys
+
+from prep.cluster import ClusterStarter
+
+def origin():
+    return "torch" in sys.modules and "monai.transforms" in sys.modules
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:  # a DataLoader's forkserver workers, say
+        pool.map(abs, [1])
+    with ClusterStarter(1, None, processes=True) as starter:
+        print(list(starter.client().run(origin).values()))
+"""
+
+
+def test_a_forkserver_started_for_something_else_is_replaced_by_the_preloaded_one(tmp_path: Path) -> None:
+    """A forkserver the process started before (without the preload or the workers' environment) is stopped:
+    the workers still come from one that imported torch and MONAI."""
+    script = tmp_path / "first.py"
+    script.write_text(FORKSERVER_FIRST)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[True]", done.stdout
