@@ -75,7 +75,7 @@ def start_forkserver(threads: int = 1) -> None:
             # a forkserver this process started for something else (a DataLoader's forkserver workers): without
             # the preload and the workers' environment; stopped, the next user of it starts this one
             with suppress(Exception):
-                server._stop()  # type: ignore[attr-defined]  # CPython's own, since 3.8
+                server._stop()  # type: ignore[attr-defined]  # CPython's own method
         with _environ(worker_environ(threads)):
             forkserver.ensure_running()  # returns once the server runs; it imports PRELOAD meanwhile
         if _started_at is None:
