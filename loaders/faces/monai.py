@@ -274,7 +274,7 @@ class PersistentCore:
         pending = not self._prepared and _serves(cache_dir, transform, data, pending=True)
         if not (self._prepared or pending):
             return  # PersistentDataset's own behaviour throughout (docs/loaders.md says when and why)
-        self._prepared = True
+        self._prepared, mine = True, set(self.__dict__)
         self._reset_ops_id = bool(arguments.get("reset_ops_id", True))  # what an item computed here keeps
         self.track_meta = _persistent_track_meta() if track_meta is None else track_meta
         whole = _persistent_runs_whole(self.transform)
@@ -287,12 +287,23 @@ class PersistentCore:
             self._head_len = len(head)
             # the head the cache holds, where it is not the part PersistentDataset runs before its tail
             self._head = None if _persistent_head_len(self.transform) == len(head) else _compose(head, self.transform)
-            if pending:  # no prepared cache yet: every item a drop-in record or computed (loaders.faces.monai_pending)
-                self.dataset, self._label = None, None
-                self._fill = pending_fill(Path(cache_dir), self.transform, head)
-                self._record = record_reader(**reading, keys=options.get("keys"))
-            else:
-                self._open(cache_dir, backend, verify, reading, options)
+            try:
+                if pending:  # no prepared cache yet: items are records or computed (monai_pending)
+                    self.dataset, self._label = None, None
+                    self._fill = pending_fill(Path(cache_dir), self.transform, head)
+                    self._record = record_reader(**reading, keys=options.get("keys"))
+                else:
+                    self._open(cache_dir, backend, verify, reading, options)
+            except StaleError:
+                if arguments.get("hash_transform") is None:
+                    raise
+                # MONAI keys its files by the transform's hash here, so one folder serves several transforms:
+                # a cache of another head is left alone and this transform's items are MONAI's own files (the
+                # attributes set meanwhile go: MONAI's seeding walks them)
+                for name in set(self.__dict__) - mine:
+                    del self.__dict__[name]
+                self._prepared = False
+                return
         self._crop_lock = threading.Lock()
         self._items: dict[str, int] | None = None
         # position -> a copy of the entry found at the same position in the cache: an entry still equal to it

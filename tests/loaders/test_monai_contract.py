@@ -194,3 +194,38 @@ def test_prepared_cache_kept_by_set_data(spheres: dict[str, Any]) -> None:
     again = PreparedPersistentDataset(spheres["data"], spheres["transform"], spheres["cache"])
     assert again._prepared and len(again) == len(spheres["data"])
     pickle.loads(pickle.dumps(again))
+
+
+def test_hash_transform_over_a_cache_of_another_head_is_persistent_datasets(
+    spheres: dict[str, Any], tmp_path: Path
+) -> None:
+    """With hash_transform MONAI keys its files by the transform, so one folder serves several transforms: over a
+    prepared cache of another head the drop-in gives PersistentDataset's values and files, and leaves the cache
+    alone (without hash_transform, another head is a StaleError)."""
+    import shutil
+
+    from monai.data import PersistentDataset, json_hashing
+    from monai.data.utils import set_rnd
+    from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandFlipd
+
+    from loaders import PreparedPersistentDataset
+    from loaders.errors import StaleError
+
+    folder = tmp_path / "cache"
+    shutil.copytree(spheres["cache"], folder)
+    before = set(folder.glob("*.pt"))  # another test's own files in the shared cache folder
+    keys = ["image", "label"]
+    other = Compose([LoadImaged(keys), EnsureChannelFirstd(keys), RandFlipd(keys, prob=0.5, spatial_axis=0)])
+    data = spheres["data"][:2]
+    with pytest.raises(StaleError):
+        PreparedPersistentDataset(data, other, folder)
+    sides = []
+    for ds in (
+        PersistentDataset(data, other, tmp_path / "pt", hash_transform=json_hashing),
+        PreparedPersistentDataset(data, other, folder, hash_transform=json_hashing),
+    ):
+        set_rnd(ds, seed=11)  # as MONAI's DataLoader seeds a dataset
+        sides.append([ds[0], ds[1], ds[0]])
+    _equal(*sides)
+    assert len(set(folder.glob("*.pt")) - before) == 2 and (folder / "manifest.json").is_file()
+    assert PreparedPersistentDataset(spheres["data"], spheres["transform"], folder)._prepared
