@@ -66,7 +66,7 @@ def test_a_cache_it_cannot_write_warns_once(fresh: dict[str, Any]) -> None:
     data, tmp = fresh["data"], fresh["tmp"]
     (fresh["cache"] / "journal").write_text("")  # where its journal folder belongs: nothing can be written
     theirs, mine = transform_of(tmp), transform_of(tmp)
-    ref = PersistentDataset(data, theirs, None, track_meta=True)
+    ref = PersistentDataset(data, theirs, None, **theirs_options({"track_meta": True}))
     ours = PreparedPersistentDataset(data, mine, fresh["cache"], backend="posix", track_meta=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -102,7 +102,9 @@ def test_a_record_not_to_trust_is_computed_again(fresh: dict[str, Any], damage: 
     assert ours._journaled(0) is None  # not trusted
     theirs.set_random_state(3)
     mine.set_random_state(3)
-    same(PersistentDataset(data[:1], theirs, None, track_meta=True)[0], ours[0], meta=True)  # computed again
+    same(
+        PersistentDataset(data[:1], theirs, None, **theirs_options({"track_meta": True}))[0], ours[0], meta=True
+    )  # computed again
     assert len(records(cache)) == 2 and ours._journaled(0) is not None  # and written again, in new files
 
 

@@ -131,7 +131,7 @@ def test_a_folder_it_cannot_start_warns_once(grown: dict[str, Any], tmp_path: Pa
     theirs, mine = transform_of(tmp), transform_of(tmp)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ref = PersistentDataset(data, theirs, None, track_meta=True)
+        ref = PersistentDataset(data, theirs, None, **theirs_options({"track_meta": True}))
         ours = PreparedPersistentDataset(data, mine, folder, backend="posix", track_meta=True)
         for seed in (5, 6):
             theirs.set_random_state(seed)
