@@ -16,23 +16,11 @@ from loaders.errors import StaleError
 torch = pytest.importorskip("torch")
 pytest.importorskip("monai")
 
-PIPELINE = """
-from monai.transforms import (Compose, EnsureChannelFirstd, LoadImaged, RandCropByPosNegLabeld, RandFlipd,
-                              ScaleIntensityRanged, Spacingd)
-KEYS = ["image", "label"]
-transform = Compose([
-    LoadImaged(keys=KEYS),
-    EnsureChannelFirstd(keys=KEYS),
-    Spacingd(keys=KEYS, pixdim=(1.0, 1.0, 1.5), mode=("bilinear", "nearest")),
-    ScaleIntensityRanged(keys="image", a_min=0.0, a_max=A_MAX, b_min=0.0, b_max=1.0, clip=True),
-    RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=(12, 12, 12), pos=1, neg=1, num_samples=2),
-    RandFlipd(keys=KEYS, prob=0.5, spatial_axis=0),
-])
-"""
+from grownutil import PIPELINE  # noqa: E402
 
 
 def _pipeline(path: Path, a_max: float = 1000.0) -> Path:
-    path.write_text(PIPELINE.replace("A_MAX", repr(a_max)))
+    path.write_text(PIPELINE.replace("a_max=1000.0", f"a_max={a_max!r}"))
     return path
 
 
