@@ -287,15 +287,15 @@ def test_the_child_ends_when_the_training_process_is_killed(made: tuple[Path, Pa
 
 
 @pytest.mark.gpu
-def test_loaders_on_two_gpus_in_one_process_with_the_defaults(made: tuple[Path, Path]) -> None:
-    """Two loaders with the defaults (a feeder each) on cuda:0 and cuda:1 in one process whose current device
-    is cuda:0: each batch on its loader's device, equal to that device's in-process loader, through the start
-    (made here) and after it (made by the child)."""
+def test_loaders_on_every_gpu_in_one_process_with_the_defaults(made: tuple[Path, Path]) -> None:
+    """One loader with the defaults (a feeder each) on every GPU of the box (2, 4, ...) in one process whose
+    current device is cuda:0: each batch on its loader's device, equal to that device's in-process loader,
+    through the start (made here) and after it (made by the child)."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    devices = ("cuda:0", "cuda:1")
+    devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
     want = {}
     for d in devices:
         plain = _loader(made, {"gpu_budget": 0, "device": d, "feeder": False})

@@ -123,18 +123,36 @@ def test_bad_options_exit_2() -> None:
     assert benchmark.main(["train", "--crop", "64", "--size", "32"]) == 2
 
 
-@pytest.mark.slow  # two torchrun processes with gloo: ~20 s on the 2-core box
-def test_ddp_row_on_cpu_with_gloo(out: Path) -> None:
+def _ddp_row(out: Path, world: int, *args: str) -> dict[str, object]:
+    """The --ddp row under torchrun with `world` ranks: it exits 0 and writes its two rows; its ddp.json."""
     env = {**os.environ, "PYTHONPATH": str(Path(benchmark.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "workflows.benchmark", "train", "--ddp", *TINY, "--count", "5", "--epochs", "3",
-           "--out", str(out / "ddp")]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m",
+           "workflows.benchmark", "train", "--ddp", *TINY, *args, "--out", str(out / "ddp")]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    got = json.loads((out / "ddp" / "ddp.json").read_text())
-    assert got["every_item_once"] is True and got["world"] == 2 and got["x_one_gpu"] > 0
     rows = _rows(out / "ddp" / "bench.csv")
-    assert [r["name"] for r in rows] == ["blockprep PreparedLoader, 1 GPU", "blockprep PreparedLoader, DDP x2"]
+    assert [r["name"] for r in rows] == ["blockprep PreparedLoader, 1 GPU", f"blockprep PreparedLoader, DDP x{world}"]
+    got: dict[str, object] = json.loads((out / "ddp" / "ddp.json").read_text())
+    return got
+
+
+@pytest.mark.slow  # two torchrun processes with gloo: ~20 s on the 2-core box
+def test_ddp_row_on_cpu_with_gloo(out: Path) -> None:
+    got = _ddp_row(out, 2, "--count", "5", "--epochs", "3")
+    assert got["every_item_once"] is True and got["world"] == 2 and got["x_one_gpu"] > 0
+
+
+@pytest.mark.gpu
+def test_ddp_row_on_every_gpu_with_the_defaults(out: Path) -> None:
+    """One rank per GPU of the box (2, 4, ...) under torchrun with NCCL, the loader's defaults (its feeder)
+    on each rank's cuda:LOCAL_RANK: the row finishes and every item is trained once per epoch."""
+    import torch
+
+    world = torch.cuda.device_count()
+    if world < 2:
+        pytest.skip("needs two CUDA GPUs")
+    got = _ddp_row(out, world, "--device", "cuda", "--count", str(2 * world + 1), "--epochs", "3")
+    assert got["every_item_once"] is True and got["world"] == world and got["x_one_gpu"] > 0
 
 
 WORKLOAD_TINY = {

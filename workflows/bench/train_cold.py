@@ -126,16 +126,20 @@ def crop_bytes_per_step(batch: dict[str, tuple[tuple[int, ...], str]], dtypes: d
 class ColdEpochs:
     """What a cold epoch evicts first (every file of the workload) and how its bytes read are counted."""
 
-    files: tuple[str, ...]
+    folders: tuple[Path, ...]  # listed again at every eviction: a row's own cache is written by its first epoch
     counters: tuple[ReadCounter, ...]  # the first gives the row's bytes read; a second, the process tree's
     crop_bytes: int  # one step's crops, 0 where unknown (a workload with no crop batch)
     evicted: str = ""  # how the last eviction was done
 
     @classmethod
     def of(cls, folders: Iterable[Path], counters: tuple[ReadCounter, ...], crop_bytes: int) -> ColdEpochs:
-        """Every regular file under `folders` (those that exist)."""
-        files = [f for d in folders if d.is_dir() for f in files_under(d)]
-        return cls(tuple(files), counters, crop_bytes)
+        """Every regular file under `folders` (those that exist when an epoch starts)."""
+        return cls(tuple(folders), counters, crop_bytes)
+
+    @property
+    def files(self) -> list[str]:
+        """The regular files under the folders now."""
+        return [f for d in self.folders if d.is_dir() for f in files_under(d)]
 
     def row(self) -> EpochReads:
         """A fresh tally for one row."""
@@ -153,8 +157,12 @@ class EpochReads:
     _at: list[int] = field(default_factory=list, repr=False)
 
     def begin(self) -> None:
-        """Evict every file of the workload, then start counting."""
-        self.cold.evicted = evict(self.cold.files)
+        """Evict every file of the workload, then start counting. Its files only (a sync, then fadvise drops
+        every page of them, all clean): `drop_caches` would also drop the code pages of every running process
+        (torch's and CUDA's libraries), which a dataset streaming through the page cache does not push out (the
+        kernel keeps mapped, active pages); it made a row that starts a process within its timed epochs (a
+        feeder's child importing torch and MONAI) re-read its libraries from disk at every epoch."""
+        self.cold.evicted = evict(self.cold.files, drop_caches=False)
         self._at = [c.read() for c in self.cold.counters]
 
     def end(self, timed: bool) -> None:
