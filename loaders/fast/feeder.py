@@ -178,7 +178,9 @@ class Feeder:
         return msg
 
     def _send(self, *msg: Any) -> None:
-        self._conn.send_bytes(pickle.dumps(msg))
+        """A message to the child, pickled as the child's are (`dumps`: torch's reductions, so a CUDA tensor goes
+        as its IPC handle; plain pickle would copy its bytes through the socket, the lent tier's gigabytes)."""
+        self._conn.send_bytes(dumps(msg))
 
     def wait_ready(self) -> None:
         """Wait until the child has built its loader (its start overlapped whatever the caller did meanwhile);
