@@ -2,7 +2,7 @@
 one of `PreparedPersistentDataset` under a DataLoader, each in a child process inside a memory cgroup of half the
 cache's size (swap off for it), deliver every item once, with MONAI's values, and nothing is killed for memory.
 The cgroup is at least the child's imports plus room to read: torch 2.13's CPU build, MONAI and the loader import
-at 290 MiB, torch 2.3.1's CUDA build at 449 MiB (2026-11-28), and the cache grows with it."""
+at 290 MiB, torch 2.3.1's CUDA build at 449 MiB, and the cache grows with it."""
 
 from __future__ import annotations
 
