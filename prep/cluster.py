@@ -33,6 +33,7 @@ Progress = Callable[[int, int], None]  # (items just finished, items this run wi
 Sink = Callable[[list[dict[str, Any]]], None]  # a finished task's statuses (`prep.worker.run_batch`)
 TLS_OPTIONS = "--tls-ca-file, --tls-cert and --tls-key"
 STOP_WAIT_S = 60.0  # after Ctrl-C, how long running tasks get to finish their current item
+POLL_S = 0.05  # how often the wait for results looks at the Ctrl-C flag
 
 
 def plain_tcp_warning(scheduler: str | None) -> str | None:
@@ -350,7 +351,10 @@ def task_batches(todo: list[int], size: int, singles: int = 0) -> list[list[int]
 
 @contextmanager
 def interrupt_scope() -> Iterator[None]:
-    """Restore this thread's Ctrl-C handler on the way out (run_tasks replaces it after a first Ctrl-C)."""
+    """A run's scope: its tasks may run (an earlier run in this process may have been stopped by Ctrl-C, as in a
+    notebook); this thread's Ctrl-C handler is restored on the way out (run_tasks replaces it after a first
+    Ctrl-C)."""
+    clear_stop()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -416,7 +420,7 @@ def run_tasks(
         signal.signal(signal.SIGINT, quiet.interrupt)
     try:
         batches = task_batches(todo, size, singles)
-        _wait_tasks(client, spec, items, todo, batches, progress, pids, sink, commit_later)
+        _wait_tasks(client, spec, items, todo, batches, progress, pids, sink, commit_later, quiet.interrupted)
         if commit_later:
             client.run(wait_commits)
     finally:
@@ -450,22 +454,34 @@ def _wait_tasks(
     pids: list[int] | None,
     sink: Sink | None = None,
     commit_later: bool = False,
+    interrupted: threading.Event | None = None,
 ) -> None:
+    """Wait for the tasks, looking at `interrupted` (set by the Ctrl-C handler) between results: the handler's
+    KeyboardInterrupt can land in an object's `__del__`, where Python prints it and goes on."""
     from distributed import as_completed
 
+    interrupted = interrupted or threading.Event()
     futures = [
         client.submit(run_batch, spec, b, [(i, items[i][1], items[i][0]) for i in batch], commit_later=commit_later,
                       pure=False, key=f"blockprep-{spec.run_id}-{b}")
         for b, batch in enumerate(batches)
     ]  # fmt: skip
+    done = as_completed(futures, loop=client.loop)
     try:
-        for future in as_completed(futures, loop=client.loop):
-            statuses = future.result()
-            if sink is not None:
-                sink(statuses)
-            if progress:
-                progress(len(statuses), len(todo))
+        while not interrupted.is_set() and not done.is_empty():
+            ready = done.next_batch(block=False)
+            if not ready:
+                interrupted.wait(POLL_S)
+            for future in ready:
+                statuses = future.result()
+                if sink is not None:
+                    sink(statuses)
+                if progress:
+                    progress(len(statuses), len(todo))
+        if interrupted.is_set():
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
+        interrupted.set()
         _stop_after_interrupt(client, futures, pids or [])
         raise
     except (OSError, PrepError):

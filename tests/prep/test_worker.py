@@ -198,6 +198,38 @@ def test_forkserver_workers_warm_the_pipeline_and_prepare(nifti_dataset: Path, t
     assert 0 < starter.start_cpu_s < starter.worker_cpu_s  # started and warm, then the tasks' CPU on top
 
 
+class _InterruptsInDel:
+    """Ctrl-C arriving while the main thread runs a `__del__`: Python prints the KeyboardInterrupt and goes on."""
+
+    def __del__(self) -> None:
+        import signal
+
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        for _ in range(10_000):  # the handler runs here, inside __del__
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed interrupt, on purpose
+def test_ctrl_c_swallowed_by_a_del_still_stops_the_run(nifti_dataset: Path, tmp_path: Path) -> None:
+    from prep.cluster import ClusterStarter, interrupt_scope, run_tasks
+
+    items = load_datalist(nifti_dataset)
+    (tmp_path / JOURNAL_DIR).mkdir()
+    sunk: list[int] = []
+
+    def sink(statuses: list[dict[str, Any]]) -> None:
+        sunk.append(len(statuses))
+        if len(sunk) == 1:
+            _InterruptsInDel()  # made and dropped at once: its __del__ runs here, on the main thread
+
+    with interrupt_scope(), ClusterStarter(1, None, processes=False) as starter, pytest.raises(KeyboardInterrupt):
+        run_tasks(starter.client(), _spec(tmp_path), items, list(range(len(items))), 1, sink=sink)
+    assert sunk[0] == 1
+    # the next run in this process (a notebook's next cell) prepares: the stop asked of the first is not kept
+    again = prepare_cache(nifti_dataset, SPHERES, tmp_path / "again", workers=1, processes=False)
+    assert again.n_items == len(items)
+
+
 _AT_ONCE = {"now": 0, "most": 0}
 _AT_ONCE_LOCK = threading.Lock()
 
