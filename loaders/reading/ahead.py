@@ -18,6 +18,10 @@ from typing import Any
 
 __all__ = ["InOrder"]
 
+# every thread that has run a job of any stage: a stage's job may wait for another stage's (the loader's tail
+# thread takes its batch's read), so a wait from any of them, for any stage, may wait for itself
+_WORKERS: set[int] = set()
+
 
 class InOrder:
     """Jobs on `threads` threads (named `name`), taken in the order they were submitted. With one thread they
@@ -28,20 +32,20 @@ class InOrder:
         self._own = executor is None
         self._pool = executor if executor is not None else ThreadPoolExecutor(max(1, threads), thread_name_prefix=name)
         self._pending: deque[Future[Any]] = deque()
-        self._workers: set[int] = set()  # the threads that ran this stage's jobs
 
     def submit(self, job: Callable[..., Any], *args: Any) -> None:
         """Start `job(*args)` after the jobs submitted before it."""
         self._pending.append(self._pool.submit(self._run, job, args))
 
     def _run(self, job: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        self._workers.add(threading.get_ident())
+        _WORKERS.add(threading.get_ident())
         return job(*args)
 
     def _on_worker(self) -> bool:
-        """Whether this thread is one of the stage's own (a job, or a collection a job's allocation ran, that
-        ends its owner: the garbage collector may finalize an abandoned loader on any thread)."""
-        return threading.get_ident() in self._workers
+        """Whether this thread runs jobs of a stage, this one's or another's (a job, or a collection a job's
+        allocation ran, that ends an owner: the garbage collector may finalize an abandoned loader on any thread,
+        and its read stage's thread may be the one the tail stage's running job waits for)."""
+        return threading.get_ident() in _WORKERS
 
     def take(self) -> Any:
         """The oldest job's result, waited for (its exception raised here)."""
@@ -59,7 +63,7 @@ class InOrder:
 
     def clear(self) -> None:
         """Drop every job not taken: those not started are cancelled, the running ones waited for (not from
-        one of the stage's own threads, which would wait for itself: `forget` there)."""
+        a thread of any stage, which may be what they wait for: `forget` there)."""
         if self._on_worker():
             self.forget()
             return

@@ -47,3 +47,21 @@ def test_clear_waits_for_running_jobs_from_another_thread() -> None:
     ahead.clear()
     assert ran == [1]
     ahead.close()
+
+
+def test_closed_from_the_thread_its_running_job_waits_for_it_does_not_wait() -> None:
+    """The loader's two stages: the tail's job takes its batch's read; a collection on the read thread that
+    finalizes the abandoned loader closes the tail stage, whose running job waits for that very thread."""
+    reads, tails = InOrder(1, "read"), InOrder(1, "tail")
+    started, done = threading.Event(), threading.Event()
+
+    def read() -> int:
+        started.wait(10)
+        tails.close()  # the loader's finalizer, run by a collection on the read thread
+        done.set()
+        return 1
+
+    reads.submit(read)
+    tails.submit(lambda: started.set() or reads.take())  # the tail job waits for the read
+    assert done.wait(10), "the tail stage waited for its job, which waited for the thread closing it"
+    reads.close()
