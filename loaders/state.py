@@ -37,6 +37,7 @@ __all__ = [
     "check",
     "fingerprint",
     "keep_random_states",
+    "peeking",
     "randomizables",
 ]
 
@@ -78,6 +79,20 @@ def keep_random_states(transform: Any) -> Iterator[None]:
     finally:
         for obj, state in states:
             obj.R = state
+
+
+@contextlib.contextmanager
+def peeking(transform: Any) -> Iterator[None]:
+    """Draws made inside are undone on exit: every Randomizable in `transform` gets back its generator and that
+    generator its state (a draw may give an object a new generator: MONAI's `set_random_state(seed=)`). What is
+    drawn inside is what the same calls draw next, outside."""
+    saved = [(obj, obj.R, obj.R.get_state()) for obj in randomizables(transform)]
+    try:
+        yield
+    finally:
+        for obj, generator, state in saved:
+            obj.R = generator
+            generator.set_state(state)
 
 
 _MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos

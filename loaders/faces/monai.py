@@ -29,8 +29,10 @@ from loaders.cache.meta import entry_key, line_source
 from loaders.cache.nesting import to_jsonable
 from loaders.cache.spec import MANIFEST, PENDING
 from loaders.errors import StaleError
+from loaders.faces.monai_crop import cropping, leading_crop
 from loaders.faces.monai_fill import Fill
 from loaders.faces.monai_pending import is_pending, pending_fill, record_reader
+from loaders.fast.folds import Fold
 from loaders.reading.mappings import own_storage
 from loaders.state import keep_random_states
 
@@ -83,16 +85,6 @@ def _source_bases(manifest: Mapping[str, Any]) -> list[Path]:
     if isinstance(datalist, str) and os.path.isabs(datalist):
         bases += [Path(datalist).parent, *Path(datalist).parent.parents]
     return bases
-
-
-def _label_crop(tail: Any, cache: Any) -> Any:
-    """The tail's leading label-driven crop with its sampling sets (`loaders.fast.folds.label_fold`), or None.
-    Eager tails only: a lazy Compose runs whole, as MONAI runs it."""
-    from loaders.fast.folds import label_fold
-
-    if tail is None or getattr(tail, "lazy", False) or not getattr(tail, "map_items", True):
-        return None
-    return label_fold(list(tail.transforms), cache)
 
 
 def _leaves(t: Any) -> int:
@@ -255,6 +247,7 @@ class PersistentCore:
     transform: Any  # a Compose, set by monai.data.Dataset.__init__
     data: Sequence[Any]
     dataset: Any  # the committed cache's PreparedDataset; None over a pending cache
+    _crop: Fold | None  # the tail's leading crop (`loaders.faces.monai_crop`)
 
     def __init__(
         self,
@@ -289,7 +282,7 @@ class PersistentCore:
             self._head = None if _persistent_head_len(self.transform) == len(head) else _compose(head, self.transform)
             try:
                 if pending:  # no prepared cache yet: items are records or computed (monai_pending)
-                    self.dataset, self._label = None, None
+                    self.dataset, self._crop = None, None
                     self._fill = pending_fill(Path(cache_dir), self.transform, head)
                     self._record = record_reader(**reading, keys=options.get("keys"))
                 else:
@@ -320,7 +313,7 @@ class PersistentCore:
 
         self.dataset = PreparedDataset(cache_dir, backend=backend, verify=verify, **reading, **options)
         chain.check_fingerprint(self.transform, self.dataset.cache.manifest, str(self.dataset.root / MANIFEST))
-        self._label = _label_crop(self.tail, self.dataset.cache)
+        self._crop = leading_crop(self.tail, self.dataset.cache)
         manifest = self.dataset.cache.manifest
         self._fill = Fill(self.dataset.root, str(manifest.get("fingerprint")), _section(manifest))
         self._record = self.dataset.read_record
@@ -448,18 +441,11 @@ class PersistentCore:
         if self.tail is None:
             return self.dataset.read(item)
         head = self.dataset.read(item, mapped=True)  # the tail's output leaves through own_storage: no mapping
-        if self._label is None:
+        if self._crop is None:
             return own_storage(run_from(self.transform, head, self._head_len))
-        # the label-driven crop draws from the cache's sampling sets (no scan of the label), MONAI does the rest
-        fold = self._label
-        spatial = tuple(head[fold.transform.label_key].shape[1:])  # the label MONAI draws over
-
-        @contextlib.contextmanager
-        def crop() -> Iterator[None]:
-            with self._crop_lock, fold.precomputed(item, spatial):
-                yield
-
-        return own_storage(run_from(self.transform, head, self._head_len, crop))
+        # MONAI crops; the crop's pages are asked for first, and a label-driven crop draws from the cache's sets
+        crop, lock = self._crop, self._crop_lock
+        return own_storage(run_from(self.transform, head, self._head_len, lambda: cropping(crop, item, head, lock)))
 
     def set_random_state(self, seed: int | None = None) -> Any:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is

@@ -8,16 +8,18 @@ from __future__ import annotations
 import ctypes
 import mmap
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["own_storage", "private_map"]
+__all__ = ["mapped_at", "own_storage", "private_map", "will_need"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _LIVE: dict[int, int] = {}  # address -> length of every mapping `private_map` made that is still mapped
 
@@ -41,8 +43,28 @@ def private_map(fd: int, offset: int, length: int) -> np.ndarray | None:
     return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
 
 
-def _mapped_at(address: int) -> bool:
+def mapped_at(address: int) -> bool:
+    """Whether `address` lies in a mapping `private_map` made that is still mapped."""
     return any(a <= address < a + n for a, n in list(_LIVE.items()))
+
+
+def will_need(base: int, spans: Iterable[tuple[int, int]]) -> int:
+    """Start reading the pages of each (byte offset, nbytes) span past address `base` of a mapping, all at once
+    (madvise WILLNEED: the kernel queues the reads and returns; a later touch of a page waits only for its own
+    read, and reads nothing around it). Spans sharing a page are asked for once. Returns the calls made."""
+    page = mmap.PAGESIZE
+    runs: list[list[int]] = []
+    for off, n in sorted(spans):
+        if n <= 0:
+            continue
+        lo, hi = (base + off) // page * page, -(-(base + off + n) // page) * page
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], hi)
+        else:
+            runs.append([lo, hi])
+    for lo, hi in runs:
+        _libc.madvise(lo, hi - lo, mmap.MADV_WILLNEED)  # advice only: a failure leaves the touch to read the page
+    return len(runs)
 
 
 def own_storage(obj: Any) -> Any:
@@ -61,6 +83,6 @@ def own_storage(obj: Any) -> Any:
     if isinstance(obj, tuple) and type(obj) is tuple:
         return tuple(own_storage(v) for v in obj)
     storage = getattr(obj, "untyped_storage", None)
-    if _LIVE and storage is not None and _mapped_at(storage().data_ptr()):
+    if _LIVE and storage is not None and mapped_at(storage().data_ptr()):
         return obj.clone()
     return obj

@@ -120,6 +120,19 @@ def plan_region(
     return RegionPlan(axis, slab_shape, spans, tuple(shape[:axis]))
 
 
+def window_spans(
+    full: Sequence[int], itemsize: int, start: Sequence[int], shape: Sequence[int]
+) -> list[tuple[int, int]]:
+    """(byte offset, nbytes) of the runs holding a spatial window `[start, start + shape)` of every channel of a
+    C-order array of shape `full` = (channels, *spatial): one per index of all but the last two axes (in pages,
+    the fewest bytes: a row of the last axis is shorter than a page but in the largest images); none for an empty
+    window."""
+    if not shape or min(shape) < 1:
+        return []
+    plan = plan_region(full, itemsize, (0, *start), (full[0], *shape), axis=max(len(full) - 2, 0))
+    return [(off, n) for off, n, _ in plan.spans]
+
+
 @dataclass(frozen=True)
 class RegionRead:
     """The planned read of one tensor's region: its requests, and how the slabs become the region."""

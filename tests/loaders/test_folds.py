@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from loaders.errors import FormatError
+from loaders.fast.folds import LabelCropFold
 from loaders.fast.loader import PreparedLoader
 
 HEAD = """
@@ -304,7 +305,7 @@ def test_drop_in_draws_from_the_sets_as_persistent_dataset_draws(
         monkeypatch.setattr(module, "map_binary_to_indices", scan)
         monkeypatch.setattr(module, "map_classes_to_indices", scan)
     ours = PreparedPersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "cache")
-    assert ours._label is not None
+    assert isinstance(ours._crop, LabelCropFold)
     got = batches(ours)
     set_determinism(seed=None)
     assert len(got) == len(want)
@@ -410,7 +411,7 @@ def test_drop_in_with_label_crops_pickles_and_runs_under_spawned_workers(tmp_pat
     prepare_cache(datalist, pipeline, tmp_path / "cache", workers=1)
     data = [e for _, e in load_datalist(datalist)]
     ours = PreparedPersistentDataset(data, _transform(pipeline), cache_dir=tmp_path / "cache")
-    assert ours._label is not None
+    assert isinstance(ours._crop, LabelCropFold)
     back = pickle.loads(pickle.dumps(ours))
     back.transform.set_random_state(1)
     ours.transform.set_random_state(1)

@@ -11,6 +11,7 @@ process and its finished worker processes: on a shared machine it is steadier th
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -21,7 +22,8 @@ from typing import Annotated, Any
 import typer
 
 from workflows.bench import scenario
-from workflows.bench.core import Options, Result, Rows
+from workflows.bench.core import Options, Result, Rows, Unavailable
+from workflows.bench.train_cold import ColdEpochs
 from workflows.bench.train_loop import TrainOptions, build_data, transform_of
 
 
@@ -51,13 +53,44 @@ def _epoch(loader: Any) -> tuple[int, int, float, float]:
     return items, nbytes, time.perf_counter() - t0, _cpu_s() - c0
 
 
-def _row(name: str, data: str, kind: str, make: Any, batch: int, workers: int, threads: bool, reps: int) -> Result:
+def _row(
+    name: str, data: str, kind: str, make: Any, batch: int, workers: int, threads: bool, reps: int,
+    cold: ColdEpochs | None = None,
+) -> Result:  # fmt: skip
     dataset = make()
-    _epoch(_loader(dataset, batch, workers, threads))  # untimed: fills caches
-    runs = [_epoch(_loader(dataset, batch, workers, threads)) for _ in range(reps)]
+    _epoch(_loader(dataset, batch, workers, threads))  # untimed: fills caches (PersistentDataset's files)
+    reads = cold.row() if cold is not None else None
+    runs = []
+    for _ in range(reps):
+        if reads is not None:
+            reads.begin()
+        runs.append(_epoch(_loader(dataset, batch, workers, threads)))
+        if reads is not None:
+            reads.end(timed=True)
     items, nbytes, seconds, cpu = sorted(runs, key=lambda r: r[2])[len(runs) // 2]
-    note = f"warm; cpu {1e3 * statistics.median(r[3] / r[0] for r in runs):.1f} ms/item"
-    return Result(name, data, items, seconds, nbytes, kind, note)
+    cpu_note = f"cpu {1e3 * statistics.median(r[3] / r[0] for r in runs):.1f} ms/item"
+    if reads is None:
+        return Result(name, data, items, seconds, nbytes, kind, f"warm; {cpu_note}")
+    read = reads.nbytes[0] / reads.epochs  # the crops are what an epoch delivers (image and label, as cached)
+    note = f"cold; read {read / 1e6:.1f} MB/epoch, {read / (sum(r[1] for r in runs) / len(runs)):.2f}x the crops"
+    return Result(name, data, items, seconds, nbytes, kind, f"{note}; {cpu_note}")
+
+
+def _cold(cache: Path, work: Path) -> tuple[str, ColdEpochs]:
+    """--cold-epochs: the disk's read rate (a footer line) and what each timed epoch evicts first: the
+    run's work folder (sources, prepared cache, the PersistentDataset folders its rows write) and the cache."""
+    from loaders.cache.format import PreparedCache
+    from loaders.tunables import COLD_INFLIGHT
+    from workflows.bench.train_cold import disk_rates, read_counters
+
+    depth = min(COLD_INFLIGHT, 8 * len(os.sched_getaffinity(0)))
+    try:
+        rate = disk_rates(list(PreparedCache(cache).shards), depth)
+    except Unavailable as exc:
+        rate = f"disk read rate: not measured ({exc})"
+    print(f"  {rate}", flush=True)
+    folders = [work] if cache.resolve().is_relative_to(work.resolve()) else [work, cache]
+    return rate, ColdEpochs.of(folders, read_counters(cache, os.getpid()), 0)
 
 
 def _persistent_options(track: bool) -> dict[str, Any]:
@@ -78,6 +111,13 @@ def dropin(
     crop: Annotated[int, typer.Option(help="random crop edge (RandSpatialCropd)")] = 64,
     count: Annotated[int, typer.Option(min=1, help="volumes in the dataset")] = 32,
     reps: Annotated[int, typer.Option(min=1, help="timed epochs per row (the median is reported)")] = 3,
+    cold_epochs: Annotated[
+        bool,
+        typer.Option(
+            help="each timed epoch starts with every file of the run evicted from the page cache; "
+            "rows note bytes read per epoch against the crops' bytes, the disk's rate is measured"
+        ),
+    ] = False,
 ) -> Rows:
     """`python -m workflows.benchmark dropin` (global --batchsize, --workers: default 2)."""
     from monai.data import PersistentDataset
@@ -91,6 +131,10 @@ def dropin(
     datalist, pipeline, cache = build_data(topts, opts.work)
     data = datalist_items(datalist)
     rows = Rows(title=f"{count} volumes of {size}^3, tail: {crop}^3 crop, flip, intensity (CPU)")
+    cold = None
+    if cold_epochs:
+        rate, cold = _cold(Path(cache), Path(opts.work))
+        rows.footer.append(rate)
     for threads in (False, True):
         loader = f"ThreadDataLoader({workers} threads)" if threads else f"DataLoader({workers} workers)"
         for track in (False, True):
@@ -107,5 +151,6 @@ def dropin(
 
             name = f"blockprep PreparedPersistentDataset + {data_set}"
             for label, kind, make in ((peer, "peer", monai), (name, "ours", ours)):
-                rows.add(label, partial(_row, label, data_set, kind, make, opts.batchsize, workers, threads, reps))
+                job = partial(_row, label, data_set, kind, make, opts.batchsize, workers, threads, reps, cold)
+                rows.add(label, job)
     return rows

@@ -1,0 +1,117 @@
+"""loaders.faces.monai_crop: the drop-in's leading crop asks for its own pages first, and draws as MONAI draws."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fsutil import evict_tree
+
+from loaders.backends.base import PageCacheProbe
+from loaders.state import peeking
+
+PIPELINE = """
+from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandSpatialCropd, ScaleIntensityd
+K = ["image", "label"]
+transform = Compose([LoadImaged(keys=K), EnsureChannelFirstd(keys=K), ScaleIntensityd(keys="image"),
+                     RandSpatialCropd(keys=K, roi_size=(CROP, CROP, CROP), random_size=False)])
+"""
+EDGE, CROP = 96, 32
+
+
+def _samples(t: Any, data: dict[str, Any]) -> list[np.ndarray]:
+    out = t(data)
+    return [np.asarray(o["image"]) for o in (out if isinstance(out, list) else [out])]
+
+
+@pytest.mark.parametrize("kind", ["samples", "posneg", "spatial"])
+def test_a_peeked_draw_is_drawn_again_as_monai_draws_it(kind: str) -> None:
+    """MONAI's own transforms, twice seeded alike: one draws inside `peeking` first (RandSpatialCropSamplesd
+    gives its cropper new generators as it draws), then both draw the same windows."""
+    from monai.transforms import RandCropByPosNegLabeld, RandSpatialCropd, RandSpatialCropSamplesd
+
+    keys = ["image", "label"]
+    make = {
+        "samples": lambda: RandSpatialCropSamplesd(keys, roi_size=(4, 5, 6), num_samples=3, random_size=False),
+        "posneg": lambda: RandCropByPosNegLabeld(keys, "label", spatial_size=(4, 5, 6), num_samples=3),
+        "spatial": lambda: RandSpatialCropd(keys, roi_size=(4, 5, 6), random_size=True),
+    }[kind]
+    rng = np.random.default_rng(0)
+    data = {"image": rng.random((1, 12, 13, 14), dtype=np.float32),
+            "label": (rng.random((1, 12, 13, 14)) > 0.7).astype(np.float32)}  # fmt: skip
+    peeked, plain = make().set_random_state(7), make().set_random_state(7)
+    with peeking(peeked):
+        drawn = _samples(peeked, dict(data))
+    for _ in range(2):  # and the draws after it too
+        want = _samples(plain, dict(data))
+        got = _samples(peeked, dict(data))
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert all(np.array_equal(d, w) for d, w in zip(drawn, _samples(make().set_random_state(7), dict(data))))
+
+
+def _prepared(root: Path) -> tuple[list[dict[str, str]], Path, Path]:
+    import nibabel as nib
+
+    from prep.cache import load_datalist, prepare_cache
+
+    rng = np.random.default_rng(1)
+    (root / "data").mkdir(parents=True)
+    entries = []
+    for i in range(2):
+        image = rng.random((EDGE,) * 3, dtype=np.float32)
+        label = (image > 0.9).astype(np.uint8)
+        for name, array in (("image", image), ("label", label)):
+            nib.save(nib.Nifti1Image(array, np.eye(4)), root / "data" / f"{name}{i}.nii")
+        entries.append({"image": f"image{i}.nii", "label": f"label{i}.nii"})
+    datalist = root / "data" / "dataset.json"
+    datalist.write_text(json.dumps({"training": entries}))
+    pipeline = root / "pipeline.py"
+    pipeline.write_text(PIPELINE.replace("CROP", str(CROP)))
+    prepare_cache(datalist, pipeline, root / "cache", workers=1)
+    return [e for _, e in load_datalist(datalist)], pipeline, root / "cache"
+
+
+def _resident(probe: PageCacheProbe, paths: list[Path]) -> int:
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = probe.counts(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        assert st is not None
+        total += st.cache * mmap.PAGESIZE
+    return total
+
+
+def test_a_cold_item_reads_only_its_crops_pages(tmp_path: Path) -> None:
+    """The kernel's readahead widens each fault of a crop over a mapping to most of the volume; asked for first,
+    only the crop's byte runs come in (at most one page more at each end of a run)."""
+    from loaders import PreparedPersistentDataset
+    from prep.pipeline import load_pipeline
+
+    probe = PageCacheProbe()
+    if not probe.available:
+        pytest.skip("cachestat(2) is not available here (Linux 6.5+): the test counts the shards' cached pages")
+    data, pipeline, cache = _prepared(tmp_path)
+    shards = sorted((cache / "shards").iterdir())
+    ds = PreparedPersistentDataset(data, load_pipeline(pipeline).transform, cache_dir=cache, backend="posix")
+    ds.set_random_state(3)
+    evict_tree(cache)
+    if _resident(probe, shards):
+        pytest.skip(f"posix_fadvise(DONTNEED) left pages of {cache} cached here: nothing to count")
+    item = ds[0]
+    got = _resident(probe, shards)
+    assert tuple(item["image"].shape) == (1, CROP, CROP, CROP)
+    # per x-plane of the crop, one run per key: its y-span of whole z-rows, its pages and one more at most
+    sizes = [item[k].element_size() for k in ("image", "label")]
+    runs = [((CROP - 1) * EDGE + CROP) * size for size in sizes]
+    bound = sum(CROP * (math.ceil(n / mmap.PAGESIZE) + 1) * mmap.PAGESIZE for n in runs)
+    crop = CROP**3 * sum(sizes)
+    assert crop <= got <= bound * 5 // 4, (got, bound, crop)  # without the ask: the whole shard (7 MB)
