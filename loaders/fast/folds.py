@@ -10,6 +10,7 @@ The registry maps the exact MONAI class to its fold: a user's subclass may chang
 so it is never folded (it runs through MONAI).
 
     RandSpatialCropd          one window per item (random or centred, fixed or random size)
+    RandScaleCropd            the same, its size a fraction of the item's spatial shape
     RandSpatialCropSamplesd   `num_samples` such windows per item, from one sub-seed the transform draws
     RandCropByPosNegLabeld    `num_samples` windows centred on foreground/background voxels (pos/neg ratio)
     RandCropByLabelClassesd   `num_samples` windows centred on voxels of classes drawn by `ratios`
@@ -47,7 +48,7 @@ class Fold:
 
 
 class SpatialCropFold(Fold):
-    """RandSpatialCropd: one window per item."""
+    """RandSpatialCropd, RandScaleCropd: one window per item."""
 
     def draw(self, item: int, spatial: Sequence[int]) -> list[Window]:
         return [draw_crop(self.transform, spatial)]
@@ -128,7 +129,7 @@ def _same_spatial(t: Any, cache: Any, also: Sequence[str | None] = ()) -> bool:
 
 
 def _spatial_fold(t: Any, cache: Any) -> Fold | None:
-    """RandSpatialCropd: one window per item, drawn over the transform's first key's shape."""
+    """RandSpatialCropd, RandScaleCropd: one window per item, drawn over the transform's first key's shape."""
     return SpatialCropFold(t) if cache is None or _same_spatial(t, cache) else None
 
 
@@ -161,11 +162,12 @@ def _registry() -> dict[type, Callable[[Any, Any], Fold | None]]:
     from monai.transforms import (
         RandCropByLabelClassesd,
         RandCropByPosNegLabeld,
+        RandScaleCropd,
         RandSpatialCropd,
         RandSpatialCropSamplesd,
     )
 
-    return {RandSpatialCropd: _spatial_fold, RandSpatialCropSamplesd: _samples_fold,
+    return {RandSpatialCropd: _spatial_fold, RandScaleCropd: _spatial_fold, RandSpatialCropSamplesd: _samples_fold,
             RandCropByPosNegLabeld: _label_fold, RandCropByLabelClassesd: _label_fold}  # fmt: skip
 
 

@@ -7,7 +7,7 @@
 
 The cache holds the head's output (`prep cache`); the loader runs the random tail. What it does so the GPU
 never waits:
-- a `RandSpatialCropd` at the start of the tail is folded into the read: its crop is drawn with the
+- a crop at the start of the tail (`loaders.fast.folds`) is folded into the read: its crop is drawn with the
   transform's own random state (MONAI's per-item draws) and only the crop's bytes are read, every region of
   a batch in one backend call (`read_regions`);
 - the rest of the tail runs over the whole batch on the device (`loaders.tail.BatchedTail` where present,

@@ -41,6 +41,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandGaussianSmoothd": ("loaders.tail.sparse", "rand_gaussian_smooth"),
     "RandRotate90d": ("loaders.tail.flips", "rand_rotate90"),
     "RandRotated": ("loaders.tail.sparse", "rand_rotate"),
+    "RandScaleCropd": ("loaders.tail.crops", "rand_spatial_crop"),
     "RandScaleIntensityd": ("loaders.tail.intensity", "rand_scale_intensity"),
     "RandShiftIntensityd": ("loaders.tail.intensity", "rand_shift_intensity"),
     "RandSpatialCropSamplesd": ("loaders.tail.crops", "rand_spatial_crop_samples"),

@@ -39,7 +39,8 @@ def spatial_slices(cropper: Any, spatial: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 def draw_spatial(t: Any, spatial: tuple[int, ...]) -> tuple[slice, ...]:
-    """RandSpatialCropd's window for one item of spatial shape `spatial`, drawn as MONAI draws it."""
+    """RandSpatialCropd's (or RandScaleCropd's) window for one item of spatial shape `spatial`, drawn as MONAI
+    draws it."""
     t.randomize(list(spatial))
     return spatial_slices(t.cropper, spatial)
 
@@ -58,12 +59,13 @@ def draw_samples(t: Any, spatial: tuple[int, ...]) -> list[tuple[slice, ...]]:
 
 
 def rand_spatial_crop(t: Any, batch: TailBatch) -> bool:
-    """RandSpatialCropd: one window per item (a random size gives ragged items, run per item after)."""
-    from monai.transforms import RandSpatialCrop
+    """RandSpatialCropd, RandScaleCropd (its size a fraction of the item's): one window per item (a random size
+    gives ragged items, run per item after)."""
+    from monai.transforms import RandScaleCrop, RandSpatialCrop
 
     keys = keys_of(t, batch)
     spatial = _spatial(batch, keys)
-    if spatial is None or type(t.cropper) is not RandSpatialCrop:
+    if spatial is None or type(t.cropper) not in (RandSpatialCrop, RandScaleCrop):
         return False
     windows = [(i, draw_spatial(t, spatial)) for i in range(batch.n)]
     _crop(batch, keys, windows)

@@ -334,6 +334,13 @@ def tail_random_size() -> list[Any]:
             ResizeWithPadOrCropd(keys=M, spatial_size=(12, 12, 12))]  # fmt: skip
 
 
+def tail_scale_crop_ragged() -> list[Any]:
+    from monai.transforms import RandFlipd, RandScaleCropd, ResizeWithPadOrCropd
+
+    return [RandScaleCropd(keys=M, roi_scale=0.5, max_roi_scale=0.8, random_size=True),
+            RandFlipd(keys=M, prob=0.5), ResizeWithPadOrCropd(keys=M, spatial_size=(12, 12, 12))]  # fmt: skip
+
+
 def tail_crop_samples() -> list[Any]:
     from monai.transforms import RandFlipd, RandSpatialCropSamplesd
 
@@ -641,6 +648,7 @@ HELDOUT: dict[str, Row] = {
         ),  # fmt: skip
         Row("ho-log-stats", "mm3d-ragged", head_orient, tail_flips3, compose={"log_stats": True}),
         Row("ho-random-size-crop", "mm3d-ragged", load3, tail_random_size),
+        Row("ho-scale-crop-ragged", "mm3d-ragged", load3, tail_scale_crop_ragged),
         Row("ho-crop-samples", "mm3d", load3, tail_crop_samples, loader={"batch_size": 3}),
         Row("ho-intensity-more", "mm3d", head_mm, tail_intensity_more),
         Row(
