@@ -29,7 +29,7 @@ from loaders.cache.meta import entry_key, line_source
 from loaders.cache.nesting import to_jsonable
 from loaders.cache.spec import MANIFEST, PENDING
 from loaders.errors import StaleError
-from loaders.faces.monai_crop import cropping, leading_crop
+from loaders.faces.monai_crop import ask_batch_pages, cropping, leading_crop
 from loaders.faces.monai_fill import Fill
 from loaders.faces.monai_pending import is_pending, pending_fill, record_reader
 from loaders.fast.folds import Fold
@@ -298,6 +298,7 @@ class PersistentCore:
                 self._prepared = False
                 return
         self._crop_lock = threading.Lock()
+        self._built_in = os.getpid()  # a copy in another process (a DataLoader worker's) shares no transform
         self._items: dict[str, int] | None = None
         # position -> a copy of the entry found at the same position in the cache: an entry still equal to it
         # needs no meta line read and no JSON key (a third of an item's Python on 64x64 MedNIST items)
@@ -440,12 +441,33 @@ class PersistentCore:
             return head if self.tail is None else own_storage(run_from(self.transform, head, self._head_len))
         if self.tail is None:
             return self.dataset.read(item)
-        head = self.dataset.read(item, mapped=True)  # the tail's output leaves through own_storage: no mapping
+        return self._tail_of(item, self.dataset.read(item, mapped=True))
+
+    def _tail_of(self, item: int, head: Any, asked: bool = False) -> Any:
+        """The tail over cache item `item`'s head, read mapped (its output leaves through own_storage). MONAI crops;
+        the crop's pages are asked for first (unless `asked`), and a label-driven crop draws from the cache's sets."""
         if self._crop is None:
             return own_storage(run_from(self.transform, head, self._head_len))
-        # MONAI crops; the crop's pages are asked for first, and a label-driven crop draws from the cache's sets
         crop, lock = self._crop, self._crop_lock
-        return own_storage(run_from(self.transform, head, self._head_len, lambda: cropping(crop, item, head, lock)))
+        first = lambda: cropping(crop, item, head, lock, ask=not asked)  # noqa: E731
+        return own_storage(run_from(self.transform, head, self._head_len, first))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """`[self[i] for i in indices]`, what torch's DataLoader fetches for a batch, with the pages of every
+        item's leading crop asked for at once first: a batch's reads in flight together, not item by item. Where
+        an index is not a committed item (computed, or a drop-in record), or threads share the transform (thread
+        workers: another thread's draws would come between), item by item."""
+        # a batch's windows are drawn ahead only where no other thread draws from the same transform meanwhile:
+        # in another process (a DataLoader worker's copy), or on this process's main thread (no thread workers)
+        prepared = self._prepared and self.tail is not None
+        alone = prepared and (os.getpid() != self._built_in or threading.current_thread() is threading.main_thread())
+        crop = self._crop if alone else None
+        items = [self._lookup(int(i)) for i in indices] if crop is not None else [None]
+        if crop is None or any(item is None for item in items):
+            return [self[i] for i in indices]  # type: ignore[index]  # MONAI's Dataset.__getitem__
+        heads = [(item, self.dataset.read(item, mapped=True)) for item in items if item is not None]
+        ask_batch_pages(crop, heads, self._crop_lock)
+        return [self._tail_of(item, head, asked=True) for item, head in heads]
 
     def set_random_state(self, seed: int | None = None) -> Any:
         """Seed `transform` (its Compose), whose random transforms the tail runs: the seed each one draws is

@@ -21,7 +21,7 @@ from loaders.reading.mappings import mapped_at, will_need
 from loaders.reading.region import window_spans
 from loaders.state import peeking
 
-__all__ = ["cropping", "leading_crop"]
+__all__ = ["ask_batch_pages", "ask_crop_pages", "cropping", "leading_crop"]
 
 
 def leading_crop(tail: Any, cache: Any) -> Fold | None:
@@ -33,25 +33,37 @@ def leading_crop(tail: Any, cache: Any) -> Fold | None:
 
 
 @contextlib.contextmanager
-def cropping(fold: Fold, item: int, head: Mapping[str, Any], lock: threading.Lock) -> Iterator[None]:
-    """The context MONAI's crop of cache item `item` runs in: the crop's pages asked for, the label-driven crop's
-    sets in place. `lock` keeps the two draws of one item together where threads share the transform."""
-    spatial = tuple(head[fold.spatial_key(list(head))].shape[1:])  # the shape MONAI draws over
+def cropping(fold: Fold, item: int, head: Mapping[str, Any], lock: threading.Lock, ask: bool = True) -> Iterator[None]:
+    """The context MONAI's crop of cache item `item` runs in: the crop's pages asked for (unless `ask` is False:
+    the caller did), the label-driven crop's sets in place. `lock` keeps the two draws of one item together where
+    threads share the transform."""
+    spatial = _spatial(fold, head)
     sets = fold.precomputed(item, spatial) if isinstance(fold, LabelCropFold) else contextlib.nullcontext()
     with lock, sets:
-        ask_crop_pages(fold, item, spatial, head)
+        if ask:
+            with peeking(fold.transform):
+                ask_crop_pages(fold, item, spatial, head)
         yield
 
 
+def ask_batch_pages(fold: Fold, heads: Sequence[tuple[int, Mapping[str, Any]]], lock: threading.Lock) -> int:
+    """Ask for the crop's pages of every (cache item, head) in `heads`, drawn one after the other as MONAI will
+    draw them item by item (the crop's draws use its own random states only), the states put back after."""
+    with lock, peeking(fold.transform):
+        return sum(ask_crop_pages(fold, item, _spatial(fold, head), head) for item, head in heads)
+
+
+def _spatial(fold: Fold, head: Mapping[str, Any]) -> tuple[int, ...]:
+    """The spatial shape MONAI draws the crop over."""
+    return tuple(head[fold.spatial_key(list(head))].shape[1:])
+
+
 def ask_crop_pages(fold: Fold, item: int, spatial: Sequence[int], head: Mapping[str, Any]) -> int:
-    """Ask for the pages of the windows `fold` draws next, in every cropped key's mapped tensor of `head`; the
-    transform's random states are as before. Returns the madvise calls made (none where nothing is mapped)."""
+    """Draw the windows `fold` draws next (inside `loaders.state.peeking`: the caller puts the random states back)
+    and ask for their pages in every cropped key's mapped tensor of `head`. Returns the madvise calls made."""
     keys = dict.fromkeys(fold.transform.keys)
     mapped = [head[k] for k in keys if k in head and _mapped(head[k], spatial)]
-    if not mapped:
-        return 0
-    with peeking(fold.transform):
-        windows = fold.draw(item, spatial)
+    windows = fold.draw(item, spatial)  # drawn even where nothing is mapped: the next item's draw follows it
     calls = 0
     for tensor in mapped:
         for start, shape in windows:
@@ -61,10 +73,14 @@ def ask_crop_pages(fold: Fold, item: int, spatial: Sequence[int], head: Mapping[
 
 
 def _mapped(value: Any, spatial: Sequence[int]) -> bool:
-    """A C-order (channels, *spatial) tensor over a mapping of the shards."""
+    """A C-order (channels, *spatial) torch tensor over a mapping of the shards (a numpy head, as MONAI 1.4 gives
+    one back, is left to the kernel's readahead)."""
+    import torch
+
     shape = tuple(getattr(value, "shape", ()))
     return (
-        shape[1:] == tuple(spatial)
+        isinstance(value, torch.Tensor)
+        and shape[1:] == tuple(spatial)
         and bool(value.is_contiguous())
         and value.numel() > 0
         and mapped_at(int(value.data_ptr()))

@@ -115,3 +115,66 @@ def test_a_cold_item_reads_only_its_crops_pages(tmp_path: Path) -> None:
     bound = sum(CROP * (math.ceil(n / mmap.PAGESIZE) + 1) * mmap.PAGESIZE for n in runs)
     crop = CROP**3 * sum(sizes)
     assert crop <= got <= bound * 5 // 4, (got, bound, crop)  # without the ask: the whole shard (7 MB)
+
+
+def test_a_cold_batch_asks_for_every_items_crop_at_once_and_equals_item_by_item(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's DataLoader fetches a batch through `__getitems__`: both items' crop pages are asked for before
+    the first is cropped (their windows drawn ahead one after the other), and the items are those `ds[i]` gives."""
+    import loaders.faces.monai_crop as monai_crop
+    from loaders import PreparedPersistentDataset
+    from prep.pipeline import load_pipeline
+
+    probe = PageCacheProbe()
+    if not probe.available:
+        pytest.skip("cachestat(2) is not available here (Linux 6.5+): the test counts the shards' cached pages")
+    data, pipeline, cache = _prepared(tmp_path)
+    shards = sorted((cache / "shards").iterdir())
+    ds = PreparedPersistentDataset(data, load_pipeline(pipeline).transform, cache_dir=cache, backend="posix")
+    ds.set_random_state(3)
+    want = [ds[1], ds[0], ds[1]]
+    evict_tree(cache)
+    if _resident(probe, shards):
+        pytest.skip(f"posix_fadvise(DONTNEED) left pages of {cache} cached here: nothing to count")
+    at_first_crop: list[int] = []
+    real = monai_crop.cropping
+
+    def cropping(*args: Any, **kwargs: Any) -> Any:
+        at_first_crop.append(_resident(probe, shards))
+        return real(*args, **kwargs)
+
+    ds.set_random_state(3)
+    monkeypatch.setattr("loaders.faces.monai.cropping", cropping)
+    got = ds.__getitems__([1, 0, 1])
+    for g, w in zip(got, want, strict=True):
+        for key in ("image", "label"):
+            assert np.array_equal(np.asarray(g[key]), np.asarray(w[key])), key
+    size = got[0]["image"].element_size() + got[0]["label"].element_size()
+    # before the first crop ran, the three crops' pages were asked for (in flight or read): more than one crop's
+    assert len(at_first_crop) == 3 and at_first_crop[0] > CROP**3 * size, at_first_crop
+
+
+def test_thread_workers_ask_item_by_item(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads share the transform: a batch's windows drawn ahead would miss the draws another thread makes
+    meanwhile, so a thread other than the main one asks for each item's pages as it crops it."""
+    import threading
+
+    from loaders import PreparedPersistentDataset
+    from loaders.faces.monai_crop import ask_batch_pages as real
+    from prep.pipeline import load_pipeline
+
+    data, pipeline, cache = _prepared(tmp_path)
+    ds = PreparedPersistentDataset(data, load_pipeline(pipeline).transform, cache_dir=cache, backend="posix")
+    batched: list[str] = []
+
+    def spy(*args: Any) -> int:
+        batched.append(threading.current_thread().name)
+        return int(real(*args))
+
+    monkeypatch.setattr("loaders.faces.monai.ask_batch_pages", spy)
+    worker = threading.Thread(target=ds.__getitems__, args=([0, 1],), name="thread-worker")
+    worker.start()
+    worker.join()
+    assert batched == []
+    assert len(ds.__getitems__([0, 1])) == 2 and batched == ["MainThread"]
