@@ -50,7 +50,7 @@ def ask_batch_pages(fold: Fold, heads: Sequence[tuple[int, Mapping[str, Any]]], 
     """Ask for the crop's pages of every (cache item, head) in `heads`, drawn one after the other as MONAI will
     draw them item by item (the crop's draws use its own random states only), the states put back after."""
     with lock, peeking(fold.transform):
-        return sum(ask_crop_pages(fold, item, _spatial(fold, head), head) for item, head in heads)
+        return sum(ask_crop_pages(fold, item, _spatial(fold, head), head, chained=True) for item, head in heads)
 
 
 def _spatial(fold: Fold, head: Mapping[str, Any]) -> tuple[int, ...]:
@@ -58,12 +58,17 @@ def _spatial(fold: Fold, head: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(head[fold.spatial_key(list(head))].shape[1:])
 
 
-def ask_crop_pages(fold: Fold, item: int, spatial: Sequence[int], head: Mapping[str, Any]) -> int:
+def ask_crop_pages(
+    fold: Fold, item: int, spatial: Sequence[int], head: Mapping[str, Any], chained: bool = False
+) -> int:
     """Draw the windows `fold` draws next (inside `loaders.state.peeking`: the caller puts the random states back)
-    and ask for their pages in every cropped key's mapped tensor of `head`. Returns the madvise calls made."""
+    and ask for their pages in every cropped key's mapped tensor of `head`. Where nothing is mapped nothing is
+    drawn, unless `chained` (the next item's draw follows this one's). Returns the madvise calls made."""
     keys = dict.fromkeys(fold.transform.keys)
     mapped = [head[k] for k in keys if k in head and _mapped(head[k], spatial)]
-    windows = fold.draw(item, spatial)  # drawn even where nothing is mapped: the next item's draw follows it
+    if not mapped and not chained:
+        return 0
+    windows = fold.draw(item, spatial)
     calls = 0
     for tensor in mapped:
         for start, shape in windows:

@@ -90,22 +90,33 @@ def _resident(probe: PageCacheProbe, paths: list[Path]) -> int:
     return total
 
 
-def test_a_cold_item_reads_only_its_crops_pages(tmp_path: Path) -> None:
-    """The kernel's readahead widens each fault of a crop over a mapping to most of the volume; asked for first,
-    only the crop's byte runs come in (at most one page more at each end of a run)."""
+def _dropin(root: Path, counted: bool = True) -> tuple[Any, PageCacheProbe, list[Path]]:
+    """(the drop-in over a prepared cache of two volumes, read mapped; the page probe; its shards). `counted`:
+    the test counts cached pages (skipped where cachestat(2) is missing)."""
     from loaders import PreparedPersistentDataset
     from prep.pipeline import load_pipeline
 
     probe = PageCacheProbe()
-    if not probe.available:
+    if counted and not probe.available:
         pytest.skip("cachestat(2) is not available here (Linux 6.5+): the test counts the shards' cached pages")
-    data, pipeline, cache = _prepared(tmp_path)
-    shards = sorted((cache / "shards").iterdir())
+    data, pipeline, cache = _prepared(root)
     ds = PreparedPersistentDataset(data, load_pipeline(pipeline).transform, cache_dir=cache, backend="posix")
-    ds.set_random_state(3)
-    evict_tree(cache)
+    return ds, probe, sorted((cache / "shards").iterdir())
+
+
+def _evicted(probe: PageCacheProbe, shards: list[Path]) -> None:
+    """The shards out of the page cache (skipped where fadvise leaves pages: nothing to count)."""
+    evict_tree(shards[0].parent)
     if _resident(probe, shards):
-        pytest.skip(f"posix_fadvise(DONTNEED) left pages of {cache} cached here: nothing to count")
+        pytest.skip(f"posix_fadvise(DONTNEED) left pages of {shards[0].parent} cached here: nothing to count")
+
+
+def test_a_cold_item_reads_only_its_crops_pages(tmp_path: Path) -> None:
+    """The kernel's readahead widens each fault of a crop over a mapping to most of the volume; asked for first,
+    only the crop's byte runs come in (at most one page more at each end of a run)."""
+    ds, probe, shards = _dropin(tmp_path)
+    ds.set_random_state(3)
+    _evicted(probe, shards)
     item = ds[0]
     got = _resident(probe, shards)
     assert tuple(item["image"].shape) == (1, CROP, CROP, CROP)
@@ -123,20 +134,11 @@ def test_a_cold_batch_asks_for_every_items_crop_at_once_and_equals_item_by_item(
     """torch's DataLoader fetches a batch through `__getitems__`: both items' crop pages are asked for before
     the first is cropped (their windows drawn ahead one after the other), and the items are those `ds[i]` gives."""
     import loaders.faces.monai_crop as monai_crop
-    from loaders import PreparedPersistentDataset
-    from prep.pipeline import load_pipeline
 
-    probe = PageCacheProbe()
-    if not probe.available:
-        pytest.skip("cachestat(2) is not available here (Linux 6.5+): the test counts the shards' cached pages")
-    data, pipeline, cache = _prepared(tmp_path)
-    shards = sorted((cache / "shards").iterdir())
-    ds = PreparedPersistentDataset(data, load_pipeline(pipeline).transform, cache_dir=cache, backend="posix")
+    ds, probe, shards = _dropin(tmp_path)
     ds.set_random_state(3)
     want = [ds[1], ds[0], ds[1]]
-    evict_tree(cache)
-    if _resident(probe, shards):
-        pytest.skip(f"posix_fadvise(DONTNEED) left pages of {cache} cached here: nothing to count")
+    _evicted(probe, shards)
     at_first_crop: list[int] = []
     real = monai_crop.cropping
 
@@ -160,12 +162,9 @@ def test_thread_workers_ask_item_by_item(tmp_path: Path, monkeypatch: pytest.Mon
     meanwhile, so a thread other than the main one asks for each item's pages as it crops it."""
     import threading
 
-    from loaders import PreparedPersistentDataset
     from loaders.faces.monai_crop import ask_batch_pages as real
-    from prep.pipeline import load_pipeline
 
-    data, pipeline, cache = _prepared(tmp_path)
-    ds = PreparedPersistentDataset(data, load_pipeline(pipeline).transform, cache_dir=cache, backend="posix")
+    ds = _dropin(tmp_path, counted=False)[0]
     batched: list[str] = []
 
     def spy(*args: Any) -> int:

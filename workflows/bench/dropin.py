@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 
 from workflows.bench import scenario
-from workflows.bench.core import Options, Result, Rows, Unavailable
+from workflows.bench.core import Options, Result, Rows
 from workflows.bench.train_cold import ColdEpochs
 from workflows.bench.train_loop import TrainOptions, build_data, transform_of
 
@@ -80,15 +80,9 @@ def _cold(cache: Path, work: Path) -> tuple[str, ColdEpochs]:
     """--cold-epochs: the disk's read rate (a footer line) and what each timed epoch evicts first: the
     run's work folder (sources, prepared cache, the PersistentDataset folders its rows write) and the cache."""
     from loaders.cache.format import PreparedCache
-    from loaders.tunables import COLD_INFLIGHT
-    from workflows.bench.train_cold import disk_rates, read_counters
+    from workflows.bench.train_cold import disk_rate_line, read_counters
 
-    depth = min(COLD_INFLIGHT, 8 * len(os.sched_getaffinity(0)))
-    try:
-        rate = disk_rates(list(PreparedCache(cache).shards), depth)
-    except Unavailable as exc:
-        rate = f"disk read rate: not measured ({exc})"
-    print(f"  {rate}", flush=True)
+    rate = disk_rate_line(list(PreparedCache(cache).shards))
     folders = [work] if cache.resolve().is_relative_to(work.resolve()) else [work, cache]
     return rate, ColdEpochs.of(folders, read_counters(cache, os.getpid()), 0)
 

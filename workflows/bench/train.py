@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import typer
 
 from workflows.bench import scenario
-from workflows.bench.core import Options, Rows, Unavailable
+from workflows.bench.core import Options, Rows
 from workflows.bench.train_cold import ColdEpochs
 from workflows.bench.train_loop import TrainOptions, TrainRow, as_result, build_data
 from workflows.bench.train_rows import (
@@ -78,16 +78,10 @@ def _cold(opts: TrainOptions, work: Path, cache: Path) -> tuple[str, ColdEpochs]
     """For --cold-epochs: the disk's read rate (a footer line, or why not) and what every cold epoch
     evicts (the workload's data, prepared cache, PersistentDataset and GDSDataset caches) and counts."""
     from loaders.cache.format import PreparedCache
-    from loaders.tunables import COLD_INFLIGHT
-    from workflows.bench.train_cold import crop_bytes_per_step, disk_rates, read_counters
+    from workflows.bench.train_cold import crop_bytes_per_step, disk_rate_line, read_counters
 
     prepared = PreparedCache(cache)
-    depth = min(COLD_INFLIGHT, 8 * len(os.sched_getaffinity(0)))  # the cold reads' own depth (loaders.tunables)
-    try:
-        rate = disk_rates(list(prepared.shards), depth, opts.seed)
-    except Unavailable as exc:
-        rate = f"disk read rate: not measured ({exc})"
-    print(f"  {rate}", flush=True)
+    rate = disk_rate_line(list(prepared.shards), opts.seed)
     dtypes = {e.key: e.dtype for e in prepared.entries(0)}
     crops = crop_bytes_per_step(WORKLOADS[opts.workload].ceiling(opts), dtypes)
     folders = [cache.parent, persistent_dir(opts, work), work / "gds"]

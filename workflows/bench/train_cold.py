@@ -32,6 +32,7 @@ __all__ = [
     "EpochReads",
     "ReadCounter",
     "crop_bytes_per_step",
+    "disk_rate_line",
     "disk_rates",
     "read_counters",
     "sequential_spans",
@@ -215,3 +216,17 @@ def disk_rates(shards: list[Path], depth: int, seed: int = 0) -> str:
     return (f"disk read rate (O_DIRECT over the prepared cache's shards, {depth} in flight, evicted first): "
             f"sequential 1 MiB requests {s_bytes / s_sec / 1e9:.3f} GB/s over {s_bytes / 1e6:.1f} MB; "
             f"random 4 KiB {r_bytes / r_sec / 1e6:.1f} MB/s ({len(rand) / r_sec:.0f} IOPS)")  # fmt: skip
+
+
+def disk_rate_line(shards: list[Path], seed: int = 0) -> str:
+    """`disk_rates` at the cold reads' own depth (`loaders.tunables.COLD_INFLIGHT`, at most 8 a core), or the
+    line saying why not; printed as it is measured."""
+    from loaders.tunables import COLD_INFLIGHT
+
+    depth = min(COLD_INFLIGHT, 8 * len(os.sched_getaffinity(0)))
+    try:
+        rate = disk_rates(shards, depth, seed)
+    except Unavailable as exc:
+        rate = f"disk read rate: not measured ({exc})"
+    print(f"  {rate}", flush=True)
+    return rate
