@@ -206,6 +206,7 @@ def check_loader(args: Mapping[str, Any]) -> None:
         count("copy_threads", args["copy_threads"])
     if args["torch_threads"] is not None:
         count("torch_threads", args["torch_threads"])
+    count("workers", args["workers"], 0)
     if args["drop_last"] and args["batch_size"] > len(cache):
         warnings.warn(
             f"PreparedLoader: batch_size={args['batch_size']} is larger than the {len(cache)} items of "

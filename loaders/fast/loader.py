@@ -75,7 +75,10 @@ class PreparedLoader:
     "auto" (the default): on a CUDA device when both hold, else in this process. torch_threads: on the CPU, a
     number of torch threads for the training thread while an epoch is iterated (restored after), the read
     thread's transforms then on one (torch's count is per thread); None (the default): torch's threads as they
-    are, which trained fastest where measured (docs/loaders.md, "On the CPU").
+    are, which trained fastest where measured (docs/loaders.md, "On the CPU"). workers: make the batches in this
+    many forked worker processes on the CPU (`loaders.fast.workers`: reads, crop and the whole tail off the
+    training process's interpreter, for a tail MONAI runs item by item; no tier, no feeder), each seeded as MONAI's
+    `DataLoader(num_workers=workers, persistent_workers=True)` seeds its workers; 0 (the default): none.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class PreparedLoader:
         copy_threads: int | None = None,
         feeder: bool | str = "auto",
         torch_threads: int | None = None,
+        workers: int = 0,
     ) -> None:
         self.torch = require("torch", "PreparedLoader")
         self.cache = PreparedCache(cache_dir)
@@ -112,8 +116,8 @@ class PreparedLoader:
         self.gpu = self.device.type == "cuda"
         self.budget = (
             auto_budget(self.device, self.cache.root, self.keys)
-            if gpu_budget == "auto"
-            else args.parse_bytes(gpu_budget, "gpu_budget")
+            if gpu_budget == "auto" and not workers
+            else args.parse_bytes(gpu_budget if not workers else 0, "gpu_budget")
         )
         self.crop_read = crop_read
         self.prefetch = max(1, prefetch)
@@ -137,6 +141,7 @@ class PreparedLoader:
         self._verdict: str | None = None
         if payload is not None:
             self._start_feeder(payload)
+        self._workers = self._worker_pool(locals()) if workers else None
 
     def _choose_device(self, device: str | None) -> Any:
         """The torch device: the one asked for, or by default the first GPU (the CPU on a box without one)."""
@@ -186,6 +191,16 @@ class PreparedLoader:
             )
         return name is not None
 
+    def _worker_pool(self, given: dict[str, Any]) -> Any:
+        """The worker processes that make the batches (`loaders.fast.workers`), started at the first epoch."""
+        import weakref
+
+        from loaders.fast.workers import WorkerPool, worker_spec
+
+        pool = WorkerPool(worker_spec(given, str(self.cache.root)), given["workers"], self.prefetch, self.device)
+        weakref.finalize(self, pool.close)
+        return pool
+
     def _start_feeder(self, payload: bytes) -> None:
         """The feeder's child started with the loader's arguments (it builds its loader while this one goes on)."""
         import weakref
@@ -201,7 +216,10 @@ class PreparedLoader:
         from loaders.fast.feeder import FeederError, payload
 
         auto = isinstance(given["feeder"], str)
-        if not (self.gpu if auto else given["feeder"]):
+        if given["workers"] and given["feeder"] is True:
+            raise ArgumentValueError("PreparedLoader(feeder=True, workers=...): the batches are made by the workers; "
+                                     "pass one of the two")  # fmt: skip
+        if not (self.gpu if auto else given["feeder"]) or given["workers"]:
             return None
         if not isinstance(given["backend"], str):
             if auto:
@@ -249,6 +267,8 @@ class PreparedLoader:
         """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
         nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
         self._seeder.set_random_state(None if seed is None else args.seed(seed))
+        if self._workers is not None:
+            self._workers.set_random_state(args.seed(seed))
         return self
 
     # --- state (loaders.state) ---
@@ -261,6 +281,7 @@ class PreparedLoader:
         """Where training stands, as of the last batch delivered: the epoch, the batches of it delivered and
         the random state of every random transform (the folded crop's and the tail's), small JSON. A run
         resumed from it with `load_state_dict` gives exactly the batches the uninterrupted run gives next."""
+        self._no_workers("state_dict")
         now = self.cursor.now(self.epoch)
         epoch, batch, snap = now.epoch, now.batch, now.snap
         if batch and batch >= len(self):  # the epoch was delivered whole: the next starts at its first batch
@@ -273,6 +294,7 @@ class PreparedLoader:
         """Go on from a `state_dict()`: the next pass is the saved epoch from the batch after the last one
         delivered, with the random draws it had. Refused in one line (LoaderStateError) when the state
         belongs to another cache, transform, order or rank/world size, or while an epoch is being iterated."""
+        self._no_workers("load_state_dict")
         if self.cursor.live is not None:
             raise state.LoaderStateError("load_state_dict: an epoch of this loader is being iterated; load first")
         state.check(saved, self._order())
@@ -281,6 +303,13 @@ class PreparedLoader:
         snap = self.cursor.draws.decode(saved.get("random"), "load_state_dict")
         self.epoch = saved["epoch"]
         self.cursor.start_at(saved["batch"], snap)
+
+    def _no_workers(self, what: str) -> None:
+        if self._workers is not None:
+            raise state.LoaderStateError(
+                f"{what}: a PreparedLoader with workers does not save or resume a place within its workers' random "
+                "streams (as MONAI's DataLoader workers do not); resume at an epoch with set_epoch, or use workers=0"
+            )
 
     def epoch_items(self, epoch: int) -> np.ndarray:
         """Items this rank reads in `epoch` (`loaders.cache.order.epoch_order`): all ranks' lists together hold every
@@ -300,6 +329,8 @@ class PreparedLoader:
         order = self.epoch_items(epoch)
         chunks = epoch_batches(order, self.batch_size, self.drop_last)
         skip, self.cursor.resume = self.cursor.resume, 0
+        if self._workers is not None:
+            return self._workers.run(chunks, skip)
         if self._feeder is None:
             return self._run(chunks, epoch, skip, self.tail_thread)
         if self._feeder_ready():
@@ -519,6 +550,8 @@ class PreparedLoader:
         """Release the backend and the device tier (and stop the feeder process)."""
         if self._feeder is not None:
             self._feeder.close()
+        if self._workers is not None:
+            self._workers.close()
         self.reader.close()
         self.tier.clear()
 
