@@ -422,3 +422,29 @@ def test_one_object_twice_draws_item_by_item_as_monai() -> None:
     batch = make_batch(n=6)
     got, _ = batched(chain, batch, seed=4)
     assert_same(got, reference(chain, batch, seed=4))
+
+
+def test_reseed_gives_monai_s_generators_in_place() -> None:
+    """RandSpatialCropSamples seeded again in place: the same states as MONAI's set_random_state(seed=) gives,
+    one generator each; where they share one (as MONAI's constructor leaves them), MONAI's own call."""
+    import numpy as np
+    from monai.transforms import RandSpatialCropSamples
+
+    from loaders.tail.crops import reseed
+
+    ours = RandSpatialCropSamples(roi_size=(4, 4), num_samples=3, random_size=False)
+    monai = RandSpatialCropSamples(roi_size=(4, 4), num_samples=3, random_size=False)
+    shared = ours.R is ours.cropper.R
+    for seed in (7, 2**32 + 5, 123456789):
+        before = (ours.R, ours.cropper.R)
+        reseed(ours, seed)
+        monai.set_random_state(seed=seed)
+        assert ours.R is not ours.cropper.R
+        for a, b in ((ours.R, monai.R), (ours.cropper.R, monai.cropper.R)):
+            sa, sb = a.get_state(), b.get_state()
+            assert np.array_equal(sa[1], sb[1]) and sa[2:] == sb[2:]
+        if not shared or seed != 7:  # after the first call each has its own: kept, seeded again
+            assert (ours.R, ours.cropper.R) == before
+        ours.cropper.randomize([9, 9])
+        monai.cropper.randomize([9, 9])
+        assert ours.cropper._slices == monai.cropper._slices
