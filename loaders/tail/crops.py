@@ -68,7 +68,7 @@ def reseed(samples: Any, seed: int) -> None:
     from monai.transforms.transform import Randomizable
     from monai.utils import MAX_SEED
 
-    inner = getattr(samples, "cropper", None)
+    inner: Any = getattr(samples, "cropper", None)
     legacy = np.random.RandomState
     own = (
         type(samples).set_random_state is RandSpatialCropSamples.set_random_state
