@@ -125,7 +125,8 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
             drawn[i] = (inner._do_transform, inner.x, inner.y, inner.z)
     options = {k: o for k, *o in t.key_iterator(batch.data, t.mode, t.padding_mode, t.align_corners, t.dtype)}
     if inner.keep_size and drawn:
-        turned = {k: _rotated(inner, batch.data[k], drawn, *options[k]) for k in keys}
+        thetas: dict[Any, Any] = {}  # the keys' matrices, normalized once for all keys of one size and dtype
+        turned = {k: _rotated(inner, batch.data[k], drawn, thetas, *options[k]) for k in keys}
 
         def row(j: int) -> Apply:
             return lambda k, x: turned[k][j]
@@ -146,17 +147,37 @@ def rand_rotate(t: Any, batch: TailBatch) -> bool:
     return True
 
 
-def _rotated(inner: Any, x: Any, drawn: dict[int, tuple[bool, float, float, float]], *options: Any) -> Any:
+def _rotated(
+    inner: Any, x: Any, drawn: dict[int, tuple[bool, float, float, float]], thetas: dict[Any, Any], *options: Any
+) -> Any:
     """The items of `x` that `drawn` turns, rotated in one resampling: each item's matrix as MONAI's `rotate`
-    builds it (the rotation about the centre, the output the input's size), `AffineTransform` over them all."""
-    import numpy as np
+    builds it (the rotation about the centre, the output the input's size), `AffineTransform` over them all.
+    `thetas`: the matrices normalized by MONAI's `to_norm_affine` as `AffineTransform` normalizes them, kept for
+    the next key of the same size, dtype, device and corners (image and label: one normalization, not two)."""
     import torch
     from monai.networks.layers import AffineTransform
-    from monai.transforms.utils import create_rotate, create_translate, resolves_modes
+    from monai.networks.utils import to_norm_affine
+    from monai.transforms.utils import resolves_modes
     from monai.utils import get_equivalent_dtype
 
     mode, padding_mode, align_corners, dtype = options
     sp = tuple(int(s) for s in x.shape[2:])
+    _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
+    corners = inner.align_corners if align_corners is None else align_corners
+    xform = AffineTransform(normalized=True, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=True)
+    img = x[list(drawn)].to(get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor))
+    at = (sp, img.dtype, img.device, corners)
+    if at not in thetas:
+        theta = torch.as_tensor(_matrices(sp, drawn), dtype=img.dtype, device=img.device)
+        thetas[at] = to_norm_affine(theta, sp, sp, align_corners=corners, zero_centered=xform.zero_centered)
+    return xform(img, thetas[at], spatial_size=sp).float()
+
+
+def _matrices(sp: tuple[int, ...], drawn: dict[int, tuple[bool, float, float, float]]) -> Any:
+    """Each turned item's rotation about the centre of a `sp`-sized image, as MONAI's `rotate` builds it."""
+    import numpy as np
+    from monai.transforms.utils import create_rotate, create_translate
+
     nd = len(sp)
     centre = create_translate(nd, ((np.array(sp) - 1) / 2).tolist())
     back = create_translate(nd, (-(np.asarray(sp, dtype=int) - 1) / 2).tolist())
@@ -164,9 +185,4 @@ def _rotated(inner: Any, x: Any, drawn: dict[int, tuple[bool, float, float, floa
     for _, ax, ay, az in drawn.values():
         angle = (ax,) if nd == 2 else (ax, ay, az)
         mats.append(centre @ create_rotate(nd, angle) @ back)  # MONAI's default order (1.4 has no other)
-    _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
-    corners = inner.align_corners if align_corners is None else align_corners
-    xform = AffineTransform(normalized=False, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=True)
-    img = x[list(drawn)].to(get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor))
-    theta = torch.as_tensor(np.stack(mats), dtype=img.dtype, device=img.device)
-    return xform(img, theta, spatial_size=sp).float()
+    return np.stack(mats)
