@@ -26,6 +26,7 @@ import pickle
 import secrets
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -139,25 +140,40 @@ class Feeder:
         self._events: list[Any] = []
         self._fences: list[Any] = []
         self._ready = False  # the child says so once it has built its loader (imports included: seconds)
+        # the child connects once its interpreter and this package's imports are up (seconds on a GPU box): a
+        # thread accepts it and sends its arguments, so the loader's first batches are not made to wait for it
+        self._box: list[Any] = []  # the connection, its arguments sent; or what ended the accept
+        self._accepting = threading.Thread(target=self._connect, args=(payload,), daemon=True,
+                                           name="blockprep-feeder-accept")  # fmt: skip
+        self._accepting.start()
+
+    def _connect(self, payload: bytes) -> None:
         try:
-            self._conn = self._accept()
-            self._conn.send_bytes(payload)
-        except BaseException:
-            self.close()
-            raise
+            conn = self._listener.accept()
+            conn.send_bytes(payload)
+        except BaseException as exc:  # noqa: BLE001  (the listener closed while the child started, or it left)
+            self._box.append(exc)
+            return
+        self._box.append(conn)
 
-    def _accept(self) -> Any:
-        import threading
-
-        box: list[Any] = []
-        t = threading.Thread(target=lambda: box.append(self._listener.accept()), daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.1)
-            if self._proc.poll() is not None and not box:
+    def _connected(self, wait: bool) -> bool:
+        """Whether the child has connected and has its arguments (waited for with `wait`); FeederError where it
+        exited or could not connect first."""
+        while self._conn is None:
+            if self._box:
+                got = self._box[0]
+                if isinstance(got, BaseException):
+                    raise FeederError(f"PreparedLoader(feeder=True): the feeder process could not connect ({got}); "
+                                      "use feeder=False")  # fmt: skip
+                self._conn = got
+                break
+            if self._proc.poll() is not None:
                 raise FeederError(f"PreparedLoader(feeder=True): the feeder process exited ({self._proc.returncode}) "
                                   "before it connected; see its error above, or use feeder=False")  # fmt: skip
-        return box[0]
+            if not wait:
+                return False
+            self._accepting.join(0.1)
+        return True
 
     def _recv(self) -> tuple[Any, ...]:
         try:
@@ -186,6 +202,7 @@ class Feeder:
         """Wait until the child has built its loader (its start overlapped whatever the caller did meanwhile);
         FeederError where it could not."""
         if not self._ready:
+            self._connected(wait=True)
             self._expect("ready")
             self._ready = True
 
@@ -196,7 +213,7 @@ class Feeder:
     def poll_ready(self) -> bool:
         """Whether the child has built its loader, without waiting; FeederError where it could not (its error
         said, or the process gone)."""
-        if not self._ready and self._conn.poll():
+        if not self._ready and self._connected(wait=False) and self._conn.poll():
             self._expect("ready")
             self._ready = True
         if not self._ready and self._proc.poll() is not None:
@@ -291,6 +308,8 @@ class Feeder:
         self._slots, self._events, self._fences = [], [], []
         if not self._ready and self._proc.poll() is None:  # still starting (imports, CUDA): nothing of it to keep
             self._proc.kill()
+        if self._conn is None and self._box and not isinstance(self._box[0], BaseException):
+            self._conn = self._box[0]  # connected, never used: told to leave as below
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._send("close")
@@ -301,5 +320,17 @@ class Feeder:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        self._unblock_accept()
         self._listener.close()
         self._listener = None
+        self._accepting.join(1.0)
+
+    def _unblock_accept(self) -> None:
+        """An accept still waiting (the child left before it connected) woken: closing a listening socket does
+        not wake a thread blocked on it in Linux, shutting it down does."""
+        import socket
+
+        sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+        if self._accepting.is_alive() and sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)

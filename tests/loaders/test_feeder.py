@@ -59,6 +59,24 @@ def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], opti
     assert fed._feeder._proc.poll() is not None  # the child is gone
 
 
+def test_building_the_loader_does_not_wait_for_the_child_to_connect(
+    made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader is built and its first batch made while the child has not even connected (a child that sleeps
+    before it starts here; on a GPU box the child's interpreter and imports took 3-4 s, the defaults' first batch
+    with them); a close meanwhile stops the child and ends the wait for its connection."""
+    from loaders.fast import feeder
+
+    monkeypatch.setattr(feeder, "_CHILD", "import time; time.sleep(60); " + feeder._CHILD)
+    want = _plain(next(iter(_loader(made, {**OPTIONS, "feeder": False}))))
+    fed = _loader(made, {**OPTIONS, "feeder": True})
+    got = _plain(next(iter(fed)))
+    assert fed._feeder._conn is None and fed.made_here == 1  # made here, the child not yet connected
+    _same([got], [want], "first batch")
+    fed.close()
+    assert fed._feeder._proc.poll() is not None and not fed._feeder._accepting.is_alive()
+
+
 def test_batches_come_at_once_while_the_child_starts_then_from_the_child(made: tuple[Path, Path]) -> None:
     """The first batch does not wait for the child (its imports take seconds): this process makes the batches
     until the child is ready, then hands the rest of the epoch over at a batch boundary with the random states
