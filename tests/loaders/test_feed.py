@@ -232,3 +232,33 @@ def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path
     rows, by_tag = landed(flat, places[::-1], ["image", "label"], 3)
     assert rows is None and sorted(by_tag) == [("row", r) for r in range(3)]  # not in batch order: per item
     loader.close()
+
+
+@pytest.mark.parametrize("tail_thread", [True, False])
+def test_the_loader_threads_are_kept_from_epoch_to_epoch(prepared: tuple[Path, Path], tail_thread: bool) -> None:
+    """One read thread (and one tail thread) for every epoch, not one started and joined an epoch; close stops
+    them."""
+    import threading
+
+    pipeline, cache = prepared
+    loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", gpu_budget=0,
+                            tail_thread=tail_thread)  # fmt: skip
+
+    def ours() -> dict[str, int]:
+        threads = threading.enumerate()
+        return {
+            n: t.ident or 0 for t in threads if (n := t.name.rsplit("_", 1)[0]) in ("blockprep-read", "blockprep-feed")
+        }
+
+    seen = []
+    for _ in range(3):
+        for _ in loader:
+            pass
+        seen.append(ours())
+    names = {"blockprep-read", "blockprep-feed"} if tail_thread else {"blockprep-read"}
+    assert set(seen[0]) == names and seen[0] == seen[1] == seen[2]
+    loader.close()
+    for t in threading.enumerate():
+        if t.ident in seen[0].values():
+            t.join(10)
+    assert not ours()
