@@ -4,36 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders.tail.batched import TailBatch, gather, keys_of, spatial_batch_axes, to_device
+from loaders.tail.batched import TailBatch, gather, keys_of, spatial_batch_axes
 
 
 def _where(x: Any, chosen: list[int], op: Any) -> Any:
     """`op` applied to the chosen items of `x`, the others unchanged (the input is never written).
 
-    On the CPU: one `op` over the chosen items, then one stack gathering them with the untouched items' views:
-    about 1 + 2f passes over the batch for a chosen share f (a clone plus index_put was 1 + 3f, and slower).
-    On a GPU, where a pass costs microseconds and each view's Python more: `_selected`.
+    One `op` over the chosen items, then one stack gathering them with the untouched items' views: about
+    1 + 2f passes over the batch for a chosen share f (a clone plus index_put was 1 + 3f, and slower), and
+    no index tensor to upload (a CUDA copy from pageable memory would wait for the stream).
     """
     if not chosen:
         return x
     if len(chosen) == x.shape[0]:
         return op(x)
-    if x.device.type == "cuda":  # two launches and one small upload: a view per item is Python the GPU waits on
-        return _selected(x, chosen, op)
     done = op(gather(x, [x[i] for i in chosen]))
     where = {i: j for j, i in enumerate(chosen)}
     return gather(x, [done[where[i]] if i in where else x[i] for i in range(x.shape[0])])
-
-
-def _selected(x: Any, chosen: list[int], op: Any) -> Any:
-    """`_where` on a GPU: `op` over the whole batch, then the chosen items taken from it and the others from `x`
-    by one select (the same values: a select copies them), the choice uploaded from pinned memory."""
-    import torch
-
-    mask = torch.zeros(x.shape[0], dtype=torch.bool)
-    mask[chosen] = True
-    mask = to_device(mask, x.device).view(-1, *([1] * (x.ndim - 1)))
-    return torch.where(mask, op(x), x)
 
 
 def rand_flip(t: Any, batch: TailBatch) -> bool:

@@ -448,18 +448,3 @@ def test_reseed_gives_monai_s_generators_in_place() -> None:
         ours.cropper.randomize([9, 9])
         monai.cropper.randomize([9, 9])
         assert ours.cropper._slices == monai.cropper._slices
-
-
-@pytest.mark.parametrize("chosen", [[1], [0, 2, 3], [4]])
-def test_the_gpu_select_equals_the_gather_of_views(chosen: list[int]) -> None:
-    """A flip or a turn of some items by one select over the whole batch (the GPU's way, run here on the CPU)
-    gives the gather's values and leaves the input as it was."""
-    from loaders.tail.flips import _selected, _where
-
-    x = torch.arange(5 * 2 * 4 * 4, dtype=torch.float32).reshape(5, 2, 4, 4)
-    before = x.clone()
-    for op in (lambda v: torch.flip(v, [2]), lambda v: torch.rot90(v, 1, (2, 3))):
-        got, want = _selected(x, chosen, op), _where(x, chosen, op)
-        assert torch.equal(got, want)
-        assert all(torch.equal(got[i], op(x)[i] if i in chosen else x[i]) for i in range(5))
-    assert torch.equal(x, before)
