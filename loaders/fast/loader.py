@@ -46,14 +46,14 @@ from loaders.cache.order import epoch_batches, epoch_order
 from loaders.deps import require
 from loaders.errors import ArgumentTypeError, ArgumentValueError
 from loaders.fast.assembly import BatchAssembly
+from loaders.fast.feeding import FeederSide
 from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
 from loaders.fast.trial import FeederTrial
 from loaders.reading.ahead import InOrder
 from loaders.reading.reads import Reader
-from loaders.tunables import TIER_SHARE_TENSORS
 
 
-class PreparedLoader:
+class PreparedLoader(FeederSide):
     """Batches ready for the model from a prepared cache + the full MONAI transform (see module doc).
 
     cache_dir: a `prep cache` output made with this transform's head. transform: the full pipeline.
@@ -202,44 +202,6 @@ class PreparedLoader:
         weakref.finalize(self, pool.close)
         return pool
 
-    def _start_feeder(self, payload: bytes) -> None:
-        """The feeder's child started with the loader's arguments (it builds its loader while this one goes on)."""
-        import weakref
-
-        from loaders.fast.feeder import Feeder
-
-        self._feeder = Feeder(payload)
-        weakref.finalize(self, self._feeder.close)
-
-    def _feeder_payload(self, given: dict[str, Any]) -> bytes | None:
-        """The feeder child's arguments (loaders.fast.feeder) when this loader's batches are made in a process of their
-        own: feeder=True (a reason it cannot, one line), or "auto" on a CUDA device where it can."""
-        from loaders.fast.feeder import FeederError, payload
-
-        auto = isinstance(given["feeder"], str)
-        if given["workers"] and given["feeder"] is True:
-            raise ArgumentValueError("PreparedLoader(feeder=True, workers=...): the batches are made by the workers; "
-                                     "pass one of the two")  # fmt: skip
-        if not (self.gpu if auto else given["feeder"]) or given["workers"]:
-            return None
-        if not isinstance(given["backend"], str):
-            if auto:
-                return None
-            raise ArgumentTypeError("PreparedLoader(feeder=True): pass the backend by name (a Backend object "
-                                    "stays in this process)")  # fmt: skip
-        names = ("cache_dir", "transform", "batch_size", "gpu_budget", "shuffle", "seed", "drop_last", "crop_read",
-                 "prefetch", "backend", "backend_options", "keys", "verify", "tail_thread", "switch_interval",
-                 "copy_threads", "torch_threads")  # fmt: skip
-        spec = {name: given[name] for name in names}
-        # the budget as resolved here: the child's own "auto" would count this process's tier as used memory
-        spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False, gpu_budget=self.budget)
-        try:
-            return payload(spec)
-        except FeederError:
-            if auto:  # a lock or an open file in the transform: the same batches, made here
-                return None
-            raise
-
     def __reduce__(self) -> Any:
         raise ArgumentTypeError(
             "a PreparedLoader cannot be pickled (it owns read threads, staging buffers and device memory); build "
@@ -340,90 +302,6 @@ class PreparedLoader:
         else:
             batches = self._until_fed(chunks, epoch, skip)
         return batches if self._trial is None else self._on_trial(batches, self._trial)
-
-    def _on_trial(self, batches: Iterator[dict[str, Any]], trial: FeederTrial) -> Iterator[dict[str, Any]]:
-        """feeder="auto": the epoch's batches timed where they were made (`loaders.fast.trial`); at its end,
-        once decided, the batches stay with the child or come back to this process for good."""
-        yield from trial.watch(batches, lambda: self.made_here)
-        if trial.decide():
-            self._feeder_back()
-        if trial.verdict is not None:
-            self._trial, self._verdict = None, trial.verdict
-
-    def _feeder_back(self) -> None:
-        """The batches made in this process from the next epoch on (the random states are this process's already:
-        the cursor put them back at the epoch's end); the child closed, this process's tier as it lent it (or, where
-        it was given up, filled again)."""
-        feeder, self._feeder = self._feeder, None
-        feeder.close()
-        self.tier.budget = self.budget
-        self.tail_thread = self.tail_thread or self._tail_default
-
-    def _tier_to_feeder(self) -> None:
-        """The device tier this process filled while the child started, lent to the child as it takes over (kept
-        here, opened there through CUDA IPC: the child's tier starts full, and it is still here if the batches
-        come back); where it holds too many tensors to send, given up (its memory back to the device, for the
-        child's own tier: the same budget, not twice)."""
-        if self.tier.budget == 0:
-            return
-        if self.gpu and self.tier.shareable(TIER_SHARE_TENSORS):
-            self._feeder.lend_tier(self.tier.items)
-            self.tier.budget = 0  # nothing added here while the child makes the batches
-            return
-        self.tier.clear()
-        self.tier.budget = 0
-        if self.gpu:
-            with self._on_device():
-                self.torch.cuda.empty_cache()
-
-    def _until_fed(self, chunks: list[np.ndarray], epoch: int, skip: int) -> Iterator[dict[str, Any]]:
-        """While the feeder's child starts (its imports and its loader: seconds), this process makes the batches;
-        at the first batch boundary after the child is ready, the rest of the epoch is the child's, from the
-        random states as of the last batch delivered: the same batches either way. A child that could not start
-        leaves every batch to this process (feeder="auto": said once, with why; feeder=True raises)."""
-        k = skip
-        here = self._run(chunks, epoch, skip, self.tail_thread or self._tail_default)
-        try:
-            for batch in here:
-                k += 1
-                self.made_here += 1
-                yield batch
-                if k < len(chunks) and self._feeder_ready():
-                    break
-            else:
-                return
-        finally:
-            here.close()  # the batches read ahead here are dropped, their draws undone (`Cursor.end`)
-        self._tier_to_feeder()
-        yield from self._feeder.run(self, epoch, k, len(chunks))
-
-    def wait_feeder(self) -> None:
-        """Wait until the feeder's child makes the batches (it starts beside the training: its imports and its
-        loader, seconds); at once without a feeder. Until then this process makes them, so nothing needs it;
-        a benchmark of a long run's steady state does. feeder="auto": a child that could not start is said
-        once and the batches stay here."""
-        import time
-
-        while self._feeder is not None and not self._feeder_ready():
-            time.sleep(0.02)
-
-    def _feeder_ready(self) -> bool:
-        """Whether the feeder's child is ready, without waiting. feeder="auto": a child that could not start or
-        build its loader is closed and this process makes the batches from now on (said once, with why)."""
-        import warnings
-
-        from loaders.fast.feeder import FeederError
-
-        try:
-            return bool(self._feeder.poll_ready())
-        except FeederError as exc:
-            if not self._feeder_auto:
-                raise
-            warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=3)
-            self._feeder.close()
-            self._feeder = None
-            self.tail_thread = self.tail_thread or self._tail_default
-            return False
 
     def _run(
         self, chunks: list[np.ndarray], epoch: int, skip: int, tail_thread: bool
@@ -532,17 +410,6 @@ class PreparedLoader:
         per thread)."""
         if self._one_thread and self.torch.get_num_threads() != 1:
             self.torch.set_num_threads(1)
-
-    @property
-    def feeder_verdict(self) -> str | None:
-        """feeder="auto": where the batches are made after comparing both (`loaders.fast.trial`), with the two
-        loop periods measured; None before that (or with no feeder)."""
-        return self._verdict
-
-    @property
-    def feeder_pid(self) -> int | None:
-        """The process making this loader's batches where it is not this one (`feeder`), else None."""
-        return self._feeder.pid if self._feeder is not None else None
 
     @property
     def tier_bytes(self) -> int:
