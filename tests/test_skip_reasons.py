@@ -45,3 +45,25 @@ def test_cgroup_reason_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert cgroup_reason() == "memory cgroups need root"
+
+
+@pytest.mark.loopdev
+def test_a_busy_loop_mount_is_unmounted_once_its_last_file_closes(make_loopfs: object) -> None:
+    """The loop fixture's teardown waits while a process still holds a file in the mount (a test's dask workers
+    closing theirs after the run returned once left CI's mount behind, and the next job's cleanup failed)."""
+    import subprocess
+    import sys
+
+    from conftest import unmount
+
+    fs = make_loopfs("ext4", size_mb=8)  # type: ignore[operator]
+    held = fs.mountpoint / "held"
+    child = subprocess.Popen([sys.executable, "-c", f"import time; f = open({str(held)!r}, 'w'); print(1, flush=True); "
+                              "time.sleep(1.5)"], stdout=subprocess.PIPE)  # fmt: skip
+    assert child.stdout is not None and child.stdout.readline().strip() == b"1"  # the file is open now
+    busy = subprocess.run(["umount", str(fs.mountpoint)], capture_output=True, text=True)
+    assert busy.returncode != 0 and fs.mountpoint.is_mount()  # what the old teardown met, and left mounted
+    unmount(fs.mountpoint)
+    assert not fs.mountpoint.is_mount()
+    child.wait(10)
+    child.stdout.close()
