@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fsutil import loop_reason
+from fsutil import loop_reason, unmount
 from hypothesis import settings
 
 # Property tests check correctness, never speed: a loaded 2-core CI box must not fail them on time.
@@ -86,23 +86,6 @@ def make_loopfs(tmp_path: Path) -> Iterator[Callable[..., LoopFS]]:
     for fs in reversed(made):
         unmount(fs.mountpoint)
         subprocess.run(["losetup", "-d", fs.device], check=False, capture_output=True)
-
-
-def unmount(mountpoint: Path, wait_s: float = 30.0) -> None:
-    """Unmount, waiting while the mount is busy (a test's worker processes still closing their files in it, as a
-    dask cluster's do after its run returns); still busy after `wait_s`, detached lazily (it leaves the namespace
-    at once, the filesystem when its last file closes), so no test leaves a mount behind."""
-    import time
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        done = subprocess.run(["umount", str(mountpoint)], check=False, capture_output=True, text=True)
-        if done.returncode == 0 or "not mounted" in done.stderr or not mountpoint.is_mount():
-            return
-        if time.monotonic() > deadline:
-            subprocess.run(["umount", "-l", str(mountpoint)], check=False, capture_output=True)
-            return
-        time.sleep(0.2)
 
 
 @pytest.fixture(params=["ext4", "xfs"])

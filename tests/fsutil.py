@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 # the Debian/Ubuntu package of each tool the loop-device tests run (losetup is in `mount`, not `util-linux`)
@@ -69,3 +70,20 @@ def evict_tree(root: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def unmount(mountpoint: Path, wait_s: float = 30.0) -> None:
+    """Unmount, waiting while the mount is busy (a test's worker processes still closing their files in it, as a
+    dask cluster's do after its run returns); still busy after `wait_s`, detached lazily (it leaves the namespace
+    at once, the filesystem when its last file closes), so no test leaves a mount behind."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        done = subprocess.run(["umount", str(mountpoint)], check=False, capture_output=True, text=True)
+        if done.returncode == 0 or "not mounted" in done.stderr or not mountpoint.is_mount():
+            return
+        if time.monotonic() > deadline:
+            subprocess.run(["umount", "-l", str(mountpoint)], check=False, capture_output=True)
+            return
+        time.sleep(0.2)

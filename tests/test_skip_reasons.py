@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from fsutil import loop_reason
+from fsutil import loop_reason, unmount
 
 
 def _path_with(tmp_path: Path, *tools: str) -> str:
@@ -53,8 +53,6 @@ def test_a_busy_loop_mount_is_unmounted_once_its_last_file_closes(make_loopfs: o
     closing theirs after the run returned once left CI's mount behind, and the next job's cleanup failed)."""
     import subprocess
     import sys
-
-    from conftest import unmount
 
     fs = make_loopfs("ext4", size_mb=8)  # type: ignore[operator]
     held = fs.mountpoint / "held"
