@@ -26,6 +26,13 @@ SEQUENTIAL_BELOW = 1 << 20
 # machine the threads' Python overhead costs more than they hide): at most this, and 8 per core.
 COLD_INFLIGHT = 64
 
+# A pinned staging slot (`loaders.reading.staging.PinnedStager`) is pinned up to this size; a batch of whole
+# items larger than it is staged in pageable memory and copied up synchronously on the read path. Pinning runs
+# at about 1.6 GB/s on a GPU box and stalls the process's other CUDA calls meanwhile (256 MB: 0.15 s), where a
+# pageable copy runs at 5 GB/s: the `slices` batches of 1.1 GB, three slots pinned while the first batch was made,
+# took that batch 3.2-3.6 s against 0.16 from pinned memory torch had cached (docs/benchmarks.md).
+PIN_MAX_BYTES = 128 << 20
+
 # `PreparedDataset[i]`: tensors up to this size get their own storage when read (MONAI deep-copies a view's
 # whole storage, the item's read buffer).
 SMALL_OWN = 1 << 20

@@ -114,7 +114,11 @@ def _serve(checkpoint: Any) -> None:
     try:
         from loaders.fast.loader import PreparedLoader  # its imports' errors are said to the parent too
 
-        loader = PreparedLoader(**pickle.loads(conn.recv_bytes()))
+        spec = pickle.loads(conn.recv_bytes())
+        conn.recv_bytes()  # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not
+        loader = PreparedLoader(**spec)
+    except (EOFError, OSError):  # the parent closed the loader before it needed this one: nothing to say
+        return
     except BaseException as exc:  # noqa: BLE001  (said to the parent, which raises it)
         send("error", f"{type(exc).__name__}: {exc}")
         return

@@ -143,6 +143,11 @@ class Feeder:
         # the child connects once its interpreter and this package's imports are up (seconds on a GPU box): a
         # thread accepts it and sends its arguments, so the loader's first batches are not made to wait for it
         self._box: list[Any] = []  # the connection, its arguments sent; or what ended the accept
+        # the child builds its loader (its CUDA context) once told to go: a context made while this process makes
+        # its first batch holds up that batch's pinned and device allocations (the driver serializes them: 3.6 s
+        # against 0.16 on an H200, docs/benchmarks.md), so it is told once the first batch is made (`go`)
+        self._go_said = False
+        self._go_lock = threading.Lock()
         self._accepting = threading.Thread(target=self._connect, args=(payload,), daemon=True,
                                            name="blockprep-feeder-accept")  # fmt: skip
         self._accepting.start()
@@ -154,7 +159,24 @@ class Feeder:
         except BaseException as exc:  # noqa: BLE001  (the listener closed while the child started, or it left)
             self._box.append(exc)
             return
-        self._box.append(conn)
+        with self._go_lock:
+            self._box.append(conn)
+            if self._go_said:
+                self._say_go(conn)
+
+    def go(self) -> None:
+        """Let the child build its loader (and its CUDA context): now where it has connected, else once it does."""
+        with self._go_lock:
+            if self._go_said:
+                return
+            self._go_said = True
+            if self._box and not isinstance(self._box[0], BaseException):
+                self._say_go(self._box[0])
+
+    @staticmethod
+    def _say_go(conn: Any) -> None:
+        with contextlib.suppress(OSError):  # a child gone: said when it is next asked for
+            conn.send_bytes(b"go")
 
     def _connected(self, wait: bool) -> bool:
         """Whether the child has connected and has its arguments (waited for with `wait`); FeederError where it
@@ -202,6 +224,7 @@ class Feeder:
         """Wait until the child has built its loader (its start overlapped whatever the caller did meanwhile);
         FeederError where it could not."""
         if not self._ready:
+            self.go()
             self._connected(wait=True)
             self._expect("ready")
             self._ready = True

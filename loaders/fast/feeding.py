@@ -119,6 +119,8 @@ class FeederSide:
             for batch in here:
                 k += 1
                 self.made_here += 1
+                if self._feeder is not None:  # the child's CUDA context made after this first batch, not during it
+                    self._feeder.go()
                 yield batch
                 if k < len(chunks) and self._feeder_ready():
                     break
@@ -136,6 +138,8 @@ class FeederSide:
         once and the batches stay here."""
         import time
 
+        if self._feeder is not None:
+            self._feeder.go()
         while self._feeder is not None and not self._feeder_ready():
             time.sleep(0.02)
 

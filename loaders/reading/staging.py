@@ -1,9 +1,9 @@
 """Staging: where a read's bytes land and how they become tensors on the reader's device.
 
 - `BufferPool`: reused host read buffers (fresh memory costs a page fault and zeroing per 4 KiB);
-- `PinnedStager`: pinned, 4 KiB-aligned host slots and one copy stream, where host backends (`direct`, `posix`)
-  feed a GPU: a slot is read into again only after the copy out of it finished, so reading batch k+1 overlaps
-  copying batch k (double buffering);
+- `PinnedStager`: pinned (up to `tunables.PIN_MAX_BYTES`), 4 KiB-aligned host slots and one copy stream, where
+  host backends (`direct`, `posix`) feed a GPU: a slot is read into again only after the copy out of it
+  finished, so reading batch k+1 overlaps copying batch k (double buffering);
 - `Slot`: one slot of a `PinnedStager`, what a host backend reads into when a GPU is fed (one async copy up, on
   the stager's stream);
 - `upload`: the one host-to-device step: a read buffer as one flat uint8 tensor on the device (a pinned
@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from loaders.backends.base import pinned_empty
+from loaders.backends.base import aligned_empty, pinned_empty
 from loaders.cache.dtypes import torch_dtype
 from loaders.deps import require
+from loaders.tunables import PIN_MAX_BYTES
 
 Place = tuple[Any, str, int, np.dtype, tuple[int, ...]]  # (tag, key, byte offset in the buffer, dtype, shape)
 
@@ -68,8 +69,15 @@ class BufferPool:
             return entry[0]  # type: ignore[no-any-return]
 
 
+def torch_from(array: np.ndarray) -> Any:
+    """A torch tensor over `array`'s memory."""
+    import torch
+
+    return torch.from_numpy(array)
+
+
 class PinnedStager:
-    """Pinned host slots and one copy stream for `device` ("cuda:N")."""
+    """Pinned host slots (pageable beyond `tunables.PIN_MAX_BYTES`) and one copy stream for `device` ("cuda:N")."""
 
     def __init__(self, device: str, slots: int = 2) -> None:
         torch = require("torch", "GPU delivery")
@@ -91,7 +99,12 @@ class PinnedStager:
         view = self._views[slot]
         if view is None or view.nbytes < nbytes:
             # grow with headroom: batches of a dataset differ a little in size (the last one, padding)
-            self._slots[slot], self._views[slot] = pinned_empty(nbytes + nbytes // 8)
+            size = nbytes + nbytes // 8
+            if size <= PIN_MAX_BYTES:
+                self._slots[slot], self._views[slot] = pinned_empty(size)
+            else:  # pageable (tunables.PIN_MAX_BYTES): its copy up returns once the bytes are out of it
+                view = aligned_empty(size)
+                self._slots[slot], self._views[slot] = torch_from(view), view
             view = self._views[slot]
             assert view is not None
         return view[:nbytes]

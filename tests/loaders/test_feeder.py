@@ -77,6 +77,32 @@ def test_building_the_loader_does_not_wait_for_the_child_to_connect(
     assert fed._feeder._proc.poll() is not None and not fed._feeder._accepting.is_alive()
 
 
+def test_the_child_builds_its_loader_only_once_the_first_batch_is_made(made: tuple[Path, Path]) -> None:
+    """The child connects and takes its arguments at once, but builds its loader (on a GPU: its CUDA context, whose
+    making holds up this process's first pinned and device allocations) only once this process has made its
+    first batch; `wait_feeder` lets it go too."""
+    import time
+
+    fed = _loader(made, {**OPTIONS, "feeder": True})
+    try:
+        assert fed._feeder._connected(wait=True)  # connected, its arguments sent
+        time.sleep(2.0)  # time enough to build a loader of four items on the CPU
+        assert not fed._feeder.poll_ready() and not fed._feeder._go_said
+        it = iter(fed)
+        next(it)
+        assert fed._feeder._go_said and fed.made_here == 1
+        fed._feeder.wait_ready()
+        it.close()
+    finally:
+        fed.close()
+    waited = _loader(made, {**OPTIONS, "feeder": True})
+    try:
+        waited.wait_feeder()
+        assert waited._feeder.ready and waited.made_here == 0
+    finally:
+        waited.close()
+
+
 def test_batches_come_at_once_while_the_child_starts_then_from_the_child(made: tuple[Path, Path]) -> None:
     """The first batch does not wait for the child (its imports take seconds): this process makes the batches
     until the child is ready, then hands the rest of the epoch over at a batch boundary with the random states

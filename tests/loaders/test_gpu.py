@@ -63,3 +63,21 @@ def test_slot_waits_for_its_copy(stager: Any) -> None:
     again = stager.host(0, n)  # must block until the copy above has read the slot
     again[:] = 9
     assert int(dev.min()) == 7 and int(dev.max()) == 7
+
+
+def test_a_slot_beyond_the_pin_limit_is_pageable_and_uploads_the_same(
+    stager: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of whole items larger than `tunables.PIN_MAX_BYTES` are staged in pageable memory (pinning them
+    costs more than the copy: docs/benchmarks.md); below it the slot is pinned; the bytes uploaded are the same."""
+    from loaders.reading import staging
+
+    monkeypatch.setattr(staging, "PIN_MAX_BYTES", 4 << 20)
+    payload = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+    for k in range(4):  # each slot reused after its copy
+        n = (1 << 20) if k < 2 else (8 << 20)
+        buf = stager.host(k % 2, n)
+        assert buf.ctypes.data % ALIGN == 0
+        assert stager._slots[k % 2].is_pinned() == (k < 2)
+        buf[:] = payload[:n]
+        np.testing.assert_array_equal(stager.upload(k % 2, n).cpu().numpy(), payload[:n])

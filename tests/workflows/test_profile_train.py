@@ -17,3 +17,14 @@ def test_profile_train_prints_its_table(tmp_path: Path, capsys: pytest.CaptureFi
     assert profile_train.main(argv) == 0
     out = capsys.readouterr().out
     assert ("batches/s" in out) if loader_only else ("mednist: 3 steps" in out and "Self CPU" in out)
+
+
+def test_first_batch_names_where_the_time_went(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--first-batch: per feeder setting the build and first-batch seconds, and the threads' sampled frames (a
+    tiny cache's first batch may come before any sample: only the tables' heads are certain)."""
+    argv = ["--workload", "mednist", "--count", "8", "--size", "32", "--device", "cpu", "--work", str(tmp_path),
+            "--rows", "40", "--first-batch", "--feeder", "False"]  # fmt: skip
+    assert profile_train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("built in") == 1 and "feeder=False" in out and "first batch" in out
+    assert "inclusive s | thread | frame" in out and "leaf s | thread | line" in out

@@ -1,6 +1,7 @@
 """Where a training step's GPU time goes with PreparedLoader's defaults: torch.profiler's top entries.
 
     python -m workflows.bench.profile_train --workload seg-ct --steps 12 --device cuda:0
+    python -m workflows.bench.profile_train --workload slices --first-batch --device cuda:0
 
 Builds (or reuses) the training benchmark's data and cache for the workload, runs one warm epoch, then profiles
 `--steps` training steps and prints the table sorted by device time (CPU time on a CPU run).
@@ -24,12 +25,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=25, help="table rows")
     parser.add_argument("--count", type=int, default=None, help="items (default: the workload's)")
     parser.add_argument("--size", type=int, default=None, help="volume (image) edge (default: the workload's)")
+    parser.add_argument("--crop", type=int, default=None, help="crop edge (default: the workload's)")
     parser.add_argument(
         "--loader-only", action="store_true", help="no model: cProfile the loader with its tail on this thread"
+    )
+    parser.add_argument(
+        "--first-batch", action="store_true", help="no model: where building the loader and its first batch go"
+    )
+    parser.add_argument(
+        "--feeder",
+        choices=["auto", "True", "False"],
+        action="append",
+        help="--first-batch: this feeder setting (repeat for several, in one process); default auto and False",
     )
     a = parser.parse_args(argv)
     if a.loader_only:
         return _loader_only(a)
+    if a.first_batch:
+        from workflows.bench.first_batch import first_batch
+
+        opts = _options(a)
+        _, pipeline, cache = build_data(opts, a.work)
+        feeders = [{"True": True, "False": False}.get(f, f) for f in a.feeder or ()]
+        return first_batch(cache, lambda: transform_of(pipeline, 0), opts.batch, a.device, a.rows, feeders)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -64,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def _options(a: argparse.Namespace) -> TrainOptions:
     size, crop, batch, count, workers = DEFAULTS[a.workload]
     size, count = a.size or size, a.count or count
-    crop = size if a.workload == "mednist" else min(crop, size)
+    crop = size if a.workload == "mednist" else min(a.crop or crop, size)
     return TrainOptions(size, crop, min(batch, count), 2, workers, a.device, count, workload=a.workload)
 
 
