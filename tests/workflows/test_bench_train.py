@@ -163,6 +163,7 @@ WORKLOAD_TINY = {
     "mednist": ["--size", "32", "--count", "16", "--batchsize", "8"],
     "slices": ["--size", "40", "--crop", "24", "--count", "4", "--batchsize", "2"],
     "seg-aug": ["--size", "40", "--crop", "16", "--count", "4"],
+    "seg-elastic": ["--size", "40", "--crop", "16", "--count", "4"],
 }
 
 
@@ -170,7 +171,8 @@ WORKLOAD_TINY = {
     "workload",
     ["seg-ct", pytest.param("seg-multiclass", marks=pytest.mark.slow), pytest.param("brats", marks=pytest.mark.slow),
      pytest.param("gds-seed", marks=pytest.mark.slow),
-     pytest.param("mednist", marks=pytest.mark.slow), "slices", pytest.param("seg-aug", marks=pytest.mark.slow)],
+     pytest.param("mednist", marks=pytest.mark.slow), "slices", pytest.param("seg-aug", marks=pytest.mark.slow),
+     pytest.param("seg-elastic", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_tutorial_workloads_run_every_loader(workload: str, out: Path) -> None:
     """Each tutorial workload trains end to end on CPU through MONAI's way, the drop-in and PreparedLoader."""

@@ -183,6 +183,7 @@ DEFAULTS: dict[str, tuple[int, int, int, int, int]] = {
     "mednist": (64, 64, 512, 10240, 4),
     "slices": (200, 128, 8, 24, 8),
     "seg-aug": (200, 96, 2, 24, 8),
+    "seg-elastic": (200, 96, 2, 24, 8),
 }
 
 

@@ -21,6 +21,8 @@
 - `seg-aug`: the spleen tutorial's head and crops with the augmentations other MONAI tutorials add per item
   (RandAffined, RandAdjustContrastd, RandHistogramShiftd, RandBiasFieldd, RandGaussianSharpend,
   RandCoarseDropoutd, RandStdShiftIntensityd, flips) and its UNet.
+- `seg-elastic`: the spleen tutorial's head and crops, then Rand3DElasticd (a dense random deformation drawn and
+  smoothed per item, which the loader runs item by item) and flips: the workload of a tail that is not batched.
 
 Each workload makes its data on the spot (`prep.synth`), so nothing is downloaded.
 """
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NAMES = ("spheres", "seg-ct", "seg-multiclass", "brats", "gds-seed", "mednist", "slices", "seg-aug")
+NAMES = ("spheres", "seg-ct", "seg-multiclass", "brats", "gds-seed", "mednist", "slices", "seg-aug", "seg-elastic")
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,30 @@ transform = Compose([
 '''
 
 
+def _segelastic_pipeline(o: Any) -> str:
+    c = o.crop
+    return f'''"""seg-elastic: the spleen chain with a dense elastic deformation per item after the crop."""
+from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, Orientationd,
+                              Rand3DElasticd, RandCropByPosNegLabeld, RandFlipd, ScaleIntensityRanged, Spacingd)
+
+KEYS = ["image", "label"]
+transform = Compose([
+    LoadImaged(keys=KEYS),
+    EnsureChannelFirstd(keys=KEYS),
+    ScaleIntensityRanged(keys=["image"], a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
+    CropForegroundd(keys=KEYS, source_key="image"),
+    Orientationd(keys=KEYS, axcodes="RAS"),
+    Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
+    RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=({c}, {c}, {c}), pos=1, neg=1,
+                           num_samples=2, image_key="image", image_threshold=0),
+    Rand3DElasticd(keys=KEYS, sigma_range=(5, 8), magnitude_range=(100, 200), prob=0.5,
+                   mode=("bilinear", "nearest"), padding_mode="border"),
+    RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.5),
+    RandFlipd(keys=KEYS, spatial_axis=[1], prob=0.5),
+])
+'''
+
+
 def _mednist_pipeline(o: Any) -> str:
     return '''"""mednist: seed 003's MedNIST chain (load, channel first, scale intensity), int class labels."""
 from monai.transforms import Compose, EnsureChannelFirstD, LoadImageD, ScaleIntensityD
@@ -302,6 +328,10 @@ WORKLOADS: dict[str, Workload] = {
                         _crop3(1, "binary", 2), samples=2,
                         describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, 2 pos/neg crops {o.crop}^3 "
                         "per item, the tutorials' per-item augmentations"),
+    "seg-elastic": Workload("seg-elastic", _segelastic_pipeline, _nifti("ct", 0.2, (1.4, 2.2)), "unet-spleen",
+                            _crop3(1, "binary", 2), samples=2,
+                            describe=lambda o: f"{o.count} CT-like volumes ~{o.size}^3, 2 pos/neg crops "
+                            f"{o.crop}^3 per item, Rand3DElasticd per item"),
 }  # fmt: skip
 
 
