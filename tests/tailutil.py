@@ -42,6 +42,19 @@ def reference(transforms: list[Any], batch: dict[str, Any], seed: int) -> dict[s
     return {k: v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v for k, v in collated.items()}
 
 
+def reference_batches(chain: Any, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """MONAI's way over several batches: one (seeded) Compose, item after item through every batch, each batch
+    collated."""
+    from monai.data import list_data_collate
+
+    outs = []
+    for b in batches:
+        items = [chain({k: v[i].clone() for k, v in b.items()}) for i in range(b["image"].shape[0])]
+        got = list_data_collate(items)
+        outs.append({k: v.as_subclass(torch.Tensor) for k, v in got.items()})
+    return outs
+
+
 def batched(transforms: list[Any], batch: dict[str, Any], seed: int) -> tuple[dict[str, Any], BatchedTail]:
     tail = BatchedTail(copy.deepcopy(transforms))
     tail.set_random_state(seed)

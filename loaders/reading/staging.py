@@ -69,13 +69,6 @@ class BufferPool:
             return entry[0]  # type: ignore[no-any-return]
 
 
-def torch_from(array: np.ndarray) -> Any:
-    """A torch tensor over `array`'s memory."""
-    import torch
-
-    return torch.from_numpy(array)
-
-
 class PinnedStager:
     """Pinned host slots (pageable beyond `tunables.PIN_MAX_BYTES`) and one copy stream for `device` ("cuda:N")."""
 
@@ -103,8 +96,10 @@ class PinnedStager:
             if size <= PIN_MAX_BYTES:
                 self._slots[slot], self._views[slot] = pinned_empty(size)
             else:  # pageable (tunables.PIN_MAX_BYTES): its copy up returns once the bytes are out of it
+                import torch
+
                 view = aligned_empty(size)
-                self._slots[slot], self._views[slot] = torch_from(view), view
+                self._slots[slot], self._views[slot] = torch.from_numpy(view), view
             view = self._views[slot]
             assert view is not None
         return view[:nbytes]

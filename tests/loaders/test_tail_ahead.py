@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("monai.transforms")
 
-from tailutil import assert_same, make_batch  # noqa: E402
+from tailutil import assert_same, make_batch, reference_batches  # noqa: E402
 
 from loaders.tail import BatchedTail  # noqa: E402
 from loaders.tail.ahead import ahead  # noqa: E402
@@ -25,18 +25,6 @@ CHAIN = [
 
 def _batches(sizes: list[int], spatial: tuple[int, ...] = (12, 10, 8)) -> list[dict[str, Any]]:
     return [make_batch(n=n, spatial=spatial, seed=s) for s, n in enumerate(sizes)]
-
-
-def _monai(chain: Any, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """MONAI's way: one Compose, item after item over every batch, each batch collated."""
-    from monai.data import list_data_collate
-
-    outs = []
-    for b in batches:
-        items = [chain({k: v[i].clone() for k, v in b.items()}) for i in range(b["image"].shape[0])]
-        got = list_data_collate(items)
-        outs.append({k: v.as_subclass(torch.Tensor) for k, v in got.items()})
-    return outs
 
 
 def _hits(tail: BatchedTail) -> int:
@@ -53,7 +41,7 @@ def test_batches_equal_monai_item_by_item(sizes: list[int]) -> None:
     from monai.transforms import Compose
 
     batches = _batches(sizes)
-    want = _monai(Compose(copy.deepcopy(CHAIN)).set_random_state(7), batches)
+    want = reference_batches(Compose(copy.deepcopy(CHAIN)).set_random_state(7), batches)
     tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(7)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image",))
@@ -68,7 +56,7 @@ def test_reseed_between_batches_discards_what_was_drawn_ahead() -> None:
     for b in batches[:2]:
         tail(b)
     tail.set_random_state(11)  # what the thread drew from seed 3's states must not be used
-    want = _monai(Compose(copy.deepcopy(CHAIN)).set_random_state(11), batches[2:])
+    want = reference_batches(Compose(copy.deepcopy(CHAIN)).set_random_state(11), batches[2:])
     for b, w in zip(batches[2:], want):
         assert_same(tail(b), w, keys=("image",))
 
@@ -99,7 +87,7 @@ def test_other_crop_shape_draws_inline() -> None:
     from monai.transforms import Compose
 
     batches = _batches([4, 4], spatial=(12, 10, 8)) + _batches([4, 4], spatial=(6, 6, 6))
-    want = _monai(Compose(copy.deepcopy(CHAIN)).set_random_state(9), batches)
+    want = reference_batches(Compose(copy.deepcopy(CHAIN)).set_random_state(9), batches)
     tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(9)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image",))

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("monai.transforms")
 
-from tailutil import assert_same, make_batch  # noqa: E402
+from tailutil import assert_same, make_batch, reference_batches  # noqa: E402
 
 from loaders.tail import BatchedTail  # noqa: E402
 from loaders.tail.ahead import ahead  # noqa: E402
@@ -28,17 +28,6 @@ def _chain(**affine: Any) -> list[Any]:
     ]  # fmt: skip
 
 
-def _monai(chain: Any, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from monai.data import list_data_collate
-
-    outs = []
-    for b in batches:
-        items = [chain({k: v[i].clone() for k, v in b.items()}) for i in range(b["image"].shape[0])]
-        got = list_data_collate(items)
-        outs.append({k: v.as_subclass(torch.Tensor) for k, v in got.items()})
-    return outs
-
-
 def _batches(sizes: list[int]) -> list[dict[str, Any]]:
     return [make_batch(n=n, spatial=(12, 10, 8), seed=s) for s, n in enumerate(sizes)]
 
@@ -47,7 +36,7 @@ def test_batches_equal_monai_and_the_offsets_come_drawn_ahead() -> None:
     from monai.transforms import Compose
 
     batches = _batches([3, 3, 3, 3, 2])
-    want = _monai(Compose(_chain()).set_random_state(4), batches)
+    want = reference_batches(Compose(_chain()).set_random_state(4), batches)
     tail = BatchedTail(Compose(_chain())).set_random_state(4)
     for b, w in zip(batches[:3], want[:3]):
         assert_same(tail(b), w, keys=("image", "label"))
@@ -55,7 +44,7 @@ def test_batches_equal_monai_and_the_offsets_come_drawn_ahead() -> None:
     early = ahead(t, t.rand_3d_elastic, "rand_offset", lambda *a: [])
     assert early is not None and early.hits > 0
     tail.set_random_state(4)  # what the thread drew from the old states is dropped
-    want = _monai(Compose(_chain()).set_random_state(4), batches[3:])
+    want = reference_batches(Compose(_chain()).set_random_state(4), batches[3:])
     for b, w in zip(batches[3:], want):
         assert_same(tail(b), w, keys=("image", "label"))
 
@@ -67,7 +56,7 @@ def test_an_affine_range_keeps_it_per_item() -> None:
     t = _chain(rotate_range=(0.1, 0.1, 0.1))[0]
     assert rand_3d_elastic(t, TailBatch(copy.deepcopy(_batches([2])[0]), 2)) is False
     batches = _batches([3, 3])
-    want = _monai(Compose(_chain(rotate_range=(0.1, 0.1, 0.1))).set_random_state(2), batches)
+    want = reference_batches(Compose(_chain(rotate_range=(0.1, 0.1, 0.1))).set_random_state(2), batches)
     tail = BatchedTail(Compose(_chain(rotate_range=(0.1, 0.1, 0.1)))).set_random_state(2)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image", "label"))

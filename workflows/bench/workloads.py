@@ -69,14 +69,10 @@ transform = Compose([
 '''
 
 
-def _segct_pipeline(o: Any) -> str:
-    c = o.crop
-    return f'''"""seg-ct: MONAI's spleen tutorial chain (head | label-driven crops, flips, rotations, shift)."""
-from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, Orientationd,
-                              RandCropByPosNegLabeld, RandFlipd, RandRotate90d, RandShiftIntensityd,
-                              ScaleIntensityRanged, Spacingd)
-
-KEYS = ["image", "label"]
+def _spleen_head(c: int, samples: int) -> str:
+    """The spleen tutorial's chain up to its label-driven crop (`c`^3, `samples` per item): seg-ct's and the
+    workloads built on it."""
+    return f"""KEYS = ["image", "label"]
 transform = Compose([
     LoadImaged(keys=KEYS),
     EnsureChannelFirstd(keys=KEYS),
@@ -85,8 +81,18 @@ transform = Compose([
     Orientationd(keys=KEYS, axcodes="RAS"),
     Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
     RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=({c}, {c}, {c}), pos=1, neg=1,
-                           num_samples=4, image_key="image", image_threshold=0),
-    RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.10),
+                           num_samples={samples}, image_key="image", image_threshold=0),
+"""
+
+
+def _segct_pipeline(o: Any) -> str:
+    c = o.crop
+    return f'''"""seg-ct: MONAI's spleen tutorial chain (head | label-driven crops, flips, rotations, shift)."""
+from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, Orientationd,
+                              RandCropByPosNegLabeld, RandFlipd, RandRotate90d, RandShiftIntensityd,
+                              ScaleIntensityRanged, Spacingd)
+
+{_spleen_head(c, 4)}    RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.10),
     RandFlipd(keys=KEYS, spatial_axis=[1], prob=0.10),
     RandFlipd(keys=KEYS, spatial_axis=[2], prob=0.10),
     RandRotate90d(keys=KEYS, prob=0.10, max_k=3),
@@ -206,17 +212,7 @@ from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, Loa
                               RandCropByPosNegLabeld, RandFlipd, RandGaussianSharpend, RandHistogramShiftd,
                               RandStdShiftIntensityd, ScaleIntensityRanged, Spacingd)
 
-KEYS = ["image", "label"]
-transform = Compose([
-    LoadImaged(keys=KEYS),
-    EnsureChannelFirstd(keys=KEYS),
-    ScaleIntensityRanged(keys=["image"], a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
-    CropForegroundd(keys=KEYS, source_key="image"),
-    Orientationd(keys=KEYS, axcodes="RAS"),
-    Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
-    RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=({c}, {c}, {c}), pos=1, neg=1,
-                           num_samples=2, image_key="image", image_threshold=0),
-    RandAffined(keys=KEYS, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
+{_spleen_head(c, 2)}    RandAffined(keys=KEYS, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
                 mode=("bilinear", "nearest"), padding_mode="border"),
     RandAdjustContrastd(keys="image", prob=0.3, gamma=(0.7, 1.5)),
     RandHistogramShiftd(keys="image", prob=0.3, num_control_points=10),
@@ -236,17 +232,7 @@ def _segelastic_pipeline(o: Any) -> str:
 from monai.transforms import (Compose, CropForegroundd, EnsureChannelFirstd, LoadImaged, Orientationd,
                               Rand3DElasticd, RandCropByPosNegLabeld, RandFlipd, ScaleIntensityRanged, Spacingd)
 
-KEYS = ["image", "label"]
-transform = Compose([
-    LoadImaged(keys=KEYS),
-    EnsureChannelFirstd(keys=KEYS),
-    ScaleIntensityRanged(keys=["image"], a_min=-57, a_max=164, b_min=0.0, b_max=1.0, clip=True),
-    CropForegroundd(keys=KEYS, source_key="image"),
-    Orientationd(keys=KEYS, axcodes="RAS"),
-    Spacingd(keys=KEYS, pixdim=(1.5, 1.5, 2.0), mode=("bilinear", "nearest")),
-    RandCropByPosNegLabeld(keys=KEYS, label_key="label", spatial_size=({c}, {c}, {c}), pos=1, neg=1,
-                           num_samples=2, image_key="image", image_threshold=0),
-    Rand3DElasticd(keys=KEYS, sigma_range=(5, 8), magnitude_range=(100, 200), prob=0.5,
+{_spleen_head(c, 2)}    Rand3DElasticd(keys=KEYS, sigma_range=(5, 8), magnitude_range=(100, 200), prob=0.5,
                    mode=("bilinear", "nearest"), padding_mode="border"),
     RandFlipd(keys=KEYS, spatial_axis=[0], prob=0.5),
     RandFlipd(keys=KEYS, spatial_axis=[1], prob=0.5),
