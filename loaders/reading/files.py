@@ -3,6 +3,7 @@ probes of `loaders.faces.dali.FileSource` (its io_uring reads are `loaders.readi
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,8 @@ import numpy as np
 
 from loaders.opener import open_in
 from loaders.tunables import HINT_BYTES, OPEN_AT_ONCE
+
+__all__ = ["ask_limit", "cached_whole", "hint_files", "read_fd", "read_whole_files", "will_read"]
 
 _FIX = "re-run `prep bmap` on the files as they are now"
 
@@ -130,18 +133,67 @@ def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:
     """posix_fadvise(WILLNEED) on each file, in order, up to `limit` bytes in all (the kernel starts reading
     each into the page cache and returns); a file that cannot be opened is left to the read that follows,
     which says what is wrong with it."""
-    open_, close, fstat, fadvise, willneed = os.open, os.close, os.fstat, os.posix_fadvise, os.POSIX_FADV_WILLNEED
+    open_, close, fstat = os.open, os.close, os.fstat
     for p in paths:
         try:
             fd = open_(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             continue
         try:
-            limit -= fstat(fd).st_size
-            fadvise(fd, 0, 0, willneed)
+            n = fstat(fd).st_size
+            limit -= n
+            will_read(fd, 0, n)
         except OSError:
             pass
         finally:
             close(fd)
         if limit <= 0:
             return
+
+
+_ASK_LIMITS: dict[int, int] = {}  # st_dev -> ask_limit's answer
+_RA_DEFAULT = 128 << 10  # the kernel's readahead window where the device does not say (VM_READAHEAD_PAGES)
+
+
+def ask_limit(fd: int) -> int:
+    """The most bytes one WILLNEED (fadvise or madvise) reads of an open file: Linux reads at most the larger of
+    the device's readahead window and its largest request (`read_ahead_kb`, `max_sectors_kb`) and drops the rest
+    of the range unread. 128 KiB where sysfs does not say (not a block device, no sysfs)."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return _RA_DEFAULT
+    if dev not in _ASK_LIMITS:
+        _ASK_LIMITS[dev] = _device_limit(os.major(dev), os.minor(dev))
+    return _ASK_LIMITS[dev]
+
+
+def _device_limit(major: int, minor: int) -> int:
+    """max(read_ahead_kb, max_sectors_kb) of the device (a partition's: its disk's queue), in bytes; the
+    kernel's default window where sysfs has neither."""
+    block = f"/sys/dev/block/{major}:{minor}"
+    places = {
+        "read_ahead_kb": (f"/sys/class/bdi/{major}:{minor}", f"{block}/queue", f"{block}/../queue"),
+        "max_sectors_kb": (f"{block}/queue", f"{block}/../queue"),
+    }
+    found = []
+    for name, folders in places.items():
+        for folder in folders:
+            try:
+                with open(os.path.join(folder, name), encoding="ascii") as f:
+                    found.append(int(f.read().strip()) << 10)
+                break
+            except (OSError, ValueError):
+                continue
+    return max(max(found, default=_RA_DEFAULT), mmap.PAGESIZE)
+
+
+def will_read(fd: int, offset: int, nbytes: int, limit: int | None = None) -> int:
+    """posix_fadvise(WILLNEED) over [offset, offset + nbytes) of an open file, in pieces of at most `limit` bytes
+    (default `ask_limit`: one call over more reads only its first piece). Returns the calls made."""
+    step = limit or ask_limit(fd)
+    calls = 0
+    for at in range(offset, offset + nbytes, step):
+        os.posix_fadvise(fd, at, min(step, offset + nbytes - at), os.POSIX_FADV_WILLNEED)
+        calls += 1
+    return calls

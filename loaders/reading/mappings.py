@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from loaders.reading.files import ask_limit
+
 __all__ = ["mapped_at", "own_storage", "private_map", "will_need"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -22,10 +24,12 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _LIVE: dict[int, int] = {}  # address -> length of every mapping `private_map` made that is still mapped
+_ASK: dict[int, int] = {}  # address -> the most one madvise(WILLNEED) reads of that mapping's file (`ask_limit`)
 
 
 def _unmap(addr: int, length: int) -> None:
     _LIVE.pop(addr, None)
+    _ASK.pop(addr, None)
     _libc.munmap(addr, length)
 
 
@@ -39,6 +43,7 @@ def private_map(fd: int, offset: int, length: int) -> np.ndarray | None:
         return None
     buffer = (ctypes.c_ubyte * length).from_address(addr)
     _LIVE[addr] = length
+    _ASK[addr] = ask_limit(fd)
     weakref.finalize(buffer, _unmap, addr, length)
     return np.frombuffer(buffer, dtype=np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
 
@@ -48,23 +53,39 @@ def mapped_at(address: int) -> bool:
     return any(a <= address < a + n for a, n in list(_LIVE.items()))
 
 
-def will_need(base: int, spans: Iterable[tuple[int, int]]) -> int:
+def will_need(base: int, spans: Iterable[tuple[int, int]], gap: int = 0) -> int:
     """Start reading the pages of each (byte offset, nbytes) span past address `base` of a mapping, all at once
     (madvise WILLNEED: the kernel queues the reads and returns; a later touch of a page waits only for its own
-    read, and reads nothing around it). Spans sharing a page are asked for once. Returns the calls made."""
+    read, and reads nothing around it). Spans at most `gap` bytes apart are asked for as one run (a gap cheaper
+    to read than a request, `loaders.reading.region.CostModel`); a run is asked for in pieces no longer than one
+    call reads (`loaders.reading.files.ask_limit`: the kernel drops the rest of a longer range). Returns the
+    calls made."""
     page = mmap.PAGESIZE
     runs: list[list[int]] = []
     for off, n in sorted(spans):
         if n <= 0:
             continue
         lo, hi = (base + off) // page * page, -(-(base + off + n) // page) * page
-        if runs and lo <= runs[-1][1]:
+        if runs and lo <= runs[-1][1] + gap:
             runs[-1][1] = max(runs[-1][1], hi)
         else:
             runs.append([lo, hi])
+    step = _ask_step(base)
+    calls = 0
     for lo, hi in runs:
-        _libc.madvise(lo, hi - lo, mmap.MADV_WILLNEED)  # advice only: a failure leaves the touch to read the page
-    return len(runs)
+        for at in range(lo, hi, step):  # advice only: a failure leaves the touch to read the page
+            _libc.madvise(at, min(step, hi - at), mmap.MADV_WILLNEED)
+            calls += 1
+    return calls
+
+
+def _ask_step(address: int) -> int:
+    """The most one madvise(WILLNEED) reads in the mapping holding `address` (whole pages; 128 KiB where the
+    mapping is not one of `private_map`'s)."""
+    for a, n in list(_LIVE.items()):
+        if a <= address < a + n:
+            return max(_ASK.get(a, 128 << 10) // mmap.PAGESIZE, 1) * mmap.PAGESIZE
+    return 128 << 10
 
 
 def own_storage(obj: Any) -> Any:
