@@ -18,7 +18,7 @@ from typing import Any
 
 from loaders.fast.folds import Fold, LabelCropFold, split_fold
 from loaders.reading.mappings import mapped_at, will_need
-from loaders.reading.region import COLD_COST, window_spans
+from loaders.reading.region import window_spans
 from loaders.state import peeking
 
 __all__ = ["ask_batch_pages", "ask_crop_pages", "cropping", "leading_crop"]
@@ -70,13 +70,10 @@ def ask_crop_pages(
         return 0
     windows = fold.draw(item, spatial)
     calls = 0
-    for tensor in mapped:  # gaps cheaper to read than a request are read through (the fast path's cold rule)
-        spans = [
-            span
-            for start, shape in windows
-            for span in window_spans(tuple(tensor.shape), tensor.element_size(), start, shape)
-        ]
-        calls += will_need(tensor.data_ptr(), spans, gap=COLD_COST.gap)
+    for tensor in mapped:
+        for start, shape in windows:
+            spans = window_spans(tuple(tensor.shape), tensor.element_size(), start, shape)
+            calls += will_need(tensor.data_ptr(), spans)
     return calls
 
 

@@ -53,20 +53,19 @@ def mapped_at(address: int) -> bool:
     return any(a <= address < a + n for a, n in list(_LIVE.items()))
 
 
-def will_need(base: int, spans: Iterable[tuple[int, int]], gap: int = 0) -> int:
+def will_need(base: int, spans: Iterable[tuple[int, int]]) -> int:
     """Start reading the pages of each (byte offset, nbytes) span past address `base` of a mapping, all at once
     (madvise WILLNEED: the kernel queues the reads and returns; a later touch of a page waits only for its own
-    read, and reads nothing around it). Spans at most `gap` bytes apart are asked for as one run (a gap cheaper
-    to read than a request, `loaders.reading.region.CostModel`); a run is asked for in pieces no longer than one
-    call reads (`loaders.reading.files.ask_limit`: the kernel drops the rest of a longer range). Returns the
-    calls made."""
+    read, and reads nothing around it). Spans sharing a page are asked for once; a run is asked for in pieces no
+    longer than one call reads (`loaders.reading.files.ask_limit`: the kernel drops the rest of a longer range).
+    Returns the calls made."""
     page = mmap.PAGESIZE
     runs: list[list[int]] = []
     for off, n in sorted(spans):
         if n <= 0:
             continue
         lo, hi = (base + off) // page * page, -(-(base + off + n) // page) * page
-        if runs and lo <= runs[-1][1] + gap:
+        if runs and lo <= runs[-1][1]:
             runs[-1][1] = max(runs[-1][1], hi)
         else:
             runs.append([lo, hi])

@@ -98,3 +98,39 @@ def test_items_held_in_memory_hold_no_descriptors(tmp_path: Path) -> None:
     gc.collect()
     assert Path("/proc/self/maps").read_text().count(str(root)) <= maps + 2
     ds.close()
+
+
+def test_asking_for_a_long_run_reads_all_of_it(tmp_path: Path) -> None:
+    """One madvise(WILLNEED) reads at most the device's readahead window or largest request (8 MiB on the 2-core
+    box) and drops the rest; `will_need` asks for a longer run piece by piece, so the whole run comes in."""
+    import mmap
+    import os
+    import time
+
+    from loaders.backends.base import PageCacheProbe
+    from loaders.reading.files import ask_limit
+    from loaders.reading.mappings import private_map, will_need
+
+    probe = PageCacheProbe()
+    if not probe.available:
+        pytest.skip("cachestat(2) is not available here (Linux 6.5+): the test counts cached pages")
+    path = tmp_path / "long.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        limit = ask_limit(fd)
+        n = 4 * limit + 3 * mmap.PAGESIZE
+        os.write(fd, np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tobytes())
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        st = probe.counts(fd, 0, n)
+        if st is None or st.cache:
+            pytest.skip(f"posix_fadvise(DONTNEED) left pages of {path} cached here: nothing to count")
+        view = private_map(fd, 0, n)
+        assert view is not None
+        assert will_need(view.ctypes.data, [(0, n)]) == 5
+        deadline = time.monotonic() + 10
+        while not probe.resident(fd, 0, n) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert probe.resident(fd, 0, n), probe.counts(fd, 0, n)  # one call for it all: `limit` bytes only
+    finally:
+        os.close(fd)
