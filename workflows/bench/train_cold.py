@@ -25,6 +25,7 @@ from workflows.bench.core import Unavailable, evict, files_under
 SECTOR = 512  # /sys/block/*/stat counts 512-byte sectors whatever the device's own block size
 SEQUENTIAL_REQUEST = 1 << 20  # the sequential rate's request size
 SEQUENTIAL_BYTES = 1 << 30  # ... over at most this many bytes of the shards (the first ones)
+RUN_BYTES = 64 << 10  # the second random pass's request: about one x-plane's run of a crop's rows
 RANDOM_READS = 4096  # the random rate: this many 4 KiB reads at aligned offsets drawn over every shard
 
 __all__ = [
@@ -201,21 +202,37 @@ def sequential_spans(shards: list[Path]) -> list[Span]:
 
 def disk_rates(shards: list[Path], depth: int, seed: int = 0) -> str:
     """One line: the disk's O_DIRECT read rate over `shards`, sequential (1 MiB requests over up to 1 GiB) and
-    random (4 KiB at aligned offsets), `depth` in flight, each pass after evicting the shards."""
-    sizes = [(str(p), os.path.getsize(p) // ALIGN * ALIGN) for p in shards]
+    random (4 KiB, then 64 KiB: a crop's run of x-plane rows, at aligned offsets), `depth` in flight, each pass
+    after evicting the shards."""
     seq = sequential_spans(shards)
     rng = random.Random(seed)
-    blocks = [(path, size // ALIGN) for path, size in sizes if size]
-    if not seq or not blocks:
+    small = _random_spans(shards, ALIGN, RANDOM_READS, rng)
+    if not seq or not small:
         raise Unavailable("the prepared cache's shards are empty: no disk rate")
-    weights = [n for _, n in blocks]
-    picks = rng.choices(blocks, weights=weights, k=RANDOM_READS)
-    rand = [Span(path, rng.randrange(n) * ALIGN, ALIGN) for path, n in picks]
+    runs = _random_spans(shards, RUN_BYTES, RANDOM_READS // 4, rng)
     s_sec, s_bytes, _ = read_direct(seq, depth)
-    r_sec, r_bytes, _ = read_direct(rand, depth)
-    return (f"disk read rate (O_DIRECT over the prepared cache's shards, {depth} in flight, evicted first): "
-            f"sequential 1 MiB requests {s_bytes / s_sec / 1e9:.3f} GB/s over {s_bytes / 1e6:.1f} MB; "
-            f"random 4 KiB {r_bytes / r_sec / 1e6:.1f} MB/s ({len(rand) / r_sec:.0f} IOPS)")  # fmt: skip
+    parts = [f"sequential 1 MiB requests {s_bytes / s_sec / 1e9:.3f} GB/s over {s_bytes / 1e6:.1f} MB"]
+    for spans in (small, runs):
+        if spans:
+            sec, nbytes, _ = read_direct(spans, depth)
+            parts.append(
+                f"random {spans[0].nbytes >> 10} KiB {nbytes / sec / 1e6:.1f} MB/s ({len(spans) / sec:.0f} IOPS)"
+            )
+    return (
+        f"disk read rate (O_DIRECT over the prepared cache's shards, {depth} in flight, evicted first): "
+        + "; ".join(parts)
+    )
+
+
+def _random_spans(shards: list[Path], nbytes: int, count: int, rng: random.Random) -> list[Span]:
+    """`count` reads of `nbytes` at random `nbytes`-aligned offsets of `shards` (weighted by size; none where every
+    shard is shorter)."""
+    blocks = [(str(p), os.path.getsize(p) // nbytes) for p in shards]
+    blocks = [(path, n) for path, n in blocks if n]
+    if not blocks:
+        return []
+    picks = rng.choices(blocks, weights=[n for _, n in blocks], k=count)
+    return [Span(path, rng.randrange(n) * nbytes, nbytes) for path, n in picks]
 
 
 def disk_rate_line(shards: list[Path], seed: int = 0) -> str:
