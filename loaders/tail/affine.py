@@ -1,4 +1,5 @@
-"""Batched RandAffined: each item's matrix drawn and built by MONAI, one grid_sample for the batch.
+"""Batched RandAffined: each item's matrix drawn and built by MONAI, one grid_sample for the batch (`sample`,
+which the batched Rand2DElasticd uses too).
 
 MONAI's conventions, kept: the identity grid is centred voxel coordinates (`create_grid`), the item's
 matrix (float32, as `AffineGrid` casts it) maps output to input voxels, rows are reversed into grid_sample's
@@ -67,6 +68,17 @@ def _resample_dtype(t: Any) -> Any:
     return get_equivalent_dtype(dtype, torch.Tensor) if dtype is not None else torch.float64
 
 
+def sample(x: Any, grids: Any, interp: Any, pad: Any, align: Any, dtype: Any) -> Any:
+    """MONAI's `Resample` (torch backend) over a batch: `x` (n, C, *spatial) in the resampler's dtype, sampled on
+    `grids` (n, *out, nd) by one grid_sample, float32 out."""
+    import torch
+    from monai.utils import TraceKeys
+
+    corners = None if align == TraceKeys.NONE else align
+    out = torch.nn.functional.grid_sample(x.to(dtype), grids, mode=interp, padding_mode=pad, align_corners=corners)
+    return out.to(torch.float32)
+
+
 def rand_affine(t: Any, batch: TailBatch) -> bool:
     """RandAffined: per-item draws and matrices from MONAI, then one grid_sample per key over the batch."""
     import torch
@@ -107,13 +119,10 @@ def rand_affine(t: Any, batch: TailBatch) -> bool:
     device = batch.data[keys[0]].device
     grids = _grids(t, torch.stack(mats), sp_size, in_size, device)
     dtype = _resample_dtype(t)
-    align = resampler.align_corners
     for k, (interp, pad) in zip(keys, modes):
         x = batch.data[k]
         src = gather(x, [x[i] for i in chosen]) if len(chosen) < batch.n else x
-        out = torch.nn.functional.grid_sample(
-            src.to(dtype), grids, mode=interp, padding_mode=pad, align_corners=align
-        ).to(torch.float32)
+        out = sample(src, grids, interp, pad, resampler.align_corners, dtype)
         if len(chosen) < batch.n:  # the others keep their values, as float32 (MONAI converts them too)
             where = {i: j for j, i in enumerate(chosen)}
             out = gather(out, [out[where[i]] if i in where else x[i].to(torch.float32) for i in range(batch.n)])

@@ -27,6 +27,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "DeleteItemsd": ("loaders.tail.shape", "whole_batch"),
     "EnsureTyped": ("loaders.tail.shape", "whole_batch"),
     "NormalizeIntensityd": ("loaders.tail.intensity", "normalize_intensity"),
+    "Rand2DElasticd": ("loaders.tail.elastic", "rand_2d_elastic"),
     "Rand3DElasticd": ("loaders.tail.elastic", "rand_3d_elastic"),
     "RandAdjustContrastd": ("loaders.tail.fired", "rand_adjust_contrast"),
     "RandBiasFieldd": ("loaders.tail.fired", "rand_bias_field"),

@@ -1,4 +1,5 @@
-"""`Rand3DElasticd`: MONAI's own transform on each item, its draws made ahead on a thread.
+"""`Rand3DElasticd`: MONAI's own transform on each item, its draws made ahead on a thread; `Rand2DElasticd`: MONAI's
+own transform on each item makes its draws and grid, one grid_sample resamples the batch.
 
 Its cost is its draws: per item a dense field of uniform offsets, three numbers per voxel of the crop (2.65 M for
 96^3: 28 ms of numpy on a GPU box's core, three quarters of the loader's time on `seg-elastic`), drawn whether or
@@ -77,3 +78,57 @@ def _with_draws(t: Any, inner: Any, drawn: Drawn, item: dict[Hashable, Any]) -> 
         return dict(t(item))
     finally:
         del t.randomize, inner.randomize
+
+
+class _Noting:
+    """Stands in for Rand2DElastic's `Resample` while MONAI's dict transform runs on one item: notes the grid the
+    item is resampled on and gives the image back as it is."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device  # MONAI's set_device sets it on the resampler it finds
+        self.grid: Any = None
+
+    def __call__(self, img: Any, grid: Any = None, **_: Any) -> Any:
+        self.grid = grid
+        return img
+
+
+def rand_2d_elastic(t: Any, batch: TailBatch) -> bool:
+    """Rand2DElasticd: MONAI's own dict transform on each item, in batch order, draws the item's numbers and makes
+    its grid (an identity grid where it does not fire: MONAI resamples every item); then each key of the batch is
+    resampled at once, as MONAI's `Resample` does item by item (torch backend, normalised coordinates)."""
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    from loaders.tail.affine import _modes, sample
+
+    keys = ready(t, batch)
+    if keys is None:
+        return False
+    if not keys:
+        return True  # MONAI draws nothing when none of its keys is present
+    inner = t.rand_2d_elastic
+    resampler = inner.resampler
+    modes = _modes(t, keys)
+    if modes is None or not resampler.norm_coords or resampler.dtype is None:
+        return False  # the per-key dtype, or MONAI's own coordinates: per item
+    noting = _Noting(resampler.device)
+    grids = []
+    inner.resampler = noting
+    try:
+        for i in range(batch.n):
+            t(batch.item(i))
+            grids.append(torch.as_tensor(noting.grid).as_subclass(torch.Tensor))
+    finally:
+        inner.resampler = resampler
+        resampler.device = noting.device
+    x = batch.data[keys[0]]
+    dtype = get_equivalent_dtype(resampler.dtype, torch.Tensor)
+    size = tuple(x.shape[2:])
+    rows = list(range(len(size) - 1, -1, -1))  # grid_sample's (x, y) order
+    grid = torch.stack([g[rows].movedim(0, -1).to(device=x.device, dtype=dtype) for g in grids])
+    for axis, dim in enumerate(reversed(size)):
+        grid[..., axis] *= 2.0 / max(2, dim)
+    for k, (interp, pad) in zip(keys, modes):
+        batch.data[k] = sample(batch.data[k], grid, interp, pad, resampler.align_corners, dtype)
+    return True

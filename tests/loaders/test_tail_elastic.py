@@ -1,6 +1,7 @@
-"""Rand3DElasticd in the batched tail (loaders.tail.elastic): MONAI's own transform per item with its dense
-offsets drawn ahead on a thread: batch after batch the numbers of MONAI's chain item by item, through a reseed;
-with an affine range it stays per item (its grid draws twice per item)."""
+"""The elastic transforms in the batched tail (loaders.tail.elastic). Rand3DElasticd: MONAI's own transform per
+item with its dense offsets drawn ahead on a thread: batch after batch the numbers of MONAI's chain item by item,
+through a reseed; with an affine range it stays per item (its grid draws twice per item). Rand2DElasticd: MONAI's
+own grids, one resample for the batch: the numbers of MONAI's chain item by item."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tailutil import assert_same, make_batch, reference_batches  # noqa: E402
 from loaders.tail import BatchedTail  # noqa: E402
 from loaders.tail.ahead import ahead  # noqa: E402
 from loaders.tail.batched import TailBatch  # noqa: E402
-from loaders.tail.elastic import rand_3d_elastic  # noqa: E402
+from loaders.tail.elastic import rand_2d_elastic, rand_3d_elastic  # noqa: E402
 
 
 def _chain(**affine: Any) -> list[Any]:
@@ -60,3 +61,62 @@ def test_an_affine_range_keeps_it_per_item() -> None:
     tail = BatchedTail(Compose(_chain(rotate_range=(0.1, 0.1, 0.1)))).set_random_state(2)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image", "label"))
+
+
+def _chain_2d(**kw: Any) -> list[Any]:
+    return [
+        mt.Rand2DElasticd(["image", "label"], spacing=(4, 5), magnitude_range=(1, 3), prob=0.6,
+                          mode=("bilinear", "nearest"), padding_mode="zeros", **kw),
+        mt.RandFlipd(["image", "label"], spatial_axis=1, prob=0.5),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"rotate_range": 0.3, "scale_range": (0.1, 0.2)}, {"spatial_size": (14, 12)}],
+    ids=["plain", "affine", "resized"],
+)
+def test_2d_batches_equal_monai_and_resample_once_per_key(kw: dict[str, Any]) -> None:
+    from monai.transforms import Compose
+
+    batches = [make_batch(n=n, spatial=(18, 16), seed=s) for s, n in enumerate([4, 3, 4])]
+    want = reference_batches(Compose(_chain_2d(**kw)).set_random_state(5), batches)
+    tail = BatchedTail(Compose(_chain_2d(**kw))).set_random_state(5)
+    calls = []
+    real = torch.nn.functional.grid_sample
+
+    def counted(x: Any, *a: Any, **k: Any) -> Any:
+        calls.append(x.shape[0])
+        return real(x, *a, **k)
+
+    torch.nn.functional.grid_sample = counted
+    try:
+        for b, w in zip(batches, want):
+            assert_same(tail(b), w, keys=("image", "label"))
+    finally:
+        torch.nn.functional.grid_sample = real
+    assert tail.fallbacks == []
+    assert calls == [n for n in (4, 3, 4) for _ in ("image", "label")], calls  # per item it would be 1s
+
+
+def test_2d_without_its_keys_draws_nothing_and_a_dtype_left_to_each_key_stays_per_item() -> None:
+    t = _chain_2d(allow_missing_keys=True)[0]
+    state = t.R.get_state()[1].copy()
+    assert rand_2d_elastic(t, TailBatch({"other": torch.zeros(2, 1, 8, 8)}, 2)) is True
+    assert (t.R.get_state()[1] == state).all()
+    t.rand_2d_elastic.resampler.dtype = None  # MONAI then resamples each key in its own dtype
+    assert rand_2d_elastic(t, TailBatch(copy.deepcopy(make_batch(n=2, spatial=(8, 8))), 2)) is False
+
+
+@pytest.mark.gpu
+def test_2d_batches_equal_monai_on_a_gpu() -> None:
+    from monai.transforms import Compose
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    batches = [{k: v.to("cuda:0") for k, v in make_batch(n=4, spatial=(18, 16), seed=s).items()} for s in range(2)]
+    want = reference_batches(Compose(_chain_2d(rotate_range=0.3)).set_random_state(5), batches)
+    tail = BatchedTail(Compose(_chain_2d(rotate_range=0.3))).set_random_state(5)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert tail.fallbacks == []
