@@ -12,6 +12,17 @@ from loaders.tail import BatchedTail
 K = ["image", "label"]
 
 
+def per_item(name: str, *args: Any, **kwargs: Any) -> Any:
+    """MONAI's transform `name` as a user's subclass of it (same behaviour, another class), which the batched tail
+    runs per item through MONAI: the fallback path, whatever MONAI transforms it batches."""
+    import monai.transforms as mt
+
+    cls = getattr(mt, name)
+    own = type(f"Own{name}", (cls,), {"__module__": __name__})
+    globals()[own.__name__] = own  # importable by name (deep copies and pickles find it)
+    return own(*args, **kwargs)
+
+
 def make_batch(n: int = 4, spatial: tuple[int, ...] = (20, 22, 20), seed: int = 0) -> dict[str, Any]:
     """Images (float32, 1 channel) with spheres and their uint8 labels."""
     g = torch.Generator().manual_seed(seed)

@@ -115,6 +115,43 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
     return True
 
 
+def fired_whole(t: Any, batch: TailBatch) -> bool:
+    """MONAI's own dict transform on each item it fires on, called right after that item's prob is drawn (so the
+    inner's draws, in the transform's own order per key, come before the next item's prob, as in MONAI's chain);
+    the items it skips stay as they are (as float32 for RandSimulateLowResolutiond, which converts them).
+    RandGibbsNoised, RandKSpaceSpikeNoised, RandRicianNoised, RandCoarseShuffled, RandSimulateLowResolutiond."""
+    import torch
+
+    keys = ready(t, batch)
+    if keys is None:
+        return False
+    to_float = type(t).__name__ == "RandSimulateLowResolutiond"
+    if to_float and not keys:
+        return True  # MONAI returns such an item without drawing
+    outs: dict[int, dict[Hashable, Any]] = {}
+    for i in range(batch.n):
+        t.randomize(None)
+        if t._do_transform:
+            outs[i] = _as_fired(t, batch.item(i))
+    if keys:
+        skipped = (lambda x: x.to(torch.float32)) if to_float else (lambda x: x)
+        assemble(batch, keys, {i: _taken(outs[i]) for i in outs}, skipped)
+    return True
+
+
+def _as_fired(t: Any, item: dict[Hashable, Any]) -> dict[Hashable, Any]:
+    """MONAI's dict transform on `item`, its prob (drawn already: it fires) not drawn again."""
+    t.randomize = lambda *_: None
+    try:
+        return dict(t(item))
+    finally:
+        del t.randomize
+
+
+def _taken(out: dict[Hashable, Any]) -> Apply:
+    return lambda k, x: out[k]
+
+
 def rand_bias_field(t: Any, batch: TailBatch) -> bool:
     """RandBiasFieldd: MONAI's coefficients per fired item; the fields of all fired items evaluated at once where
     the batch is (float64, the Legendre recurrence numpy's `leggrid2d`/`leggrid3d` run), then `img * exp(field)`

@@ -241,11 +241,12 @@ def test_the_loader_threads_are_kept_from_epoch_to_epoch(prepared: tuple[Path, P
     import threading
 
     pipeline, cache = prepared
+    others = {t.ident for t in threading.enumerate()}  # another test's loader not yet collected keeps its own
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=2, device="cpu", gpu_budget=0,
                             tail_thread=tail_thread)  # fmt: skip
 
     def ours() -> dict[str, int]:
-        threads = threading.enumerate()
+        threads = [t for t in threading.enumerate() if t.ident not in others]
         return {
             n: t.ident or 0 for t in threads if (n := t.name.rsplit("_", 1)[0]) in ("blockprep-read", "blockprep-feed")
         }

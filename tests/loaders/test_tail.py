@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("monai.transforms")
 
-from tailutil import K, assert_same, batched, make_batch, reference  # noqa: E402
+from tailutil import K, assert_same, batched, make_batch, per_item, reference  # noqa: E402
 
 from loaders.errors import PrepError  # noqa: E402
 from loaders.tail import BatchedTail, batched_names  # noqa: E402
@@ -155,18 +155,18 @@ def test_fallback_runs_per_item_and_logs_once(caplog: pytest.LogCaptureFixture) 
     batch = make_batch()
     chain = [
         mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
-        mt.RandGibbsNoised("image", prob=0.5),
+        per_item("RandGibbsNoised", "image", prob=0.5),
         mt.RandFlipd(K, prob=0.5),
-        mt.RandCoarseShuffled("image", prob=0.5, holes=2, spatial_size=4),
+        per_item("RandCoarseShuffled", "image", prob=0.5, holes=2, spatial_size=4),
     ]
     with caplog.at_level(logging.WARNING, logger="loaders.tail"):
         tail = BatchedTail(copy.deepcopy(chain))
         tail.set_random_state(11)
         got = tail({k: v.clone() for k, v in batch.items()})
         tail(batch)
-    assert tail.fallbacks == ["RandGibbsNoised", "RandCoarseShuffled"]
+    assert tail.fallbacks == ["OwnRandGibbsNoised", "OwnRandCoarseShuffled"]
     lines = [r for r in caplog.records if r.name == "loaders.tail"]
-    assert len(lines) == 1 and "RandGibbsNoised, RandCoarseShuffled" in lines[0].getMessage()
+    assert len(lines) == 1 and "OwnRandGibbsNoised, OwnRandCoarseShuffled" in lines[0].getMessage()
     assert_same(got, reference(chain, batch, seed=11), atol=1e-6)
 
 
@@ -406,9 +406,9 @@ def test_per_item_lists_of_one_object_stay_lists(n: int) -> None:
     """["CT", "CT"] (or ["CT"] for one item) through a per-item transform stays a list, as MONAI collates it."""
     batch: dict[str, Any] = dict(make_batch(n=n))
     batch["modality"] = ["CT"] * n
-    chain = [mt.RandGibbsNoised("image", prob=1.0), mt.RandFlipd(K, prob=0.5)]  # the first runs per item
+    chain = [per_item("RandGibbsNoised", "image", prob=1.0), mt.RandFlipd(K, prob=0.5)]  # the first: per item
     got, tail = batched(chain, batch, seed=3)
-    assert tail.fallbacks == ["RandGibbsNoised"]
+    assert tail.fallbacks == ["OwnRandGibbsNoised"]
     from monai.data import list_data_collate
 
     assert got["modality"] == list_data_collate([{"modality": "CT"}] * n)["modality"] == ["CT"] * n

@@ -24,6 +24,17 @@ CHAINS = {
     "dropout_keep": [mt.RandCoarseDropoutd("image", prob=0.6, holes=3, spatial_size=6, dropout_holes=False)],
     "bias": [mt.RandBiasFieldd("image", prob=0.5, coeff_range=(0.0, 0.1))],
     "bias_degree": [mt.RandBiasFieldd("image", prob=0.8, degree=4, coeff_range=(0.1, 0.3))],
+    "gibbs": [mt.RandGibbsNoised(K, prob=0.5, alpha=(0.2, 0.6))],
+    "kspace": [mt.RandKSpaceSpikeNoised("image", prob=0.5, intensity_range=(9, 11))],
+    "rician": [mt.RandRicianNoised("image", prob=0.5, std=0.1)],
+    "shuffle": [mt.RandCoarseShuffled(K, prob=0.5, holes=3, spatial_size=4)],
+    "low_resolution": [mt.RandSimulateLowResolutiond(K, prob=0.5, zoom_range=(0.5, 0.9))],
+    "mri_tail": [
+        mt.RandGibbsNoised("image", prob=0.3, alpha=(0.1, 0.5)),
+        mt.RandRicianNoised("image", prob=0.3, std=0.05),
+        mt.RandKSpaceSpikeNoised("image", prob=0.2),
+        mt.RandFlipd(keys=K, spatial_axis=[1], prob=0.5),
+    ],
     "seg_aug_tail": [
         mt.RandAdjustContrastd(keys="image", prob=0.3, gamma=(0.7, 1.5)),
         mt.RandHistogramShiftd(keys="image", prob=0.3, num_control_points=10),
@@ -76,3 +87,36 @@ def test_the_last_fired_item_leaves_the_inner_as_monai() -> None:
     got_inner, want_inner = tail.transforms[0].shifter, chain[0].shifter
     assert got_inner.R.get_state()[2] == want_inner.R.get_state()[2]
     assert list(got_inner.floating_control_points) == list(want_inner.floating_control_points)
+
+
+def test_monai_runs_only_on_the_items_it_fires_on() -> None:
+    """`fired_whole`: MONAI's dict transform is called once per fired item, never on the others (whose values it
+    leaves, or makes float32: RandSimulateLowResolutiond), and a transform none of whose keys is there draws as
+    MONAI does (nothing for RandSimulateLowResolutiond, its prob for the others)."""
+    from loaders.tail.batched import TailBatch
+    from loaders.tail.fired import fired_whole
+
+    t = mt.RandRicianNoised("image", prob=0.4, std=0.1, allow_missing_keys=True).set_random_state(2)
+    twin = mt.RandRicianNoised("image", prob=0.4).set_random_state(2)  # the dict's own state draws the probs only
+    fired = int((twin.R.rand(6) < 0.4).sum())
+    calls = []
+    real = type(t).__call__
+
+    def counted(self: object, data: dict) -> dict:
+        calls.append(1)
+        return real(self, data)
+
+    type(t).__call__ = counted  # type: ignore[method-assign]
+    try:
+        batch = TailBatch(make_batch(n=6), 6)
+        assert fired_whole(t, batch)
+    finally:
+        type(t).__call__ = real  # type: ignore[method-assign]
+    assert len(calls) == fired and 0 < fired < 6, (calls, fired)  # seed 2: some fire, some do not
+    low = mt.RandSimulateLowResolutiond("image", prob=0.5, allow_missing_keys=True).set_random_state(1)
+    before = low.R.get_state()[2]
+    assert fired_whole(low, TailBatch({"other": torch.zeros(3, 1, 4, 4, 4)}, 3)) and low.R.get_state()[2] == before
+    shuffle = mt.RandCoarseShuffled("image", prob=0.5, holes=1, spatial_size=2, allow_missing_keys=True)
+    before = shuffle.set_random_state(1).R.get_state()[2]
+    assert fired_whole(shuffle, TailBatch({"other": torch.zeros(3, 1, 4, 4, 4)}, 3))
+    assert shuffle.R.get_state()[2] != before  # its prob drawn for each of the three items
