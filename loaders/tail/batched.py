@@ -37,6 +37,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandKSpaceSpikeNoised": ("loaders.tail.fired", "fired_whole"),
     "RandGaussianSharpend": ("loaders.tail.fired", "rand_gaussian_sharpen"),
     "RandHistogramShiftd": ("loaders.tail.fired", "rand_histogram_shift"),
+    "RandLambdad": ("loaders.tail.fired", "fired_whole"),
     "RandRicianNoised": ("loaders.tail.fired", "fired_whole"),
     "RandSimulateLowResolutiond": ("loaders.tail.fired", "fired_whole"),
     "RandStdShiftIntensityd": ("loaders.tail.fired", "rand_std_shift_intensity"),

@@ -119,7 +119,8 @@ def fired_whole(t: Any, batch: TailBatch) -> bool:
     """MONAI's own dict transform on each item it fires on, called right after that item's prob is drawn (so the
     inner's draws, in the transform's own order per key, come before the next item's prob, as in MONAI's chain);
     the items it skips stay as they are (as float32 for RandSimulateLowResolutiond, which converts them).
-    RandGibbsNoised, RandKSpaceSpikeNoised, RandRicianNoised, RandCoarseShuffled, RandSimulateLowResolutiond."""
+    RandGibbsNoised, RandKSpaceSpikeNoised, RandRicianNoised, RandCoarseShuffled, RandSimulateLowResolutiond,
+    RandLambdad."""
     import torch
 
     keys = ready(t, batch)

@@ -29,6 +29,8 @@ CHAINS = {
     "rician": [mt.RandRicianNoised("image", prob=0.5, std=0.1)],
     "shuffle": [mt.RandCoarseShuffled(K, prob=0.5, holes=3, spatial_size=4)],
     "low_resolution": [mt.RandSimulateLowResolutiond(K, prob=0.5, zoom_range=(0.5, 0.9))],
+    "lambda": [mt.RandLambdad("image", func=lambda x: x * 1.5 + 0.1, prob=0.5)],
+    "lambda_both": [mt.RandLambdad(K, func=lambda x: x.flip(1), prob=0.6)],
     "mri_tail": [
         mt.RandGibbsNoised("image", prob=0.3, alpha=(0.1, 0.5)),
         mt.RandRicianNoised("image", prob=0.3, std=0.05),
