@@ -19,7 +19,7 @@ import ctypes
 import hashlib
 import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +86,24 @@ def peeking(transform: Any) -> Iterator[None]:
     """Draws made inside are undone on exit: every Randomizable in `transform` gets back its generator and that
     generator its state (a draw may give an object a new generator: MONAI's `set_random_state(seed=)`). What is
     drawn inside is what the same calls draw next, outside."""
-    saved = [(obj, obj.R, obj.R.get_state()) for obj in randomizables(transform)]
+    restore = snapshot(transform)
     try:
         yield
     finally:
+        restore()
+
+
+def snapshot(transform: Any) -> Callable[[], None]:
+    """A call that puts every Randomizable in `transform` back as it is now: its generator, and that generator's
+    state (for draws that may have to be undone, `peeking`'s and a batched step that falls back)."""
+    saved = [(obj, obj.R, obj.R.get_state()) for obj in randomizables(transform)]
+
+    def restore() -> None:
         for obj, generator, state in saved:
             obj.R = generator
             generator.set_state(state)
+
+    return restore
 
 
 _MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], int pos

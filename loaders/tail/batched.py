@@ -27,6 +27,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "DeleteItemsd": ("loaders.tail.shape", "whole_batch"),
     "EnsureTyped": ("loaders.tail.shape", "whole_batch"),
     "NormalizeIntensityd": ("loaders.tail.intensity", "normalize_intensity"),
+    "OneOf": ("loaders.tail.choice", "one_of"),
     "Rand2DElasticd": ("loaders.tail.elastic", "rand_2d_elastic"),
     "Rand3DElasticd": ("loaders.tail.elastic", "rand_3d_elastic"),
     "RandAdjustContrastd": ("loaders.tail.fired", "rand_adjust_contrast"),
@@ -135,6 +136,18 @@ class TailBatch:
         for k, v in self.data.items():
             out[k] = self._own(v[i]) if self._batched(v, self.n) or k in self.per_item else v
         return out
+
+    def subset(self, rows: Sequence[int]) -> TailBatch:
+        """The batch of rows `rows` alone, its tensors copied (a transform given some of the items)."""
+        data: dict[Hashable, Any] = {}
+        for k, v in self.data.items():
+            if self._batched(v, self.n):
+                data[k] = gather(v, [v[i] for i in rows])
+            else:
+                data[k] = [v[i] for i in rows] if k in self.per_item else v
+        origin, groups = [self.origin[i] for i in rows], [self.groups[i] for i in rows]
+        return TailBatch(data=data, n=len(rows), per_item=set(self.per_item), inputs=set(), origin=origin,
+                         groups=groups)  # fmt: skip
 
     def _own(self, value: Any) -> Any:
         import torch

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from loaders.tail.batched import TailBatch, to_device
-from loaders.tail.sparse import Apply, assemble, ready, row_of
+from loaders.tail.sparse import Apply, assemble, ready, row_of, taken
 
 Draws = dict[int, dict[str, Any]]  # fired item -> the inner transform's attributes as its draw left them
 
@@ -136,7 +136,7 @@ def fired_whole(t: Any, batch: TailBatch) -> bool:
             outs[i] = _as_fired(t, batch.item(i))
     if keys:
         skipped = (lambda x: x.to(torch.float32)) if to_float else (lambda x: x)
-        assemble(batch, keys, {i: _taken(outs[i]) for i in outs}, skipped)
+        assemble(batch, keys, {i: taken(outs[i]) for i in outs}, skipped)
     return True
 
 
@@ -147,10 +147,6 @@ def _as_fired(t: Any, item: dict[Hashable, Any]) -> dict[Hashable, Any]:
         return dict(t(item))
     finally:
         del t.randomize
-
-
-def _taken(out: dict[Hashable, Any]) -> Apply:
-    return lambda k, x: out[k]
 
 
 def rand_bias_field(t: Any, batch: TailBatch) -> bool:

@@ -43,6 +43,11 @@ def assemble(batch: TailBatch, keys: list[Hashable], fired: dict[int, Apply], sk
     batch.set_items(items, list(range(batch.n)))
 
 
+def taken(out: dict[Hashable, Any]) -> Apply:
+    """An item's `Apply` that hands back what was already made for it, key by key."""
+    return lambda k, x: out[k]
+
+
 def row_of(batch: TailBatch, key: Hashable, i: int) -> Any:
     """Item i's tensor as MONAI's chain would hand it over (a copy where it views the caller's batch)."""
     return batch.item(i)[key]

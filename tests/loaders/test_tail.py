@@ -243,16 +243,52 @@ def test_batched_names_cover_the_issue_list() -> None:
     assert want <= set(batched_names())
 
 
-def test_one_of_inside_runs_per_item() -> None:
-    batch = make_batch()
+@pytest.mark.parametrize(
+    "crop",
+    [
+        lambda: mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
+        lambda: mt.RandSpatialCropSamplesd(K, roi_size=(10, 12, 12), num_samples=3, random_size=False),
+    ],
+    ids=["one sample", "three samples"],
+)
+@pytest.mark.parametrize("weights", [None, (0.2, 0.5, 0.3)])
+def test_one_of_inside_is_batched_over_the_items_that_chose_each(crop: Any, weights: Any) -> None:
+    """Each item's choice drawn by the OneOf as MONAI draws it (from 1.5 one for all of an item's samples),
+    each chosen transform batched over its items; the same numbers as MONAI's chain item by item."""
+    batch = make_batch(n=5)
     chain = [
-        mt.RandSpatialCropd(K, roi_size=(12, 12, 12)),
-        mt.OneOf([mt.RandFlipd(K, prob=1.0, spatial_axis=0), mt.RandScaleIntensityd("image", factors=0.5, prob=1.0)]),
+        crop(),
+        mt.OneOf(
+            [
+                mt.RandFlipd(K, prob=1.0, spatial_axis=0),
+                mt.RandScaleIntensityd("image", factors=0.5, prob=1.0),
+                mt.RandGaussianNoised("image", prob=0.8, std=0.1),
+            ],
+            weights=weights,
+        ),
         mt.RandFlipd(K, prob=0.5, spatial_axis=1),
     ]
     got, tail = batched(chain, batch, seed=4)
-    assert tail.fallbacks == ["OneOf"]
+    assert tail.fallbacks == []
     assert_same(got, reference(chain, batch, seed=4))
+
+
+@pytest.mark.parametrize("second", ["per item", "declined"])
+def test_one_of_that_cannot_be_batched_runs_per_item_with_every_draw_put_back(second: str) -> None:
+    """A choice without a batched version runs the OneOf per item from the start; one whose batched version
+    declines them (a zoom flagged lazy, which the eager OneOf runs eagerly: found once the flips have drawn for
+    their items) puts every draw back first: the same numbers as MONAI's chain either way."""
+    batch = make_batch(n=6)
+    other = {
+        "per item": lambda: per_item("RandGibbsNoised", "image", prob=1.0),
+        "declined": lambda: mt.RandZoomd(
+            K, prob=1.0, min_zoom=0.8, max_zoom=1.2, mode=("trilinear", "nearest"), lazy=True
+        ),
+    }[second]()
+    chain = [mt.RandSpatialCropd(K, roi_size=(12, 12, 12)), mt.OneOf([mt.RandFlipd(K, prob=1.0), other])]
+    got, tail = batched(chain, batch, seed=9)
+    assert tail.fallbacks == ["OneOf"]
+    assert_same(got, reference(chain, batch, seed=9))
 
 
 def test_lazy_compose_runs_whole_chain_per_item() -> None:
