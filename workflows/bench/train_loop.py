@@ -65,6 +65,7 @@ class TrainRow:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     first_batch_at: float | None = None  # time.perf_counter() when the first batch reached the loop
+    evicting_s: float = 0.0  # seconds the benchmark spent evicting (cold epochs) before the first batch: not the row's
 
     @property
     def steps_per_s(self) -> float:
@@ -170,7 +171,10 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
         if epoch >= untimed and settled is not None and not settled() and time.perf_counter() - t_start < SETTLE_S:
             untimed += 1
         if reads is not None:
+            t_evict = time.perf_counter()
             reads.begin()
+            if row.first_batch_at is None:
+                row.evicting_s += time.perf_counter() - t_evict
         source = epochs(epoch)
         expected = len(source) if hasattr(source, "__len__") else None  # type: ignore[arg-type]
         batches, seen = iter(source), 0
