@@ -152,7 +152,7 @@ def hint_files(paths: Sequence[str], limit: int = HINT_BYTES) -> None:
 
 
 _ASK_LIMITS: dict[int, int] = {}  # st_dev -> ask_limit's answer
-_RA_DEFAULT = 128 << 10  # the kernel's readahead window where the device does not say (VM_READAHEAD_PAGES)
+RA_DEFAULT = 128 << 10  # the kernel's readahead window where the device does not say (VM_READAHEAD_PAGES)
 
 
 def ask_limit(fd: int) -> int:
@@ -162,7 +162,7 @@ def ask_limit(fd: int) -> int:
     try:
         dev = os.fstat(fd).st_dev
     except OSError:
-        return _RA_DEFAULT
+        return RA_DEFAULT
     if dev not in _ASK_LIMITS:
         _ASK_LIMITS[dev] = _device_limit(os.major(dev), os.minor(dev))
     return _ASK_LIMITS[dev]
@@ -185,13 +185,13 @@ def _device_limit(major: int, minor: int) -> int:
                 break
             except (OSError, ValueError):
                 continue
-    return max(max(found, default=_RA_DEFAULT), mmap.PAGESIZE)
+    return max(max(found, default=RA_DEFAULT), mmap.PAGESIZE)
 
 
-def will_read(fd: int, offset: int, nbytes: int, limit: int | None = None) -> int:
-    """posix_fadvise(WILLNEED) over [offset, offset + nbytes) of an open file, in pieces of at most `limit` bytes
-    (default `ask_limit`: one call over more reads only its first piece). Returns the calls made."""
-    step = limit or ask_limit(fd)
+def will_read(fd: int, offset: int, nbytes: int) -> int:
+    """posix_fadvise(WILLNEED) over [offset, offset + nbytes) of an open file, in pieces of at most `ask_limit`
+    bytes (one call over more reads only its first piece). Returns the calls made."""
+    step = ask_limit(fd)
     calls = 0
     for at in range(offset, offset + nbytes, step):
         os.posix_fadvise(fd, at, min(step, offset + nbytes - at), os.POSIX_FADV_WILLNEED)

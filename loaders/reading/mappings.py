@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.reading.files import ask_limit
+from loaders.reading.files import RA_DEFAULT, ask_limit
 
 __all__ = ["mapped_at", "own_storage", "private_map", "will_need"]
 
@@ -83,8 +83,8 @@ def _ask_step(address: int) -> int:
     mapping is not one of `private_map`'s)."""
     for a, n in list(_LIVE.items()):
         if a <= address < a + n:
-            return max(_ASK.get(a, 128 << 10) // mmap.PAGESIZE, 1) * mmap.PAGESIZE
-    return 128 << 10
+            return max(_ASK.get(a, RA_DEFAULT) // mmap.PAGESIZE, 1) * mmap.PAGESIZE
+    return RA_DEFAULT
 
 
 def own_storage(obj: Any) -> Any:
