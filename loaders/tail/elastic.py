@@ -4,9 +4,12 @@ own transform on each item makes its draws and grid, one grid_sample resamples t
 Its cost is its draws: per item a dense field of uniform offsets, three numbers per voxel of the crop (2.65 M for
 96^3: 28 ms of numpy on a GPU box's core, three quarters of the loader's time on `seg-elastic`), drawn whether or
 not the item is deformed. The smoothing, the grid and the resampling are a few kernels on the item's device.
-So the batch's draws are made by MONAI's own `randomize`, item by item in batch order, on the draw-ahead thread
-(`loaders.tail.ahead`: exact, or drawn inline), and MONAI's own dict transform then runs on each item with those
-draws put back in place of its `randomize` calls: the same code, the same numbers, the draws off the tail's path.
+So the batch's draws are made by MONAI's own `randomize` ahead of the tail (`loaders.tail.ahead`: exact, or drawn
+inline), and MONAI's own dict transform then runs on each item with those draws put back in place of its
+`randomize` calls: the same code, the same numbers, the draws off the tail's path. One stream drawing every item
+in turn would bound `seg-elastic` at 0.42 of its ceiling, so the stream skips over each item's words (a fixed count
+of uniform numbers, confirmed once per shape against MONAI's own draw) and the items draw at once on the draw
+threads, each from its own start; an item whose draws end anywhere but the next item's start raises.
 
 The inner `RandAffineGrid` draws twice per item (in the elastic's `randomize` and again when it makes the grid),
 so with any affine range given the draws cannot be taken out of order: such a transform runs per item as before.
@@ -14,10 +17,13 @@ so with any affine range given the draws cannot be taken out of order: such a tr
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.ahead import _Like, ahead
+import numpy as np
+
+from loaders.tail.ahead import _Like, ahead, drawers, from_state, resolved, same_state, skip, skippable
 from loaders.tail.batched import TailBatch
 from loaders.tail.sparse import Apply, assemble, ready
 
@@ -25,15 +31,62 @@ _RANGES = ("rotate_range", "shear_range", "translate_range", "scale_range")
 Drawn = tuple[bool, bool, Any, float, float]  # the dict's and the inner's _do_transform, offsets, magnitude, sigma
 
 
-def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Drawn]:
-    """n items' draws as MONAI's dict transform makes them, in order (`like.shape`: the grid's size)."""
-    out = []
+def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
+    """n items' draws as MONAI's dict transform makes them, in order (`like.shape`: the grid's size). Where the
+    inner transform's words can be skipped over, each item draws on the draw threads (a Future of its draw)."""
+    words = _words(inner, tuple(like.shape))
+    out: list[Any] = []
     for _ in range(n):
         t.randomize(None)
-        inner.randomize(like.shape)
-        out.append((bool(t._do_transform), bool(inner._do_transform), getattr(inner, "rand_offset", None),
-                    inner.magnitude, inner.sigma))  # fmt: skip
+        if words is None:
+            inner.randomize(like.shape)
+            out.append(_taken(bool(t._do_transform), inner))
+            continue
+        start = inner.R.get_state()
+        skip(inner.R, words)
+        one = copy.copy(inner)  # copied here: the real one may be running MONAI's transform meanwhile
+        one.rand_affine_grid = copy.copy(inner.rand_affine_grid)
+        out.append(drawers().submit(_draw_one, bool(t._do_transform), one, start, like.shape, inner.R.get_state()))
     return out
+
+
+def _taken(do: bool, inner: Any) -> Drawn:
+    return do, bool(inner._do_transform), getattr(inner, "rand_offset", None), inner.magnitude, inner.sigma
+
+
+def _draw_one(do: bool, one: Any, start: Any, shape: tuple[int, ...], end: Any) -> Drawn:
+    """One item's draws by MONAI's own `randomize`, from the state its words start at."""
+    one.R = from_state(start)
+    one.randomize(shape)
+    if not same_state(one.R.get_state(), end):
+        raise RuntimeError(f"{type(one).__name__}: an item's draws took other than the words skipped for them")
+    return _taken(do, one)
+
+
+_WORDS: dict[tuple[type, tuple[int, ...]], int | None] = {}
+
+
+def _words(inner: Any, shape: tuple[int, ...]) -> int | None:
+    """The generator words one item's `randomize` takes (prob, 3 offsets a voxel, magnitude, sigma: two words
+    each), where that count does not depend on what is drawn and MONAI's own draw confirms it; else None."""
+    import math
+
+    if float(inner.prob) < 1.0 or not skippable(inner.R):
+        return None
+    key = (type(inner), shape)
+    if key not in _WORDS:
+        words = 2 * (3 + 3 * math.prod(shape))
+        start = inner.R.get_state()
+        one = copy.copy(inner)
+        one.rand_affine_grid = copy.copy(inner.rand_affine_grid)
+        one.R = np.random.RandomState()
+        one.R.set_state(start)
+        one.randomize(shape)
+        probe = np.random.RandomState()
+        probe.set_state(start)
+        skip(probe, words)
+        _WORDS[key] = words if same_state(one.R.get_state(), probe.get_state()) else None
+    return _WORDS[key]
 
 
 def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
@@ -52,7 +105,7 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
     def one(i: int) -> Apply:
         def apply(k: Hashable, x: Any) -> Any:
             if i not in outs:
-                outs[i] = _with_draws(t, inner, drawn[i], batch.item(i))
+                outs[i] = _with_draws(t, inner, resolved(drawn[i]), batch.item(i))
             return outs[i][k]
 
         return apply

@@ -15,7 +15,7 @@ mt = pytest.importorskip("monai.transforms")
 
 from tailutil import assert_same, make_batch, reference_batches  # noqa: E402
 
-from loaders.tail import BatchedTail  # noqa: E402
+from loaders.tail import BatchedTail, elastic  # noqa: E402
 from loaders.tail.ahead import ahead  # noqa: E402
 from loaders.tail.batched import TailBatch  # noqa: E402
 from loaders.tail.elastic import rand_2d_elastic, rand_3d_elastic  # noqa: E402
@@ -48,6 +48,34 @@ def test_batches_equal_monai_and_the_offsets_come_drawn_ahead() -> None:
     want = reference_batches(Compose(_chain()).set_random_state(4), batches[3:])
     for b, w in zip(batches[3:], want):
         assert_same(tail(b), w, keys=("image", "label"))
+
+
+def test_the_items_draw_at_once_from_the_words_monai_takes() -> None:
+    """The stream skips each item's words and the items draw on the draw threads: the count of words is MONAI's
+    own (checked once per shape against its draw), so the batches equal MONAI's chain item by item."""
+    from concurrent.futures import Future
+
+    from monai.transforms import Compose
+
+    batches = _batches([4, 4, 4])
+    want = reference_batches(Compose(_chain()).set_random_state(7), batches)
+    tail = BatchedTail(Compose(_chain())).set_random_state(7)
+    t = tail.transforms[0]
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert elastic._WORDS[(type(t.rand_3d_elastic), (12, 10, 8))] == 2 * (3 + 3 * 12 * 10 * 8)
+    drawn = elastic._draws(t, t.rand_3d_elastic, 2, elastic._Like((12, 10, 8)))
+    assert all(isinstance(d, Future) for d in drawn)
+
+
+def test_an_item_whose_draws_end_elsewhere_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wrong data is never given: a count of words that is not MONAI's fails the item's draw loudly."""
+    t = _chain()[0]
+    t.set_random_state(3)
+    monkeypatch.setitem(elastic._WORDS, (type(t.rand_3d_elastic), (6, 6, 6)), 2 * (3 + 3 * 216) - 2)
+    drawn = elastic._draws(t, t.rand_3d_elastic, 2, elastic._Like((6, 6, 6)))
+    with pytest.raises(RuntimeError, match="other than the words skipped"):
+        elastic.resolved(drawn[0])
 
 
 def test_an_affine_range_keeps_it_per_item() -> None:
