@@ -90,7 +90,8 @@ def _words(inner: Any, shape: tuple[int, ...]) -> int | None:
 
 
 def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
-    """Rand3DElasticd: the draws ahead, then MONAI's own dict transform per item with them."""
+    """Rand3DElasticd: the draws ahead, then MONAI's own dict transform per item with them, its grids resampled
+    at once per key where MONAI's resampler is grid_sample on normalised coordinates (else per item)."""
     from monai.utils import fall_back_tuple
 
     keys = ready(t, batch)
@@ -100,6 +101,11 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
     size = tuple(fall_back_tuple(inner.spatial_size, tuple(batch.data[keys[0]].shape[2:])))
     early = ahead(t, inner, "rand_offset", _draws)
     drawn = _draws(t, inner, batch.n, _Like(size)) if early is None else early.take(batch.n, size)
+    modes = _modes_at_once(t, inner, keys)
+    if modes is not None:
+        run = lambda i: _with_draws(t, inner, resolved(drawn[i]), batch.item(i))  # noqa: E731
+        _resample_at_once(inner, batch, keys, modes, run)
+        return True
     outs: dict[int, dict[Hashable, Any]] = {}
 
     def one(i: int) -> Apply:
@@ -134,7 +140,7 @@ def _with_draws(t: Any, inner: Any, drawn: Drawn, item: dict[Hashable, Any]) -> 
 
 
 class _Noting:
-    """Stands in for Rand2DElastic's `Resample` while MONAI's dict transform runs on one item: notes the grid the
+    """Stands in for an elastic transform's `Resample` while MONAI's dict transform runs on one item: notes the grid the
     item is resampled on and gives the image back as it is."""
 
     def __init__(self, device: Any) -> None:
@@ -148,29 +154,48 @@ class _Noting:
 
 def rand_2d_elastic(t: Any, batch: TailBatch) -> bool:
     """Rand2DElasticd: MONAI's own dict transform on each item, in batch order, draws the item's numbers and makes
-    its grid (an identity grid where it does not fire: MONAI resamples every item); then each key of the batch is
-    resampled at once, as MONAI's `Resample` does item by item (torch backend, normalised coordinates)."""
-    import torch
-    from monai.utils import get_equivalent_dtype
-
-    from loaders.tail.affine import _modes, sample
-
+    its grid; then each key of the batch is resampled at once."""
     keys = ready(t, batch)
     if keys is None:
         return False
     if not keys:
         return True  # MONAI draws nothing when none of its keys is present
     inner = t.rand_2d_elastic
+    modes = _modes_at_once(t, inner, keys)
+    if modes is None:
+        return False
+    _resample_at_once(inner, batch, keys, modes, lambda i: t(batch.item(i)))
+    return True
+
+
+def _modes_at_once(t: Any, inner: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:
+    """grid_sample's modes per key where the batch can be resampled at once (MONAI's torch backend, normalised
+    coordinates, one dtype for every key), else None."""
+    from loaders.tail.affine import _modes
+
     resampler = inner.resampler
     modes = _modes(t, keys)
-    if modes is None or not resampler.norm_coords or resampler.dtype is None:
-        return False  # the per-key dtype, or MONAI's own coordinates: per item
+    return None if modes is None or not resampler.norm_coords or resampler.dtype is None else modes
+
+
+def _resample_at_once(
+    inner: Any, batch: TailBatch, keys: list[Hashable], modes: list[tuple[Any, Any]], run: Any
+) -> None:
+    """`run(i)` (MONAI's dict transform on item i) for each item in batch order, its resampler noting the item's
+    grid (an identity grid where it does not fire: MONAI resamples every item); then each key of the batch
+    resampled at once, as MONAI's `Resample` does item by item (torch backend, normalised coordinates)."""
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    from loaders.tail.affine import sample
+
+    resampler = inner.resampler
     noting = _Noting(resampler.device)
     grids = []
     inner.resampler = noting
     try:
         for i in range(batch.n):
-            t(batch.item(i))
+            run(i)
             grids.append(torch.as_tensor(noting.grid).as_subclass(torch.Tensor))
     finally:
         inner.resampler = resampler
@@ -178,10 +203,9 @@ def rand_2d_elastic(t: Any, batch: TailBatch) -> bool:
     x = batch.data[keys[0]]
     dtype = get_equivalent_dtype(resampler.dtype, torch.Tensor)
     size = tuple(x.shape[2:])
-    rows = list(range(len(size) - 1, -1, -1))  # grid_sample's (x, y) order
+    rows = list(range(len(size) - 1, -1, -1))  # grid_sample's (x, y, z) order
     grid = torch.stack([g[rows].movedim(0, -1).to(device=x.device, dtype=dtype) for g in grids])
     for axis, dim in enumerate(reversed(size)):
         grid[..., axis] *= 2.0 / max(2, dim)
     for k, (interp, pad) in zip(keys, modes):
         batch.data[k] = sample(batch.data[k], grid, interp, pad, resampler.align_corners, dtype)
-    return True

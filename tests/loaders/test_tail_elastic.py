@@ -6,6 +6,7 @@ own grids, one resample for the batch: the numbers of MONAI's chain item by item
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -50,22 +51,43 @@ def test_batches_equal_monai_and_the_offsets_come_drawn_ahead() -> None:
         assert_same(tail(b), w, keys=("image", "label"))
 
 
-def test_the_items_draw_at_once_from_the_words_monai_takes() -> None:
+@pytest.mark.parametrize("size", [None, (10, 9, 8)], ids=["own-size", "spatial_size"])
+def test_the_items_draw_at_once_and_each_key_resamples_once(size: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stream skips each item's words and the items draw on the draw threads: the count of words is MONAI's
-    own (checked once per shape against its draw), so the batches equal MONAI's chain item by item."""
+    own (checked once per shape against its draw); MONAI's grids, one grid_sample per key: MONAI's numbers."""
     from concurrent.futures import Future
 
     from monai.transforms import Compose
 
-    batches = _batches([4, 4, 4])
-    want = reference_batches(Compose(_chain()).set_random_state(7), batches)
-    tail = BatchedTail(Compose(_chain())).set_random_state(7)
+    batches = _batches([4, 4, 3])
+    want = reference_batches(Compose(_chain(spatial_size=size)).set_random_state(7), batches)
+    tail = BatchedTail(Compose(_chain(spatial_size=size))).set_random_state(7)
     t = tail.transforms[0]
+    calls = _counted_grid_samples(monkeypatch)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image", "label"))
-    assert elastic._WORDS[(type(t.rand_3d_elastic), (12, 10, 8))] == 2 * (3 + 3 * 12 * 10 * 8)
-    drawn = elastic._draws(t, t.rand_3d_elastic, 2, elastic._Like((12, 10, 8)))
+    assert tail.fallbacks == []
+    assert calls == [n for n in (4, 4, 3) for _ in ("image", "label")], calls
+    grid = size or (12, 10, 8)
+    assert elastic._WORDS[(type(t.rand_3d_elastic), grid)] == 2 * (3 + 3 * math.prod(grid))
+    drawn = elastic._draws(t, t.rand_3d_elastic, 2, elastic._Like(grid))
     assert all(isinstance(d, Future) for d in drawn)
+
+
+def test_a_dtype_left_to_each_key_resamples_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    from monai.transforms import Compose
+
+    batches = [{**b, "label": b["label"].float()} for b in _batches([3, 2])]  # MONAI samples each in its dtype
+    mine, theirs = Compose(_chain()), Compose(_chain())
+    for c in (mine, theirs):
+        c.transforms[0].rand_3d_elastic.resampler.dtype = None
+    want = reference_batches(theirs.set_random_state(8), batches)
+    tail = BatchedTail(mine).set_random_state(8)
+    calls = _counted_grid_samples(monkeypatch)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert tail.fallbacks == []
+    assert calls == [1] * 10, calls
 
 
 def test_an_item_whose_draws_end_elsewhere_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,27 +126,30 @@ def _chain_2d(**kw: Any) -> list[Any]:
     [{}, {"rotate_range": 0.3, "scale_range": (0.1, 0.2)}, {"spatial_size": (14, 12)}],
     ids=["plain", "affine", "resized"],
 )
-def test_2d_batches_equal_monai_and_resample_once_per_key(kw: dict[str, Any]) -> None:
+def test_2d_batches_equal_monai_and_resample_once_per_key(kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from monai.transforms import Compose
 
     batches = [make_batch(n=n, spatial=(18, 16), seed=s) for s, n in enumerate([4, 3, 4])]
     want = reference_batches(Compose(_chain_2d(**kw)).set_random_state(5), batches)
     tail = BatchedTail(Compose(_chain_2d(**kw))).set_random_state(5)
-    calls = []
+    calls = _counted_grid_samples(monkeypatch)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert tail.fallbacks == []
+    assert calls == [n for n in (4, 3, 4) for _ in ("image", "label")], calls  # per item it would be 1s
+
+
+def _counted_grid_samples(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The items of each grid_sample call from now on."""
+    calls: list[int] = []
     real = torch.nn.functional.grid_sample
 
     def counted(x: Any, *a: Any, **k: Any) -> Any:
         calls.append(x.shape[0])
         return real(x, *a, **k)
 
-    torch.nn.functional.grid_sample = counted
-    try:
-        for b, w in zip(batches, want):
-            assert_same(tail(b), w, keys=("image", "label"))
-    finally:
-        torch.nn.functional.grid_sample = real
-    assert tail.fallbacks == []
-    assert calls == [n for n in (4, 3, 4) for _ in ("image", "label")], calls  # per item it would be 1s
+    monkeypatch.setattr(torch.nn.functional, "grid_sample", counted)
+    return calls
 
 
 def test_2d_without_its_keys_draws_nothing_and_a_dtype_left_to_each_key_stays_per_item() -> None:
@@ -145,6 +170,20 @@ def test_2d_batches_equal_monai_on_a_gpu() -> None:
     batches = [{k: v.to("cuda:0") for k, v in make_batch(n=4, spatial=(18, 16), seed=s).items()} for s in range(2)]
     want = reference_batches(Compose(_chain_2d(rotate_range=0.3)).set_random_state(5), batches)
     tail = BatchedTail(Compose(_chain_2d(rotate_range=0.3))).set_random_state(5)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert tail.fallbacks == []
+
+
+@pytest.mark.gpu
+def test_3d_batches_equal_monai_on_a_gpu() -> None:
+    from monai.transforms import Compose
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    batches = [{k: v.to("cuda:0") for k, v in b.items()} for b in _batches([4, 4])]
+    want = reference_batches(Compose(_chain()).set_random_state(6), batches)
+    tail = BatchedTail(Compose(_chain())).set_random_state(6)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image", "label"))
     assert tail.fallbacks == []
