@@ -55,6 +55,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandShiftIntensityd": ("loaders.tail.intensity", "rand_shift_intensity"),
     "RandSpatialCropSamplesd": ("loaders.tail.crops", "rand_spatial_crop_samples"),
     "RandSpatialCropd": ("loaders.tail.crops", "rand_spatial_crop"),
+    "RandWeightedCropd": ("loaders.tail.crops", "rand_weighted_crop"),
     "RandZoomd": ("loaders.tail.sparse", "rand_zoom"),
     "SqueezeDimd": ("loaders.tail.shape", "squeeze_dim"),
 }

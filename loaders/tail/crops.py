@@ -192,3 +192,25 @@ def rand_crop_by_pos_neg_label(t: Any, batch: TailBatch) -> bool:
             windows.append((i, tuple(Crop.compute_slices(roi_center=center, roi_size=roi))))
     _crop(batch, keys, windows)
     return True
+
+
+def rand_weighted_crop(t: Any, batch: TailBatch) -> bool:
+    """RandWeightedCropd: each item's `num_samples` centres drawn by MONAI's own `randomize` from the item's weight
+    map (first channel, on its device), the windows sliced out item-major as `list_data_collate` flattens."""
+    from monai.transforms import Crop
+    from monai.utils import fall_back_tuple
+
+    keys = keys_of(t, batch)
+    spatial = _spatial(batch, keys)
+    if spatial is None or getattr(t, "lazy", False) or not batch.is_batched(t.w_key):
+        return False
+    weights = batch.data[t.w_key]
+    if tuple(int(s) for s in weights.shape[2:]) != spatial:
+        return False  # MONAI warns and samples the map's own shape: per item
+    roi = fall_back_tuple(t.cropper.spatial_size, default=spatial)
+    windows: list[tuple[int, tuple[slice, ...]]] = []
+    for i in range(batch.n):
+        t.randomize(weight_map=weights[i])
+        windows += [(i, tuple(Crop.compute_slices(roi_center=c, roi_size=roi))) for c in t.cropper.centers]
+    _crop(batch, keys, windows)
+    return True

@@ -58,6 +58,8 @@ EXACT = {
     ],
     "samples": [mt.RandSpatialCropSamplesd(K, roi_size=(8, 9, 10), num_samples=3)],
     "pos_neg": [mt.RandCropByPosNegLabeld(K, "label", spatial_size=(8, 8, 8), pos=1, neg=1, num_samples=2)],
+    "weighted": [mt.RandWeightedCropd(K, w_key="image", spatial_size=(8, 7, 6), num_samples=3)],
+    "weighted_by_another_key": [mt.RandWeightedCropd("image", w_key="label", spatial_size=(9, 9, 9), num_samples=2)],
     "pos_neg_image_key": [
         mt.RandCropByPosNegLabeld(K, "label", (10, 8, 6), pos=2, neg=1, num_samples=3, image_key="image")
     ],
