@@ -121,8 +121,13 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
 
 
 def _with_draws(t: Any, inner: Any, drawn: Drawn, item: dict[Hashable, Any]) -> dict[Hashable, Any]:
-    """MONAI's dict transform on `item`, its two `randomize` calls giving back `drawn` instead of drawing."""
+    """MONAI's dict transform on `item`, its two `randomize` calls giving back `drawn` instead of drawing. Where
+    MONAI would copy the item's offsets to a GPU (`torch.as_tensor(offsets, device)`: from pageable memory, a copy
+    that waits for the work queued before it), they are given to it there already, copied from pinned memory
+    (`torch.as_tensor` of a tensor on its device is that tensor: the same numbers, no copy)."""
     do, inner_do, offset, magnitude, sigma = drawn
+    if do:
+        offset = _where_used(t, inner, item, offset)
 
     def dict_randomize(_: Any = None) -> None:
         t._do_transform = do
@@ -137,6 +142,19 @@ def _with_draws(t: Any, inner: Any, drawn: Drawn, item: dict[Hashable, Any]) -> 
         return dict(t(item))
     finally:
         del t.randomize, inner.randomize
+
+
+def _where_used(t: Any, inner: Any, item: dict[Hashable, Any], offset: Any) -> Any:
+    """The drawn offsets on the CUDA device MONAI's transform makes the item's grid on, else as they are."""
+    import torch
+
+    from loaders.tail.batched import to_device
+
+    first = t.first_key(item)
+    device = inner.device if inner.device is not None else getattr(item.get(first), "device", None)
+    if not isinstance(offset, np.ndarray) or device is None or torch.device(device).type != "cuda":
+        return offset
+    return to_device(torch.from_numpy(offset), device)
 
 
 class _Noting:
