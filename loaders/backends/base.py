@@ -177,12 +177,15 @@ class Backend(ABC):
     def __init__(self, threads: int = 16) -> None:
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
 
     @property
     def pool(self) -> ThreadPoolExecutor:
-        """Thread pool for requests in flight (created on first use)."""
-        if self._pool is None:
+        """Thread pool for requests in flight (created on first use, and again in a forked child, such as a
+        DataLoader worker: the parent's threads are not there, and its pool would queue work no thread runs)."""
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"blockprep-{self.name}")
+            self._pool_pid = os.getpid()
         return self._pool
 
     @abstractmethod
@@ -216,9 +219,9 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release threads and descriptors."""
-        if self._pool is not None:
+        if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown(wait=True)
-            self._pool = None
+        self._pool = None
 
     def __enter__(self) -> Backend:
         return self

@@ -141,6 +141,7 @@ class BlockdevBackend(Backend):
         super().__init__(threads)
         self.stat_threads = max(1, stat_threads)
         self._stat_pool: ThreadPoolExecutor | None = None
+        self._stat_pid = 0
         self.coalesce = coalesce
         self.max_gap = max_gap
         self.bmap = bmap if isinstance(bmap, BlockMap) else BlockMap.load(bmap)
@@ -330,8 +331,9 @@ class BlockdevBackend(Backend):
         """Make the pools now, on this thread: reads from several threads at once then share them (made on first
         use by two threads at once, one pool each would be left unclosed)."""
         _ = self.pool
-        if self._stat_pool is None:
+        if self._stat_pool is None or self._pool_pid != self._stat_pid:  # none yet, or the parent's (forked)
             self._stat_pool = ThreadPoolExecutor(self.stat_threads, thread_name_prefix="blockprep-stat")
+            self._stat_pid = self._pool_pid
 
     def _run_coalesced(self, requests: Sequence[ReadRequest], buffers: Sequence[Any], rooms: Sequence[int]) -> None:
         """Sort the data segments of the batch by device offset and read neighbours (at most `max_gap` apart)
@@ -449,9 +451,9 @@ class BlockdevBackend(Backend):
 
     def close(self) -> None:
         super().close()
-        if self._stat_pool is not None:
+        if self._stat_pool is not None and self._stat_pid == os.getpid():
             self._stat_pool.shutdown(wait=True)
-            self._stat_pool = None
+        self._stat_pool = None
         self._raw.close()
         self.guard.close()
 

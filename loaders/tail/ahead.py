@@ -138,6 +138,16 @@ class Ahead:
 _AHEAD: weakref.WeakKeyDictionary[Any, Ahead] = weakref.WeakKeyDictionary()
 
 
+def _forget_the_parents_threads() -> None:
+    """In a forked child (a DataLoader worker): the parent's draw threads are not there, so what they were
+    drawing never comes and their pools would queue work no thread runs. The child starts with none of it and
+    draws from the transforms' real states, where the parent's last batch left them."""
+    global _DRAWERS, _DRAWERS_LOCK
+    _DRAWERS, _DRAWERS_LOCK = None, threading.Lock()
+    Ahead._pool, Ahead._lock = None, threading.Lock()
+    _AHEAD.clear()
+
+
 def ahead(t: Any, inner: Any, attr: str, draw: Draw) -> Ahead | None:
     """The draw-ahead of transform `t` (None where it cannot be exact: the two share one random state)."""
     if t.R is inner.R:
@@ -191,3 +201,6 @@ def same_state(a: Any, b: Any) -> bool:
 def resolved(x: Any) -> Any:
     """A draw, waited for where it is still being drawn."""
     return x.result() if isinstance(x, Future) else x
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_threads)

@@ -120,6 +120,30 @@ def test_survives_pickling(backend: Backend, data_file: tuple[Path, bytes]) -> N
         assert to_host(buf) == payload[100:5100]
 
 
+def _read_in_a_forked_child(backend: Backend, reqs: list[ReadRequest], payload: bytes) -> None:
+    bufs = backend.read(reqs)
+    sys.exit(0 if all(to_host(b) == payload[r.offset : r.offset + r.nbytes] for r, b in zip(reqs, bufs)) else 3)
+
+
+def test_reads_in_a_forked_child_after_the_parent_read(backend: Backend, data_file: tuple[Path, bytes]) -> None:
+    """A DataLoader worker forked after the parent read through the backend: the parent's pool threads are not
+    in the child, so the child makes its own (it waited forever on work no thread ran)."""
+    import multiprocessing
+
+    if backend.gpu:
+        pytest.skip("a forked child cannot use its parent's CUDA context")
+    path, payload = data_file
+    reqs = [ReadRequest(str(path), 0, 4096), ReadRequest(str(path), 4096, 8192), ReadRequest(str(path), 17, 999)]
+    backend.read(reqs)  # the parent's pool (and, for block devices, its stat pool) now running
+    child = multiprocessing.get_context("fork").Process(target=_read_in_a_forked_child, args=(backend, reqs, payload))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung on its parent's read pool")
+    assert child.exitcode == 0
+
+
 def test_unknown_backend_lists_known() -> None:
     with pytest.raises(BackendError, match="known backends: auto, .*posix"):
         get_backend("nope")

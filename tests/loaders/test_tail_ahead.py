@@ -101,3 +101,40 @@ def test_one_shared_random_state_is_not_drawn_ahead() -> None:
     t.set_random_state(state=state)
     assert t.R is t.rand_gaussian_noise.R
     assert ahead(t, t.rand_gaussian_noise, "noise", lambda *a: []) is None
+
+
+def _in_a_forked_child(tail: BatchedTail, batches: list[dict[str, Any]], out: str) -> None:
+    torch.set_num_threads(1)  # as torch's DataLoader worker does
+    torch.save([tail(copy.deepcopy(b)) for b in batches], out)
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["noise", "noise+elastic"])
+def test_a_forked_child_draws_as_the_parent_would(elastic: bool, tmp_path: Any) -> None:
+    """A DataLoader worker forked after the tail drew ahead: the parent's draw threads are not in the child, so
+    what they were drawing never comes and their pools run nothing (it hung); the child draws from the real
+    states instead, batch after batch the numbers the parent gives."""
+    import multiprocessing
+
+    chain = CHAIN + ([mt.Rand3DElasticd(["image", "label"], sigma_range=(2, 3), magnitude_range=(2, 5), prob=0.6,
+                                        mode=("bilinear", "nearest"))] if elastic else [])  # fmt: skip
+    tail = BatchedTail(chain).set_random_state(3)
+    batches = _batches([3, 3, 3, 3, 3])
+    for b in batches[:2]:
+        tail(copy.deepcopy(b))
+    assert _hits(tail) > 0  # the next batches' draws are under way on the threads
+    out = str(tmp_path / "child.pt")
+    child = multiprocessing.get_context("fork").Process(target=_in_a_forked_child,
+                                                        args=(tail, batches[2:], out))  # fmt: skip
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung on its parent's draw threads")
+    assert child.exitcode == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the child's count: a convolution's sums may go in another order on more threads
+    try:
+        for got, b in zip(torch.load(out), batches[2:]):
+            assert_same(got, tail(copy.deepcopy(b)), keys=("image", "label"))
+    finally:
+        torch.set_num_threads(threads)
