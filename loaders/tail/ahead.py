@@ -165,7 +165,8 @@ _LOCAL = threading.local()
 
 def draw_threads() -> int:
     """Threads that draw items at once: the cores this process may use, less one for the loader, at most 8."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) - 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores - 1))
 
 
 def drawers() -> ThreadPoolExecutor:
