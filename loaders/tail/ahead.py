@@ -10,10 +10,10 @@ to the recorded end, exactly where drawing inline would leave them. Anything els
 state, the last smaller batch) discards what was drawn ahead and draws inline. numpy releases the GIL while it
 fills an array, so the thread's draws overlap the loader's other work.
 
-Where an item's draws take a known number of the generator's words whatever they draw (`skip_words`: uniform
-numbers only, checked once per transform and shape against MONAI's own draw), the items of a batch draw at once on
-`draw_threads()` threads: the generator skips over each item's words (a sixth of the time drawing them takes), each
-item draws from the state its own words start at, and its end state must be the next item's start.
+Where an item's draws take a known number of the generator's words whatever they draw (uniform numbers only,
+checked once per transform and shape against MONAI's own draw: `loaders.tail.elastic`), the items of a batch draw at
+once on `draw_threads()` threads: the generator skips over each item's words (`skip`: no numbers made), each item
+draws from the state its own words start at, and its end state must be the next item's start.
 """
 
 from __future__ import annotations

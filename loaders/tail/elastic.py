@@ -44,10 +44,16 @@ def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
             continue
         start = inner.R.get_state()
         skip(inner.R, words)
-        one = copy.copy(inner)  # copied here: the real one may be running MONAI's transform meanwhile
-        one.rand_affine_grid = copy.copy(inner.rand_affine_grid)
+        one = _copy(inner)  # copied here: the real one may be running MONAI's transform meanwhile
         out.append(drawers().submit(_draw_one, bool(t._do_transform), one, start, like.shape, inner.R.get_state()))
     return out
+
+
+def _copy(inner: Any) -> Any:
+    """A copy of the inner transform whose `randomize` sets attributes of its own only."""
+    one = copy.copy(inner)
+    one.rand_affine_grid = copy.copy(inner.rand_affine_grid)
+    return one
 
 
 def _taken(do: bool, inner: Any) -> Drawn:
@@ -77,8 +83,7 @@ def _words(inner: Any, shape: tuple[int, ...]) -> int | None:
     if key not in _WORDS:
         words = 2 * (3 + 3 * math.prod(shape))
         start = inner.R.get_state()
-        one = copy.copy(inner)
-        one.rand_affine_grid = copy.copy(inner.rand_affine_grid)
+        one = _copy(inner)
         one.R = np.random.RandomState()
         one.R.set_state(start)
         one.randomize(shape)
