@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from forkutil import forked_exit
 from fsutil import evict_tree, fill_free_space, interleaved_appends
 
 from loaders.backends import ReadRequest, get_backend
@@ -83,6 +85,22 @@ def test_raw_reads_match_the_filesystem(mapped: tuple[Any, Path, dict], via: str
         for req, buf in zip(reqs, bufs):
             key = os.path.relpath(req.path, fs.mountpoint) if os.path.isabs(req.path) else req.path
             assert bytes(buf) == content[key][req.offset : req.offset + req.nbytes], req
+
+
+def _raw_reads_in_a_forked_child(b: Any, reqs: list[ReadRequest], want: list[bytes]) -> None:
+    sys.exit(0 if [bytes(x) for x in b.read(reqs)] == want else 3)
+
+
+def test_a_forked_child_reads_after_the_parent_did(mapped: tuple[Any, Path, dict]) -> None:
+    """A DataLoader worker forked after the parent read raw: the parent's read and stat pools have no threads in
+    the child, which makes its own."""
+    fs, out, content = mapped
+    reqs = requests_for(fs.mountpoint, content)
+    want = [content[os.path.relpath(r.path, fs.mountpoint) if os.path.isabs(r.path) else r.path][r.offset :
+            r.offset + r.nbytes] for r in reqs]  # fmt: skip
+    with BlockdevBackend(out, device_path=fs.image, threads=4) as b:
+        assert [bytes(x) for x in b.read(reqs)] == want  # both pools now running in this process
+        assert forked_exit(_raw_reads_in_a_forked_child, (b, reqs, want), "its parent's read pools") == 0
 
 
 def test_registry_pickling_and_errors(mapped: tuple[Any, Path, dict]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from forkutil import forked_exit
 
 from loaders.backends import BLOCK_RANGE_BACKENDS, Backend, ReadRequest, backend_names, get_backend
 from loaders.errors import BackendError, PrepError
@@ -128,20 +129,12 @@ def _read_in_a_forked_child(backend: Backend, reqs: list[ReadRequest], payload: 
 def test_reads_in_a_forked_child_after_the_parent_read(backend: Backend, data_file: tuple[Path, bytes]) -> None:
     """A DataLoader worker forked after the parent read through the backend: the parent's pool threads are not
     in the child, so the child makes its own (it waited forever on work no thread ran)."""
-    import multiprocessing
-
     if backend.gpu:
         pytest.skip("a forked child cannot use its parent's CUDA context")
     path, payload = data_file
     reqs = [ReadRequest(str(path), 0, 4096), ReadRequest(str(path), 4096, 8192), ReadRequest(str(path), 17, 999)]
-    backend.read(reqs)  # the parent's pool (and, for block devices, its stat pool) now running
-    child = multiprocessing.get_context("fork").Process(target=_read_in_a_forked_child, args=(backend, reqs, payload))
-    child.start()
-    child.join(60)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung on its parent's read pool")
-    assert child.exitcode == 0
+    backend.read(reqs)  # the parent's pool now running
+    assert forked_exit(_read_in_a_forked_child, (backend, reqs, payload), "its parent's read pool") == 0
 
 
 def test_unknown_backend_lists_known() -> None:

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mt = pytest.importorskip("monai.transforms")
 
+from forkutil import forked_exit  # noqa: E402
 from tailutil import assert_same, make_batch, reference_batches  # noqa: E402
 
 from loaders.tail import BatchedTail  # noqa: E402
@@ -113,8 +114,6 @@ def test_a_forked_child_draws_as_the_parent_would(elastic: bool, tmp_path: Any) 
     """A DataLoader worker forked after the tail drew ahead: the parent's draw threads are not in the child, so
     what they were drawing never comes and their pools run nothing (it hung); the child draws from the real
     states instead, batch after batch the numbers the parent gives."""
-    import multiprocessing
-
     chain = CHAIN + ([mt.Rand3DElasticd(["image", "label"], sigma_range=(2, 3), magnitude_range=(2, 5), prob=0.6,
                                         mode=("bilinear", "nearest"))] if elastic else [])  # fmt: skip
     tail = BatchedTail(chain).set_random_state(3)
@@ -123,14 +122,7 @@ def test_a_forked_child_draws_as_the_parent_would(elastic: bool, tmp_path: Any) 
         tail(copy.deepcopy(b))
     assert _hits(tail) > 0  # the next batches' draws are under way on the threads
     out = str(tmp_path / "child.pt")
-    child = multiprocessing.get_context("fork").Process(target=_in_a_forked_child,
-                                                        args=(tail, batches[2:], out))  # fmt: skip
-    child.start()
-    child.join(60)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung on its parent's draw threads")
-    assert child.exitcode == 0
+    assert forked_exit(_in_a_forked_child, (tail, batches[2:], out), "its parent's draw threads") == 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the child's count: a convolution's sums may go in another order on more threads
     try:
