@@ -17,7 +17,7 @@ KEYS = ["image", "label"]
 
 
 def chains(crop: int) -> dict[str, list[Any]]:
-    """The issue's tail, MONAI's 3D tutorial tail, and an affine tail."""
+    """The issue's tail, MONAI's 3D tutorial tail, an affine tail, a weighted crop's and an elastic one's."""
     import math
 
     from monai import transforms as mt
@@ -43,7 +43,16 @@ def chains(crop: int) -> dict[str, list[Any]]:
                 KEYS, prob=1.0, rotate_range=(math.pi / 12,) * 3, scale_range=0.1, mode=("bilinear", "nearest")
             ),
         ],
-    }
+        "weighted(2)+flip": [
+            mt.RandWeightedCropd(KEYS, w_key="image", spatial_size=roi, num_samples=2),
+            mt.RandFlipd(KEYS, prob=0.5, spatial_axis=0),
+        ],
+        "crop+elastic": [
+            mt.RandSpatialCropd(KEYS, roi_size=roi),
+            mt.Rand3DElasticd(KEYS, sigma_range=(5, 8), magnitude_range=(100, 200), prob=0.5,
+                              mode=("bilinear", "nearest"), padding_mode="border"),
+        ],
+    }  # fmt: skip
 
 
 def make_batch(batch: int, size: int, device: str) -> dict[str, Any]:
