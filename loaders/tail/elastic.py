@@ -12,7 +12,9 @@ of uniform numbers, confirmed once per shape against MONAI's own draw) and the i
 threads, each from its own start; an item whose draws end anywhere but the next item's start raises.
 
 The inner `RandAffineGrid` draws twice per item (in the elastic's `randomize` and again when it makes the grid),
-so with any affine range given the draws cannot be taken out of order: such a transform runs per item as before.
+from its own stream: drawing ahead sends its draws aside, and MONAI's transform on each item makes both from the
+real grid, in MONAI's order. Where the grid shares a stream with the offsets (one `RandomState` given to both), the
+two interleave item by item: such a transform runs per item.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
     for _ in range(n):
         t.randomize(None)
         if words is None:
-            inner.randomize(like.shape)
-            out.append(_taken(bool(t._do_transform), inner))
+            one = _copy(inner)  # draws from the inner's own stream
+            one.randomize(like.shape)
+            out.append(_taken(bool(t._do_transform), one))
             continue
         start = inner.R.get_state()
         skip(inner.R, words)
@@ -49,10 +52,17 @@ def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
     return out
 
 
+# where the affine grid draws while the offsets are drawn ahead: MONAI's transform draws those numbers again, from
+# the real grid's own stream, when it runs on the item (`_with_draws`), in MONAI's order
+_ASIDE = np.random.RandomState(0)
+
+
 def _copy(inner: Any) -> Any:
-    """A copy of the inner transform whose `randomize` sets attributes of its own only."""
+    """A copy of the inner transform whose `randomize` sets attributes of its own only and draws from the inner's
+    stream (or the one set on the copy), its affine grid's draws going aside."""
     one = copy.copy(inner)
     one.rand_affine_grid = copy.copy(inner.rand_affine_grid)
+    one.rand_affine_grid.R = _ASIDE
     return one
 
 
@@ -101,8 +111,10 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
 
     keys = ready(t, batch)
     inner = t.rand_3d_elastic
-    if not keys or any(f is not None for r in _RANGES for f in getattr(inner.rand_affine_grid, r, ())):
-        return False
+    grid = inner.rand_affine_grid
+    ranged = any(f is not None for r in _RANGES for f in getattr(grid, r, ()))
+    if not keys or (ranged and (grid.R is inner.R or grid.R is t.R)):
+        return False  # one stream for the affine grid and the other draws: they interleave item by item
     size = tuple(fall_back_tuple(inner.spatial_size, tuple(batch.data[keys[0]].shape[2:])))
     early = ahead(t, inner, "rand_offset", _draws)
     drawn = _draws(t, inner, batch.n, _Like(size)) if early is None else early.take(batch.n, size)

@@ -100,15 +100,45 @@ def test_an_item_whose_draws_end_elsewhere_raises(monkeypatch: pytest.MonkeyPatc
         elastic.resolved(drawn[0])
 
 
-def test_an_affine_range_keeps_it_per_item() -> None:
-    """RandAffineGrid draws in the elastic's randomize and again when it makes the grid: per item, as MONAI."""
+AFFINE = [{"rotate_range": (0.1, 0.1, 0.1)}, {"rotate_range": (0, 0, 0.2), "scale_range": 0.1}]
+
+
+@pytest.mark.parametrize("affine", AFFINE, ids=["rotate", "rotate-z-scale"])
+def test_an_affine_range_is_drawn_by_monai_on_each_item(
+    affine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RandAffineGrid draws in the elastic's randomize and again when it makes the grid, from its own stream: the
+    offsets drawn ahead send its draws aside, MONAI's transform makes both per item; one resample per key."""
+    from monai.transforms import Compose
+
+    batches = _batches([3, 3, 2])
+    want = reference_batches(Compose(_chain(**affine)).set_random_state(2), batches)
+    tail = BatchedTail(Compose(_chain(**affine))).set_random_state(2)
+    calls = _counted_grid_samples(monkeypatch)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert tail.fallbacks == []
+    assert calls == [n for n in (3, 3, 2) for _ in ("image", "label")], calls
+    t = tail.transforms[0]
+    early = ahead(t, t.rand_3d_elastic, "rand_offset", lambda *a: [])
+    assert early is not None and early.hits > 0
+
+
+def test_an_affine_grid_sharing_the_offsets_stream_stays_per_item() -> None:
+    """One RandomState for the grid and the offsets: their draws interleave item by item, as MONAI makes them."""
+    import numpy as np
     from monai.transforms import Compose
 
     t = _chain(rotate_range=(0.1, 0.1, 0.1))[0]
+    t.rand_3d_elastic.set_random_state(state=np.random.RandomState(5))  # the grid and the elastic share it
     assert rand_3d_elastic(t, TailBatch(copy.deepcopy(_batches([2])[0]), 2)) is False
     batches = _batches([3, 3])
-    want = reference_batches(Compose(_chain(rotate_range=(0.1, 0.1, 0.1))).set_random_state(2), batches)
-    tail = BatchedTail(Compose(_chain(rotate_range=(0.1, 0.1, 0.1)))).set_random_state(2)
+    mine, theirs = Compose(_chain(rotate_range=(0.1, 0.1, 0.1))), Compose(_chain(rotate_range=(0.1, 0.1, 0.1)))
+    for c in (mine, theirs):
+        c.set_random_state(2)
+        c.transforms[0].rand_3d_elastic.set_random_state(state=np.random.RandomState(5))
+    want = reference_batches(theirs, batches)
+    tail = BatchedTail(mine)
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image", "label"))
 
