@@ -22,7 +22,9 @@ _log = logging.getLogger("loaders.tail")
 # MONAI class name -> (module, function) of its batched version. Matched on the exact MONAI class (a user's
 # subclass may change the behaviour, so it runs per item through MONAI).
 _HANDLERS: dict[str, tuple[str, str]] = {
+    "AsDiscreted": ("loaders.tail.shape", "as_discrete"),
     "CastToTyped": ("loaders.tail.shape", "whole_batch"),
+    "ConcatItemsd": ("loaders.tail.shape", "concat_items"),
     "CopyItemsd": ("loaders.tail.shape", "whole_batch"),
     "DeleteItemsd": ("loaders.tail.shape", "whole_batch"),
     "EnsureTyped": ("loaders.tail.shape", "whole_batch"),

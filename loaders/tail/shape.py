@@ -1,6 +1,8 @@
 """Deterministic transforms applied to the whole batch: `SqueezeDimd` (2D training on slices of volumes: a
-one-voxel-thick crop, then its singleton dim squeezed), and those that act on each value whole or on the keys
-alone (`EnsureTyped`, `CastToTyped`, `DeleteItemsd`, `CopyItemsd`: MONAI's own transform over the batch)."""
+one-voxel-thick crop, then its singleton dim squeezed), `ConcatItemsd` (the keys joined one dim later),
+`AsDiscreted` (MONAI's own transform over the batch, its `dim` one later), and those that act on each value whole
+or on the keys alone (`EnsureTyped`, `CastToTyped`, `DeleteItemsd`, `CopyItemsd`: MONAI's own transform over the
+batch)."""
 
 from __future__ import annotations
 
@@ -40,4 +42,45 @@ def whole_batch(t: Any, batch: TailBatch) -> bool:
         return False
     out = t(dict(batch.data))
     batch.data = {k: _plain(v) if k in keys or k not in batch.data else v for k, v in out.items()}
+    return True
+
+
+def _batch_dim(dim: int) -> int:
+    """An item's dim as the batch's (the batch dim comes first; a dim from the end stays where it is)."""
+    return dim + 1 if dim >= 0 else dim
+
+
+def concat_items(t: Any, batch: TailBatch) -> bool:
+    """ConcatItemsd: the keys' tensors joined along MONAI's `dim` of each item, one dim later over the batch
+    (`torch.cat`, as MONAI joins tensors). Per item through MONAI for numpy values, a missing key's error or values
+    not batched."""
+    import torch
+
+    keys = keys_of(t, batch)
+    values = [batch.data[k] for k in keys]
+    if not keys or any(not batch.is_batched(k) or not isinstance(batch.data[k], torch.Tensor) for k in keys):
+        return False
+    batch.data[t.name] = torch.cat(values, dim=_batch_dim(int(t.dim)))
+    return True
+
+
+def as_discrete(t: Any, batch: TailBatch) -> bool:
+    """AsDiscreted: MONAI's own transform over the batch's values, its `dim` (argmax, one-hot) one dim later: the
+    argmax, one-hot, threshold and rounding of each item, stacked. Per item through MONAI for values not batched."""
+    keys = keys_of(t, batch)
+    if any(not batch.is_batched(k) for k in keys):
+        return False
+    kwargs = t.converter.kwargs
+    given = "dim" in kwargs
+    dim = kwargs.get("dim", 0)
+    kwargs["dim"] = _batch_dim(int(dim))
+    try:
+        out = t({k: batch.data[k] for k in keys})
+    finally:
+        if given:
+            kwargs["dim"] = dim
+        else:
+            del kwargs["dim"]
+    for k in keys:
+        batch.data[k] = _plain(out[k])
     return True

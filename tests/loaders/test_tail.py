@@ -88,6 +88,32 @@ def test_equals_monai_per_item(name: str, seed: int) -> None:
     assert tail.fallbacks == []
 
 
+DETERMINISTIC = {
+    "concat": [mt.RandFlipd(K, prob=0.5), mt.ConcatItemsd(K, name="both")],
+    "concat_last_dim": [mt.ConcatItemsd(K, name="both", dim=-1), mt.RandFlipd(["both"], prob=0.5, spatial_axis=0)],
+    "argmax_then_onehot": [
+        mt.ConcatItemsd(K, name="both"),
+        mt.RandFlipd(["both"], prob=0.5, spatial_axis=1),
+        mt.AsDiscreted("both", argmax=True, to_onehot=2),
+    ],
+    "threshold_and_onehot": [
+        mt.RandScaleIntensityd("image", factors=0.3, prob=0.5),
+        mt.AsDiscreted(K, threshold=(1.5, None), to_onehot=(None, 3), dtype=torch.float16),
+    ],
+    "argmax_no_keepdim": [mt.ConcatItemsd(K, name="both"), mt.AsDiscreted("both", argmax=True, keepdim=False)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(DETERMINISTIC))
+def test_concat_and_as_discrete_over_the_batch(name: str) -> None:
+    """ConcatItemsd one dim later over the batch; AsDiscreted: MONAI's own over the batch, its dim one later."""
+    batch = make_batch()
+    got, tail = batched(DETERMINISTIC[name], batch, 3)
+    want = reference(DETERMINISTIC[name], batch, 3)
+    assert_same(got, want, keys=tuple(k for k in ("image", "label", "both") if k in want))
+    assert tail.fallbacks == []
+
+
 def test_some_items_flip_and_others_not() -> None:
     batch = make_batch(n=8)
     t = [mt.RandFlipd(K, prob=0.5, spatial_axis=2)]
