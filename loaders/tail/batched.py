@@ -453,8 +453,13 @@ def keys_of(transform: Any, batch: TailBatch) -> list[Hashable]:
     return list(transform.key_iterator(batch.data))
 
 
+def batch_dim(dim: int) -> int:
+    """An item's dim as the batch's (the batch dim comes first; a dim counted from the end stays as it is)."""
+    return dim + 1 if dim >= 0 else dim
+
+
 def spatial_batch_axes(item_ndim: int, axes: int | Sequence[int] | None) -> list[int]:
     """MONAI's spatial axes of an item (C, *spatial) as axes of the batch (N, C, *spatial)."""
     from monai.transforms.utils import map_spatial_axes
 
-    return [a + 1 if a >= 0 else a for a in map_spatial_axes(item_ndim, axes)]
+    return [batch_dim(a) for a in map_spatial_axes(item_ndim, axes)]

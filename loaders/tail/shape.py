@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders.tail.batched import TailBatch, _plain, keys_of
+from loaders.tail.batched import TailBatch, _plain, batch_dim, keys_of
 
 
 def squeeze_dim(t: Any, batch: TailBatch) -> bool:
@@ -45,11 +45,6 @@ def whole_batch(t: Any, batch: TailBatch) -> bool:
     return True
 
 
-def _batch_dim(dim: int) -> int:
-    """An item's dim as the batch's (the batch dim comes first; a dim from the end stays where it is)."""
-    return dim + 1 if dim >= 0 else dim
-
-
 def concat_items(t: Any, batch: TailBatch) -> bool:
     """ConcatItemsd: the keys' tensors joined along MONAI's `dim` of each item, one dim later over the batch
     (`torch.cat`, as MONAI joins tensors). Per item through MONAI for numpy values, a missing key's error or values
@@ -57,10 +52,9 @@ def concat_items(t: Any, batch: TailBatch) -> bool:
     import torch
 
     keys = keys_of(t, batch)
-    values = [batch.data[k] for k in keys]
     if not keys or any(not batch.is_batched(k) or not isinstance(batch.data[k], torch.Tensor) for k in keys):
         return False
-    batch.data[t.name] = torch.cat(values, dim=_batch_dim(int(t.dim)))
+    batch.data[t.name] = torch.cat([batch.data[k] for k in keys], dim=batch_dim(int(t.dim)))
     return True
 
 
@@ -73,7 +67,7 @@ def as_discrete(t: Any, batch: TailBatch) -> bool:
     kwargs = t.converter.kwargs
     given = "dim" in kwargs
     dim = kwargs.get("dim", 0)
-    kwargs["dim"] = _batch_dim(int(dim))
+    kwargs["dim"] = batch_dim(int(dim))
     try:
         out = t({k: batch.data[k] for k in keys})
     finally:
