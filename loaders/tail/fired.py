@@ -107,11 +107,7 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
         return {}
 
     fired = _fire(t, batch, draw)
-
-    def made(i: int) -> Apply:
-        return lambda k, x: done[i][k]
-
-    assemble(batch, keys, {i: made(i) for i in fired}, lambda x: x)
+    assemble(batch, keys, {i: taken(done[i]) for i in fired}, lambda x: x)
     return True
 
 

@@ -17,7 +17,8 @@ KEYS = ["image", "label"]
 
 
 def chains(crop: int) -> dict[str, list[Any]]:
-    """The issue's tail, MONAI's 3D tutorial tail, an affine tail, a weighted crop's and an elastic one's."""
+    """A crop with a flip and an intensity scale, MONAI's 3D tutorial tail, an affine tail, a weighted crop's and
+    an elastic one's."""
     import math
 
     from monai import transforms as mt
