@@ -51,6 +51,7 @@ from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_
 from loaders.fast.trial import FeederTrial
 from loaders.reading.ahead import InOrder
 from loaders.reading.reads import Reader
+from loaders.tail.batched import tail_stream
 
 
 class PreparedLoader(FeederSide):
@@ -396,7 +397,7 @@ class PreparedLoader(FeederSide):
         event = None
         if self.gpu:
             if self._side is None:
-                self._side = torch.cuda.Stream(device=self.device)
+                self._side = tail_stream(self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(self._side):
                 batch = self.assembly.finish(plan)
                 event = torch.cuda.Event()

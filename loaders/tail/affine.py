@@ -52,7 +52,7 @@ def _grids(t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...]
     identity = torch.as_tensor(identity).to(device=device, dtype=torch.float32)
     nd = len(sp_size)
     flat = torch.matmul(to_device(mats, device), identity.reshape(nd + 1, -1))  # (m, nd+1, V)
-    coords = flat[:, list(range(nd - 1, -1, -1))]  # reversed: grid_sample wants (x, y, z) = (W, H, D)
+    coords = flat[:, :nd].flip(1)  # reversed: grid_sample wants (x, y, z) = (W, H, D)
     coords = coords.to(_resample_dtype(t))
     scale = to_device(torch.tensor([2.0 / max(2, d) for d in reversed(in_size)], dtype=coords.dtype), device)
     coords = coords * scale.view(1, nd, 1)

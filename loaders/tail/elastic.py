@@ -76,7 +76,20 @@ def _draw_one(do: bool, one: Any, start: Any, shape: tuple[int, ...], end: Any) 
     one.randomize(shape)
     if not same_state(one.R.get_state(), end):
         raise RuntimeError(f"{type(one).__name__}: an item's draws took other than the words skipped for them")
+    one.rand_offset = _pinned(getattr(one, "rand_offset", None))
     return _taken(do, one)
+
+
+def _pinned(offset: Any) -> Any:
+    """Drawn offsets copied into pinned memory here on the draw thread where this process uses CUDA (numpy's
+    numbers as drawn): the tail then only queues their copy to the device."""
+    import torch
+
+    if not isinstance(offset, np.ndarray) or not torch.cuda.is_initialized():
+        return offset
+    out = torch.empty(offset.shape, dtype=torch.from_numpy(offset[:0]).dtype, pin_memory=True)
+    np.copyto(out.numpy(), offset)
+    return out
 
 
 _WORDS: dict[tuple[type, tuple[int, ...]], int | None] = {}
@@ -145,6 +158,8 @@ def _with_draws(t: Any, inner: Any, drawn: Drawn, item: dict[Hashable, Any]) -> 
     do, inner_do, offset, magnitude, sigma = drawn
     if do:
         offset = _where_used(t, inner, item, offset)
+    elif not isinstance(offset, np.ndarray) and hasattr(offset, "numpy"):
+        offset = offset.numpy()  # pinned, not used: as MONAI would have drawn it
 
     def dict_randomize(_: Any = None) -> None:
         t._do_transform = do
@@ -169,7 +184,10 @@ def _where_used(t: Any, inner: Any, item: dict[Hashable, Any], offset: Any) -> A
 
     first = t.first_key(item)
     device = inner.device if inner.device is not None else getattr(item.get(first), "device", None)
-    if not isinstance(offset, np.ndarray) or device is None or torch.device(device).type != "cuda":
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if isinstance(offset, torch.Tensor):  # pinned by the draw thread
+        return offset.to(device, non_blocking=True) if on_cuda else offset.numpy()
+    if not isinstance(offset, np.ndarray) or not on_cuda:
         return offset
     return to_device(torch.from_numpy(offset), device)
 
@@ -238,8 +256,8 @@ def _resample_at_once(
     x = batch.data[keys[0]]
     dtype = get_equivalent_dtype(resampler.dtype, torch.Tensor)
     size = tuple(x.shape[2:])
-    rows = list(range(len(size) - 1, -1, -1))  # grid_sample's (x, y, z) order
-    grid = torch.stack([g[rows].movedim(0, -1).to(device=x.device, dtype=dtype) for g in grids])
+    nd = len(size)  # the grid's first rows, reversed: grid_sample's (x, y, z) order
+    grid = torch.stack([g[:nd].flip(0).movedim(0, -1).to(device=x.device, dtype=dtype) for g in grids])
     for axis, dim in enumerate(reversed(size)):
         grid[..., axis] *= 2.0 / max(2, dim)
     for k, (interp, pad) in zip(keys, modes):

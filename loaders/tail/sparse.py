@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
+from loaders.tail.batched import TailBatch, _plain, _stack, keys_of, rows_of, to_device
 
 Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
 
@@ -170,10 +170,10 @@ def _rotated(
     _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
     corners = inner.align_corners if align_corners is None else align_corners
     xform = AffineTransform(normalized=True, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=True)
-    img = x[list(drawn)].to(get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor))
+    img = rows_of(x, list(drawn)).to(get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor))
     at = (sp, img.dtype, img.device, corners)
     if at not in thetas:
-        theta = torch.as_tensor(_matrices(sp, drawn), dtype=img.dtype, device=img.device)
+        theta = to_device(torch.as_tensor(_matrices(sp, drawn), dtype=img.dtype), img.device)
         thetas[at] = to_norm_affine(theta, sp, sp, align_corners=corners, zero_centered=xform.zero_centered)
     return xform(img, thetas[at], spatial_size=sp).float()
 

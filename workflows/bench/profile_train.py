@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from workflows.bench.train import DEFAULTS
 from workflows.bench.train_loop import TrainOptions, build_data, make_step, on_device, transform_of
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--first-batch", action="store_true", help="no model: where building the loader and its first batch go"
+    )
+    parser.add_argument(
+        "--syncs", action="store_true", help="--loader-only on CUDA: where the loader waits for the GPU, by call site"
     )
     parser.add_argument(
         "--feeder",
@@ -119,12 +123,72 @@ def _loader_only(a: argparse.Namespace) -> int:
                         break
         dt = time.perf_counter() - t0
         print(f"{a.workload}: loader alone, tail_thread={tail_thread}: {n / dt:.2f} batches/s")
+        if not tail_thread and gpu and a.syncs:
+            _print_syncs(loader, a.steps, a.rows)
         if not tail_thread:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(a.rows)
             pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
         loader.close()
         torch.cuda.synchronize() if gpu else None
     return 0
+
+
+def _print_syncs(loader: Any, steps: int, rows: int) -> None:
+    """Each call that makes the host wait for the GPU while the loader makes `steps` batches (torch's sync
+    debug mode: a `.item()`, a `float()` of a device tensor, a copy from pageable memory), by its three innermost
+    frames outside torch, with counts. A loader running ahead of training stalls at each one until the steps
+    queued before it are done."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    seen: collections.Counter[str] = collections.Counter()
+
+    def note(message: Any, *_: Any, **__: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        outside = ("site-packages/torch/", "/warnings")
+        frames = [f for f in traceback.extract_stack()[:-1] if not any(w in f.filename for w in outside)]
+        seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
+
+    n = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while n < steps:
+                for _ in loader:
+                    n += 1
+                    if n >= steps:
+                        break
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    print(f"waits for the GPU in {n} batches: {sum(seen.values())}")
+    for where, count in seen.most_common(rows):
+        print(f"{count:6d}  {where}")
+    _print_device_time(loader, steps, rows)
+
+
+def _print_device_time(loader: Any, steps: int, rows: int) -> None:
+    """The GPU time the loader's own kernels take a batch (time the training's kernels cannot have)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while n < steps:
+            for _ in loader:
+                n += 1
+                if n >= steps:
+                    break
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    total = sum(e.self_device_time_total for e in table) / 1e3
+    print(f"the loader's GPU time: {total / max(1, n):.2f} ms a batch ({n} batches)")
+    print(table.table(sort_by="self_cuda_time_total", row_limit=rows))
 
 
 if __name__ == "__main__":

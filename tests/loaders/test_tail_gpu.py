@@ -1,0 +1,76 @@
+"""The batched tail on a GPU, on the loader's tail stream, against MONAI's per-item chain on the same GPU: the
+augmentations of `seg-aug` (3D) and `slices` (2D), bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tailutil import assert_same, make_batch, reference_batches
+
+from loaders.tail import BatchedTail
+from loaders.tail.batched import rows_of, tail_stream
+
+K = ["image", "label"]
+
+
+def _chain_3d() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandAffined(keys=K, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
+                       mode=("bilinear", "nearest"), padding_mode="border"),
+        mt.RandAdjustContrastd(keys="image", prob=0.5, gamma=(0.7, 1.5)),
+        mt.RandHistogramShiftd(keys="image", prob=0.5, num_control_points=10),
+        mt.RandBiasFieldd(keys="image", prob=0.5, coeff_range=(0.0, 0.1)),
+        mt.RandGaussianSharpend(keys="image", prob=0.5),
+        mt.RandCoarseDropoutd(keys="image", prob=0.5, holes=4, spatial_size=4),
+        mt.RandStdShiftIntensityd(keys="image", prob=0.5, factors=0.1),
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+    ]  # fmt: skip
+
+
+def _chain_2d() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+        mt.RandRotate90d(keys=K, prob=0.5, max_k=3),
+        mt.RandRotated(keys=K, range_x=0.3, prob=0.5, mode=("bilinear", "nearest")),
+        mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+        mt.RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
+    ]
+
+
+def _on_gpu(spatial: tuple[int, ...]) -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    return [{k: v.to("cuda:0") for k, v in make_batch(n=6, spatial=spatial, seed=s).items()} for s in range(3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("chain", "spatial"), [(_chain_3d, (20, 22, 20)), (_chain_2d, (24, 24))], ids=["3d", "2d"])
+def test_batches_on_the_tail_stream_equal_monai_on_the_gpu(chain: Any, spatial: tuple[int, ...]) -> None:
+    from monai.transforms import Compose
+
+    batches = _on_gpu(spatial)
+    want = reference_batches(
+        Compose(chain()).set_random_state(3), [{k: v.clone() for k, v in b.items()} for b in batches]
+    )
+    tail = BatchedTail(Compose(chain())).set_random_state(3)
+    stream = tail_stream("cuda:0")
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = [tail(b) for b in batches]
+    torch.cuda.current_stream().wait_stream(stream)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert tail.fallbacks == []
+
+
+def test_rows_of_picks_rows_as_a_list_index_does() -> None:
+    x = torch.arange(24.0).reshape(4, 2, 3)
+    assert rows_of(x, [0, 1, 2, 3]) is x
+    assert torch.equal(rows_of(x, [3, 1]), x[[3, 1]])
+    assert torch.equal(rows_of(x, []), x[[]])
