@@ -76,8 +76,26 @@ def rand_adjust_contrast(t: Any, batch: TailBatch) -> bool:
 
 
 def rand_histogram_shift(t: Any, batch: TailBatch) -> bool:
-    """RandHistogramShiftd: MONAI's control points and mapping on the items it fires on."""
-    return _drawn_without_image(t, batch, "shifter")
+    """RandHistogramShiftd: MONAI's control points drawn per item; the mapping of all the items it fires on at
+    once where every key is floating (`loaders.tail.histogram`), else MONAI's mapping on each."""
+    from loaders.tail.histogram import shifted
+
+    keys, inner = ready(t, batch), _inner(t, "shifter")
+    if keys is None or inner is None:
+        return False
+    if not keys or not all(batch.data[k].is_floating_point() for k in keys):
+        return _drawn_without_image(t, batch, "shifter")
+
+    def draw(i: int) -> dict[str, Any]:
+        inner.randomize(None)
+        return _drawn(inner)
+
+    fired = _fire(t, batch, draw)
+    if fired:
+        items = list(fired)
+        done = {k: shifted(batch.data[k], items, [fired[i] for i in items]) for k in keys}
+        assemble(batch, keys, {i: taken({k: done[k][j] for k in keys}) for j, i in enumerate(items)}, lambda x: x)
+    return True
 
 
 def rand_gaussian_sharpen(t: Any, batch: TailBatch) -> bool:

@@ -4,6 +4,8 @@ recurrence, op for op)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,6 +18,7 @@ CHAINS = {
     "contrast_invert_stats": [mt.RandAdjustContrastd("image", prob=0.6, invert_image=True, retain_stats=True)],
     "histogram": [mt.RandHistogramShiftd("image", prob=0.5, num_control_points=10)],
     "histogram_range": [mt.RandHistogramShiftd(K, prob=0.7, num_control_points=(4, 9))],
+    "histogram_range_image": [mt.RandHistogramShiftd("image", prob=0.7, num_control_points=(4, 9))],
     "sharpen": [mt.RandGaussianSharpend("image", prob=0.5)],
     "std_shift": [mt.RandStdShiftIntensityd("image", prob=0.5, factors=0.1)],
     "std_shift_nonzero": [mt.RandStdShiftIntensityd("image", prob=0.6, factors=(0.1, 0.4), nonzero=True)],
@@ -59,6 +62,20 @@ def test_equals_monai_per_item(name: str, seed: int) -> None:
         reference(CHAINS[name], batch, seed),
     )
     assert tail.fallbacks == []
+
+
+def test_histogram_shift_maps_the_fired_items_at_once_and_leaves_a_one_value_image(monkeypatch: Any) -> None:
+    chain = CHAINS["histogram_range_image"]
+    batch = make_batch(n=6)
+    batch["image"][1] = 0.25  # MONAI returns a one-value image as it is
+    calls: list[int] = []
+    monkeypatch.setattr(mt.RandHistogramShift, "__call__", lambda *a, **k: calls.append(1))
+    got, tail = batched(chain, batch, 5)
+    monkeypatch.undo()
+    assert calls == [] and tail.fallbacks == []
+    with pytest.warns(UserWarning, match="single value"):  # the one-value item is among those it fires on
+        want = reference(chain, batch, 5)
+    assert_same(got, want, keys=("image",))
 
 
 @pytest.mark.parametrize("spatial", [(20, 22), (20, 22, 18)])
