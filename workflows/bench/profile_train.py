@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         "--first-batch", action="store_true", help="no model: where building the loader and its first batch go"
     )
     parser.add_argument(
+        "--timeline", action="store_true", help="per step: both CUDA streams' kernels, with the loader and without"
+    )
+    parser.add_argument(
         "--syncs", action="store_true", help="--loader-only on CUDA: where the loader waits for the GPU, by call site"
     )
     parser.add_argument(
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.loader_only:
         return _loader_only(a)
+    if a.timeline:
+        return _timeline(a)
     if a.first_batch:
         from workflows.bench.first_batch import first_batch
 
@@ -79,6 +84,39 @@ def main(argv: list[str] | None = None) -> int:
     key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
     print(f"{a.workload}: {done} steps, PreparedLoader defaults, {a.device}")
     print(prof.key_averages().table(sort_by=key, row_limit=a.rows))
+    loader.close()
+    return 0
+
+
+def _timeline(a: argparse.Namespace) -> int:
+    """`--steps` steps with the loader's batches (in this process), then as many on one resident batch: where
+    each step's time goes (`workflows.bench.timeline`)."""
+    from loaders.fast.loader import PreparedLoader
+    from workflows.bench.timeline import print_rows, step_times, traced
+
+    opts = _options(a)
+    _, pipeline, cache = build_data(opts, a.work)
+    loader = PreparedLoader(cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, feeder=False)
+    step = make_step(opts, a.device)
+
+    def batches() -> Any:
+        while True:
+            for b in loader:
+                yield on_device(b["image"], a.device), on_device(b["label"], a.device)
+
+    feed = batches()
+    for _ in range(max(a.steps, len(loader))):  # warm: the tier fills, kernels compile
+        step(*next(feed))
+    resident = next(feed)
+
+    def same() -> Any:
+        while True:
+            yield resident
+
+    rows = {"with the loader": step_times(traced(feed, step, a.device, a.steps))}
+    rows["compute only"] = step_times(traced(same(), step, a.device, a.steps))
+    print(f"{a.workload}: {a.steps} training steps, {a.device}")
+    print_rows(rows)
     loader.close()
     return 0
 
