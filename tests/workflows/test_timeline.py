@@ -18,8 +18,9 @@ def test_step_times_split_each_step_by_stream() -> None:
     """Two steps of 10 ms (1 ms apart); the training stream (7, the most kernel time) runs 2-6 and 7-9 ms into the
     first, 1-9 into the second; the loader's stream (20) 5-8 ms into the first, overlapping the training's."""
     events = [
-        {"name": STEP, "ts": 0, "dur": 10_000},
-        {"name": STEP, "ts": 11_000, "dur": 10_000},
+        {"name": STEP, "cat": "user_annotation", "ts": 0, "dur": 10_000},
+        {"name": STEP, "cat": "user_annotation", "ts": 11_000, "dur": 10_000},
+        {"name": STEP, "cat": "gpu_user_annotation", "ts": 2_000, "dur": 7_000},  # the same step on the GPU
         _kernel(7, 2_000, 4_000),
         _kernel(7, 7_000, 2_000),
         _kernel(20, 5_000, 3_000),
@@ -36,7 +37,7 @@ def test_step_times_split_each_step_by_stream() -> None:
 
 
 def test_no_kernels_or_no_steps_give_none() -> None:
-    assert step_times({"traceEvents": [{"name": STEP, "ts": 0, "dur": 5}]}) is None
+    assert step_times({"traceEvents": [{"name": STEP, "cat": "user_annotation", "ts": 0, "dur": 5}]}) is None
     assert step_times({"traceEvents": [_kernel(7, 0, 5)]}) is None
 
 

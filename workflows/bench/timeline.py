@@ -52,7 +52,9 @@ def step_times(trace: dict[str, Any]) -> StepTimes | None:
     """The per-step means of a chrome trace whose steps are marked with STEP; None without steps or kernels.
     The training stream is the one with the most kernel time."""
     events = trace.get("traceEvents", [])
-    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == STEP and "dur" in e)
+    windows = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == STEP and e.get("cat") == "user_annotation"
+    )
     gpu = [(e["args"].get("stream"), e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in _GPU]
     if not windows or not gpu:
         return None

@@ -1,0 +1,132 @@
+"""What one thread beside a training loop costs its steps, by what the thread does.
+
+    python -m workflows.bench.interference --workload seg-aug --device cuda:0
+
+The workload's training step on one resident batch (the compute-only ceiling), timed as the training benchmark
+times it (synced before and after), with a second thread doing one thing in a loop, as a loader's tail thread
+does it in pieces: nothing; pure Python (holding the interpreter lock between forced switches); numpy work (the
+lock released); small kernels on a side stream, the host never waiting for them, or waiting for the stream after
+each, or reading each back (a `float()` of a device scalar, as MONAI's transforms do several times a batch); a
+small host tensor copied to the device from pageable memory (as `torch.tensor(..., device=...)` does). Printed:
+ms a step, x the step alone, and the thread's loops a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+WORK = ("none", "python", "numpy", "kernels", "kernels-stream-sync", "kernels-read-back", "pageable-copies")
+
+
+def _work(kind: str, device: str) -> Callable[[], None]:
+    """One loop of the thread's work."""
+    import numpy as np
+    import torch
+
+    if kind == "python":
+        return lambda: None if sum(i * i for i in range(2000)) < 0 else None
+    if kind == "numpy":
+        a = np.random.default_rng(0).random(200_000)
+        return lambda: None if float(np.sort(a)[0]) < -1 else None
+    stream = torch.cuda.Stream(device=device)
+    x = torch.ones(64, 64, device=device)
+
+    def kernels(wait: str) -> None:
+        with torch.cuda.stream(stream):
+            y = (x * 2 + 1).sum()
+            if wait == "read-back":
+                float(y)  # a copy to pageable memory: the host waits for the stream
+            elif wait == "stream-sync":
+                stream.synchronize()
+            else:
+                time.sleep(0.0001)  # the queue bounded without the host waiting for the GPU
+
+    if kind.startswith("kernels"):
+        return lambda: kernels(kind.removeprefix("kernels").lstrip("-"))
+
+    def pageable() -> None:
+        with torch.cuda.stream(stream):
+            torch.tensor([1.0, 2.0, 3.0], device=device)
+
+    return pageable
+
+
+def timed_steps(step: Callable[[], Any], sync: Callable[[], None], n: int) -> float:
+    """ms a step over n steps, each synced before and after."""
+    total = 0.0
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        total += time.perf_counter() - t0
+    return 1e3 * total / n
+
+
+def beside(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int, device: str) -> tuple[float, float]:
+    """(ms a step, the thread's loops a second) with a thread doing `kind` beside the steps."""
+    if kind == "none":
+        return timed_steps(step, sync, n), 0.0
+    work, stop, loops = _work(kind, device), threading.Event(), [0]
+
+    def run() -> None:
+        while not stop.is_set():
+            work()
+            loops[0] += 1
+
+    thread = threading.Thread(target=run, daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    try:
+        ms = timed_steps(step, sync, n)
+    finally:
+        stop.set()
+        thread.join()
+    return ms, loops[0] / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from workflows.bench.profile_train import _options
+    from workflows.bench.train import DEFAULTS
+    from workflows.bench.train_loop import build_data, make_step, on_device, transform_of
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="seg-aug", choices=sorted(DEFAULTS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--work", type=Path, default=Path("bench_out/work"))
+    parser.add_argument("--count", type=int, default=None)
+    parser.add_argument("--size", type=int, default=None)
+    parser.add_argument("--crop", type=int, default=None)
+    a = parser.parse_args(argv)
+    import torch
+
+    from loaders.fast.loader import PreparedLoader
+
+    opts = _options(a)
+    _, pipeline, cache = build_data(opts, a.work)
+    loader = PreparedLoader(cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, feeder=False)
+    b = next(iter(loader))
+    image, label = on_device(b["image"], a.device), on_device(b["label"], a.device)
+    loader.close()
+    train = make_step(opts, a.device)
+    cuda = a.device.startswith("cuda")
+    sync: Callable[[], Any] = torch.cuda.current_stream(a.device).synchronize if cuda else (lambda: None)
+    kinds = [k for k in WORK if cuda or k in ("none", "python", "numpy")]
+    timed_steps(lambda: train(image, label), sync, max(4, a.steps // 4))  # warm
+    alone = timed_steps(lambda: train(image, label), sync, a.steps)
+    print(f"{a.workload}: the training step on one resident batch, {a.steps} steps a row, {a.device}")
+    print(f"{'beside it':<20} {'ms a step':>10} {'x alone':>8} {'loops/s':>10}")
+    for kind in kinds:
+        ms, rate = beside(kind, lambda: train(image, label), sync, a.steps, a.device)
+        print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
