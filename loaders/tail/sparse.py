@@ -161,7 +161,6 @@ def _rotated(
     the next key of the same size, dtype, device and corners (image and label: one normalization, not two)."""
     import torch
     from monai.networks.layers import AffineTransform
-    from monai.networks.utils import to_norm_affine
     from monai.transforms.utils import resolves_modes
     from monai.utils import get_equivalent_dtype
 
@@ -174,8 +173,22 @@ def _rotated(
     at = (sp, img.dtype, img.device, corners)
     if at not in thetas:
         theta = to_device(torch.as_tensor(_matrices(sp, drawn), dtype=img.dtype), img.device)
-        thetas[at] = to_norm_affine(theta, sp, sp, align_corners=corners, zero_centered=xform.zero_centered)
+        thetas[at] = _normalized(theta, sp, corners, xform.zero_centered)
     return xform(img, thetas[at], spatial_size=sp).float()
+
+
+def _normalized(theta: Any, size: tuple[int, ...], corners: bool, zero_centered: bool) -> Any:
+    """MONAI's `to_norm_affine(theta, size, size, ...)`: its normalizing matrix and that matrix's inverse made on
+    the host by MONAI's own `normalize_transform` and numpy, as MONAI makes the inverse (MONAI makes the first on
+    the device, from host copies the host waits for; elementwise float64 steps, the same numbers on either), both
+    copied to the device from pinned memory and multiplied there in MONAI's order."""
+    import numpy as np
+    import torch
+    from monai.networks.utils import normalize_transform
+
+    norm = normalize_transform(size, "cpu", theta.dtype, corners, zero_centered)
+    inverse = torch.as_tensor(np.linalg.inv(norm.numpy()), dtype=theta.dtype)
+    return to_device(norm, theta.device) @ theta @ to_device(inverse, theta.device)
 
 
 def _matrices(sp: tuple[int, ...], drawn: dict[int, tuple[bool, float, float, float]]) -> Any:

@@ -74,3 +74,22 @@ def test_rows_of_picks_rows_as_a_list_index_does() -> None:
     assert rows_of(x, [0, 1, 2, 3]) is x
     assert torch.equal(rows_of(x, [3, 1]), x[[3, 1]])
     assert torch.equal(rows_of(x, []), x[[]])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("size", [(24, 20), (20, 22, 18)])
+@pytest.mark.parametrize(("corners", "zero_centered"), [(False, False), (True, False), (False, True), (True, True)])
+def test_normalized_matrices_are_monais(device: str, size: tuple[int, ...], corners: bool, zero_centered: bool) -> None:
+    """RandRotated's matrices normalized as MONAI's `to_norm_affine` normalizes them, with no host wait."""
+    from monai.networks.utils import to_norm_affine
+
+    from loaders.tail.sparse import _normalized
+
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    g = torch.Generator().manual_seed(len(size))
+    theta = (torch.eye(len(size) + 1) + 0.1 * torch.randn(3, len(size) + 1, len(size) + 1, generator=g)).to(device)
+    want = to_norm_affine(theta, size, size, align_corners=corners, zero_centered=zero_centered)
+    got = _normalized(theta, size, corners, zero_centered)
+    assert got.dtype == want.dtype and got.device == want.device
+    assert torch.equal(got, want)
