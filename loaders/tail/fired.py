@@ -40,20 +40,24 @@ def _inner(t: Any, name: str) -> Any:
     return getattr(t, name, None)
 
 
-def _put_back(inner: Any, fired: Draws) -> dict[int, Apply]:
-    """MONAI's array transform on each fired item, with that item's draws put back."""
+def _monais(inner: Any, x: Any) -> Any:
+    return inner(x, randomize=False)
+
+
+def _put_back(inner: Any, fired: Draws, run: Callable[[Any, Any], Any] = _monais) -> dict[int, Apply]:
+    """`run(inner, x)` (MONAI's array transform) on each fired item, with that item's draws put back."""
 
     def one(i: int) -> Apply:
         def apply(k: Hashable, x: Any) -> Any:
             vars(inner).update(fired[i])
-            return inner(x, randomize=False)
+            return run(inner, x)
 
         return apply
 
     return {i: one(i) for i in fired}
 
 
-def _drawn_without_image(t: Any, batch: TailBatch, name: str) -> bool:
+def _drawn_without_image(t: Any, batch: TailBatch, name: str, run: Callable[[Any, Any], Any] = _monais) -> bool:
     """Dict transforms whose inner draws need no image (`randomize(None)`): contrast, histogram shift,
     sharpening, std shift. MONAI draws the inner's numbers for a fired item whatever its keys hold."""
     keys, inner = ready(t, batch), _inner(t, name)
@@ -66,7 +70,7 @@ def _drawn_without_image(t: Any, batch: TailBatch, name: str) -> bool:
 
     fired = _fire(t, batch, draw)
     if keys and fired:
-        assemble(batch, keys, _put_back(inner, fired), lambda x: x)
+        assemble(batch, keys, _put_back(inner, fired, run), lambda x: x)
     return True
 
 
@@ -99,8 +103,11 @@ def rand_histogram_shift(t: Any, batch: TailBatch) -> bool:
 
 
 def rand_gaussian_sharpen(t: Any, batch: TailBatch) -> bool:
-    """RandGaussianSharpend: MONAI's sigmas and filters on the items it fires on."""
-    return _drawn_without_image(t, batch, "rand_sharpen")
+    """RandGaussianSharpend: MONAI's sigmas and filters on the items it fires on, with no host wait
+    (`loaders.tail.sharpen`)."""
+    from loaders.tail.sharpen import sharpened
+
+    return _drawn_without_image(t, batch, "rand_sharpen", sharpened)
 
 
 def rand_std_shift_intensity(t: Any, batch: TailBatch) -> bool:

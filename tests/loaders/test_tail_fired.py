@@ -139,3 +139,20 @@ def test_monai_runs_only_on_the_items_it_fires_on() -> None:
     before = shuffle.set_random_state(1).R.get_state()[2]
     assert fired_whole(shuffle, TailBatch({"other": torch.zeros(3, 1, 4, 4, 4)}, 3))
     assert shuffle.R.get_state()[2] != before  # its prob drawn for each of the three items
+
+
+def test_sharpening_reads_no_sigma_back_and_equals_monai(monkeypatch: Any) -> None:
+    """The filters' sigmas reach MONAI's `gaussian_1d` as device tensors whose `float()` is their host value (no
+    read back); MONAI's own `GaussianSharpen` is not called, and the batch is still MONAI's."""
+    from loaders.tail.sharpen import _known
+
+    s = _known(torch.tensor(2.5), 2.5)
+    assert float(s) == 2.5 and type(torch.abs(s)) is torch.Tensor
+    assert float(_known(torch.tensor(2.5), 1.0)) == 1.0  # the host value, not the tensor's
+    chain = [mt.RandGaussianSharpend("image", prob=0.7)]
+    batch = make_batch(n=6)
+    monkeypatch.setattr(mt.GaussianSharpen, "__call__", lambda *a, **k: pytest.fail("MONAI's own sharpening ran"))
+    got, tail = batched(chain, batch, 4)
+    monkeypatch.undo()
+    assert tail.fallbacks == []
+    assert_same(got, reference(chain, batch, 4), keys=("image",))
