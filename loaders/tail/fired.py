@@ -116,8 +116,12 @@ def rand_std_shift_intensity(t: Any, batch: TailBatch) -> bool:
 
 
 def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
-    """RandCoarseDropoutd: holes drawn per fired item, and filled by MONAI right after (a random fill draws from
-    the same state while filling, so each item's holes and fills come before the next item's holes)."""
+    """RandCoarseDropoutd: holes drawn per fired item, and filled right after (a random fill draws from the same
+    state while filling, so each item's holes and fills come before the next item's holes): where the batch is,
+    with one read a batch (`loaders.tail.dropout`), or by MONAI's own transform for keys neither float32 nor
+    float64."""
+    from loaders.tail.dropout import filled, fills_here, spans
+
     keys, inner = ready(t, batch), _inner(t, "dropper")
     if keys is None or inner is None:
         return False
@@ -125,10 +129,15 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
         _fire(t, batch, None)
         return True
     done: dict[int, dict[Hashable, Any]] = {}
+    here = fills_here(batch, keys)
+    span = spans(batch, keys) if here and inner.fill_value is None else None
 
     def draw(i: int) -> dict[str, Any]:
         inner.randomize(tuple(batch.data[keys[0]].shape[2:]))
-        done[i] = {k: inner(row_of(batch, k, i), randomize=False) for k in keys}
+        if here:
+            done[i] = {k: filled(inner, row_of(batch, k, i), span[k][i] if span else None) for k in keys}
+        else:
+            done[i] = {k: inner(row_of(batch, k, i), randomize=False) for k in keys}
         return {}
 
     fired = _fire(t, batch, draw)

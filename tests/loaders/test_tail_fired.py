@@ -25,6 +25,10 @@ CHAINS = {
     "dropout": [mt.RandCoarseDropoutd(K, prob=0.5, holes=4, spatial_size=5)],
     "dropout_fill": [mt.RandCoarseDropoutd("image", prob=0.6, holes=2, max_holes=5, spatial_size=3, fill_value=0.5)],
     "dropout_keep": [mt.RandCoarseDropoutd("image", prob=0.6, holes=3, spatial_size=6, dropout_holes=False)],
+    "dropout_image": [mt.RandCoarseDropoutd("image", prob=0.7, holes=4, spatial_size=5)],
+    "dropout_keep_range": [
+        mt.RandCoarseDropoutd("image", prob=0.7, holes=2, spatial_size=4, fill_value=(0.1, 0.9), dropout_holes=False)
+    ],
     "bias": [mt.RandBiasFieldd("image", prob=0.5, coeff_range=(0.0, 0.1))],
     "bias_degree": [mt.RandBiasFieldd("image", prob=0.8, degree=4, coeff_range=(0.1, 0.3))],
     "gibbs": [mt.RandGibbsNoised(K, prob=0.5, alpha=(0.2, 0.6))],
@@ -156,3 +160,24 @@ def test_sharpening_reads_no_sigma_back_and_equals_monai(monkeypatch: Any) -> No
     monkeypatch.undo()
     assert tail.fallbacks == []
     assert_same(got, reference(chain, batch, 4), keys=("image",))
+
+
+@pytest.mark.parametrize("name", ["dropout_image", "dropout_fill", "dropout_keep", "dropout_keep_range"])
+def test_dropout_fills_float_items_where_they_are(name: str, monkeypatch: Any) -> None:
+    """Float keys: the holes filled without MONAI's round trip through numpy (its own transform is not called),
+    the numbers MONAI's; the batch's min and max read once."""
+    chain = CHAINS[name]
+    batch = make_batch(n=6)
+    monkeypatch.setattr(mt.RandCoarseDropout, "__call__", lambda *a, **k: pytest.fail("MONAI's own dropout ran"))
+    got, tail = batched(chain, batch, 2)
+    monkeypatch.undo()
+    assert tail.fallbacks == []
+    assert_same(got, reference(chain, batch, 2), keys=("image",))
+    assert not torch.equal(got["image"], batch["image"])  # some item was dropped out
+
+
+def test_dropout_of_a_uint8_key_goes_through_monai() -> None:
+    chain = CHAINS["dropout"]  # image and label: the label is uint8
+    batch = make_batch(n=6)
+    got, tail = batched(chain, batch, 3)
+    assert_same(got, reference(chain, batch, 3))
