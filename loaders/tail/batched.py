@@ -310,6 +310,22 @@ def rows_of(x: Any, rows: Sequence[int]) -> Any:
     return x.index_select(0, to_device(torch.as_tensor(list(rows), dtype=torch.long), x.device))
 
 
+def float_keys(batch: TailBatch, keys: Sequence[Hashable]) -> bool:
+    """Whether every key of the batch is float32 or float64 (what the host-side steps of a few transforms are
+    written for)."""
+    return all(str(batch.data[k].dtype) in ("torch.float32", "torch.float64") for k in keys)
+
+
+def item_spans(batch: TailBatch, keys: Sequence[Hashable]) -> dict[Hashable, list[tuple[float, float]]]:
+    """Each key's (min, max) of every item, read back at once (one host wait a batch, not two an item): what a
+    MONAI transform reads of an item to draw or compute on the host."""
+    import torch
+
+    flat = [batch.data[k].reshape(batch.n, -1) for k in keys]
+    both = torch.cat([torch.stack([f.amin(1), f.amax(1)], 1).to(torch.float64) for f in flat]).tolist()
+    return {k: [(lo, hi) for lo, hi in both[j * batch.n : (j + 1) * batch.n]] for j, k in enumerate(keys)}
+
+
 def gather(x: Any, rows: Sequence[Any]) -> Any:
     """One tensor from per-item rows (views or tensors), by one stack: no index tensor to upload."""
     import torch

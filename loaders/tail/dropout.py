@@ -6,32 +6,17 @@ min and max of every item come back in one read per batch; the holes and the fil
 `randomize` and numpy's generator from the transform's own state, in MONAI's order (each item's holes, then its
 fills key by key, before the next item's holes), with the same min and max; the fills are copied to the device
 from pinned memory and written into a copy of the item there (numpy's float64 numbers rounded to the item's dtype,
-as numpy's assignment rounds them). For float32 and float64 keys; others go through MONAI's own transform.
+as numpy's assignment rounds them). For float32 and float64 keys (`batched.float_keys`); others go through MONAI's
+own transform.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
-from loaders.tail.batched import TailBatch, to_device
-
-FLOATS = ("float32", "float64")
-
-
-def fills_here(batch: TailBatch, keys: list[Hashable]) -> bool:
-    return all(str(batch.data[k].dtype).removeprefix("torch.") in FLOATS for k in keys)
-
-
-def spans(batch: TailBatch, keys: list[Hashable]) -> dict[Hashable, list[tuple[float, float]]]:
-    """Each key's (min, max) of every item, read back at once."""
-    import torch
-
-    flat = [batch.data[k].reshape(batch.n, -1) for k in keys]
-    both = torch.cat([torch.stack([f.amin(1), f.amax(1)], 1).to(torch.float64) for f in flat]).tolist()
-    return {k: [tuple(v) for v in both[j * batch.n : (j + 1) * batch.n]] for j, k in enumerate(keys)}
+from loaders.tail.batched import to_device
 
 
 def filled(inner: Any, img: Any, span: tuple[float, float] | None) -> Any:

@@ -36,6 +36,16 @@ def _fire(t: Any, batch: TailBatch, draw: Callable[[int], Any] | None) -> Draws:
     return fired
 
 
+def _fired_without_image(t: Any, batch: TailBatch, inner: Any) -> Draws:
+    """`_fire` for an inner transform whose numbers need no image (`randomize(None)`)."""
+
+    def draw(i: int) -> dict[str, Any]:
+        inner.randomize(None)
+        return _drawn(inner)
+
+    return _fire(t, batch, draw)
+
+
 def _inner(t: Any, name: str) -> Any:
     return getattr(t, name, None)
 
@@ -63,20 +73,36 @@ def _drawn_without_image(t: Any, batch: TailBatch, name: str, run: Callable[[Any
     keys, inner = ready(t, batch), _inner(t, name)
     if keys is None or inner is None:
         return False
-
-    def draw(i: int) -> dict[str, Any]:
-        inner.randomize(None)
-        return _drawn(inner)
-
-    fired = _fire(t, batch, draw)
+    fired = _fired_without_image(t, batch, inner)
     if keys and fired:
         assemble(batch, keys, _put_back(inner, fired, run), lambda x: x)
     return True
 
 
 def rand_adjust_contrast(t: Any, batch: TailBatch) -> bool:
-    """RandAdjustContrastd: MONAI's gamma on the items it fires on."""
-    return _drawn_without_image(t, batch, "adjuster")
+    """RandAdjustContrastd: MONAI's gamma on the items it fires on, each item's range read once a batch for all
+    (`loaders.tail.contrast`), or MONAI's own transform for keys neither float32 nor float64."""
+    from loaders.tail.batched import float_keys, item_spans
+    from loaders.tail.contrast import adjusted
+
+    keys, inner = ready(t, batch), _inner(t, "adjuster")
+    if keys is None or inner is None:
+        return False
+    if not keys or not float_keys(batch, keys):
+        return _drawn_without_image(t, batch, "adjuster")
+    fired = _fired_without_image(t, batch, inner)
+    if fired:
+        span = item_spans(batch, keys)
+
+        def one(i: int) -> Apply:
+            def apply(k: Hashable, x: Any) -> Any:
+                vars(inner).update(fired[i])
+                return adjusted(inner, x, span[k][i])
+
+            return apply
+
+        assemble(batch, keys, {i: one(i) for i in fired}, lambda x: x)
+    return True
 
 
 def rand_histogram_shift(t: Any, batch: TailBatch) -> bool:
@@ -89,12 +115,7 @@ def rand_histogram_shift(t: Any, batch: TailBatch) -> bool:
         return False
     if not keys or not all(batch.data[k].is_floating_point() for k in keys):
         return _drawn_without_image(t, batch, "shifter")
-
-    def draw(i: int) -> dict[str, Any]:
-        inner.randomize(None)
-        return _drawn(inner)
-
-    fired = _fire(t, batch, draw)
+    fired = _fired_without_image(t, batch, inner)
     if fired:
         items = list(fired)
         done = {k: shifted(batch.data[k], items, [fired[i] for i in items]) for k in keys}
@@ -120,7 +141,8 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
     state while filling, so each item's holes and fills come before the next item's holes): where the batch is,
     with one read a batch (`loaders.tail.dropout`), or by MONAI's own transform for keys neither float32 nor
     float64."""
-    from loaders.tail.dropout import filled, fills_here, spans
+    from loaders.tail.batched import float_keys, item_spans
+    from loaders.tail.dropout import filled
 
     keys, inner = ready(t, batch), _inner(t, "dropper")
     if keys is None or inner is None:
@@ -129,8 +151,8 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
         _fire(t, batch, None)
         return True
     done: dict[int, dict[Hashable, Any]] = {}
-    here = fills_here(batch, keys)
-    span = spans(batch, keys) if here and inner.fill_value is None else None
+    here = float_keys(batch, keys)
+    span = item_spans(batch, keys) if here and inner.fill_value is None else None
 
     def draw(i: int) -> dict[str, Any]:
         inner.randomize(tuple(batch.data[keys[0]].shape[2:]))

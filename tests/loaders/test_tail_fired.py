@@ -181,3 +181,34 @@ def test_dropout_of_a_uint8_key_goes_through_monai() -> None:
     batch = make_batch(n=6)
     got, tail = batched(chain, batch, 3)
     assert_same(got, reference(chain, batch, 3))
+
+
+@pytest.mark.parametrize("name", ["contrast", "contrast_invert_stats"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_contrast_reads_the_ranges_once_and_equals_monai(name: str, dtype: str, monkeypatch: Any) -> None:
+    """MONAI's own AdjustContrast is not called; each item's range comes from one read of the batch."""
+    from loaders.tail import batched as b
+
+    chain = CHAINS[name]
+    batch = make_batch(n=6)
+    batch["image"] = batch["image"].to(getattr(torch, dtype))
+    reads: list[int] = []
+    spans = b.item_spans
+    monkeypatch.setattr(b, "item_spans", lambda *a: reads.append(1) or spans(*a))
+    monkeypatch.setattr(mt.AdjustContrast, "__call__", lambda *a, **k: pytest.fail("MONAI's own contrast ran"))
+    got, tail = batched(chain, batch, 6)
+    monkeypatch.undo()
+    assert tail.fallbacks == [] and reads == [1]
+    assert_same(got, reference(chain, batch, 6), keys=("image",))
+
+
+def test_the_host_range_is_the_devices() -> None:
+    from loaders.tail.contrast import host_range
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for invert in (False, True):
+            x = (torch.randn(1000, generator=g) * 7.3 + 1.1).to(dtype)
+            y = -x if invert else x
+            want = float((y.max() - y.min()) + 1e-7)
+            assert host_range((float(x.min()), float(x.max())), x.dtype, invert) == want

@@ -1,0 +1,49 @@
+"""`RandAdjustContrastd` on the items it fires on, the host waiting once a batch.
+
+MONAI's `AdjustContrast` divides by a host number, `float(img_range + epsilon)`: a read back of each item (and
+each key). Here every item's min and max come back in one read a batch; the range plus epsilon is then computed
+on the host in the item's dtype (IEEE subtraction and addition, as the device computes them: the same number),
+and MONAI's other steps run on the item as MONAI runs them, op for op (the same device, the same kernels): the
+inversion, the stats it keeps, the division by that host number, the power, the scaling back. For float32 and
+float64 keys; others go through MONAI's own transform.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+EPSILON = 1e-7  # MONAI's AdjustContrast
+
+
+def host_range(span: tuple[float, float], dtype: Any, invert: bool) -> float:
+    """`float(img.max() - img.min() + 1e-7)` of an item whose min and max are `span`, in its dtype."""
+    kind = np.dtype(str(dtype).removeprefix("torch."))
+    lo, hi = (kind.type(-span[1]), kind.type(-span[0])) if invert else (kind.type(span[0]), kind.type(span[1]))
+    return float((hi - lo) + kind.type(EPSILON))
+
+
+def adjusted(inner: Any, img: Any, span: tuple[float, float]) -> Any:
+    """MONAI's `RandAdjustContrast(img, randomize=False)` with the gamma `inner` drew (`span`: the item's min and
+    max)."""
+    if not inner._do_transform:
+        return img
+    if inner.gamma_value is None:
+        raise RuntimeError("gamma_value is not set, please call `randomize` function first.")
+    a, gamma = inner.adjust_contrast, inner.gamma_value
+    if a.invert_image:
+        img = -img
+    if a.retain_stats:
+        mn = img.mean()
+        sd = img.std()
+    img_min = img.min()
+    img_range = img.max() - img_min
+    ret = ((img - img_min) / host_range(span, img.dtype, a.invert_image)) ** gamma * img_range + img_min
+    if a.retain_stats:
+        ret = ret - ret.mean()
+        ret = ret / (ret.std() + 1e-8)
+        ret = sd * ret + mn
+    if a.invert_image:
+        ret = -ret
+    return ret
