@@ -56,6 +56,15 @@ CHAINS = {
 }
 
 
+def _without_monais(monkeypatch: Any, cls: Any, chain: list[Any], batch: dict[str, Any], seed: int) -> Any:
+    """The batched tail with MONAI's own `cls.__call__` failing the test if called; (batch, tail)."""
+    monkeypatch.setattr(cls, "__call__", lambda *a, **k: pytest.fail(f"MONAI's own {cls.__name__} ran"))
+    try:
+        return batched(chain, batch, seed)
+    finally:
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("name", sorted(CHAINS))
 @pytest.mark.parametrize("seed", [0, 7])
 def test_equals_monai_per_item(name: str, seed: int) -> None:
@@ -155,9 +164,7 @@ def test_sharpening_reads_no_sigma_back_and_equals_monai(monkeypatch: Any) -> No
     assert float(_known(torch.tensor(2.5), 1.0)) == 1.0  # the host value, not the tensor's
     chain = [mt.RandGaussianSharpend("image", prob=0.7)]
     batch = make_batch(n=6)
-    monkeypatch.setattr(mt.GaussianSharpen, "__call__", lambda *a, **k: pytest.fail("MONAI's own sharpening ran"))
-    got, tail = batched(chain, batch, 4)
-    monkeypatch.undo()
+    got, tail = _without_monais(monkeypatch, mt.GaussianSharpen, chain, batch, 4)
     assert tail.fallbacks == []
     assert_same(got, reference(chain, batch, 4), keys=("image",))
 
@@ -168,9 +175,7 @@ def test_dropout_fills_float_items_where_they_are(name: str, monkeypatch: Any) -
     the numbers MONAI's; the batch's min and max read once."""
     chain = CHAINS[name]
     batch = make_batch(n=6)
-    monkeypatch.setattr(mt.RandCoarseDropout, "__call__", lambda *a, **k: pytest.fail("MONAI's own dropout ran"))
-    got, tail = batched(chain, batch, 2)
-    monkeypatch.undo()
+    got, tail = _without_monais(monkeypatch, mt.RandCoarseDropout, chain, batch, 2)
     assert tail.fallbacks == []
     assert_same(got, reference(chain, batch, 2), keys=("image",))
     assert not torch.equal(got["image"], batch["image"])  # some item was dropped out
@@ -195,9 +200,7 @@ def test_contrast_reads_the_ranges_once_and_equals_monai(name: str, dtype: str, 
     reads: list[int] = []
     spans = b.item_spans
     monkeypatch.setattr(b, "item_spans", lambda *a: reads.append(1) or spans(*a))
-    monkeypatch.setattr(mt.AdjustContrast, "__call__", lambda *a, **k: pytest.fail("MONAI's own contrast ran"))
-    got, tail = batched(chain, batch, 6)
-    monkeypatch.undo()
+    got, tail = _without_monais(monkeypatch, mt.AdjustContrast, chain, batch, 6)
     assert tail.fallbacks == [] and reads == [1]
     assert_same(got, reference(chain, batch, 6), keys=("image",))
 
