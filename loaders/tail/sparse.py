@@ -168,13 +168,23 @@ def _rotated(
     sp = tuple(int(s) for s in x.shape[2:])
     _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
     corners = inner.align_corners if align_corners is None else align_corners
-    xform = AffineTransform(normalized=True, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=True)
+    # MONAI's rotation reverses the matrices' spatial rows and columns (`reverse_indexing=True`) with an index
+    # copied from pageable memory; reversed here once by `flip`, the same numbers moved, no host wait
+    xform = AffineTransform(normalized=True, mode=m, padding_mode=p, align_corners=corners, reverse_indexing=False)
     img = rows_of(x, list(drawn)).to(get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor))
     at = (sp, img.dtype, img.device, corners)
     if at not in thetas:
         theta = to_device(torch.as_tensor(_matrices(sp, drawn), dtype=img.dtype), img.device)
-        thetas[at] = _normalized(theta, sp, corners, xform.zero_centered)
+        thetas[at] = _reversed(_normalized(theta, sp, corners, xform.zero_centered), len(sp))
     return xform(img, thetas[at], spatial_size=sp).float()
+
+
+def _reversed(theta: Any, sr: int) -> Any:
+    """`AffineTransform`'s `reverse_indexing`: the first `sr` rows, then the first `sr` columns, in reverse order."""
+    out = theta.clone()
+    out[:, :sr] = out[:, :sr].flip(1)
+    out[:, :, :sr] = out[:, :, :sr].flip(2)
+    return out
 
 
 def _normalized(theta: Any, size: tuple[int, ...], corners: bool, zero_centered: bool) -> Any:

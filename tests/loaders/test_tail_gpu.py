@@ -93,3 +93,24 @@ def test_normalized_matrices_are_monais(device: str, size: tuple[int, ...], corn
     got = _normalized(theta, size, corners, zero_centered)
     assert got.dtype == want.dtype and got.device == want.device
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("size", [(24, 20), (20, 22, 18)])
+def test_matrices_reversed_here_resample_as_monai_reverses_them(device: str, size: tuple[int, ...]) -> None:
+    from monai.networks.layers import AffineTransform
+
+    from loaders.tail.sparse import _reversed
+
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    g = torch.Generator().manual_seed(len(size))
+    nd = len(size)
+    theta = (torch.eye(nd + 1) + 0.1 * torch.randn(3, nd + 1, nd + 1, generator=g)).to(device)
+    theta[:, nd] = torch.eye(nd + 1)[nd].to(device)
+    img = torch.rand(3, 1, *size, generator=g).to(device)
+    plain = AffineTransform(normalized=True, reverse_indexing=False)
+    monai_way = AffineTransform(normalized=True, reverse_indexing=True)(img, theta, spatial_size=size)
+    ours = plain(img, _reversed(theta, nd), spatial_size=size)
+    assert torch.equal(ours, monai_way)
+    assert not torch.equal(plain(img, theta, spatial_size=size), ours)  # the reversal matters
