@@ -152,12 +152,14 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
         return True
     done: dict[int, dict[Hashable, Any]] = {}
     here = float_keys(batch, keys)
-    span = item_spans(batch, keys) if here and inner.fill_value is None else None
+    spans: dict[Hashable, list[tuple[float, float]]] = {}  # read at the first item that fires, if any does
 
     def draw(i: int) -> dict[str, Any]:
         inner.randomize(tuple(batch.data[keys[0]].shape[2:]))
+        if here and inner.fill_value is None and not spans:
+            spans.update(item_spans(batch, keys))
         if here:
-            done[i] = {k: filled(inner, row_of(batch, k, i), span[k][i] if span else None) for k in keys}
+            done[i] = {k: filled(inner, row_of(batch, k, i), spans[k][i] if spans else None) for k in keys}
         else:
             done[i] = {k: inner(row_of(batch, k, i), randomize=False) for k in keys}
         return {}

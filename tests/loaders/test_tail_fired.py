@@ -172,13 +172,33 @@ def test_sharpening_reads_no_sigma_back_and_equals_monai(monkeypatch: Any) -> No
 @pytest.mark.parametrize("name", ["dropout_image", "dropout_fill", "dropout_keep", "dropout_keep_range"])
 def test_dropout_fills_float_items_where_they_are(name: str, monkeypatch: Any) -> None:
     """Float keys: the holes filled without MONAI's round trip through numpy (its own transform is not called),
-    the numbers MONAI's; the batch's min and max read once."""
+    the numbers MONAI's; the batch's min and max read once, and only for a random fill."""
     chain = CHAINS[name]
     batch = make_batch(n=6)
+    reads = _counted_spans(monkeypatch)
     got, tail = _without_monais(monkeypatch, mt.RandCoarseDropout, chain, batch, 2)
-    assert tail.fallbacks == []
+    assert tail.fallbacks == [] and len(reads) == (chain[0].dropper.fill_value is None)
     assert_same(got, reference(chain, batch, 2), keys=("image",))
     assert not torch.equal(got["image"], batch["image"])  # some item was dropped out
+
+
+def test_dropout_reads_no_range_when_no_item_fires(monkeypatch: Any) -> None:
+    chain = [mt.RandCoarseDropoutd("image", holes=2, spatial_size=2, prob=0.0)]
+    batch = make_batch(n=6)
+    reads = _counted_spans(monkeypatch)
+    got, tail = batched(chain, batch, 2)
+    assert tail.fallbacks == [] and reads == []
+    assert_same(got, reference(chain, batch, 2), keys=("image",))
+
+
+def _counted_spans(monkeypatch: Any) -> list[int]:
+    """Each call of `batched.item_spans` (one read of the batch back to the host) appended to the list."""
+    from loaders.tail import batched as b
+
+    reads: list[int] = []
+    spans = b.item_spans
+    monkeypatch.setattr(b, "item_spans", lambda *a: reads.append(1) or spans(*a))
+    return reads
 
 
 def test_dropout_of_a_uint8_key_goes_through_monai() -> None:
@@ -192,14 +212,10 @@ def test_dropout_of_a_uint8_key_goes_through_monai() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_contrast_reads_the_ranges_once_and_equals_monai(name: str, dtype: str, monkeypatch: Any) -> None:
     """MONAI's own AdjustContrast is not called; each item's range comes from one read of the batch."""
-    from loaders.tail import batched as b
-
     chain = CHAINS[name]
     batch = make_batch(n=6)
     batch["image"] = batch["image"].to(getattr(torch, dtype))
-    reads: list[int] = []
-    spans = b.item_spans
-    monkeypatch.setattr(b, "item_spans", lambda *a: reads.append(1) or spans(*a))
+    reads = _counted_spans(monkeypatch)
     got, tail = _without_monais(monkeypatch, mt.AdjustContrast, chain, batch, 6)
     assert tail.fallbacks == [] and reads == [1]
     assert_same(got, reference(chain, batch, 6), keys=("image",))
