@@ -319,28 +319,40 @@ class Cursor:
         self.live: Position | None = None
         self.left: Position | None = None  # where the last epoch was left (whole, or by a `break`)
         self.resume = 0
+        self.ahead = False  # the states have moved on past `left` for the next epoch begun ahead (loaders.fast.carry)
 
     def begin(self, epoch: int, skip: int) -> dict[int, tuple[Any, ...]]:
-        """An epoch starts at batch `skip` from the states of now; returns them."""
-        self.left = None
-        self.live = Position(epoch, skip, self.draws.take())
+        """An epoch starts at batch `skip` from the states of now (or, for the epoch begun ahead, of the last
+        batch delivered before it); returns them."""
+        snap = self.left.snap if self.ahead and self.left is not None else self.draws.take()
+        self.left, self.ahead = None, False
+        self.live = Position(epoch, skip, snap)
         return self.live.snap
 
     def delivered(self, epoch: int, batch: int, snap: dict[int, tuple[Any, ...]]) -> None:
         """Batch `batch - 1` of `epoch` reached the caller, its draws as of `snap`."""
         self.live = Position(epoch, batch, snap)
 
-    def end(self) -> None:
-        """The epoch is left (whole or early): the states go back to those of the last batch delivered."""
+    def end(self, ahead: bool = False) -> None:
+        """The epoch is left (whole or early): the states go back to those of the last batch delivered, or, where
+        the next epoch was begun `ahead` (its draws being made), stay as they are until it is taken or dropped."""
         if self.live is not None:
-            self.draws.put(self.live.snap)
-            self.left, self.live = self.live, None
+            if not ahead:
+                self.draws.put(self.live.snap)
+            self.left, self.live, self.ahead = self.live, None, ahead
+
+    def drop_ahead(self) -> None:
+        """The epoch begun ahead is dropped (its jobs done or cancelled): the states back to the last batch
+        delivered."""
+        if self.ahead and self.left is not None:
+            self.draws.put(self.left.snap)
+        self.ahead = False
 
     def start_at(self, epoch_resume: int, snap: Mapping[int, tuple[Any, ...]]) -> None:
         """The next epoch goes on from its batch `epoch_resume` with the states `snap` (a loaded state, or the
         parent's states in a feeder's child)."""
         self.draws.put(snap)
-        self.left, self.resume = None, epoch_resume
+        self.left, self.resume, self.ahead = None, epoch_resume, False
 
     def now(self, epoch: int) -> Position:
         """As of the last batch delivered: the live epoch's position; between epochs, where the last one was left
@@ -348,7 +360,10 @@ class Cursor:
         one after it and no state was set since; else `epoch`'s start."""
         if self.live is not None:
             return self.live
-        left, snap = self.left, self.draws.take()
+        left = self.left
+        if left is not None and left.epoch == epoch - 1 and not self.resume and self.ahead:
+            return left
+        snap = self.draws.take()
         if left is not None and left.epoch == epoch - 1 and not self.resume and same(left.snap, snap):
             return left
         return Position(epoch, self.resume, snap)

@@ -202,6 +202,7 @@ def _epoch(loader: Any, conn: Any, send: Any, ask: EpochAsk, ring: Ring, ahead: 
     try:
         if batches is None:
             loader.shard(ask.rank, ask.world)
+            loader.drop_ahead()
             loader.epoch = ask.epoch
             loader.cursor.start_at(ask.skip, ask.snap)
             batches = gen = iter(loader)
@@ -232,4 +233,5 @@ def _epoch(loader: Any, conn: Any, send: Any, ask: EpochAsk, ring: Ring, ahead: 
     finally:
         if gen is not None:
             gen.close()  # an epoch left early: the read thread stopped, the draws as of the last batch sent
-    return _Ahead(loader, ask.epoch + 1, dict(loader.cursor.draws.take())) if finished else None
+    # the states as of the last batch sent (the loader's own next epoch may already be drawing past them)
+    return _Ahead(loader, ask.epoch + 1, dict(loader.cursor.now(loader.epoch).snap)) if finished else None

@@ -46,6 +46,7 @@ from loaders.cache.order import epoch_batches, epoch_order
 from loaders.deps import require
 from loaders.errors import ArgumentTypeError, ArgumentValueError
 from loaders.fast.assembly import BatchAssembly
+from loaders.fast.carry import NextEpoch
 from loaders.fast.feeding import FeederSide
 from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_bytes: re-exported
 from loaders.fast.trial import FeederTrial
@@ -138,6 +139,7 @@ class PreparedLoader(FeederSide):
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
         self._threads_kept: dict[str, Any] = {}  # "read", "feed": one thread each, kept from epoch to epoch
         self._feeder: Any = None
+        self._carry: NextEpoch | None = None  # the next epoch begun ahead (loaders.fast.carry)
         self.made_here = 0  # batches this process made for a loader with a feeder (while its child started)
         self._trial: FeederTrial | None = FeederTrial() if payload is not None and self._feeder_auto else None
         self._verdict: str | None = None
@@ -213,6 +215,7 @@ class PreparedLoader(FeederSide):
     def shard(self, rank: int, world: int) -> PreparedLoader:
         """This loader as DDP rank `rank` of `world`: each epoch's shuffled order split across ranks."""
         args.shard(rank, world)
+        self.drop_ahead()
         self.rank, self.world = rank, world
         return self
 
@@ -224,12 +227,14 @@ class PreparedLoader(FeederSide):
         saved epoch keeps the saved place in it."""
         epoch = args.count("epoch", epoch, 0)
         if epoch != self.epoch:
+            self.drop_ahead()
             self.cursor.resume = 0
         self.epoch = epoch
 
     def set_random_state(self, seed: int) -> PreparedLoader:
         """Seed the tail's random transforms as `transform.set_random_state(seed)` seeds them (the head draws
         nothing; a nested Compose seeds its members from its own draw, as in MONAI)."""
+        self.drop_ahead()
         self._seeder.set_random_state(None if seed is None else args.seed(seed))
         if self._workers is not None:
             self._workers.set_random_state(args.seed(seed))
@@ -265,6 +270,7 @@ class PreparedLoader(FeederSide):
         if saved["batch"] > len(self):
             raise state.LoaderStateError(f"load_state_dict: batch {saved['batch']} is past the epoch's {len(self)}")
         snap = self.cursor.draws.decode(saved.get("random"), "load_state_dict")
+        self.drop_ahead()
         self.epoch = saved["epoch"]
         self.cursor.start_at(saved["batch"], snap)
 
@@ -298,6 +304,7 @@ class PreparedLoader(FeederSide):
         if self._feeder is None:
             return self._run(chunks, epoch, skip, self.tail_thread)
         if self._feeder_ready():
+            self.drop_ahead()  # begun here while the child started: the child makes this epoch from its start
             self._tier_to_feeder()
             batches = self._feeder.run(self, epoch, skip, len(chunks))
         else:
@@ -309,12 +316,19 @@ class PreparedLoader(FeederSide):
     ) -> Generator[dict[str, Any], None, None]:
         # one thread a stage, so the batches' draws stay in batch order: the reads, then (tail_thread) the tail,
         # which runs batch k's tail while batch k+1 is read (a cold epoch keeps its reads in flight meanwhile)
-        reads = InOrder(executor=self._thread("read"))
-        tails = InOrder(executor=self._thread("feed")) if tail_thread else None
+        # the next epoch's first batches follow this one's last on the same stages (`loaders.fast.carry`)
+        carried = self._take_carry(epoch, skip, chunks, tail_thread)
+        if carried is not None:
+            reads, tails = carried.reads, carried.tails
+        else:
+            reads = InOrder(executor=self._thread("read"))
+            tails = InOrder(executor=self._thread("feed")) if tail_thread else None
         ahead = tails if tails is not None else reads
+        submitted = carried.submitted if carried is not None else skip
+        nxt: NextEpoch | None = None
 
-        def submit(k: int) -> None:
-            reads.submit(self._fetch, chunks[k], k)
+        def submit(of: list[np.ndarray], k: int) -> None:
+            reads.submit(self._fetch, of[k], k)
             if tails is not None:
                 tails.submit(self._finish_next, reads)
 
@@ -324,12 +338,17 @@ class PreparedLoader(FeederSide):
         if self._training_threads is not None:
             self.torch.set_num_threads(self._training_threads)
         self.cursor.begin(epoch, skip)
+        whole = False
         try:
-            for k in range(skip, min(len(chunks), skip + self.prefetch)):
-                submit(k)
             for k in range(skip, len(chunks)):
-                if k + self.prefetch < len(chunks):
-                    submit(k + self.prefetch)
+                while submitted <= min(k + self.prefetch, len(chunks) - 1):
+                    submit(chunks, submitted)
+                    submitted += 1
+                if k + self.prefetch >= len(chunks) and self._workers is None:
+                    if nxt is None:
+                        later = epoch_batches(self.epoch_items(epoch + 1), self.batch_size, self.drop_last)
+                        nxt = NextEpoch(epoch + 1, later, reads, tails)
+                    nxt.fill(k + self.prefetch - len(chunks), submit)
                 got = ahead.take()
                 if tail_thread:
                     batch, event, snap = got
@@ -339,17 +358,40 @@ class PreparedLoader(FeederSide):
                         batch = self.assembly.finish(got)
                     snap = self.cursor.draws.after(got.early)
                 self.cursor.delivered(epoch, k + 1, snap)
+                whole = k + 1 == len(chunks)
                 yield batch
         finally:
-            if tails is not None:
-                tails.close()  # before the reads: a tail waiting for its batch's read gets it, or its cancellation
-            reads.close()
             sys.setswitchinterval(interval)
             if self._training_threads is not None:
                 self.torch.set_num_threads(threads)
-            # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved
-            # state) goes on from the last batch the user received, as MONAI's per-item chain would
-            self.cursor.end()
+            if whole and nxt is not None:
+                self._carry = nxt  # the next epoch goes on being made; the states stay where its draws are
+                self.cursor.end(ahead=True)
+            else:
+                if tails is not None:
+                    tails.close()  # before the reads: a tail waiting for its batch's read gets it, or its cancellation
+                reads.close()
+                # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved
+                # state) goes on from the last batch the user received, as MONAI's per-item chain would
+                self.cursor.end()
+                self.tier.settle()
+
+    def _take_carry(self, epoch: int, skip: int, chunks: list[np.ndarray], tail_thread: bool) -> NextEpoch | None:
+        """The epoch begun ahead if this pass is that epoch, else None (it dropped)."""
+        carried = self._carry
+        if carried is not None and carried.fits(epoch, skip, chunks, tail_thread):
+            self._carry = None
+            return carried
+        self.drop_ahead()
+        return None
+
+    def drop_ahead(self) -> None:
+        """Drop the next epoch begun ahead, if any: its jobs waited for or cancelled, every random state back to
+        the last batch delivered (before anything reads or sets them)."""
+        carried, self._carry = self._carry, None
+        if carried is not None:
+            carried.clear()
+            self.cursor.drop_ahead()
             self.tier.settle()
 
     def _thread(self, stage: str) -> Any:
@@ -430,6 +472,7 @@ class PreparedLoader(FeederSide):
 
     def close(self) -> None:
         """Release the backend and the device tier (and stop the feeder process)."""
+        self.drop_ahead()
         if self._feeder is not None:
             self._feeder.close()
         if self._workers is not None:
