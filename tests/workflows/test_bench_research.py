@@ -135,6 +135,17 @@ def test_labels_that_differ_from_readers_file_are_named() -> None:
     assert rows.footer == ["labels: DIFFER in b"]
 
 
+def test_a_rows_round_is_its_median_rate_not_its_median_time() -> None:
+    """Rounds that time more epochs take longer at a higher rate: the row kept is the round of median items/s."""
+    from workflows.bench.core import Result, Rows
+
+    rounds = iter([(100, 1.0), (600, 3.0), (500, 10.0)])  # 100, 200 and 50 items/s; the median time is 200's
+    rows = Rows()
+    rows.add_rounds([("ours", lambda: Result("ours", "images", *next(rounds), 1000))], 3)
+    (row,) = rows.results
+    assert row.items_per_s == 100 and (row.extra["min"], row.extra["max"]) == (50, 200)
+
+
 def test_short_rounds_earn_a_footer_and_long_ones_none() -> None:
     """Ratios of rounds shorter than SHORT_ROUND_S (the peer's median) do not hold between runs: the table
     says so under it; rounds as long or longer say nothing."""

@@ -116,8 +116,9 @@ class Rows:
         best_of: Mapping[str, str] | None = None,
     ) -> None:  # fmt: skip
         """Run every way once per round, the ways interleaved (a load that comes and goes on a shared box
-        hits them alike); keep one row per way: the round of median time. With more than one round, its
-        `extra` holds the rounds, their items/s range and, against the rows named `peer` and `ceiling`, the
+        hits them alike); keep one row per way: the round of median rate (items/s; not of median time: a round
+        times as many epochs as its minimum time needs, so a faster round may take longer). With more than one
+        round, its `extra` holds the rounds, their items/s range and, against the rows named `peer` and `ceiling`, the
         median of the per-round ratios (each against that row's run of the same round). `best_of` maps a
         job's label to another's: in each round the faster of the two runs is kept, under the other label
         (a ceiling measured first and again last in every round)."""
@@ -138,7 +139,7 @@ class Rows:
                    for key, name in (("x peer per round", peer), ("x ceiling per round", ceiling)) if name}  # fmt: skip
         self._short_rounds(against.get("x peer per round"), peer)
         for made in runs.values():
-            row = sorted(made, key=lambda x: x.seconds)[(len(made) - 1) // 2]
+            row = sorted(made, key=lambda x: x.items_per_s)[(len(made) - 1) // 2]
             if len(made) > 1:
                 rates = [x.items_per_s for x in made]
                 row.extra.update(rounds=len(made), min=min(rates), max=max(rates))
