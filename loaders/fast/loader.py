@@ -364,17 +364,22 @@ class PreparedLoader(FeederSide):
             sys.setswitchinterval(interval)
             if self._training_threads is not None:
                 self.torch.set_num_threads(threads)
-            if whole and nxt is not None:
-                self._carry = nxt  # the next epoch goes on being made; the states stay where its draws are
-                self.cursor.end(ahead=True)
-            else:
-                if tails is not None:
-                    tails.close()  # before the reads: a tail waiting for its batch's read gets it, or its cancellation
-                reads.close()
-                # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved
-                # state) goes on from the last batch the user received, as MONAI's per-item chain would
-                self.cursor.end()
-                self.tier.settle()
+            self._leave(reads, tails, nxt if whole else None)
+
+    def _leave(self, reads: InOrder, tails: InOrder | None, nxt: NextEpoch | None) -> None:
+        """An epoch left: its stages go on making `nxt` (the next epoch begun ahead, the states left where its
+        draws are), or are stopped."""
+        if nxt is not None:
+            self._carry = nxt
+            self.cursor.end(ahead=True)
+            return
+        if tails is not None:
+            tails.close()  # before the reads: a tail waiting for its batch's read gets it, or its cancellation
+        reads.close()
+        # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved state) goes
+        # on from the last batch the user received, as MONAI's per-item chain would
+        self.cursor.end()
+        self.tier.settle()
 
     def _take_carry(self, epoch: int, skip: int, chunks: list[np.ndarray], tail_thread: bool) -> NextEpoch | None:
         """The epoch begun ahead if this pass is that epoch, else None (it dropped)."""
