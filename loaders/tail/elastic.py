@@ -9,7 +9,9 @@ inline), and MONAI's own dict transform then runs on each item with those draws 
 `randomize` calls: the same code, the same numbers, the draws off the tail's path. One stream drawing every item
 in turn would bound `seg-elastic` at 0.42 of its ceiling, so the stream skips over each item's words (a fixed count
 of uniform numbers, confirmed once per shape against MONAI's own draw) and the items draw at once on the draw
-threads, each from its own start; an item whose draws end anywhere but the next item's start raises.
+threads, each from its own start; an item whose draws end anywhere but the next item's start raises. Where the
+dict transform and the inner one draw from two streams, a batch's items are moved past at once in a helper process
+(`loaders.tail.stream`: no interpreter lock taken back after each item).
 
 The inner `RandAffineGrid` draws twice per item (in the elastic's `randomize` and again when it makes the grid),
 from its own stream: drawing ahead sends its draws aside, and MONAI's transform on each item makes both from the
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders.tail import stream
 from loaders.tail.ahead import _Like, ahead, drawers, from_state, resolved, same_state, skip, skippable
 from loaders.tail.batched import TailBatch
 from loaders.tail.sparse import Apply, assemble, ready
@@ -37,6 +40,15 @@ def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
     """n items' draws as MONAI's dict transform makes them, in order (`like.shape`: the grid's size). Where the
     inner transform's words can be skipped over, each item draws on the draw threads (a Future of its draw)."""
     words = _words(inner, tuple(like.shape))
+    if words is not None and t.R is not inner.R:  # two streams: the dict's probs, then the inner's items at once
+        dos = []
+        for _ in range(n):
+            t.randomize(None)
+            dos.append(bool(t._do_transform))
+        begins = stream.starts(inner.R, words, n)  # each item's start, moved past in the helper process
+        ends = [*begins[1:], inner.R.get_state()]
+        copies = [_copy(inner) for _ in range(n)]  # copied here: the real one may be running MONAI's transform
+        return [drawers().submit(_draw_one, d, c, b, like.shape, e) for d, c, b, e in zip(dos, copies, begins, ends)]
     out: list[Any] = []
     for _ in range(n):
         t.randomize(None)

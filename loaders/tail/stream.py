@@ -1,0 +1,145 @@
+"""A random stream moved past a batch's items in a helper process: each item's start state, at once.
+
+`Rand3DElasticd` draws 5.3 M generator words an item (96^3 offsets), and one stream gives every item its words in
+turn: the items' start states come from moving the stream past each item's words (`ahead.skip`, numpy's
+`random_raw` with no output, 8.3 ms an item on an H200 box's core). numpy releases the interpreter lock while it
+does, but takes it back after each item, behind the tail's and the training loop's Python: a switch interval
+(5 ms) lost per item, twice the skip's own time where those threads are busy (py-spy on `seg-elastic`: the
+stream's thread busy 99% of its samples, 97% of them in the skip). Here a small process of its own (numpy only,
+started once, no lock shared) moves a copy of the stream past every item of a batch and sends back each start and
+the end: the thread that asks waits once a batch, with the lock released. The states are numpy's own, from the
+same words, so the draws are those of skipping in the thread; where the process cannot start or dies, the thread
+skips itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+# The helper's whole program (numpy only: nothing of the training script or of this package is imported there).
+# Request: pickled (key words, pos, words an item, items); reply: pickled list of (key words, pos), one per item's
+# start and one for the end. Each message is a 4-byte little-endian length, then the pickle. EOF ends it.
+_HELPER = r"""
+import pickle, struct, sys
+import numpy as np
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+g = np.random.MT19937()
+while True:
+    head = inp.read(4)
+    if len(head) < 4:
+        break
+    key, pos, words, items = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
+    g.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
+    states = []
+    for _ in range(items + 1):
+        s = g.state["state"]
+        states.append((s["key"], s["pos"]))
+        if len(states) <= items:
+            g.random_raw(words, output=False)
+    body = pickle.dumps(states, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(struct.pack("<I", len(body)) + body)
+    out.flush()
+"""
+
+
+class _Helper:
+    """The helper process, started on first use; None where it could not start."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP",)}
+        env["OMP_NUM_THREADS"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+
+    def ask(self, key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        body = pickle.dumps((key, pos, words, items), protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.write(struct.pack("<I", len(body)) + body)
+        self.proc.stdin.flush()
+        head = self.proc.stdout.read(4)
+        if len(head) < 4:
+            raise OSError("the stream helper ended")
+        got: list[tuple[np.ndarray, int]] = pickle.loads(self.proc.stdout.read(struct.unpack("<I", head)[0]))
+        return got
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # EOF: it leaves
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"helper": None, "failed": False}
+
+
+def starts(r: np.random.RandomState, words: int, items: int) -> list[tuple[Any, ...]]:
+    """Each of `items` items' start state (`r.get_state()` form) where each takes `words` words of `r`'s
+    Mersenne Twister, in turn; `r` is left at the end of the last, as skipping item by item would leave it."""
+    name, key, pos, has_gauss, gauss = r.get_state(legacy=True)
+    got = _asked(np.asarray(key, dtype=np.uint32), int(pos), words, items)
+    if got is None:
+        from loaders.tail.ahead import skip
+
+        out: list[tuple[Any, ...]] = []
+        for _ in range(items):
+            out.append(tuple(r.get_state(legacy=True)))
+            skip(r, words)
+        return out
+    states: list[Any] = [(name, k, p, has_gauss, gauss) for k, p in got]
+    r.set_state(states[-1])
+    return states[:-1]
+
+
+def _asked(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]] | None:
+    with _LOCK:
+        if _STATE["failed"]:
+            return None
+        try:
+            if _STATE["helper"] is None:
+                _STATE["helper"] = _Helper()
+            return _STATE["helper"].ask(key, pos, words, items)  # type: ignore[no-any-return]
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            _STATE["failed"] = True  # said nowhere: the thread skips itself, the same states
+            _close_locked()
+            return None
+
+
+def close() -> None:
+    """Stop the helper (at exit; a later use starts a new one)."""
+    with _LOCK:
+        _close_locked()
+        _STATE["failed"] = False
+
+
+def _close_locked() -> None:
+    helper, _STATE["helper"] = _STATE["helper"], None
+    if helper is not None:
+        helper.close()
+
+
+def _forget_the_parents_helper() -> None:
+    """In a forked child: the parent's helper and its pipes are the parent's; the child starts its own."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _STATE.update(helper=None, failed=False)
+
+
+atexit.register(close)
+os.register_at_fork(after_in_child=_forget_the_parents_helper)
