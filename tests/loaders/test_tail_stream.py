@@ -69,20 +69,23 @@ def test_a_helper_that_dies_is_replaced_by_the_thread_and_close_stops_it() -> No
     assert proc.poll() is not None and stream._STATE["helper"] is None
 
 
+def _in_the_child(parents: Any) -> None:
+    """In a forked child: none of the parent's helper, and one of its own that works."""
+    ok = stream._STATE["helper"] is None
+    r, q = np.random.RandomState(3), np.random.RandomState(3)
+    ok = ok and all(same_state(a, b) for a, b in zip(stream.starts(r, 50, 2), _skipped(q, 50, 2)))
+    ok = ok and stream._STATE["helper"] is not None and stream._STATE["helper"] is not parents
+    stream.close()
+    os._exit(0 if ok else 1)
+
+
 def test_a_forked_child_starts_its_own_helper() -> None:
+    from forkutil import forked_exit
+
     stream.starts(np.random.RandomState(0), 10, 1)
     parents = stream._STATE["helper"]
     assert parents is not None
-    pid = os.fork()
-    if pid == 0:  # the child: none of the parent's helper, and one of its own that works
-        ok = stream._STATE["helper"] is None
-        r, q = np.random.RandomState(3), np.random.RandomState(3)
-        ok = ok and all(same_state(a, b) for a, b in zip(stream.starts(r, 50, 2), _skipped(q, 50, 2)))
-        ok = ok and stream._STATE["helper"] is not parents
-        stream.close()
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.WEXITSTATUS(status) == 0
+    assert forked_exit(_in_the_child, (parents,), "its own stream helper") == 0
     assert stream._STATE["helper"] is parents and parents.proc.poll() is None  # the parent's is untouched
 
 
