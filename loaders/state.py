@@ -361,10 +361,11 @@ class Cursor:
         if self.live is not None:
             return self.live
         left = self.left
-        if left is not None and left.epoch == epoch - 1 and not self.resume and self.ahead:
+        follows = left is not None and left.epoch == epoch - 1 and not self.resume
+        if left is not None and follows and self.ahead:  # the states are being drawn from: `left` stands
             return left
         snap = self.draws.take()
-        if left is not None and left.epoch == epoch - 1 and not self.resume and same(left.snap, snap):
+        if left is not None and follows and same(left.snap, snap):
             return left
         return Position(epoch, self.resume, snap)
 

@@ -55,8 +55,7 @@ class _Helper:
     """The helper process, started on first use; None where it could not start."""
 
     def __init__(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP",)}
-        env["OMP_NUM_THREADS"] = "1"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # no BLAS threads at import
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
