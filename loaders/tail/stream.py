@@ -6,10 +6,11 @@ turn: the items' start states come from moving the stream past each item's words
 does, but takes it back after each item, behind the tail's and the training loop's Python: a switch interval
 (5 ms) lost per item, twice the skip's own time where those threads are busy (py-spy on `seg-elastic`: the
 stream's thread busy 99% of its samples, 97% of them in the skip). Here a small process of its own (numpy only,
-started once, no lock shared) moves a copy of the stream past every item of a batch and sends back each start and
-the end: the thread that asks waits once a batch, with the lock released. The states are numpy's own, from the
-same words, so the draws are those of skipping in the thread; where the process cannot start or dies, the thread
-skips itself.
+started once, no lock shared) gives every item of a batch its start and the end at once, each jumped to from the
+batch's start (`loaders.tail.mtjump`: 2-3 ms an item, whatever its words) where an item's words are many, else
+moved past by drawing: the thread that asks waits once a batch, with the lock released. The states are numpy's own
+(the key and position drawing would leave), so the draws are those of skipping in the thread, and each item's
+draw is checked to end where the next begins; where the process cannot start or dies, the thread skips itself.
 """
 
 from __future__ import annotations
@@ -25,30 +26,11 @@ from typing import Any
 
 import numpy as np
 
-# The helper's whole program (numpy only: nothing of the training script or of this package is imported there).
-# Request: pickled (key words, pos, words an item, items); reply: pickled list of (key words, pos), one per item's
-# start and one for the end. Each message is a 4-byte little-endian length, then the pickle. EOF ends it.
-_HELPER = r"""
-import pickle, struct, sys
-import numpy as np
-inp, out = sys.stdin.buffer, sys.stdout.buffer
-g = np.random.MT19937()
-while True:
-    head = inp.read(4)
-    if len(head) < 4:
-        break
-    key, pos, words, items = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
-    g.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": pos}}
-    states = []
-    for _ in range(items + 1):
-        s = g.state["state"]
-        states.append((s["key"], s["pos"]))
-        if len(states) <= items:
-            g.random_raw(words, output=False)
-    body = pickle.dumps(states, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(struct.pack("<I", len(body)) + body)
-    out.flush()
-"""
+from loaders.tail import mtjump
+
+# The helper runs loaders/tail/mtjump.py as a script (numpy only: nothing of the training script or of this package
+# is imported there; runpy leaves sys.path as it is).
+_HELPER = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
 class _Helper:
@@ -57,7 +39,7 @@ class _Helper:
     def __init__(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # no BLAS threads at import
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            [sys.executable, "-c", _HELPER, mtjump.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
 
     def ask(self, key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:

@@ -21,7 +21,9 @@ def _skipped(r: np.random.RandomState, words: int, items: int) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize(("words", "items"), [(1, 1), (2 * 624 + 7, 3), (2 * (3 + 3 * 20**3), 4)])
+@pytest.mark.parametrize(
+    ("words", "items"), [(1, 1), (2 * 624 + 7, 3), (2 * (3 + 3 * 20**3), 4), (2 * (3 + 3 * 72**3), 3)]
+)
 def test_the_helpers_starts_are_those_of_skipping_in_the_thread(words: int, items: int) -> None:
     r = np.random.RandomState(11)
     r.uniform(size=3)
