@@ -7,11 +7,11 @@ not the item is deformed. The smoothing, the grid and the resampling are a few k
 So the batch's draws are made by MONAI's own `randomize` ahead of the tail (`loaders.tail.ahead`: exact, or drawn
 inline), and MONAI's own dict transform then runs on each item with those draws put back in place of its
 `randomize` calls: the same code, the same numbers, the draws off the tail's path. One stream drawing every item
-in turn would bound `seg-elastic` at 0.42 of its ceiling, so the stream skips over each item's words (a fixed count
-of uniform numbers, confirmed once per shape against MONAI's own draw) and the items draw at once on the draw
-threads, each from its own start; an item whose draws end anywhere but the next item's start raises. Where the
-dict transform and the inner one draw from two streams, a batch's items are moved past at once in a helper process
-(`loaders.tail.stream`: no interpreter lock taken back after each item).
+in turn would bound `seg-elastic` at 0.42 of its ceiling, and moving it past each item's words (a fixed count of
+uniform numbers, confirmed once per shape against MONAI's own draw) at 0.3: so each item's start is jumped to
+(`loaders.tail.mtjump`, 2-3 ms whatever the count) and the items draw at once on the draw threads; an item whose
+draws end anywhere but the next item's start raises. Where the dict transform and the inner one draw from two
+streams, a batch's starts come at once from a helper process (`loaders.tail.stream`: no interpreter lock held).
 
 The inner `RandAffineGrid` draws twice per item (in the elastic's `randomize` and again when it makes the grid),
 from its own stream: drawing ahead sends its draws aside, and MONAI's transform on each item makes both from the
@@ -58,7 +58,7 @@ def _draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
             out.append(_taken(bool(t._do_transform), one))
             continue
         start = inner.R.get_state()
-        skip(inner.R, words)
+        stream.advance(inner.R, words)  # jumped: the words are many
         one = _copy(inner)  # copied here: the real one may be running MONAI's transform meanwhile
         out.append(drawers().submit(_draw_one, bool(t._do_transform), one, start, like.shape, inner.R.get_state()))
     return out

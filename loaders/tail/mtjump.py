@@ -158,6 +158,11 @@ def skipped(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.
     return out
 
 
+def moved(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
+    """`starts`, jumped where an item's words are many enough, else drawn."""
+    return (starts if words >= JUMP_FROM else skipped)(key, pos, words, items)
+
+
 def serve() -> None:
     """The stream helper's loop: a request is a 4-byte little-endian length, then the pickled (key, pos, words an
     item, items); the reply the pickled `starts` the same way. EOF ends it."""
@@ -168,8 +173,7 @@ def serve() -> None:
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while len(head := inp.read(4)) == 4:
         key, pos, words, items = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
-        way = starts if words >= JUMP_FROM else skipped
-        body = pickle.dumps(way(key, pos, words, items), protocol=pickle.HIGHEST_PROTOCOL)
+        body = pickle.dumps(moved(key, pos, words, items), protocol=pickle.HIGHEST_PROTOCOL)
         out.write(struct.pack("<I", len(body)) + body)
         out.flush()
 

@@ -10,7 +10,7 @@ started once, no lock shared) gives every item of a batch its start and the end 
 batch's start (`loaders.tail.mtjump`: 2-3 ms an item, whatever its words) where an item's words are many, else
 moved past by drawing: the thread that asks waits once a batch, with the lock released. The states are numpy's own
 (the key and position drawing would leave), so the draws are those of skipping in the thread, and each item's
-draw is checked to end where the next begins; where the process cannot start or dies, the thread skips itself.
+draw is checked to end where the next begins; where the process cannot start or dies, the thread does the same.
 """
 
 from __future__ import annotations
@@ -74,18 +74,20 @@ def starts(r: np.random.RandomState, words: int, items: int) -> list[tuple[Any, 
     """Each of `items` items' start state (`r.get_state()` form) where each takes `words` words of `r`'s
     Mersenne Twister, in turn; `r` is left at the end of the last, as skipping item by item would leave it."""
     name, key, pos, has_gauss, gauss = r.get_state(legacy=True)
-    got = _asked(np.asarray(key, dtype=np.uint32), int(pos), words, items)
-    if got is None:
-        from loaders.tail.ahead import skip
-
-        out: list[tuple[Any, ...]] = []
-        for _ in range(items):
-            out.append(tuple(r.get_state(legacy=True)))
-            skip(r, words)
-        return out
+    key = np.asarray(key, dtype=np.uint32)
+    got = _asked(key, int(pos), words, items)
+    if got is None:  # in this thread
+        got = mtjump.moved(key, int(pos), words, items)
     states: list[Any] = [(name, k, p, has_gauss, gauss) for k, p in got]
     r.set_state(states[-1])
     return states[:-1]
+
+
+def advance(r: np.random.RandomState, words: int) -> None:
+    """Move `r` on by `words` words in this thread (jumped where they are many), as drawing them would."""
+    name, key, pos, has_gauss, gauss = r.get_state(legacy=True)
+    (k, p) = mtjump.moved(np.asarray(key, dtype=np.uint32), int(pos), words, 1)[1]
+    r.set_state((name, k, p, has_gauss, gauss))
 
 
 def _asked(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]] | None:
@@ -97,7 +99,7 @@ def _asked(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.n
                 _STATE["helper"] = _Helper()
             return _STATE["helper"].ask(key, pos, words, items)  # type: ignore[no-any-return]
         except (OSError, EOFError, pickle.UnpicklingError, ValueError):
-            _STATE["failed"] = True  # said nowhere: the thread skips itself, the same states
+            _STATE["failed"] = True  # said nowhere: the thread moves the stream itself, the same states
             _close_locked()
             return None
 

@@ -143,6 +143,31 @@ def test_an_affine_grid_sharing_the_offsets_stream_stays_per_item() -> None:
         assert_same(tail(b), w, keys=("image", "label"))
 
 
+def test_one_stream_for_the_dict_and_its_inner_is_jumped_item_by_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dict's prob and the inner's offsets from one RandomState interleave item by item: each item's offsets
+    jumped over in this thread (`stream.advance`), every batch MONAI's."""
+    import numpy as np
+    from monai.transforms import Compose
+
+    from loaders.tail import mtjump
+
+    jumps = []
+    real = mtjump.starts
+    monkeypatch.setattr(mtjump, "JUMP_FROM", 1)  # these small items' words jumped too
+    monkeypatch.setattr(mtjump, "starts", lambda *a: jumps.append(a[2]) or real(*a))
+    batches = _batches([3, 2, 3])
+    mine, theirs = Compose(_chain()), Compose(_chain())
+    for c in (mine, theirs):
+        c.set_random_state(3)
+        c.transforms[0].set_random_state(state=np.random.RandomState(9))  # the dict and its inner share it
+    assert mine.transforms[0].R is mine.transforms[0].rand_3d_elastic.R
+    want = reference_batches(theirs, batches)
+    tail = BatchedTail(mine)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    assert len(jumps) == 8 and set(jumps) == {2 * (3 + 3 * 12 * 10 * 8)}  # one jump an item
+
+
 def _chain_2d(**kw: Any) -> list[Any]:
     return [
         mt.Rand2DElasticd(["image", "label"], spacing=(4, 5), magnitude_range=(1, 3), prob=0.6,

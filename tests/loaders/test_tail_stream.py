@@ -45,6 +45,7 @@ def test_a_helper_that_cannot_start_leaves_the_skipping_to_the_thread(monkeypatc
         raise OSError("no process here")
 
     monkeypatch.setattr(stream, "_Helper", fails)
+    monkeypatch.setattr(stream.mtjump, "JUMP_FROM", 1)  # the thread jumps, as the helper would
     r, q = np.random.RandomState(2), np.random.RandomState(2)
     got = stream.starts(r, 1000, 3)
     assert stream._STATE["failed"] and stream._STATE["helper"] is None
