@@ -87,7 +87,7 @@ def advance(r: np.random.RandomState, words: int) -> None:
     """Move `r` on by `words` words in this thread (jumped where they are many), as drawing them would."""
     name, key, pos, has_gauss, gauss = r.get_state(legacy=True)
     (k, p) = mtjump.moved(np.asarray(key, dtype=np.uint32), int(pos), words, 1)[1]
-    r.set_state((name, k, p, has_gauss, gauss))
+    r.set_state((str(name), k, p, int(has_gauss), float(gauss)))
 
 
 def _asked(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]] | None:
