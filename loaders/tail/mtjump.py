@@ -89,7 +89,7 @@ def _reduce(a: int, p: int) -> int:
     return a
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def xpow(n: int) -> int:
     """x^n mod P."""
     p = charpoly()
@@ -103,12 +103,12 @@ def xpow(n: int) -> int:
     return r
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _ones(c: int) -> np.ndarray:
     """Where x^(624c - 1) mod P has a one: the windows whose XOR is the key `c` twists on."""
     q = xpow(N * c - 1)  # from the second word of key (the first's low 31 bits are outside the recurrence)
     raw = np.frombuffer(q.to_bytes(DEGREE // 8 + 1, "little"), np.uint8)
-    return np.flatnonzero(np.unpackbits(raw, bitorder="little")[:DEGREE])
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")[:DEGREE]).astype(np.int32)
 
 
 def _block(xs: np.ndarray, c: int) -> np.ndarray:
@@ -158,6 +158,16 @@ def skipped(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.
     return out
 
 
+def prepare(words: int, items: int) -> None:
+    """Find P and every x^n mod P a batch of `items` items of `words` words can ask for, from any position."""
+    if words < JUMP_FROM:
+        return
+    for k in range(1, items + 1):
+        for pos in range(N + 1):
+            c, at = divmod(pos + k * words, N)
+            _ones(c - 1 if at == 0 else c)
+
+
 def moved(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
     """`starts`, jumped where an item's words are many enough, else drawn."""
     return (starts if words >= JUMP_FROM else skipped)(key, pos, words, items)
@@ -165,7 +175,8 @@ def moved(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.nd
 
 def serve() -> None:
     """The stream helper's loop: a request is a 4-byte little-endian length, then the pickled (key, pos, words an
-    item, items); the reply the pickled `starts` the same way. EOF ends it."""
+    item, items); the reply the pickled `moved` the same way (a key of None: `prepare`, an empty reply). EOF ends
+    it."""
     import pickle
     import struct
     import sys
@@ -173,7 +184,12 @@ def serve() -> None:
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     while len(head := inp.read(4)) == 4:
         key, pos, words, items = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
-        body = pickle.dumps(moved(key, pos, words, items), protocol=pickle.HIGHEST_PROTOCOL)
+        if key is None:  # made ready for such batches: nothing to send back but that it is
+            prepare(words, items)
+            got = []
+        else:
+            got = moved(key, pos, words, items)
+        body = pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)
         out.write(struct.pack("<I", len(body)) + body)
         out.flush()
 

@@ -10,7 +10,9 @@ started once, no lock shared) gives every item of a batch its start and the end 
 batch's start (`loaders.tail.mtjump`: 2-3 ms an item, whatever its words) where an item's words are many, else
 moved past by drawing: the thread that asks waits once a batch, with the lock released. The states are numpy's own
 (the key and position drawing would leave), so the draws are those of skipping in the thread, and each item's
-draw is checked to end where the next begins; where the process cannot start or dies, the thread does the same.
+draw is checked to end where the next begins. The process starts at the first batch and gets ready on a thread
+(its polynomials for such batches: about a second), the batches meanwhile drawn in the thread (a tenth of that
+each), so the first batch does not wait for it; where it cannot start or dies, the thread jumps itself.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class _Helper:
             [sys.executable, "-c", _HELPER, mtjump.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
 
-    def ask(self, key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
+    def ask(self, key: np.ndarray | None, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         body = pickle.dumps((key, pos, words, items), protocol=pickle.HIGHEST_PROTOCOL)
         self.proc.stdin.write(struct.pack("<I", len(body)) + body)
@@ -67,7 +69,7 @@ class _Helper:
 
 
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"helper": None, "failed": False}
+_STATE: dict[str, Any] = {"helper": None, "failed": False, "warming": None}
 
 
 def starts(r: np.random.RandomState, words: int, items: int) -> list[tuple[Any, ...]]:
@@ -76,8 +78,9 @@ def starts(r: np.random.RandomState, words: int, items: int) -> list[tuple[Any, 
     name, key, pos, has_gauss, gauss = r.get_state(legacy=True)
     key = np.asarray(key, dtype=np.uint32)
     got = _asked(key, int(pos), words, items)
-    if got is None:  # in this thread
-        got = mtjump.moved(key, int(pos), words, items)
+    if got is None:  # in this thread: drawn while the helper gets ready (it starts and finds its polynomials in
+        # about a second; drawing a batch takes a tenth of that), jumped where the helper cannot run
+        got = (mtjump.skipped if _STATE["warming"] is not None else mtjump.moved)(key, int(pos), words, items)
     states: list[Any] = [(name, k, p, has_gauss, gauss) for k, p in got]
     r.set_state(states[-1])
     return states[:-1]
@@ -91,24 +94,56 @@ def advance(r: np.random.RandomState, words: int) -> None:
 
 
 def _asked(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]] | None:
+    """The helper's answer; None while it gets ready (started here, made ready on a thread) or where it failed."""
     with _LOCK:
-        if _STATE["failed"]:
+        if _STATE["failed"] or _STATE["warming"] is not None:
             return None
         try:
             if _STATE["helper"] is None:
-                _STATE["helper"] = _Helper()
+                _STATE["helper"] = helper = _Helper()
+                warming = _STATE["warming"] = threading.Thread(
+                    target=_warm, args=(helper, words, items), name="loaders-stream-ready", daemon=True
+                )
+                warming.start()
+                return None
             return _STATE["helper"].ask(key, pos, words, items)  # type: ignore[no-any-return]
         except (OSError, EOFError, pickle.UnpicklingError, ValueError):
-            _STATE["failed"] = True  # said nowhere: the thread moves the stream itself, the same states
-            _close_locked()
+            _failed_locked()
             return None
+
+
+def _warm(helper: _Helper, words: int, items: int) -> None:
+    """On a thread: the helper finds what batches like this one ask for; then it answers them."""
+    try:
+        helper.ask(None, 0, words, items)
+        ok = True
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+        ok = False
+    with _LOCK:
+        if _STATE["helper"] is helper:
+            _STATE["warming"] = None
+            if not ok:
+                _failed_locked()
+
+
+def _failed_locked() -> None:
+    _STATE["failed"] = True  # said nowhere: the thread moves the stream itself, the same states
+    _close_locked()
+
+
+def ready(timeout: float) -> bool:
+    """Wait up to `timeout` s for the helper to be ready (started by a first `starts`); whether it is."""
+    warming = _STATE["warming"]
+    if warming is not None:
+        warming.join(timeout)
+    return _STATE["helper"] is not None and _STATE["warming"] is None and not _STATE["failed"]
 
 
 def close() -> None:
     """Stop the helper (at exit; a later use starts a new one)."""
     with _LOCK:
         _close_locked()
-        _STATE["failed"] = False
+        _STATE.update(failed=False, warming=None)
 
 
 def _close_locked() -> None:
@@ -121,7 +156,7 @@ def _forget_the_parents_helper() -> None:
     """In a forked child: the parent's helper and its pipes are the parent's; the child starts its own."""
     global _LOCK
     _LOCK = threading.Lock()
-    _STATE.update(helper=None, failed=False)
+    _STATE.update(helper=None, failed=False, warming=None)
 
 
 atexit.register(close)

@@ -30,12 +30,34 @@ def test_the_helpers_starts_are_those_of_skipping_in_the_thread(words: int, item
     r.standard_normal()  # a cached Gaussian: kept in every state, as skipping keeps it
     q = np.random.RandomState()
     q.set_state(r.get_state())
+    stream.close()
+    stream.starts(np.random.RandomState(0), words, items)  # the first is drawn here while the helper gets ready
+    assert stream.ready(60)
     got = stream.starts(r, words, items)
     want = _skipped(q, words, items)
     assert stream._STATE["helper"] is not None  # the helper ran
     assert all(same_state(a, b) for a, b in zip(got, want)) and len(got) == items
     assert same_state(r.get_state(), q.get_state())
     assert r.uniform() == q.uniform()
+
+
+def test_while_the_helper_gets_ready_the_thread_draws_and_then_the_helper_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stream.close()
+    calls: list[str] = []
+    for name in ("skipped", "moved"):
+        real = getattr(stream.mtjump, name)
+        monkeypatch.setattr(stream.mtjump, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    words = 2 * (3 + 3 * 72**3)
+    r, q = np.random.RandomState(4), np.random.RandomState(4)
+    got = stream.starts(r, words, 2)  # the helper starts and gets ready on a thread: this batch drawn here
+    assert calls == ["skipped"] and stream._STATE["warming"] is not None
+    assert stream.ready(60) and stream._STATE["warming"] is None
+    got += stream.starts(r, words, 2)  # the helper's (its own process: nothing called here)
+    assert calls == ["skipped"]
+    assert all(same_state(a, b) for a, b in zip(got, _skipped(q, words, 4)))
+    stream.close()
 
 
 def test_a_helper_that_cannot_start_leaves_the_skipping_to_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,7 +80,7 @@ def test_a_helper_that_dies_is_replaced_by_the_thread_and_close_stops_it() -> No
     r, q = np.random.RandomState(5), np.random.RandomState(5)
     stream.starts(r, 10, 1)
     helper = stream._STATE["helper"]
-    assert helper is not None
+    assert helper is not None and stream.ready(60)
     helper.proc.kill()
     helper.proc.wait()
     skip(q, 10)

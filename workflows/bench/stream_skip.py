@@ -6,7 +6,8 @@
 moves its one stream past each item's words to give every item its start (`loaders.tail.stream`). Timed per
 batch (median of `--batches`): in the thread item by item (`loaders.tail.ahead.skip`), and through the helper
 process, alone and with a second thread running pure Python beside (as the tail's and the training loop's
-Python run beside the stream's thread). The helper's start is not timed (it starts once per process).
+Python run beside the stream's thread). The helper's start is not timed (it starts once per process, and gets
+ready for such batches on a thread while the first are drawn in the thread).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def run(edge: int, items: int, batches: int) -> list[str]:
         "in the thread": in_thread,
         "helper": lambda: stream.starts(r, words, items),
     }
-    stream.starts(r, words, 1)  # started
+    stream.starts(r, words, items)  # started: drawn here while the helper gets ready
+    stream.ready(60)
     lines = [f"{items} items of {words:,} words a batch (edge {edge}), ms a batch (median of {batches}):"]
     for beside in (False, True):
         stop = threading.Event()
