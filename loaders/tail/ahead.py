@@ -12,8 +12,9 @@ fills an array, so the thread's draws overlap the loader's other work.
 
 Where an item's draws take a known number of the generator's words whatever they draw (uniform numbers only,
 checked once per transform and shape against MONAI's own draw: `loaders.tail.elastic`), the items of a batch draw at
-once on `draw_threads()` threads: the generator skips over each item's words (`skip`: no numbers made), each item
-draws from the state its own words start at, and its end state must be the next item's start.
+once on `draw_threads()` threads: the generator is moved past each item's words (jumped: `loaders.tail.stream`,
+`loaders.tail.mtjump`; no numbers made), each item draws from the state its own words start at, and its end state
+must be the next item's start.
 """
 
 from __future__ import annotations
