@@ -121,6 +121,13 @@ def _block(xs: np.ndarray, c: int) -> np.ndarray:
     return out
 
 
+def _place(t: int) -> tuple[int, int]:
+    """(twists, position) where numpy's MT19937 stands `t` words on from a key at position 0: it twists only
+    when it next draws, so the end of a block stays at the block's end (position 624)."""
+    c, at = divmod(t, N)
+    return (c - 1, N) if at == 0 and c > 0 else (c, at)
+
+
 def starts(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
     """Each of `items` items' start (key, pos) where each draws `words` words from numpy's MT19937 at (key, pos),
     and the end of the last: items + 1 states, in numpy's own form (the twist made when it next draws)."""
@@ -128,9 +135,7 @@ def starts(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.n
     xs: np.ndarray | None = None
     out = []
     for k in range(items + 1):
-        c, at = divmod(pos + k * words, N)
-        if at == 0 and c > 0:  # numpy twists only when it next draws: the last block, at its end
-            c, at = c - 1, N
+        c, at = _place(pos + k * words)
         if c == 0:
             out.append((key.copy(), at))
             continue
@@ -164,8 +169,9 @@ def prepare(words: int, items: int) -> None:
         return
     for k in range(1, items + 1):
         for pos in range(N + 1):
-            c, at = divmod(pos + k * words, N)
-            _ones(c - 1 if at == 0 else c)
+            c = _place(pos + k * words)[0]
+            if c:
+                _ones(c)
 
 
 def moved(key: np.ndarray, pos: int, words: int, items: int) -> list[tuple[np.ndarray, int]]:
