@@ -65,8 +65,27 @@ def verify_cache(cache_dir: str | os.PathLike[str]) -> list[BadItem]:
             bad.append(BadItem(-1, "", Path(name).name, f"shard is {sizes[name]} bytes, index says {end}"))
     if len(cache.index) and int(cache.index["item"].max()) >= cache.n_items:
         bad.append(BadItem(int(cache.index["item"].max()), "", "", "index row beyond the manifest's n_items"))
-    if not bad:  # the sets are made from the tensors: checked against them once those are known good
-        bad += _check_sets(cache)
+    if not bad:  # the sets and bricks are made from the tensors: checked against them once those are known good
+        bad += _check_sets(cache) + _check_bricks(cache)
+    return bad
+
+
+def _check_bricks(cache: PreparedCache) -> list[BadItem]:
+    """Every tensor's blocks (`prep bricks`), where the cache has them, against the blocks its bytes make: blocks
+    edited, swapped or resealed are listed, tensor by tensor."""
+    from loaders.cache.bricks import to_bricks
+
+    bricks = cache.bricks  # FormatError for a damaged or stale bricks folder: nothing in it is trusted
+    if bricks is None:
+        return []
+    bad: list[BadItem] = []
+    for entry in cache.iter_entries():
+        brick = bricks.of(entry)
+        tensor = np.frombuffer(_pread(entry.shard, entry.nbytes, entry.offset), entry.dtype)
+        blocks = _pread(brick.path, brick.nbytes, brick.offset)
+        if to_bricks(tensor.reshape(entry.shape), brick.block).tobytes() != blocks:
+            why = "its blocks differ from the tensor; re-run `prep bricks --force`"
+            bad.append(BadItem(entry.item, entry.key, f"bricks/{Path(brick.path).name}", why))
     return bad
 
 
@@ -95,6 +114,15 @@ def _check_sets(cache: PreparedCache) -> list[BadItem]:
         finally:
             ds.close()
     return bad
+
+
+def _pread(path: str, nbytes: int, offset: int) -> bytes:
+    """Bytes of a checked cache file (`open_read`: the very file checked on open, no link followed)."""
+    fd = open_read(path)
+    try:
+        return os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
 
 
 def _check_meta(cache: PreparedCache) -> list[BadItem]:

@@ -469,6 +469,30 @@ def verify_cmd(
                f"tensors in {len(cache.shards)} shard(s))")  # fmt: skip
 
 
+@app.command("bricks", short_help="Add a copy of a cache's tensors in blocks, so cold crops read fewer bytes.")
+def bricks_cmd(
+    cache_dir: Annotated[Path, typer.Argument(metavar="CACHE", help="A cache made by `prep cache`.")],
+    page: Annotated[int, typer.Option(metavar="BYTES", help="Bytes of one block (a multiple of 4096).")] = 4096,
+    force: Annotated[bool, typer.Option("--force", help="Write them again even where current ones exist.")] = False,
+) -> None:
+    """Write every tensor again cut in blocks of one page (CACHE/bricks/): a crop read from disk then reads the
+    blocks it touches (about 1.3-1.6x its bytes) instead of whole rows of pages (2-4x where crops are small
+    against the volume). Warm reads keep using the cache itself. Costs a second copy's disk space.
+
+    Example: prep bricks demo/cache
+    """
+    from loaders.cache.format import PreparedCache
+    from prep.bricks import build_bricks
+    from prep.progress import Progress
+
+    if page < 4096 or page % 4096:
+        raise fail(f"--page {page}: give a multiple of 4096 bytes (one page, or several)")
+    total = len(guarded(PreparedCache, cache_dir).index)
+    with Progress(total, "prep bricks", unit="tensors") as bar:
+        out = guarded(build_bricks, cache_dir, page=page, force=force, progress=bar.update)
+    typer.echo(f"{out}: {total} tensors in blocks of {page} bytes")
+
+
 def main() -> None:
     """Entry point for `python -m prep`."""
     app(prog_name="prep")

@@ -17,6 +17,7 @@ from loaders.cache import chain
 from loaders.cache.spec import BMAP, JOURNAL_DIR, MANIFEST, PENDING, SHARD_DIR, align_up
 from loaders.cache.writing import make_rows, write_index, write_manifest, write_meta
 from loaders.opener import open_to_write
+from prep.bricks import drop_bricks
 from prep.errors import PrepError
 from prep.journal import JournalState
 from prep.outdirs import OutputDirs
@@ -49,6 +50,7 @@ def commit(
     write_index(root, make_rows(rows))
     write_meta(root, [r["meta"] for r in records], parsed=True)  # journal lines, parsed by read_journals
     (root / BMAP).unlink(missing_ok=True)  # a map of an earlier commit's shards
+    drop_bricks(root)  # and blocks of its tensors
     _, bmap_note = write_bmap(root)  # before the manifest: a committed cache has its map (where FIEMAP works)
     quarantined = [
         {"item": i, "source": items[i][1], "path": q.get("path", ""), "reason": q["quarantined"],

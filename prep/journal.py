@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loaders.cache import sampling
+from loaders.cache.bricks import BRICKS_DIR
 from loaders.cache.dtypes import dtype_name
 from loaders.cache.journals import shard_size, tensors_inside, unsealed
 from loaders.cache.spec import JOURNAL_DIR, PENDING, SHARD_DIR
@@ -206,6 +207,8 @@ def check_output(cache_dir: Path) -> None:
         "bmap.json",
         PENDING,  # a pending cache the MONAI drop-in started (loaders.cache.pending): `prep cache` commits it
         sampling.DIR,
+        BRICKS_DIR,  # `prep bricks` (dropped at the next commit)
+        "bricks.tmp",
     }
     foreign = [p.name for p in cache_dir.iterdir() if p.name not in ours and not p.name.startswith(".")]
     if foreign:
@@ -216,7 +219,7 @@ def check_output(cache_dir: Path) -> None:
     check_no_links(cache_dir)
 
 
-_FOLDERS = (JOURNAL_DIR, "shards", sampling.DIR)
+_FOLDERS = (JOURNAL_DIR, "shards", sampling.DIR, BRICKS_DIR, "bricks.tmp")
 
 
 def check_no_links(cache_dir: Path) -> None:

@@ -71,6 +71,7 @@ class TensorEntry:
     dtype: np.dtype
     shape: tuple[int, ...]
     xxh3: int
+    row: int = -1  # its row of the cache's index (-1: not from an index)
 
     @property
     def padded(self) -> int:
@@ -225,7 +226,21 @@ class PreparedCache:
         if not 0 <= item < self.n_items:
             raise IndexError(f"item {item} out of range for a cache of {self.n_items}")
         start, stop = int(self._starts[item]), int(self._starts[item + 1])
-        return [self._entry(row) for row in self.index[start:stop].tolist()]  # tuples of ints: one C call
+        rows = self.index[start:stop].tolist()  # tuples of ints: one C call
+        return [self._entry(row, start + k) for k, row in enumerate(rows)]
+
+    def entry_of_row(self, row: int) -> TensorEntry:
+        """The tensor of index row `row`."""
+        return self._entry(self.index[row], row)
+
+    @property
+    def bricks(self) -> Any:
+        """The cache's bricks (`loaders.cache.bricks.Bricks`, checked on first use), None where it has none."""
+        if not hasattr(self, "_bricks"):
+            from loaders.cache.bricks import read_bricks
+
+            self._bricks = read_bricks(self)
+        return self._bricks
 
     def same_spatial(self, keys: Sequence[str]) -> bool:
         """Whether every item holds each of `keys` and their tensors share one spatial shape (every dim but the
@@ -238,8 +253,9 @@ class PreparedCache:
         first = np.searchsorted(items, items, side="left")  # each row's item's first row (the index is item-sorted)
         return bool((ndim == ndim[first]).all() and (shape == shape[first]).all())
 
-    def _entry(self, row: Any) -> TensorEntry:
-        """A TensorEntry from one index row (a numpy record or its .tolist() tuple, fields in INDEX_DTYPE order)."""
+    def _entry(self, row: Any, number: int = -1) -> TensorEntry:
+        """A TensorEntry from index row `number` (a numpy record or its .tolist() tuple, fields in INDEX_DTYPE
+        order)."""
         item, key, shard, dtype, ndim, offset, nbytes, shape, xxh3 = row if isinstance(row, tuple) else row.tolist()
         return TensorEntry(
             item=int(item),
@@ -250,6 +266,7 @@ class PreparedCache:
             dtype=np_dtype(DTYPES[dtype]),
             shape=tuple(int(s) for s in shape[:ndim]),
             xxh3=int(xxh3),
+            row=number,
         )
 
     def meta(self, item: int) -> dict[str, Any]:
@@ -286,8 +303,8 @@ class PreparedCache:
 
     def iter_entries(self) -> Iterator[TensorEntry]:
         """Every tensor of the cache, in index order."""
-        for row in self.index:
-            yield self._entry(row)
+        for number, row in enumerate(self.index):
+            yield self._entry(row, number)
 
 
 def check(entry: TensorEntry, data: Any) -> None:

@@ -197,7 +197,7 @@ def check_index(
     if int(shard.max()) >= len(shard_sizes) or int(index["dtype"].max()) >= len(dtypes):
         raise FormatError(f"{where}: index names a shard or dtype the manifest does not have; {_FIX}")
     _check_sizes(where, index, dtypes)
-    _check_extents(where, index, shard, shard_sizes)
+    check_extents(where, index, shard, shard_sizes)
 
 
 def _check_sizes(where: Path, index: np.ndarray, dtypes: Sequence[str]) -> None:
@@ -216,19 +216,23 @@ def _check_sizes(where: Path, index: np.ndarray, dtypes: Sequence[str]) -> None:
         raise FormatError(f"{where}: an index row's shape and dtype do not make its nbytes (edited?); {_FIX}")
 
 
-def _check_extents(where: Path, index: np.ndarray, shard: np.ndarray, shard_sizes: Sequence[int]) -> None:
+def check_extents(
+    where: Path, index: np.ndarray, shard: np.ndarray, shard_sizes: Sequence[int], fix: str = _FIX
+) -> None:
+    """Rows' extents (`offset`, `nbytes` in the file `shard` names): 4 KiB-aligned, inside the file's real size (-1:
+    missing, not checked), none overlapping another in one file."""
     offset, nbytes = index["offset"], index["nbytes"]
     if np.any(offset & np.uint64(4095)) or int(offset.max()) >= 1 << 62:
-        raise FormatError(f"{where}: an index offset is not 4 KiB-aligned or out of range; {_FIX}")
+        raise FormatError(f"{where}: an index offset is not 4 KiB-aligned or out of range; {fix}")
     end = offset + nbytes  # both below 2^62 (checked): no wrap-around
     sizes = np.asarray(shard_sizes, dtype=np.int64)
     limit = np.where(sizes >= 0, sizes, np.iinfo(np.int64).max).astype(np.uint64)[shard]
     if np.any(end > limit):
-        raise FormatError(f"{where}: an index extent runs past the end of its shard (edited or truncated); {_FIX}")
+        raise FormatError(f"{where}: an index extent runs past the end of its shard (edited or truncated); {fix}")
     order = np.argsort(offset, kind="stable") if len(sizes) == 1 else np.lexsort((offset, shard))
     s, o, e = shard[order], offset[order], end[order]
     if np.any((s[1:] == s[:-1]) & (o[1:] < e[:-1])):
-        raise FormatError(f"{where}: two index extents overlap in one shard (edited?); {_FIX}")
+        raise FormatError(f"{where}: two index extents overlap in one shard (edited?); {fix}")
 
 
 def file_size(path: Path) -> int:

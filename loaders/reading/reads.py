@@ -140,12 +140,14 @@ def _merge(requests: list[ReadRequest], places: list[tuple[int, int]]) -> tuple[
     return out, at
 
 
-def _region_of(entry: TensorEntry, window: Window | None) -> RegionRead:
-    """`window` over `entry`'s trailing dims (its leading ones whole); None, or more dims than it has: whole."""
+def _region_of(entry: TensorEntry, window: Window | None, bricks: Any = None) -> RegionRead:
+    """`window` over `entry`'s trailing dims (its leading ones whole); None, or more dims than it has: whole.
+    `bricks`: the cache's (`PreparedCache.bricks`), read instead where the region is cold."""
+    brick = None if bricks is None or entry.row < 0 else bricks.of(entry)
     if window is None or len(window[0]) > len(entry.shape):
-        return plan_read(entry, [0] * len(entry.shape), list(entry.shape))
+        return plan_read(entry, [0] * len(entry.shape), list(entry.shape), brick=brick)
     lead = len(entry.shape) - len(window[0])
-    return plan_read(entry, [0] * lead + list(window[0]), list(entry.shape[:lead]) + list(window[1]))
+    return plan_read(entry, [0] * lead + list(window[0]), list(entry.shape[:lead]) + list(window[1]), brick=brick)
 
 
 class Reader:
@@ -360,14 +362,15 @@ class Reader:
         packed: bool,
     ) -> ReadPlan:
         regions: list[tuple[Any, RegionRead]] = []
+        bricks = self.cache.bricks
         if key_major:  # each key's regions side by side: one batch view
             for key in self.keys if wanted is None else [k for k in self.keys if k in wanted]:
                 for t, item, w in zip(tags, items, windows):
-                    regions += [(t, _region_of(e, w)) for e in self.entries(item) if e.key == key]
+                    regions += [(t, _region_of(e, w, bricks)) for e in self.entries(item) if e.key == key]
         else:  # per item, in the cache's order of its tensors
             for t, item, w in zip(tags, items, windows):
                 ents = [e for e in self.cache.entries(item) if e.key in self._rank]
-                regions += [(t, _region_of(e, w)) for e in ents if wanted is None or e.key in wanted]
+                regions += [(t, _region_of(e, w, bricks)) for e in ents if wanted is None or e.key in wanted]
         nbytes = sum(align_up(math.prod(r.shape) * r.entry.dtype.itemsize) for _, r in regions)
         return ReadPlan([], nbytes, [], [], regions=regions, packed=packed)
 

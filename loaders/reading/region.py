@@ -11,8 +11,9 @@ result is one strided numpy copy: exactly `full[slices]`.
 How the runs are issued depends on where the bytes are (asked without I/O through cachestat(2)). Warm
 (page cache): runs are memory copies, so they are split into a few groups (about one per core) and each
 group is read run after run on one thread: the thread handoff is paid per group, not per run. Cold: runs
-separated by gaps cheaper to read than to skip (a request's cost against the device's bandwidth, see
-`CostModel`) are merged into one read, and many requests go in flight at once.
+separated by gaps cheaper to read than to skip (a request's cost against the device's bandwidth, measured:
+`loaders.reading.diskcost`) are merged into one read, and many requests go in flight at once. Where the cache
+has bricks (`prep bricks`), a cold region is read from its tensor's blocks instead (`loaders.reading.bricked`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,29 +35,9 @@ from loaders.cache.format import TensorEntry
 from loaders.cache.layout import open_read
 from loaders.cache.spec import ALIGN, align_up
 from loaders.opener import safe_to_map
+from loaders.reading.diskcost import CostModel, brick_trial, disk_cost
 from loaders.reading.staging import host_array
 from loaders.tunables import BANDWIDTH_BPS, COLD_INFLIGHT, REQUEST_COST_S, SEQUENTIAL_BELOW
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """What a request costs against what a byte costs: a gap between two runs shorter than
-    `request_s * bandwidth_bps` bytes is cheaper to read (and discard) than to skip with a new request."""
-
-    request_s: float  # seconds one request costs beyond its bytes (latency not hidden by the queue)
-    bandwidth_bps: float  # bytes per second
-
-    @property
-    def gap(self) -> int:
-        """The largest gap worth reading through."""
-        return int(self.request_s * self.bandwidth_bps)
-
-
-# Cold defaults measured on a small VM's virtio disk (O_DIRECT into faulted-in aligned buffers, after eviction;
-# docs/benchmarks.md, Loaders): ~40 us a request beyond its bytes, ~4.5 GB/s for large reads in flight together, so
-# gaps up to ~180 KB are read through. A virtual disk that costs ~1 ms a request whatever its size wants
-# CostModel(1e-3, <its bytes/s>): gaps up to megabytes are then read through.
-COLD_COST = CostModel(40e-6, 4.5e9)
 
 
 @dataclass(frozen=True)
@@ -141,6 +123,26 @@ class RegionRead:
     start: tuple[int, ...]
     shape: tuple[int, ...]
     plan: RegionPlan
+    brick: Any = None  # the tensor's blocks (`loaders.cache.bricks.BrickEntry`) where the cache has bricks
+
+    @property
+    def base(self) -> int:
+        """Where the tensor begins in its file."""
+        return self.entry.offset
+
+    @property
+    def count(self) -> int:
+        """Requests this read makes."""
+        return len(self.plan.spans)
+
+    def cold(self) -> Any:
+        """The read to make where the bytes are on disk: from the tensor's blocks where it has them (fewer bytes,
+        `loaders.reading.bricked`), else this one."""
+        if self.brick is None:
+            return self
+        from loaders.reading.bricked import BrickRead
+
+        return BrickRead(self.entry, self.start, self.shape, self.brick)
 
     @property
     def slab_bytes(self) -> int:
@@ -170,12 +172,24 @@ class RegionRead:
         index: tuple[Any, ...] = (Ellipsis, *trailing)
         return np.ascontiguousarray(slabs[index] if trailing else slabs)
 
+    def strided(self, scratch: np.ndarray, tensor_at: int) -> np.ndarray:
+        """The region copied out of `scratch`, which holds the tensor's bytes as the file does from byte
+        `tensor_at` on (a position that may lie before the scratch: only the region's bytes must be in it)."""
+        item = self.entry.dtype.itemsize
+        strides = [math.prod(self.entry.shape[d + 1 :]) * item for d in range(len(self.entry.shape))]
+        first = tensor_at + sum(s * st for s, st in zip(self.start, strides))
+        view = np.ndarray(self.shape, dtype=self.entry.dtype, buffer=scratch, offset=first, strides=strides)
+        return np.ascontiguousarray(view)
 
-def plan_read(entry: TensorEntry, start: Sequence[int], shape: Sequence[int], axis: int | None = None) -> RegionRead:
-    """Plan the read of region `[start, start+shape)` of one cached tensor (ValueError when outside it)."""
+
+def plan_read(
+    entry: TensorEntry, start: Sequence[int], shape: Sequence[int], axis: int | None = None, brick: Any = None
+) -> RegionRead:
+    """Plan the read of region `[start, start+shape)` of one cached tensor (ValueError when outside it); `brick`:
+    its blocks, read instead where the region is cold."""
     _check(entry.shape, start, shape, f"{entry.shard}: item {entry.item} key '{entry.key}'")
     plan = plan_region(entry.shape, entry.dtype.itemsize, start, shape, axis)
-    return RegionRead(entry, tuple(start), tuple(shape), plan)
+    return RegionRead(entry, tuple(start), tuple(shape), plan, brick)
 
 
 def read_regions(
@@ -187,16 +201,20 @@ def read_regions(
     inflight: int | None = None,
     warm: bool | None = None,
     mapped: bool = True,
+    bricks: bool | None = None,
 ) -> list[np.ndarray]:
     """Read several planned regions (e.g. the same patch of image and label) together.
 
     `allocate(nbytes)` supplies the scratch buffer for the slabs (default: the backend's; PreparedDataset
     passes its pool of reused buffers, which saves the page faults of fresh memory). Warm runs go in
     `groups` sequential groups (default min(backend threads, cores)); cold runs are merged across gaps
-    cheaper than a request under `cost` (default COLD_COST) and read `inflight` (default COLD_INFLIGHT, at
-    most 8 per core) at a time. `warm` None asks the page cache (cachestat); True/False forces the
-    schedule. With `mapped`, warm regions of file backends are copied straight out of a read-only mapping
-    of the shard (no syscall per run, no scratch slabs). GPU backends get one batch."""
+    cheaper than a request under `cost` (default: the disk's, measured once, `loaders.reading.diskcost`) and
+    read `inflight` (default COLD_INFLIGHT, at most 8 per core) at a time. Where the cache has bricks, cold
+    regions come from the tensors' blocks or the tensors, whichever its first cold reads found faster
+    (`diskcost.BrickTrial`; `bricks` True: always the blocks; False: never). `warm` None asks the page cache
+    (cachestat); True/False forces the schedule. With `mapped`, warm regions of file backends are copied
+    straight out of a read-only mapping of the shard (no syscall per run, no scratch slabs). GPU backends get
+    one batch."""
     warm = None if backend.gpu else (warm if warm is not None else _resident(reads))
     # backends that read warm data through the page cache: their warm regions may come from a mapping
     if warm and mapped and backend.page_cache_reads:
@@ -204,33 +222,63 @@ def read_regions(
         mapped_out = [_from_mapping(r, allocate, cores) for r in reads]
         if all(a is not None for a in mapped_out):
             return mapped_out  # type: ignore[return-value]
-    offsets = [0]
-    for r in reads:
-        offsets.append(offsets[-1] + align_up(r.nbytes))
-    buf = (allocate if allocate is not None and not backend.gpu else backend.allocate)(max(offsets[-1], 1))
+    if warm is False:
+        inflight = inflight or min(COLD_INFLIGHT, 8 * (os.cpu_count() or 1))
+        cost = cost or disk_cost(backend, [r.entry.shard for r in reads], inflight, _grouped)
+        trial = _trial(reads) if bricks is None else None
+        from_blocks = bool(bricks) or (trial is not None and trial.pick())
+        cold = [r.cold() for r in reads] if from_blocks else reads
+        if trial is None or trial.chosen is not None:
+            return _read_cold(backend, cold, allocate, cost, inflight)
+        began = time.perf_counter()  # one of the trial's reads: timed
+        out = _read_cold(backend, cold, allocate, cost, inflight)
+        needed = sum(math.prod(r.shape) * r.entry.dtype.itemsize for r in reads)
+        trial.record(from_blocks, time.perf_counter() - began, needed)
+        return out
+    offsets, buf = _scratch(backend, reads, allocate)
     requests = [q for r in reads for q in r.requests()]
     targets = [t for r, at in zip(reads, offsets) for t in r.targets(buf, at)]
     if backend.gpu:
         backend.read_into(requests, targets)
         host: Any = host_array(buf)  # a cupy array or torch CUDA tensor, copied down
     else:
-        if warm:
-            if groups is None:
-                groups = min(backend.threads, os.cpu_count() or 1)
-            if sum(q.nbytes for q in requests) < SEQUENTIAL_BELOW:
-                groups = 1
-            _grouped(backend.warm_reader(), requests, targets, groups)
-        else:
-            inflight = inflight or min(COLD_INFLIGHT, 8 * (os.cpu_count() or 1))
-            done = _cold(backend, reads, requests, targets, cost or COLD_COST, inflight, allocate)
-            return [d if d is not None else r.assemble(buf, at) for d, r, at in zip(done, reads, offsets)]
+        if groups is None:
+            groups = min(backend.threads, os.cpu_count() or 1)
+        if sum(q.nbytes for q in requests) < SEQUENTIAL_BELOW:
+            groups = 1
+        _grouped(backend.warm_reader(), requests, targets, groups)
         host = buf
     return [r.assemble(host, at) for r, at in zip(reads, offsets)]
 
 
+def _scratch(backend: Backend, reads: Sequence[Any], allocate: Callable[[int], Any] | None) -> tuple[list[int], Any]:
+    """Where each read's slabs land (aligned offsets) in one scratch buffer, and the buffer."""
+    offsets = [0]
+    for r in reads:
+        offsets.append(offsets[-1] + align_up(r.nbytes))
+    return offsets, (allocate if allocate is not None and not backend.gpu else backend.allocate)(max(offsets[-1], 1))
+
+
+def _read_cold(
+    backend: Backend, reads: Sequence[Any], allocate: Callable[[int], Any] | None, cost: CostModel, inflight: int
+) -> list[np.ndarray]:
+    """Cold regions of a host backend: their runs merged and read many at a time (`_cold`)."""
+    offsets, buf = _scratch(backend, reads, allocate)
+    requests = [q for r in reads for q in r.requests()]
+    targets = [t for r, at in zip(reads, offsets) for t in r.targets(buf, at)]
+    done = _cold(backend, reads, requests, targets, cost, inflight, allocate)
+    return [d if d is not None else r.assemble(buf, at) for d, r, at in zip(done, reads, offsets)]
+
+
+def _trial(reads: Sequence[RegionRead]) -> Any:
+    """The bricks trial of the reads' cache (`loaders.reading.diskcost.BrickTrial`), None where it has no bricks."""
+    brick = next((r.brick for r in reads if r.brick is not None), None)
+    return None if brick is None else brick_trial(os.path.dirname(brick.path))
+
+
 def _cold(
     backend: Backend,
-    reads: Sequence[RegionRead],
+    reads: Sequence[Any],
     requests: Sequence[ReadRequest],
     targets: Sequence[Any],
     cost: CostModel,
@@ -255,12 +303,15 @@ def _cold(
     out: list[np.ndarray | None] = []
     first = 0
     for r in reads:
-        mine = range(first, first + len(r.plan.spans))
-        first += len(r.plan.spans)
+        mine = range(first, first + r.count)
+        first += r.count
+        if hasattr(r, "gather"):  # blocks: gathered where the merged reads left them
+            out.append(r.gather(scratch, [at[where[i]] + requests[i].offset - merged[where[i]].offset for i in mine]))
+            continue
         ks = {where[i] for i in mine}
         if len(ks) == 1:
             k = ks.pop()
-            out.append(_strided(r, scratch, at[k] - (merged[k].offset - r.entry.offset)))
+            out.append(r.strided(scratch, at[k] - (merged[k].offset - r.base)))
             continue
         out.append(None)
         for i in mine:
@@ -268,16 +319,6 @@ def _cold(
             off = at[k] + q.offset - merged[k].offset
             targets[i][: q.nbytes] = scratch[off : off + q.nbytes]
     return out
-
-
-def _strided(r: RegionRead, scratch: np.ndarray, tensor_at: int) -> np.ndarray:
-    """The region copied out of `scratch`, which holds the tensor's bytes as the file does from byte
-    `tensor_at` on (a position that may lie before the scratch: only the region's bytes must be in it)."""
-    item = r.entry.dtype.itemsize
-    strides = [math.prod(r.entry.shape[d + 1 :]) * item for d in range(len(r.entry.shape))]
-    first = tensor_at + sum(s * st for s, st in zip(r.start, strides))
-    view = np.ndarray(r.shape, dtype=r.entry.dtype, buffer=scratch, offset=first, strides=strides)
-    return np.ascontiguousarray(view)
 
 
 def coalesce(requests: Sequence[ReadRequest], gap: int) -> tuple[list[ReadRequest], list[list[int]]]:
