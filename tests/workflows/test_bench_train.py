@@ -220,14 +220,17 @@ def _evict_counts(folder: Path) -> str:
 def test_cold_epochs_note_bytes_read_against_the_crops(out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--cold-epochs: every row but the ceiling notes MB read per timed epoch (and what counted them), the crops'
     MB and the ratio; the disk's O_DIRECT rate is printed with the table. Nothing timed is asserted."""
-    args = ["train", *TINY, "--rows", "persistent,fast", "--cold-epochs", "--out", str(out / "c")]
+    args = ["train", *TINY, "--rows", "persistent,fast,fast-bricks", "--cold-epochs", "--out", str(out / "c")]
     status = benchmark.main(args)
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "disk read rate" in printed and "read MB/epoch" in printed, printed
     doc = json.loads((out / "c" / "bench.json").read_text())
     rows = [r for r in doc["results"] if r["kind"] != "ceiling"]
-    assert len(rows) == 2 and all("read MB/epoch" not in r["extra"] for r in doc["results"] if r not in rows)
+    assert any("bricks written in" in r["name"] for r in rows), [r["name"] for r in rows]
+    assert list(out.glob("c/work/*/cache/manifest.json"))
+    assert not list(out.glob("c/work/*/cache/bricks")), "the bricks row removes the bricks it wrote"
+    assert len(rows) == 3 and all("read MB/epoch" not in r["extra"] for r in doc["results"] if r not in rows)
     for r in rows:
         extra = r["extra"]
         assert extra["read MB/epoch"] >= 0 and extra["read/crops"] >= 0 and extra["read counted by"], extra

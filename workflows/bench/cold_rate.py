@@ -9,7 +9,9 @@ the loader's cold reads, evicted first: `train_cold.sequential_spans`, `ceilings
 child process inside a memory cgroup of `--limit-mib` (as root; `workflows.bench.memcg`; 0: no cgroup). The child
 evicts the cache's files after building the loader and counts the bytes the epoch read from the block device (or its
 /proc io: `train_cold.read_counters`) over the wall time of the next epoch (after one batch, untimed, so that the
-tail's first calls and the threads' start count in no read rate). The footer says `loader cold read / disk = x.xx`.
+tail's first calls and the threads' start count in no read rate). The footer says `loader cold read / disk = x.xx`,
+the disk's cost model the loader measured, and the epoch's bytes against its crops'. `--bricks` writes the cache's
+bricks first (`prep bricks`), `--no-bricks` (the default) removes them: run both to see what they do on a disk.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ def loader_epoch(cache: Path, pipeline: Path, batch_size: int, crop_read: bool) 
     for batch in loader:
         items += len(batch["_items"])
     seconds = time.perf_counter() - start
+    from loaders.reading import diskcost
+
+    models = [m for (pid, _), m in diskcost._MEASURED.items() if pid == os.getpid()]
     out = {"items": items, "seconds": seconds, "read": counter.read() - at, "counted by": counter.how,
-           "tier": loader.tier_bytes, "backend": loader.backend.name}  # fmt: skip
+           "tier": loader.tier_bytes, "backend": loader.backend.name,
+           "cost": [models[0].request_s, models[0].bandwidth_bps] if models else None}  # fmt: skip
     loader.close()
     return out
 
@@ -82,6 +88,7 @@ def cold_rate_scenario(
     crop: Annotated[int, typer.Option(min=1, help="crop edge of the tail's RandSpatialCropd")] = 32,
     limit_mib: Annotated[int, typer.Option(min=0, help="the child's cgroup limit (root); 0: none")] = 384,
     crop_read: Annotated[bool, typer.Option("--crop-read/--whole-read", help="crop or whole reads")] = True,
+    bricks: Annotated[bool, typer.Option(help="write the cache's bricks first (`prep bricks`))")] = False,
 ) -> Rows:
     """Disk sequential O_DIRECT rate, then one cold loader epoch in a child inside the cgroup; footer: the ratio."""
     from loaders.cache.format import PreparedCache
@@ -94,6 +101,7 @@ def cold_rate_scenario(
     _, pipeline, cache = build_data(train, opts.work)
     nbytes = sum(os.path.getsize(p) for p in PreparedCache(cache).shards)
     rows = Rows(title=f"{count} x {size}^3 spheres, crops {crop}^3, {nbytes / 1e6:.0f} MB of shards")
+    rows.footer.append(_bricks(cache, bricks))
     depth = min(COLD_INFLIGHT, 8 * len(os.sched_getaffinity(0)))
     disk = rows.add("disk", lambda: Result(f"disk O_DIRECT sequential 1 MiB, {depth} in flight", "volumes", count,
                                            *_timed(read_direct(sequential_spans(list(PreparedCache(cache).shards)),
@@ -111,7 +119,31 @@ def cold_rate_scenario(
         rows.footer.append(f"loader cold read / disk = {loader.gb_per_s / disk[0].gb_per_s:.2f} ({loader.gb_per_s:.3f}"
                            f" / {disk[0].gb_per_s:.3f} GB/s; cache {nbytes / 1e6:.0f} MB, in {where}; the epoch read "
                            f"{got['read'] / 1e6:.0f} MB counted by {got['counted by']})")  # fmt: skip
+    if got.get("cost"):
+        request_s, bandwidth = got["cost"]
+        rows.footer.append(
+            f"the disk's cost model, measured by the loader: {request_s * 1e6:.0f} us a request, "
+            f"{bandwidth / 1e9:.2f} GB/s; gaps up to {request_s * bandwidth / 1e3:.0f} KB read through"
+        )
+    per_item = sum(e.dtype.itemsize for e in PreparedCache(cache).entries(0)) * crop**3
+    rows.footer.append(f"the epoch read {got['read'] / max(per_item * got['items'], 1):.2f}x its crops' bytes "
+                       f"({got['items']} crops of {per_item / 1e6:.2f} MB)")  # fmt: skip
     return rows
+
+
+def _bricks(cache: Path, wanted: bool) -> str:
+    """The cache's bricks written (`--bricks`) or removed: a footer line saying which, and how long writing took."""
+    from prep.bricks import build_bricks, drop_bricks
+
+    if not wanted:
+        drop_bricks(cache)
+        return "crops read from the cache's C-order tensors (no bricks)"
+    start = time.perf_counter()
+    build_bricks(cache)
+    return (
+        f"bricks written (blocks of 4096 B, in {time.perf_counter() - start:.1f} s): a cold crop is read from them "
+        "where the disk's cost model finds that cheaper"
+    )
 
 
 def _timed(measured: tuple[float, int, str]) -> tuple[float, int]:

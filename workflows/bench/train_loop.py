@@ -66,6 +66,7 @@ class TrainRow:
     extra: dict[str, Any] = field(default_factory=dict)
     first_batch_at: float | None = None  # time.perf_counter() when the first batch reached the loop
     evicting_s: float = 0.0  # seconds the benchmark spent evicting (cold epochs) before the first batch: not the row's
+    setup_s: float = 0.0  # seconds the benchmark spent writing what the row reads (its bricks) before it began
 
     @property
     def steps_per_s(self) -> float:

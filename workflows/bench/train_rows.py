@@ -9,6 +9,7 @@ the tail after the crop per item, `PersistentDataset`'s own outputs).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -311,9 +312,17 @@ def fast_path(
 ) -> TrainRow:
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
     from loaders.fast.loader import PreparedLoader
+    from prep.bricks import build_bricks, drop_bricks
 
     serving = options.pop("serving", False)  # a long run's steady state: the feeder's start (seconds) waited out
     settled = options.pop("settled", False)  # ... or trained untimed until feeder="auto" has chosen (trial.py)
+    bricks = options.pop("bricks", False)  # the cache's bricks written first (untimed), removed after the row
+    drop_bricks(cache)
+    made = time.perf_counter()
+    if bricks:
+        build_bricks(cache)
+        label = f"{label} in {time.perf_counter() - made:.1f} s"
+    setup_s = time.perf_counter() - made
     loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
     loader.set_random_state(opts.seed)
@@ -322,6 +331,7 @@ def fast_path(
     chosen = (lambda: loader.feeder_verdict is not None or loader.feeder_pid is None) if settled else None
     try:
         row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts, settled=chosen)
+        row.setup_s = setup_s
         row.extra["GPU tier GB"] = loader.tier_bytes / 1e9
         if loader.feeder_verdict is not None:
             row.note = f"{row.note}; {loader.feeder_verdict}".lstrip("; ")
@@ -329,6 +339,7 @@ def fast_path(
             row.extra["feeder CPU s"] = _cpu_seconds(loader.feeder_pid)
     finally:
         loader.close()
+        drop_bricks(cache)
     return row
 
 
