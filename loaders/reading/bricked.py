@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -29,11 +30,11 @@ class BrickRead:
     shape: tuple[int, ...]
     brick: BrickEntry
 
-    @property
+    @cached_property
     def _lo(self) -> tuple[int, ...]:
         return tuple(s // b for s, b in zip(self.start, self.brick.block))
 
-    @property
+    @cached_property
     def _box(self) -> tuple[int, ...]:
         """Blocks of the region along each grid axis."""
         return tuple(-(-(s + n) // b) - lo for s, n, b, lo in zip(self.start, self.shape, self.brick.block, self._lo))
@@ -53,8 +54,9 @@ class BrickRead:
         """Scratch bytes: the box's blocks."""
         return math.prod(self._box) * self.brick.block_bytes
 
-    def _runs(self) -> list[tuple[int, int, int]]:
-        """(offset in the file, nbytes, offset in the compact box) of each run."""
+    @cached_property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(offset in the file, nbytes, offset in the compact box) of each run (planned once a read)."""
         grid, box, lo, per = self.brick.grid, self._box, self._lo, self.brick.block_bytes
         if not grid:
             return [(self.brick.offset, per, 0)]
@@ -68,18 +70,18 @@ class BrickRead:
 
     def requests(self) -> list[ReadRequest]:
         """One request per run of blocks."""
-        return [ReadRequest(self.brick.path, off, n) for off, n, _ in self._runs()]
+        return [ReadRequest(self.brick.path, off, n) for off, n, _ in self.runs]
 
     def targets(self, buf: Any, at: int = 0) -> list[Any]:
         """Where each run lands in `buf` (the compact box from byte `at`)."""
-        return [buf[at + t : at + t + n] for _, n, t in self._runs()]
+        return [buf[at + t : at + t + n] for _, n, t in self.runs]
 
     def assemble(self, host: np.ndarray, at: int = 0) -> np.ndarray:
         """The region from the compact box in `host[at:]`."""
-        return self.gather(np.asarray(host), [at + t for _, _, t in self._runs()])
+        return self.gather(np.asarray(host), [at + t for _, _, t in self.runs])
 
     def gather(self, buf: np.ndarray, places: list[int]) -> np.ndarray:
-        """The region out of `buf`, where run k of `_runs()` begins at byte `places[k]` (the compact box, or the
+        """The region out of `buf`, where run k of `runs` begins at byte `places[k]` (the compact box, or the
         runs as a cold read's merged requests left them). A group of runs (one index of every grid axis but the last
         two) spaced at one stride is one strided view: its blocks interleaved into voxels by one copy, and the part
         of the region it holds copied out of that."""

@@ -71,7 +71,7 @@ def test_runs_anywhere_in_a_buffer_gather_into_the_region(seed: int) -> None:
     raw = blocks.view(np.uint8).reshape(-1)
     buf = np.zeros(raw.nbytes * 3, np.uint8)
     places, at = [], 0
-    for off, n, _ in read._runs():
+    for off, n, _ in read.runs:
         at += int(rng.integers(0, 3)) * 4  # a few bytes more or less between runs: every stride differs
         buf[at : at + n] = raw[off : off + n]
         places.append(at)
@@ -123,21 +123,31 @@ def test_a_crop_reads_its_blocks_where_c_order_reads_rows_of_pages(dtype: str, m
     assert np.mean(rows) > 2 * need
 
 
+def _with_bricks(root: Path, array: np.ndarray) -> tuple[PreparedCache, TensorEntry]:
+    """A cache of one tensor with its bricks, and the tensor's entry."""
+    write_items(root, [{"x": array}])
+    build_bricks(root)
+    cache = PreparedCache(root)
+    return cache, cache.entries(0)[0]
+
+
+def _recording(backend: Any, seen: list[str]) -> None:
+    """Every path `backend` reads from, noted in `seen` (the request's own file, one entry a call)."""
+    real = backend.read_into
+
+    def recording(requests: Any, targets: Any) -> None:
+        seen.append(requests[0].path)
+        real(requests, targets)
+
+    backend.read_into = recording
+
+
 def test_a_warm_region_is_read_from_the_cache_itself(tmp_path: Path) -> None:
     array = np.arange(40 * 40, dtype=np.float32).reshape(1, 40, 40)
-    write_items(tmp_path / "c", [{"x": array}])
-    build_bricks(tmp_path / "c")
-    cache = PreparedCache(tmp_path / "c")
-    (entry,) = cache.entries(0)
+    cache, entry = _with_bricks(tmp_path / "c", array)
     seen: list[str] = []
     with get_backend("posix") as backend:
-        real = backend.read_into
-
-        def recording(requests: Any, targets: Any) -> None:
-            seen.extend(q.path for q in requests)
-            real(requests, targets)
-
-        backend.read_into = recording  # type: ignore[method-assign]
+        _recording(backend, seen)
         read = plan_read(entry, (0, 3, 4), (1, 10, 10), brick=cache.bricks.of(entry))
         (warm,) = read_regions(backend, [read], warm=True, mapped=False)
         (cold,) = read_regions(backend, [read], warm=False, bricks=True)
@@ -212,26 +222,17 @@ def test_the_first_cold_reads_try_both_ways_then_keep_the_faster(
 
     monkeypatch.setattr(diskcost, "_TRIALS", {})
     array = np.arange(64**3, dtype=np.float32).reshape(1, 64, 64, 64)
-    write_items(tmp_path / "c", [{"x": array}])
-    build_bricks(tmp_path / "c")
-    cache = PreparedCache(tmp_path / "c")
-    (entry,) = cache.entries(0)
-    sources: list[str] = []
+    cache, entry = _with_bricks(tmp_path / "c", array)
+    seen: list[str] = []
     with get_backend("posix") as backend:
-        real = backend.read_into
-
-        def recording(requests: Any, targets: Any) -> None:
-            sources.append("bricks" if "/bricks/" in requests[0].path else "shards")
-            real(requests, targets)
-
-        backend.read_into = recording  # type: ignore[method-assign]
+        _recording(backend, seen)
         read = plan_read(entry, (0, 5, 6, 7), (1, 24, 24, 24), brick=cache.bricks.of(entry))
         per_read = []
         for _ in range(9):
-            before = len(sources)
+            before = len(seen)
             (got,) = read_regions(backend, [read], warm=False, cost=CostModel(0.0, 1e9))
             np.testing.assert_array_equal(got, array[:, 5:29, 6:30, 7:31])
-            per_read.append(set(sources[before:]))
+            per_read.append({"bricks" if "/bricks/" in p else "shards" for p in seen[before:]})
     assert per_read[:6] == [{"bricks"}, {"shards"}] * 3  # in turn, the bricks first
     trial = diskcost.brick_trial(str(tmp_path / "c" / "bricks"))
     kept = "bricks" if trial.chosen else "shards"
