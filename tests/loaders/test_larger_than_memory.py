@@ -156,3 +156,25 @@ def test_the_drop_in_trains_an_epoch_of_twice_its_memory(big: Path, limit: int, 
         if k + 1 == KEPT:
             break
     _assert_values(got, want)
+
+
+def test_prepared_loader_trains_an_epoch_of_twice_its_memory_from_bricks(
+    big: Path, limit: int, count: int, tmp_path: Path
+) -> None:
+    """The same epoch with the cache's bricks written: its first cold reads go to the blocks and to the cache in
+    turn (the first batch from the blocks), the values still MONAI's, nothing killed for memory."""
+    from loaders import PreparedDataset
+    from loaders.cache.chain import tail_compose
+    from prep.bricks import build_bricks, drop_bricks
+
+    build_bricks(big / "cache")
+    try:
+        got = _epoch_in_cgroup(big, limit, "loader", tmp_path / "bricks.npz")
+    finally:
+        drop_bricks(big / "cache")
+    assert sorted(got["items"].tolist()) == list(range(count))
+    tail = tail_compose(_transform(big))
+    tail.set_random_state(seed=SEED)
+    ds = PreparedDataset(big / "cache")
+    want = [tail(ds[int(i)]) for i in got["items"][: 2 * KEPT]]
+    _assert_values(got, [{k: np.asarray(w[k]) for k in ("image", "label")} for w in want])
