@@ -13,7 +13,8 @@ How the runs are issued depends on where the bytes are (asked without I/O throug
 group is read run after run on one thread: the thread handoff is paid per group, not per run. Cold: runs
 separated by gaps cheaper to read than to skip (a request's cost against the device's bandwidth, measured:
 `loaders.reading.diskcost`) are merged into one read, and many requests go in flight at once. Where the cache
-has bricks (`prep bricks`), a cold region is read from its tensor's blocks instead (`loaders.reading.bricked`).
+has bricks (`prep bricks`), a cold region is read from its tensor's blocks (`loaders.reading.bricked`) or from the
+tensor, whichever the process's first cold reads of that cache found faster (`diskcost.BrickTrial`).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def plan_read(
     entry: TensorEntry, start: Sequence[int], shape: Sequence[int], axis: int | None = None, brick: Any = None
 ) -> RegionRead:
     """Plan the read of region `[start, start+shape)` of one cached tensor (ValueError when outside it); `brick`:
-    its blocks, read instead where the region is cold."""
+    its blocks, which a cold read may take instead (`read_regions`)."""
     _check(entry.shape, start, shape, f"{entry.shard}: item {entry.item} key '{entry.key}'")
     plan = plan_region(entry.shape, entry.dtype.itemsize, start, shape, axis)
     return RegionRead(entry, tuple(start), tuple(shape), plan, brick)
