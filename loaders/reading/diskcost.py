@@ -61,15 +61,15 @@ def disk_cost(backend: Backend, paths: Sequence[str], inflight: int, run: Callab
     if getattr(backend, "name", "") != "direct" or not paths:
         return COLD_COST
     try:
-        sizes = [(p, os.stat(p)) for p in dict.fromkeys(paths)]
+        key = (os.getpid(), os.stat(paths[0]).st_dev)  # one stat a cold read; the files' sizes only to measure
+        with _LOCK:
+            if key not in _MEASURED:
+                sizes = [(p, os.stat(p)) for p in dict.fromkeys(paths)]
+                files = [(p, st.st_size - st.st_size % ALIGN) for p, st in sizes if st.st_dev == key[1]]
+                _MEASURED[key] = measure(backend, files, inflight, run) or COLD_COST
+            return _MEASURED[key]
     except OSError:
         return COLD_COST
-    key = (os.getpid(), sizes[0][1].st_dev)
-    with _LOCK:
-        if key not in _MEASURED:
-            files = [(p, st.st_size - st.st_size % ALIGN) for p, st in sizes if st.st_dev == key[1]]
-            _MEASURED[key] = measure(backend, files, inflight, run) or COLD_COST
-        return _MEASURED[key]
 
 
 def measure(
