@@ -7,7 +7,9 @@ times it (synced before and after), with a second thread doing one thing in a lo
 does it in pieces: nothing; pure Python (holding the interpreter lock between forced switches); numpy work (the
 lock released); small kernels on a side stream, the host never waiting for them, or waiting for the stream after
 each, or reading each back (a `float()` of a device scalar, as MONAI's transforms do several times a batch); a
-small host tensor copied to the device from pageable memory (as `torch.tensor(..., device=...)` does). Printed:
+small host tensor copied to the device from pageable memory (as `torch.tensor(..., device=...)` does). With
+`--processes`, a second process on the same GPU instead (a CUDA context of its own, as the feeder's child): idle,
+or every 25 ms 200 small kernels, one by one with host work between, or the same as one CUDA graph. Printed:
 ms a step, x the step alone, and the thread's loops a second.
 """
 
@@ -21,6 +23,71 @@ from pathlib import Path
 from typing import Any
 
 WORK = ("none", "python", "numpy", "kernels", "kernels-stream-sync", "kernels-read-back", "pageable-copies")
+# a second process on the same GPU (a CUDA context of its own, as the feeder's child): idle; every period its
+# small kernels one by one with host work between (as a per-item tail launches them); the same kernels as one
+# CUDA graph (back to back, no gaps)
+PROCESS_WORK = ("process-idle", "process-gapped", "process-graph")
+PERIOD_S, KERNELS, GAP_S = 0.025, 200, 0.00005  # a batch's tail every 25 ms: 200 kernels, 50 us of host between
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
+    """The second process: `kind`'s work once a period until `stop`."""
+    import torch
+
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device=device)
+    x = torch.ones(96, 96, 96, device=device)
+    y = torch.empty_like(x)
+
+    def kernels() -> None:
+        for _ in range(KERNELS):
+            torch.mul(x, 1.0001, out=y)
+            if kind == "process-gapped":
+                _busy(GAP_S)
+
+    graph = None
+    with torch.cuda.stream(stream):
+        kernels()
+        stream.synchronize()
+        if kind == "process-graph":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                kernels()
+    ready.set()
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            if kind == "process-gapped":
+                kernels()
+            elif graph is not None:
+                graph.replay()
+        stream.synchronize()
+        time.sleep(max(0.0, PERIOD_S - (time.perf_counter() - t0)))
+
+
+def beside_process(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int, device: str) -> float:
+    """ms a step with a second process doing `kind` on the same GPU."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_process_loop, args=(kind, device, ready, stop), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError(f"the {kind} process did not start")
+        return timed_steps(step, sync, n)
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _work(kind: str, device: str) -> Callable[[], None]:
@@ -103,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=None)
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--crop", type=int, default=None)
+    parser.add_argument("--processes", action="store_true", help="also a second process on the GPU")
     a = parser.parse_args(argv)
     import torch
 
@@ -125,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         ms, rate = beside(kind, lambda: train(image, label), sync, a.steps, a.device)
         print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
+    for kind in PROCESS_WORK if cuda and a.processes else ():
+        ms = beside_process(kind, lambda: train(image, label), sync, a.steps, a.device)
+        print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {1 / PERIOD_S:>10.0f}")
     return 0
 
 
