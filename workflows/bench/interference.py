@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--crop", type=int, default=None)
     parser.add_argument("--processes", action="store_true", help="also a second process on the GPU")
+    parser.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(WORK + PROCESS_WORK)}")
     a = parser.parse_args(argv)
     import torch
 
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     train = make_step(opts, a.device)
     cuda = a.device.startswith("cuda")
     sync: Callable[[], Any] = torch.cuda.current_stream(a.device).synchronize if cuda else (lambda: None)
-    kinds = [k for k in WORK if cuda or k in ("none", "python", "numpy")]
+    asked = a.kinds.split(",") if a.kinds else [*WORK, *(PROCESS_WORK if a.processes else ())]
+    kinds = [k for k in asked if k in WORK and (cuda or k in ("none", "python", "numpy"))]
     timed_steps(lambda: train(image, label), sync, max(4, a.steps // 4))  # warm
     alone = timed_steps(lambda: train(image, label), sync, a.steps)
     print(f"{a.workload}: the training step on one resident batch, {a.steps} steps a row, {a.device}")
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         ms, rate = beside(kind, lambda: train(image, label), sync, a.steps, a.device)
         print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
-    for kind in PROCESS_WORK if cuda and a.processes else ():
+    for kind in [k for k in asked if k in PROCESS_WORK and cuda]:
         ms = beside_process(kind, lambda: train(image, label), sync, a.steps, a.device)
         print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {1 / PERIOD_S:>10.0f}")
     return 0
