@@ -58,9 +58,8 @@ DEFAULT_BATCH = 32
 
 # feeder="auto" compares the training loop's period with the batches made in process (the latest TRIAL_WINDOW
 # periods) and fed by the child (TRIAL_LEAST periods after its first whole epoch, its tier then filled); the
-# child is kept only where the fed period is shorter by at least TRIAL_MARGIN, else the batches come back to the
-# training process (a second CUDA context time-sliced against the training's can cost more than the Python it
-# takes off, and a child that does not win holds a process and a context for nothing: docs/loaders.md)
+# batches come back to the training process where the fed period is longer by more than TRIAL_MARGIN (a second
+# CUDA context time-sliced against the training's can cost more than the Python it takes off: docs/loaders.md)
 TRIAL_WINDOW = 64
 TRIAL_LEAST = 16
 TRIAL_MARGIN = 0.03

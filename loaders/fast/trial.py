@@ -6,11 +6,10 @@ in a process of its own (`slices`: 0.60 of the ceiling in process, 0.83 fed), wh
 runs worse there, its second CUDA context time-sliced against the training's (`seg-aug`: 0.77 in process, 0.66
 fed). So the loop's period (from one batch handed to the next: the training step plus any wait for data) is
 measured both ways on the same run: in this process while the child starts, then from the child once it has
-made one whole epoch (its tier filled). The child is kept only where its median period is shorter than this
-process's by at least `margin`; otherwise the batches come back here at the next epoch's start, from the same
-random states (the child is closed, this process's tier fills again). A tie goes to this process: a child that
-does not win costs a process, a second CUDA context and its memory. The random states never depend on where a
-batch was made, so the decision changes the speed only, never a value.
+made one whole epoch (its tier filled). Where the child's median period is longer than this process's by more
+than `margin`, the batches come back here at the next epoch's start, from the same random states (the child
+is closed, this process's tier fills again). The random states never depend on where a batch was made, so
+the decision changes the speed only, never a value.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class FeederTrial:
 
     `window`: the latest in-process periods kept (those after the tier filled weigh most); `least`: the periods
     of each kind (fed ones after the child's first whole epoch) needed before deciding, gathered over as many epochs as
-    that takes; `margin`: how much shorter the fed period must be for the feeder to keep the batches."""
+    that takes; `margin`: how much longer the fed period may be before the batches come back here."""
 
     def __init__(self, window: int = TRIAL_WINDOW, least: int = TRIAL_LEAST, margin: float = TRIAL_MARGIN) -> None:
         self.here: deque[float] = deque(maxlen=window)
@@ -69,7 +68,7 @@ class FeederTrial:
             self.verdict = f"feeder kept: {1000 * fed:.1f} ms a step, too few made in this process to compare"
             return False
         here = statistics.median(self.here)
-        back = fed > here * (1 - self.margin)
+        back = fed > here * (1 + self.margin)
         said = "batches made in this process again" if back else "feeder kept"
         self.verdict = f"{said}: {1000 * fed:.1f} ms a step fed, {1000 * here:.1f} ms made here"
         return back

@@ -31,8 +31,8 @@ def _epoch(trial: FeederTrial, made: list[int], plan: str, step_s: float, fed_s:
 
 @pytest.mark.parametrize(("fed_s", "here_s", "back"), [(0.02, 0.0, True), (0.0, 0.02, False)])
 def test_the_verdict_follows_the_measured_periods(fed_s: float, here_s: float, back: bool) -> None:
-    """Fed batches that keep the loop waiting bring the batches back; fed ones that spare it waits keep the
-    feeder. The child's first whole epoch (its tier filling) is not counted, nor a period across the hand-over."""
+    """Fed batches that keep the loop waiting bring the batches back; fed ones that do not keep the feeder. The
+    child's first whole epoch (its tier filling) is not counted, nor a period across the hand-over."""
     trial, made = FeederTrial(window=64, least=6, margin=0.03), [0]
     _epoch(trial, made, "hhhhhhhh", 0.002, fed_s, here_s)
     _epoch(trial, made, "hhhfffff", 0.002, fed_s, here_s)  # handed over mid-epoch: not a whole fed epoch
@@ -44,15 +44,6 @@ def test_the_verdict_follows_the_measured_periods(fed_s: float, here_s: float, b
     assert trial.decide() is back
     assert trial.verdict is not None and trial.verdict.startswith("batches made" if back else "feeder kept")
     assert trial.decide() is None  # said once
-
-
-@pytest.mark.parametrize(("fed_ms", "back"), [(10.0, True), (9.8, True), (9.69, False), (12.0, True)])
-def test_the_child_must_win_by_the_margin(fed_ms: float, back: bool) -> None:
-    """A tie, or a fed period shorter by less than the margin, brings the batches back to this process."""
-    trial = FeederTrial(least=4, margin=0.03)
-    trial.here.extend([0.010] * 8)
-    trial.fed.extend([fed_ms / 1000] * 4)
-    assert trial.decide() is back
 
 
 def test_no_batches_made_here_keeps_the_feeder() -> None:
@@ -77,7 +68,7 @@ def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Pat
     want_loader = _loader(made, {**options, "feeder": False})
     want = [[_plain(b) for b in want_loader] for _ in range(5)]
     fed = _loader(made, {**options, "feeder": True})
-    fed._trial = FeederTrial(least=1, margin=1.0)  # the fed period would have to be shorter than none: always back
+    fed._trial = FeederTrial(least=1, margin=-1.0)  # any fed period longer than none: always back
     try:
         it = iter(fed)
         got = [[_plain(next(it)), _plain(next(it))]]  # made here while the child imports
