@@ -90,7 +90,7 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "SHARED_CACHE": str(shared),
         "SCRATCH_DIR": str(scratch), "DEVICE": "cpu", "ITERS": "1", "BATCHSIZE": "1", "PYTHON": sys.executable,
-        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "all", "KEEP_SCRATCH": "1",
+        "TRAIN_ARGS": "--channels 4 8 --workers 0", "LOADER": "all", "KEEP_SCRATCH": "1", "MPS": "1",
     }  # fmt: skip
     proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], capture_output=True, text=True, env=env,
                           cwd=SLURM.parents[1], timeout=300)  # fmt: skip
@@ -98,6 +98,12 @@ def test_train_sbatch_stages_remaps_and_trains(tmp_path: Path) -> None:
     (local,) = scratch.glob("cache-*")  # one copy per job (the script's pid outside SLURM)
     assert (local / "manifest.json").is_file() and (scratch / "persistent").is_dir()
     assert all(f"{name}: 1 steps" in proc.stdout for name in ("fast", "drop-in", "persistent")), proc.stdout
+    # MPS=1: a daemon of the job's own where the driver's tools are, else one line why and training without it
+    if shutil.which("nvidia-cuda-mps-control"):
+        assert "MPS: a daemon of this job's own" in proc.stdout, proc.stdout
+    else:
+        assert "MPS=1: no MPS on" in proc.stdout and "nvidia-cuda-mps-control not found" in proc.stderr
+    assert not list(scratch.glob("mps-*")), "the MPS folder is made only where a daemon starts, removed after"
     if "no block map on this scratch" not in proc.stdout:  # tmpfs scratch cannot be mapped
         from loaders.blockmap.bmap import BlockMap
 
