@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -77,6 +78,13 @@ def hoist_global_options(argv: list[str], commands: set[str]) -> list[str]:
     return before + after
 
 
+def mps_pipe() -> Path | None:
+    """The pipe folder of a CUDA MPS control daemon this process's CUDA calls would go through (the one
+    `CUDA_MPS_PIPE_DIRECTORY` names, else the driver's default), or None: figures taken under MPS say so."""
+    folder = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+    return folder if (folder / "control").exists() else None
+
+
 def _command(entry: Scenario) -> Any:
     """A typer command for a scenario: its own options from its signature, the global Options from ctx."""
     fn = entry.run
@@ -87,7 +95,9 @@ def _command(entry: Scenario) -> Any:
     def command(ctx: typer.Context, **options: Any) -> None:
         opts: Options = ctx.obj
         mode = "cold" if opts.cold else "warm"
-        print(f"benchmark {entry.name}: {mode}, {opts.batches} batches of {opts.batchsize}, device {opts.device}")
+        mps = mps_pipe() if opts.device.startswith("cuda") else None
+        device = f"{opts.device}, under CUDA MPS (pipe {mps})" if mps else opts.device
+        print(f"benchmark {entry.name}: {mode}, {opts.batches} batches of {opts.batchsize}, device {device}")
         try:
             results = fn(opts, **options)
         except (Unavailable, PrepError) as exc:  # the scenario's own data is unusable: say so in one line

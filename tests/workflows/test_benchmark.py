@@ -282,3 +282,12 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert benchmark.main(["--batchsize", "0", "dali", "--datadir", "x"]) == 2
     assert benchmark.main(["no-such-way"]) == 2
     assert "--datadir" in capsys.readouterr().err
+
+
+def test_a_cuda_mps_daemons_pipe_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Figures taken under CUDA MPS say so: the pipe folder `CUDA_MPS_PIPE_DIRECTORY` names counts once its
+    daemon's control pipe is there (a FIFO, as nvidia-cuda-mps-control makes it)."""
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert benchmark.mps_pipe() is None
+    os.mkfifo(tmp_path / "control")
+    assert benchmark.mps_pipe() == tmp_path
