@@ -62,10 +62,8 @@ def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
 
 def _copies(t: Any, inner: Any, states: tuple[Any, Any]) -> tuple[Any, Any]:
     """Shallow copies drawing from their own random states, started at `states`."""
-    from loaders.tail.normals import SplitNormals
-
     tc, ic = copy.copy(t), copy.copy(inner)
-    tc.R, ic.R = np.random.RandomState(), SplitNormals()  # a whole image of noise: drawn by several threads
+    tc.R, ic.R = np.random.RandomState(), np.random.RandomState()
     tc.R.set_state(states[0])
     ic.R.set_state(states[1])
     return tc, ic
