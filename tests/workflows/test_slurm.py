@@ -138,3 +138,25 @@ def test_train_apptainer_sbatch_runs_train_sbatch_in_the_image(tmp_path: Path) -
     assert "fast: 1 steps" in proc.stdout and "blockprep from" in proc.stdout, proc.stdout
     ran = log.read_text()
     assert f"{image}: python -m prep bmap" in ran and f"{image}: python -m workflows.train_seg3d" in ran, ran
+
+
+def test_mps_run_gives_the_command_its_daemon_or_says_why_not(tmp_path: Path) -> None:
+    """`mps.sh run DIR -- CMD`: the command runs (its exit status kept) under a daemon of its own where the
+    driver's tools are, else without one after one line saying why; a wrong call is a usage error."""
+    script = str(SLURM / "mps.sh")
+    show = 'echo "pipe=${CUDA_MPS_PIPE_DIRECTORY:-none}"; exit 3'
+    proc = subprocess.run(["bash", script, "run", str(tmp_path / "mps"), "--", "bash", "-c", show],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    if shutil.which("nvidia-cuda-mps-control"):
+        assert f"pipe={tmp_path / 'mps' / 'pipe'}" in proc.stdout
+    else:
+        assert "pipe=none" in proc.stdout
+        assert proc.stderr.splitlines() == [
+            "mps.sh: nvidia-cuda-mps-control not found (it comes with the NVIDIA driver's utilities); no MPS",
+            "mps.sh: running without MPS",
+        ]
+        assert not (tmp_path / "mps").exists()  # nothing made where no daemon started
+    for wrong in (["run", str(tmp_path)], ["stop", str(tmp_path), "x"], ["start"], ["go", str(tmp_path)]):
+        bad = subprocess.run(["bash", script, *wrong], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith("usage: mps.sh"), wrong

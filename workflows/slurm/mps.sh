@@ -4,16 +4,25 @@
 #
 #   eval "$(bash workflows/slurm/mps.sh start DIR)"   # prints the two exports; the processes started after it use MPS
 #   bash workflows/slurm/mps.sh stop DIR
+#   bash workflows/slurm/mps.sh run DIR -- python train.py ...   # the command under a daemon of its own, stopped
+#                                                              # after it; without MPS where it cannot start (said)
 #
 # DIR holds the daemon's pipe and log folders (job-private: node-local scratch). Start it before the training
 # process touches CUDA. Needs the NVIDIA driver's nvidia-cuda-mps-control and a GPU whose compute mode allows
 # it (Default or Exclusive_Process); on failure `start` says why in one line on stderr and exits 1.
 set -euo pipefail
 
-usage() { echo "usage: mps.sh start|stop DIR" >&2; exit 2; }
-[[ $# -eq 2 ]] || usage
+usage() { echo "usage: mps.sh start|stop DIR, or mps.sh run DIR -- COMMAND [ARGS...]" >&2; exit 2; }
+[[ $# -ge 2 ]] || usage
 action=$1
 dir=$2
+shift 2
+if [[ "${action}" == "run" ]]; then
+    [[ "${1:-}" == "--" ]] && shift
+    [[ $# -ge 1 ]] || usage
+elif [[ $# -ne 0 ]]; then
+    usage
+fi
 [[ "${dir}" == /* ]] || dir="${PWD}/${dir}"  # the exports must hold from any folder
 export CUDA_MPS_PIPE_DIRECTORY="${dir}/pipe" CUDA_MPS_LOG_DIRECTORY="${dir}/log"
 
@@ -39,6 +48,20 @@ stop)
     if [[ -S "${CUDA_MPS_PIPE_DIRECTORY}/control" ]] || [[ -p "${CUDA_MPS_PIPE_DIRECTORY}/control" ]]; then
         echo quit | nvidia-cuda-mps-control || true
     fi
+    ;;
+run)
+    started=0
+    if exports=$(bash "${BASH_SOURCE[0]}" start "${dir}"); then
+        eval "${exports}"
+        started=1
+    else
+        echo "mps.sh: running without MPS" >&2
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+    status=0
+    "$@" || status=$?
+    if [[ "${started}" == "1" ]]; then bash "${BASH_SOURCE[0]}" stop "${dir}"; fi
+    exit "${status}"
     ;;
 *) usage ;;
 esac
