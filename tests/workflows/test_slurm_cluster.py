@@ -53,7 +53,8 @@ def test_train_sbatch_stages_remaps_and_trains(
     else:  # scratch is a folder of a larger filesystem: the cache folder itself is mapped
         scratch = tmp_path / "scratch"
     keep = "1" if scratch_kind == "mountpoint" else "0"
-    env = _job_env(slurm, tmp_path, SCRATCH_DIR=str(scratch), KEEP_SCRATCH=keep, VERIFY="1", LOADER="all")
+    env = _job_env(slurm, tmp_path, SCRATCH_DIR=str(scratch), KEEP_SCRATCH=keep, VERIFY="1", LOADER="all",
+                   MPS="1", BLOCKPREP_SRC=str(SLURM.parents[1]))  # fmt: skip
     job = slurm.sbatch(*CPU_NODE, f"--export=ALL,SHARED_CACHE={shared_cache},ITERS=1,BATCHSIZE=1",
                        str(SLURM / "train.sbatch"), env=env, cwd=tmp_path)  # fmt: skip
     state = slurm.wait([job])[job]
@@ -63,6 +64,9 @@ def test_train_sbatch_stages_remaps_and_trains(
     assert re.search(r"\d+ files, \d+ bytes, \d+ extents", out) and "no block map on this scratch" not in out, out
     assert "every tensor verified" in out
     assert all(f"{name}: 1 steps" in out for name in ("fast", "drop-in", "persistent")), out
+    # MPS=1 from a job's spooled copy of the script: mps.sh found in the checkout, a daemon or one line why not
+    assert "MPS: a daemon of this job's own" in out or "MPS=1: no MPS on" in out, out
+    assert not list(Path(scratch).glob("mps-*"))
     local = scratch / f"cache-{job}"
     if keep == "1":
         from loaders.blockmap.bmap import BlockMap
