@@ -71,8 +71,13 @@ TIER_SHARE_TENSORS = 4096
 
 # --- The random tail (loaders.tail) ---
 
-# Batches of a costly random transform's draws (RandGaussianNoised) made ahead on a thread.
+# Batches of a costly random transform's draws (RandGaussianNoised) made ahead on a thread: DEPTH at least, and
+# more where their expected bytes allow, AHEAD_BYTES in all, up to AHEAD_MOST. One thread draws one stream in order;
+# where its draws take about a step's time, the count of items a batch fires on varies, and a shallow queue leaves
+# the thread idle behind a light batch and the training waiting behind a heavy one (docs/benchmarks.md)
 DEPTH = 2
+AHEAD_MOST = 16
+AHEAD_BYTES = 256 << 20
 
 
 # --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---

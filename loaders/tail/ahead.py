@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 
 from loaders.reading.ahead import InOrder
-from loaders.tunables import DEPTH
+from loaders.tunables import AHEAD_BYTES, AHEAD_MOST, DEPTH
 
 Draw = Callable[[Any, Any, int, Any], list[Any]]  # (transform, inner, n, like) -> each item's draw or None
+Key = tuple[int, tuple[int, ...]]  # (items, an item's shape)
+Expected = Callable[[Key], float]  # a batch's draws' expected bytes
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,19 @@ def _copies(t: Any, inner: Any, states: tuple[Any, Any]) -> tuple[Any, Any]:
 
 
 class Ahead:
-    """The draws of one (transform, inner transform) pair, `DEPTH` batches ahead of their use."""
+    """The draws of one (transform, inner transform) pair, `DEPTH` batches ahead of their use, or as many more
+    as `expected` (a batch's draws' expected bytes) allows within `AHEAD_BYTES`, up to `AHEAD_MOST`."""
 
     _pool: ThreadPoolExecutor | None = None
     _lock = threading.Lock()
 
-    def __init__(self, t: Any, inner: Any, attr: str, draw: Draw) -> None:
+    def __init__(self, t: Any, inner: Any, attr: str, draw: Draw, expected: Expected | None = None) -> None:
         self.t: Any = weakref.proxy(t)  # the registry's key: a strong reference would keep it alive
-        self.inner, self.attr, self.draw = inner, attr, draw
+        self.inner, self.attr, self.draw, self.expected = inner, attr, draw, expected
         self.pending = InOrder(executor=self._executor())
         self.hits = self.misses = 0
+        weakref.finalize(t, self.pending.forget)  # a transform gone: its batches not yet drawn never are
+        _LIVE.add(self)
 
     @classmethod
     def _executor(cls) -> ThreadPoolExecutor:
@@ -114,15 +119,21 @@ class Ahead:
         got: _Drawn = self.pending.take()
         if got.key != key or not _same(got.before, now):
             return None
-        if len(self.pending) < DEPTH:
+        while len(self.pending) < self.depth(key):
             self._extend(key)
         return got
 
-    def _schedule(self, key: tuple[int, tuple[int, ...]], start: tuple[Any, Any]) -> None:
-        """Draw the next DEPTH batches on the thread, from copies started at `start`."""
+    def depth(self, key: Key) -> int:
+        """Batches of shape `key` drawn ahead."""
+        if self.expected is None:
+            return DEPTH
+        return max(DEPTH, min(AHEAD_MOST, int(AHEAD_BYTES // max(self.expected(key), 1.0))))
+
+    def _schedule(self, key: Key, start: tuple[Any, Any]) -> None:
+        """Draw the next `depth` batches on the thread, from copies started at `start`."""
         tc, ic = _copies(self.t, self.inner, start)
         self._copies = (tc, ic)
-        for _ in range(DEPTH):
+        for _ in range(self.depth(key)):
             self._extend(key)
 
     def _extend(self, key: tuple[int, tuple[int, ...]]) -> None:
@@ -137,6 +148,18 @@ class Ahead:
 
 
 _AHEAD: weakref.WeakKeyDictionary[Any, Ahead] = weakref.WeakKeyDictionary()
+_LIVE: weakref.WeakSet[Ahead] = weakref.WeakSet()
+
+
+def _forget_all() -> None:
+    """At the interpreter's exit, the batches not yet drawn are dropped: the pool's thread would draw every one
+    before the process could end."""
+    for early in list(_LIVE):
+        early.pending.forget()
+
+
+# run before concurrent.futures joins its threads at exit (threading's exit calls run last registered first)
+getattr(threading, "_register_atexit", lambda _: None)(_forget_all)
 
 
 def _forget_the_parents_threads() -> None:
@@ -147,15 +170,16 @@ def _forget_the_parents_threads() -> None:
     _DRAWERS, _DRAWERS_LOCK = None, threading.Lock()
     Ahead._pool, Ahead._lock = None, threading.Lock()
     _AHEAD.clear()
+    _LIVE.clear()
 
 
-def ahead(t: Any, inner: Any, attr: str, draw: Draw) -> Ahead | None:
+def ahead(t: Any, inner: Any, attr: str, draw: Draw, expected: Expected | None = None) -> Ahead | None:
     """The draw-ahead of transform `t` (None where it cannot be exact: the two share one random state)."""
     if t.R is inner.R:
         return None
     got = _AHEAD.get(t)
     if got is None or got.inner is not inner:
-        got = _AHEAD[t] = Ahead(t, inner, attr, draw)
+        got = _AHEAD[t] = Ahead(t, inner, attr, draw, expected)
     return got
 
 

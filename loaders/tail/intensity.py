@@ -6,6 +6,7 @@ float32 first, as torch does), so the results are equal bit for bit on the same 
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Hashable
 from typing import Any
@@ -73,6 +74,16 @@ def _noise_draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
     return draws(t, inner, "noise", [like] * n)
 
 
+def _noise_bytes(t: Any) -> Any:
+    """A batch's expected noise bytes: float64 numbers for an item's every element, on the items it fires on."""
+
+    def expected(key: tuple[int, tuple[int, ...]]) -> float:
+        n, shape = key
+        return float(n * 8 * math.prod(shape) * min(1.0, max(float(t.prob), 0.0)))
+
+    return expected
+
+
 def _out_dtype(x: Any, dtype: Any) -> Any:
     """The dtype MONAI gives a transformed item."""
     import torch
@@ -136,7 +147,7 @@ def rand_gaussian_noise(t: Any, batch: TailBatch) -> bool:
     if keys is None or _mixes_dtypes(t, batch, keys, t.rand_gaussian_noise.dtype):
         return False
     inner = t.rand_gaussian_noise
-    early = ahead(t, inner, "noise", _noise_draws) if keys else None
+    early = ahead(t, inner, "noise", _noise_draws, _noise_bytes(t)) if keys else None
     if early is None:
         drawn = _draw(t, batch, keys, inner, "noise")
     else:  # the noise is drawn on a thread while the batch before this one is still in the tail

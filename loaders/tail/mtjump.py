@@ -15,6 +15,7 @@ numpy and the standard library only: the stream helper process runs this file wi
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -196,8 +197,12 @@ def serve() -> None:
         else:
             got = moved(key, pos, words, items)
         body = pickle.dumps(got, protocol=pickle.HIGHEST_PROTOCOL)
-        out.write(struct.pack("<I", len(body)) + body)
-        out.flush()
+        try:
+            out.write(struct.pack("<I", len(body)) + body)
+            out.flush()
+        except BrokenPipeError:  # the process that asked has ended (a forked worker's exit): so does this one
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())  # nothing left to flush at exit
+            return
 
 
 if __name__ == "__main__":

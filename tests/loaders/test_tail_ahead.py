@@ -37,7 +37,7 @@ def _of(t: Any) -> Any:
     return None if inner is None else ahead(t, inner, "noise", lambda *a: [])
 
 
-@pytest.mark.parametrize("sizes", [[4, 4, 4, 4, 4], [3, 3, 3, 2], [1, 5, 5, 5, 1]])
+@pytest.mark.parametrize("sizes", [[4, 4, 4, 4, 4], [3, 3, 3, 2], [1, 5, 5, 5, 1], [4] * 24 + [3]])
 def test_batches_equal_monai_item_by_item(sizes: list[int]) -> None:
     from monai.transforms import Compose
 
@@ -47,6 +47,23 @@ def test_batches_equal_monai_item_by_item(sizes: list[int]) -> None:
     for b, w in zip(batches, want):
         assert_same(tail(b), w, keys=("image",))
     assert _hits(tail) > 0  # later batches took draws made ahead
+
+
+def test_draws_ahead_as_deep_as_their_expected_bytes_allow() -> None:
+    """Small crops are drawn up to AHEAD_MOST batches ahead, large ones DEPTH; between, AHEAD_BYTES of the
+    noise the batches are expected to draw (float64 numbers on the items the transform fires on)."""
+    from monai.transforms import Compose
+
+    from loaders.tunables import AHEAD_BYTES, AHEAD_MOST, DEPTH
+
+    tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(1)
+    tail(_batches([4])[0])
+    early = _of(tail.transforms[0])  # prob 0.5: a batch of 4 items is expected to draw 2 items' noise
+    assert early.depth((4, (1, 12, 10, 8))) == AHEAD_MOST
+    assert early.depth((4, (4, 512, 512, 256))) == DEPTH
+    eight = AHEAD_BYTES // (8 * 2 * 8)  # an item's elements for which 8 batches fill AHEAD_BYTES
+    assert early.depth((4, (1, eight))) == 8
+    assert len(early.pending) == AHEAD_MOST  # the batches after the first, being drawn
 
 
 def test_reseed_between_batches_discards_what_was_drawn_ahead() -> None:
