@@ -9,7 +9,8 @@ lock released); small kernels on a side stream, the host never waiting for them,
 each, or reading each back (a `float()` of a device scalar, as MONAI's transforms do several times a batch); a
 small host tensor copied to the device from pageable memory (as `torch.tensor(..., device=...)` does). With
 `--processes`, a second process on the same GPU instead (a CUDA context of its own, as the feeder's child): idle,
-or every 25 ms 200 small kernels, one by one with host work between, or the same as one CUDA graph. Printed:
+or every 25 ms 200 small kernels, one by one with host work between (or with the host waiting for them 17 times
+in the 200, as a tail that reads values back), or the same as one CUDA graph. Printed:
 ms a step, x the step alone, and the thread's loops a second.
 """
 
@@ -25,9 +26,11 @@ from typing import Any
 WORK = ("none", "python", "numpy", "kernels", "kernels-stream-sync", "kernels-read-back", "pageable-copies")
 # a second process on the same GPU (a CUDA context of its own, as the feeder's child): idle; every period its
 # small kernels one by one with host work between (as a per-item tail launches them); the same kernels as one
-# CUDA graph (back to back, no gaps)
-PROCESS_WORK = ("process-idle", "process-gapped", "process-graph")
+# CUDA graph (back to back, no gaps); the gapped kernels with the host waiting for its stream WAITS times a period
+# (as a tail that reads values back does: a `float()`, an `.item()`, a copy to numpy)
+PROCESS_WORK = ("process-idle", "process-gapped", "process-waits", "process-graph")
 PERIOD_S, KERNELS, GAP_S = 0.025, 200, 0.00005  # a batch's tail every 25 ms: 200 kernels, 50 us of host between
+WAITS = 17  # seg-aug's waits a batch (docs/benchmarks.md, Training: where the loader waits for the GPU)
 
 
 def _busy(seconds: float) -> None:
@@ -45,11 +48,15 @@ def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
     x = torch.ones(96, 96, 96, device=device)
     y = torch.empty_like(x)
 
+    every = KERNELS // WAITS if kind == "process-waits" else 0
+
     def kernels() -> None:
-        for _ in range(KERNELS):
+        for i in range(KERNELS):
             torch.mul(x, 1.0001, out=y)
-            if kind == "process-gapped":
+            if kind != "process-graph":
                 _busy(GAP_S)
+            if every and (i + 1) % every == 0:
+                stream.synchronize()
 
     graph = None
     with torch.cuda.stream(stream):
@@ -63,7 +70,7 @@ def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
     while not stop.is_set():
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if kind == "process-gapped":
+            if kind in ("process-gapped", "process-waits"):
                 kernels()
             elif graph is not None:
                 graph.replay()
