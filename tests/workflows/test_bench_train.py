@@ -132,8 +132,13 @@ def _ddp_row(out: Path, world: int, *args: str) -> dict[str, object]:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = _rows(out / "ddp" / "bench.csv")
-    assert [r["name"] for r in rows] == ["blockprep PreparedLoader, 1 GPU", f"blockprep PreparedLoader, DDP x{world}"]
+    names = ["compute only, 1 GPU", "blockprep PreparedLoader, 1 GPU", f"compute only, DDP x{world}",
+             f"blockprep PreparedLoader, DDP x{world}"]  # fmt: skip
+    assert [r["name"] for r in rows] == names
+    assert [r["data"] for r in rows] == ["1 GPU", "1 GPU", f"DDP x{world}", f"DDP x{world}"]
+    assert all(float(r["x_ceiling"]) > 0 for r in rows)  # each pair against its own ceiling
     got: dict[str, object] = json.loads((out / "ddp" / "ddp.json").read_text())
+    assert float(got["ceilings_x_one_gpu"]) > 0  # type: ignore[arg-type]
     return got
 
 

@@ -10,7 +10,8 @@ each, or reading each back (a `float()` of a device scalar, as MONAI's transform
 small host tensor copied to the device from pageable memory (as `torch.tensor(..., device=...)` does). With
 `--processes`, a second process on the same GPU instead (a CUDA context of its own, as the feeder's child): idle,
 or every 25 ms 200 small kernels, one by one with host work between (or with the host waiting for them 17 times
-in the 200, as a tail that reads values back), or the same as one CUDA graph. Printed:
+in the 200, as a tail that reads values back; or launched back to back, no host work between), or the same as
+one CUDA graph. Printed:
 ms a step, x the step alone, and the thread's loops a second.
 """
 
@@ -27,8 +28,9 @@ WORK = ("none", "python", "numpy", "kernels", "kernels-stream-sync", "kernels-re
 # a second process on the same GPU (a CUDA context of its own, as the feeder's child): idle; every period its
 # small kernels one by one with host work between (as a per-item tail launches them); the same kernels as one
 # CUDA graph (back to back, no gaps); the gapped kernels with the host waiting for its stream WAITS times a period
-# (as a tail that reads values back does: a `float()`, an `.item()`, a copy to numpy)
-PROCESS_WORK = ("process-idle", "process-gapped", "process-waits", "process-graph")
+# (as a tail that reads values back does: a `float()`, an `.item()`, a copy to numpy); the kernels launched one by
+# one with no host work between (a burst of launches, no graph)
+PROCESS_WORK = ("process-idle", "process-gapped", "process-waits", "process-burst", "process-graph")
 PERIOD_S, KERNELS, GAP_S = 0.025, 200, 0.00005  # a batch's tail every 25 ms: 200 kernels, 50 us of host between
 WAITS = 17  # seg-aug's waits a batch (docs/benchmarks.md, Training: where the loader waits for the GPU)
 
@@ -53,7 +55,7 @@ def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
     def kernels() -> None:
         for i in range(KERNELS):
             torch.mul(x, 1.0001, out=y)
-            if kind != "process-graph":
+            if kind in ("process-gapped", "process-waits"):
                 _busy(GAP_S)
             if every and (i + 1) % every == 0:
                 stream.synchronize()
@@ -70,7 +72,7 @@ def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
     while not stop.is_set():
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            if kind in ("process-gapped", "process-waits"):
+            if kind in ("process-gapped", "process-waits", "process-burst"):
                 kernels()
             elif graph is not None:
                 graph.replay()

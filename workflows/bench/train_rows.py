@@ -33,16 +33,18 @@ def _loader_epochs(loader: Any, stop: Callable[[], None] | None = None) -> Calla
     return epochs
 
 
-def ceiling(opts: TrainOptions, steps: int) -> TrainRow:
-    """One batch resident on the device, no transforms: the most the model can do."""
+def ceiling(opts: TrainOptions, steps: int, device: str | None = None, ddp: bool = False,
+            name: str = CEILING) -> TrainRow:  # fmt: skip
+    """One batch resident on the device (`device`, else the options'), no transforms: the most the model can
+    do (`ddp`: the DDP model of this rank, under torchrun)."""
     import torch
 
     shapes = WORKLOADS[opts.workload].ceiling(opts)
     if not shapes:
         raise Unavailable(f"{opts.workload} trains no model: no compute ceiling")
     g = torch.Generator().manual_seed(opts.seed)
-    batch = {key: _made(shape, kind, g).to(opts.device) for key, (shape, kind) in shapes.items()}
-    return time_loop(CEILING, "ceiling", lambda e: (batch for _ in range(steps)), opts)
+    batch = {key: _made(shape, kind, g).to(device or opts.device) for key, (shape, kind) in shapes.items()}
+    return time_loop(name, "ceiling", lambda e: (batch for _ in range(steps)), opts, device, ddp=ddp)
 
 
 def _made(shape: tuple[int, ...], kind: str, g: Any) -> Any:
