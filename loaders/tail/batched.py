@@ -9,6 +9,7 @@ transform by transform gives exactly the draws of MONAI's item-by-item chain.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -475,12 +476,13 @@ class BatchedTail:
         `groups`: the MONAI item each input row is a sample of, where a multi-sample crop was made before."""
         tb = TailBatch.from_batch(batch, self.device, groups)
         for t, handler in zip(self.transforms, self._handlers):
-            tb.try_stack()
-            if handler is not None and tb.items is None and handler(t, tb):
-                continue
-            if handler is not None:
-                self._note_fallback(t)
-            _per_item(t, tb)
+            with _marked(t):
+                tb.try_stack()
+                if handler is not None and tb.items is None and handler(t, tb):
+                    continue
+                if handler is not None:
+                    self._note_fallback(t)
+                _per_item(t, tb)
         return tb.result(), tb.origin
 
     def _note_fallback(self, transform: Any) -> None:
@@ -488,6 +490,16 @@ class BatchedTail:
         if name not in self._fallbacks:
             self._fallbacks.append(name)
             _log.warning("BatchedTail: %s runs per item through MONAI for this input", name)
+
+
+def _marked(transform: Any) -> Any:
+    """Where torch's profiler is on, a range named `tail:` and the transform's class around its work (what it
+    launches, by transform: `python -m workflows.bench.profile_train --loader-only --ops`); else nothing."""
+    import torch
+
+    if not torch._C._autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"tail:{type(transform).__name__}")
 
 
 def keys_of(transform: Any, batch: TailBatch) -> list[Hashable]:

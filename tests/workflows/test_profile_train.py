@@ -28,3 +28,15 @@ def test_first_batch_names_where_the_time_went(tmp_path: Path, capsys: pytest.Ca
     out = capsys.readouterr().out
     assert out.count("built in") == 1 and "feeder=False" in out and "first batch" in out
     assert "inclusive s | thread | frame" in out and "leaf s | thread | line" in out
+
+
+def test_ops_count_the_tails_work_by_transform(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--ops: seg-aug's tail, transform by transform, with the ops each ran a batch (no device kernels on the CPU)."""
+    argv = ["--workload", "seg-aug", "--size", "40", "--crop", "16", "--count", "4", "--steps", "4", "--device",
+            "cpu", "--work", str(tmp_path), "--rows", "3", "--loader-only", "--ops"]  # fmt: skip
+    assert profile_train.main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("the tail a batch, by transform") :].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:] if line.strip()}
+    assert {"RandAffined", "RandGaussianSharpend", "RandFlipd", "all"} <= set(rows)
+    assert float(rows["RandAffined"][0]) > 0 and float(rows["all"][1]) == 0.0

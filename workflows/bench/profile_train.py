@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         "--syncs", action="store_true", help="--loader-only on CUDA: where the loader waits for the GPU, by call site"
     )
     parser.add_argument(
+        "--ops", action="store_true", help="--loader-only: the tail's ops and device kernels a batch, by transform"
+    )
+    parser.add_argument(
         "--feeder",
         choices=["auto", "True", "False"],
         action="append",
@@ -163,6 +166,8 @@ def _loader_only(a: argparse.Namespace) -> int:
         print(f"{a.workload}: loader alone, tail_thread={tail_thread}: {n / dt:.2f} batches/s")
         if not tail_thread and gpu and a.syncs:
             _print_syncs(loader, a.steps, a.rows)
+        if not tail_thread and a.ops:
+            _print_ops(loader, a.steps)
         if not tail_thread:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(a.rows)
             pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
@@ -208,6 +213,46 @@ def _print_syncs(loader: Any, steps: int, rows: int) -> None:
     for where, count in seen.most_common(rows):
         print(f"{count:6d}  {where}")
     _print_device_time(loader, steps, rows)
+
+
+def _print_ops(loader: Any, steps: int) -> None:
+    """The tail's work a batch by transform, under torch's profiler: the aten ops each transform runs (views and
+    the ops inside other ops too) and the kernels they launch on the device. A second CUDA context (the feeder's
+    child) costs the training step by the kernel: each one is a turn on the GPU (docs/benchmarks.md, Training:
+    what a second context costs)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available() and str(loader.device).startswith("cuda")
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+    n = 0
+    with profile(activities=activities) as prof:
+        while n < steps:
+            for _ in loader:
+                n += 1
+                if n >= steps:
+                    break
+        torch.cuda.synchronize() if gpu else None
+    ops: collections.Counter[str] = collections.Counter()
+    kernels: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("tail:"):
+            inside = list(_descendants(event))
+            ops[event.name[5:]] += sum(1 for e in inside if e.name.startswith("aten::"))
+            kernels[event.name[5:]] += sum(len(e.kernels) for e in [event, *inside])
+    print(f"the tail a batch, by transform ({n} batches; kernels: launched on the device)")
+    print(f"{'transform':<28} {'ops':>8} {'kernels':>8}")
+    for name, count in ops.most_common():
+        print(f"{name:<28} {count / max(1, n):>8.1f} {kernels[name] / max(1, n):>8.1f}")
+    print(f"{'all':<28} {sum(ops.values()) / max(1, n):>8.1f} {sum(kernels.values()) / max(1, n):>8.1f}")
+
+
+def _descendants(event: Any) -> Any:
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
 
 
 def _print_device_time(loader: Any, steps: int, rows: int) -> None:
