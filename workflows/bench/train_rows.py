@@ -33,6 +33,23 @@ def _loader_epochs(loader: Any, stop: Callable[[], None] | None = None) -> Calla
     return epochs
 
 
+def _chosen(loader: Any) -> Callable[[], bool]:
+    """Asked at each epoch's start: whether `feeder="auto"` has chosen and its choice is warm. Where the batches
+    came back to this process, the first epoch after is its warm-up (its own tail thread and draws starting, as
+    every row's first epoch is) and is not timed either."""
+    since_back = [0]
+
+    def chosen() -> bool:
+        if loader.feeder_verdict is None:
+            return loader.feeder_pid is None  # no feeder at all: nothing to choose
+        if loader.feeder_pid is not None:  # kept by the child
+            return True
+        since_back[0] += 1
+        return since_back[0] > 1
+
+    return chosen
+
+
 def ceiling(opts: TrainOptions, steps: int, device: str | None = None, ddp: bool = False,
             name: str = CEILING) -> TrainRow:  # fmt: skip
     """One batch resident on the device (`device`, else the options'), no transforms: the most the model can
@@ -330,7 +347,7 @@ def fast_path(
     loader.set_random_state(opts.seed)
     if serving:
         loader.wait_feeder()
-    chosen = (lambda: loader.feeder_verdict is not None or loader.feeder_pid is None) if settled else None
+    chosen = _chosen(loader) if settled else None
     try:
         row = time_loop(f"blockprep PreparedLoader, {label}", "ours", _loader_epochs(loader), opts, settled=chosen)
         row.setup_s = setup_s
