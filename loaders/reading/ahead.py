@@ -72,11 +72,15 @@ class InOrder:
             if not future.cancel():
                 future.exception()  # waited for; a dropped job's error is nobody's (its result is unused)
 
-    def close(self) -> None:
-        """`clear`, then the threads stopped (a shared executor stays)."""
-        self.clear()
+    def close(self, wait: bool = True) -> None:
+        """`clear`, then the threads stopped (a shared executor stays); without `wait`, `forget` and the threads
+        left to end after their running job (from a finalizer, which may run on any thread)."""
+        if not wait:
+            self.forget()
+        else:
+            self.clear()
         if self._own:
-            self._pool.shutdown(wait=not self._on_worker())
+            self._pool.shutdown(wait=wait and not self._on_worker())
 
     def __enter__(self) -> InOrder:
         return self

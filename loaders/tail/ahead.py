@@ -73,25 +73,17 @@ def _copies(t: Any, inner: Any, states: tuple[Any, Any]) -> tuple[Any, Any]:
 
 class Ahead:
     """The draws of one (transform, inner transform) pair, `DEPTH` batches ahead of their use, or as many more
-    as `expected` (a batch's draws' expected bytes) allows within `AHEAD_BYTES`, up to `AHEAD_MOST`."""
-
-    _pool: ThreadPoolExecutor | None = None
-    _lock = threading.Lock()
+    as `expected` (a batch's draws' expected bytes) allows within `AHEAD_BYTES`, up to `AHEAD_MOST`, on a thread
+    of its own (two such transforms draw at once, neither queued behind the other's batches)."""
 
     def __init__(self, t: Any, inner: Any, attr: str, draw: Draw, expected: Expected | None = None) -> None:
         self.t: Any = weakref.proxy(t)  # the registry's key: a strong reference would keep it alive
         self.inner, self.attr, self.draw, self.expected = inner, attr, draw, expected
-        self.pending = InOrder(executor=self._executor())
+        self.pending = InOrder(threads=1, name="loaders-draws")
         self.hits = self.misses = 0
-        weakref.finalize(t, self.pending.forget)  # a transform gone: its batches not yet drawn never are
+        # a transform gone: its batches not yet drawn never are, and its thread ends
+        weakref.finalize(t, self.pending.close, wait=False)
         _LIVE.add(self)
-
-    @classmethod
-    def _executor(cls) -> ThreadPoolExecutor:
-        with cls._lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="loaders-draws")
-            return cls._pool
 
     def take(self, n: int, shape: tuple[int, ...]) -> list[Any]:
         """Each of `n` items' draws, as drawing inline now would give them; the real transforms' states (and
@@ -168,7 +160,6 @@ def _forget_the_parents_threads() -> None:
     draws from the transforms' real states, where the parent's last batch left them."""
     global _DRAWERS, _DRAWERS_LOCK
     _DRAWERS, _DRAWERS_LOCK = None, threading.Lock()
-    Ahead._pool, Ahead._lock = None, threading.Lock()
     _AHEAD.clear()
     _LIVE.clear()
 
@@ -179,6 +170,8 @@ def ahead(t: Any, inner: Any, attr: str, draw: Draw, expected: Expected | None =
         return None
     got = _AHEAD.get(t)
     if got is None or got.inner is not inner:
+        if got is not None:  # its inner transform replaced: what it drew ahead is for the one before
+            got.pending.close(wait=False)
         got = _AHEAD[t] = Ahead(t, inner, attr, draw, expected)
     return got
 

@@ -75,11 +75,13 @@ def _noise_draws(t: Any, inner: Any, n: int, like: Any) -> list[Any]:
 
 
 def _noise_bytes(t: Any) -> Any:
-    """A batch's expected noise bytes: float64 numbers for an item's every element, on the items it fires on."""
+    """A batch's expected noise bytes: float64 numbers for an item's every element, on the items it fires on
+    (the transform's prob taken now: the draw-ahead holds no reference to the transform, its registry's key)."""
+    prob = min(1.0, max(float(t.prob), 0.0))
 
     def expected(key: tuple[int, tuple[int, ...]]) -> float:
         n, shape = key
-        return float(n * 8 * math.prod(shape) * min(1.0, max(float(t.prob), 0.0)))
+        return float(n * 8 * math.prod(shape) * prob)
 
     return expected
 

@@ -147,3 +147,25 @@ def test_a_forked_child_draws_as_the_parent_would(elastic: bool, tmp_path: Any) 
             assert_same(got, tail(copy.deepcopy(b)), keys=("image", "label"))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_each_transform_draws_on_its_own_thread_and_it_ends_with_the_transform() -> None:
+    """Two noise transforms draw at once (neither queued behind the other's batches ahead); a tail dropped takes
+    its draw threads with it, so loaders built again and again (a validation loader each epoch) leave none."""
+    import gc
+    import time
+
+    from monai.transforms import Compose
+
+    tail = BatchedTail(Compose(copy.deepcopy(CHAIN))).set_random_state(2)
+    for b in _batches([4, 4, 4]):
+        tail(b)
+    first, second = _of(tail.transforms[0]), _of(tail.transforms[2])
+    threads = [*first.pending._pool._threads, *second.pending._pool._threads]
+    assert len(threads) == 2 and all(t.name.startswith("loaders-draws") and t.is_alive() for t in threads)
+    del tail, first, second
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in threads)
