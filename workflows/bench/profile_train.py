@@ -154,14 +154,9 @@ def _loader_only(a: argparse.Namespace) -> int:
         for _ in loader:  # warm: the tier fills
             pass
         prof = cProfile.Profile()
-        n, t0 = 0, time.perf_counter()
+        t0 = time.perf_counter()
         with prof if not tail_thread else contextlib.nullcontext():
-            while n < a.steps:
-                for b in loader:
-                    b["image"].sum().item() if gpu else None
-                    n += 1
-                    if n >= a.steps:
-                        break
+            n = _take(loader, a.steps, (lambda b: b["image"].sum().item()) if gpu else None)
         dt = time.perf_counter() - t0
         print(f"{a.workload}: loader alone, tail_thread={tail_thread}: {n / dt:.2f} batches/s")
         if not tail_thread and gpu and a.syncs:
@@ -174,6 +169,18 @@ def _loader_only(a: argparse.Namespace) -> int:
         loader.close()
         torch.cuda.synchronize() if gpu else None
     return 0
+
+
+def _take(loader: Any, steps: int, each: Any = None) -> int:
+    """`steps` batches of the loader, over as many epochs as that takes (`each` called on every batch)."""
+    n = 0
+    while n < steps:
+        for batch in loader:
+            each(batch) if each is not None else None
+            n += 1
+            if n >= steps:
+                break
+    return n
 
 
 def _print_syncs(loader: Any, steps: int, rows: int) -> None:
@@ -196,17 +203,12 @@ def _print_syncs(loader: Any, steps: int, rows: int) -> None:
         frames = [f for f in traceback.extract_stack()[:-1] if not any(w in f.filename for w in outside)]
         seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-3:]))] += 1
 
-    n = 0
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            while n < steps:
-                for _ in loader:
-                    n += 1
-                    if n >= steps:
-                        break
+            n = _take(loader, steps)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     print(f"waits for the GPU in {n} batches: {sum(seen.values())}")
@@ -227,13 +229,8 @@ def _print_ops(loader: Any, steps: int) -> None:
 
     gpu = torch.cuda.is_available() and str(loader.device).startswith("cuda")
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
-    n = 0
     with profile(activities=activities) as prof:
-        while n < steps:
-            for _ in loader:
-                n += 1
-                if n >= steps:
-                    break
+        n = _take(loader, steps)
         torch.cuda.synchronize() if gpu else None
     ops: collections.Counter[str] = collections.Counter()
     kernels: collections.Counter[str] = collections.Counter()
@@ -260,13 +257,8 @@ def _print_device_time(loader: Any, steps: int, rows: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    n = 0
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        while n < steps:
-            for _ in loader:
-                n += 1
-                if n >= steps:
-                    break
+        n = _take(loader, steps)
         torch.cuda.synchronize()
     table = prof.key_averages()
     total = sum(e.self_device_time_total for e in table) / 1e3
