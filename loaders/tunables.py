@@ -5,6 +5,8 @@ an experiment may still set it on the module that uses it.
 
 from __future__ import annotations
 
+import os
+
 # --- Reading a prepared cache (loaders.reading.reads, loaders.reading.region, loaders.faces.dataset) ---
 
 # Requests of an item read alone are cut into pieces of at least this many bytes when the item has fewer
@@ -78,6 +80,10 @@ TIER_SHARE_TENSORS = 4096
 DEPTH = 2
 AHEAD_MOST = 16
 AHEAD_BYTES = 256 << 20
+# A batch's tail on a CUDA side stream launches its batched transforms' kernels as CUDA graphs
+# (`loaders.tail.graphs`): the same kernels, a third of their cost to a training step in another process.
+# BLOCKPREP_TAIL_GRAPHS=0 in the environment launches them one by one (it reaches the feeder's process too).
+TAIL_GRAPHS = os.environ.get("BLOCKPREP_TAIL_GRAPHS", "1") != "0"
 
 
 # --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---

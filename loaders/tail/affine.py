@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, gather, keys_of, to_device
+from loaders.tail.batched import TailBatch, gather, keys_of
+from loaders.tail.device import to_device
 
 
 def _modes(t: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:

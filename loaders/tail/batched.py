@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loaders.errors import PrepError
+from loaders.tail.graphs import Graphs, Segments
 
 _log = logging.getLogger("loaders.tail")
 
@@ -270,63 +271,6 @@ def _stack(values: list[Any], promote: bool = True) -> Any:
     return torch.stack([_plain(v).to(dtype) for v in values])
 
 
-def to_device(value: Any, device: Any) -> Any:
-    """A small host tensor (factors, matrices, noise) on `device` without stalling the host.
-
-    A CUDA copy from pageable memory first waits for all work queued on the stream (the previous training
-    step); from pinned memory it is asynchronous. The caching host allocator keeps the pinned block alive
-    until the copy is done.
-    """
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return value.to(device)
-    return value.pin_memory().to(device, non_blocking=True)
-
-
-def tail_stream(device: Any) -> Any:
-    """The CUDA stream a loader's tail runs on, at the device's highest priority.
-
-    MONAI's transforms make the host wait for their own kernels (a `.item()`, a `float()` of a device tensor, a
-    copy from pageable memory): several times a batch on `seg-aug`, `slices` and `seg-elastic`. At the default
-    priority those kernels queue behind the training step's, so each wait lasts until the GPU gets to them; at
-    the highest, the GPU schedules them first and the wait is their own run time. The numbers are the same.
-    """
-    import torch
-
-    try:
-        return torch.cuda.Stream(device=device, priority=-16)  # past the highest: torch takes its highest
-    except (RuntimeError, ValueError):  # a torch that refuses values past its range
-        return torch.cuda.Stream(device=device, priority=-1)
-
-
-def rows_of(x: Any, rows: Sequence[int]) -> Any:
-    """`x[rows]` along the batch dim, the index uploaded without the host waiting (a list index is copied to the
-    device from pageable memory: the host waits for the work queued before it)."""
-    import torch
-
-    if list(rows) == list(range(x.shape[0])):
-        return x
-    return x.index_select(0, to_device(torch.as_tensor(list(rows), dtype=torch.long), x.device))
-
-
-def float_keys(batch: TailBatch, keys: Sequence[Hashable]) -> bool:
-    """Whether every key of the batch is float32 or float64 (what the host-side steps of a few transforms are
-    written for)."""
-    return all(str(batch.data[k].dtype) in ("torch.float32", "torch.float64") for k in keys)
-
-
-def item_spans(batch: TailBatch, keys: Sequence[Hashable]) -> dict[Hashable, list[tuple[float, float]]]:
-    """Each key's (min, max) of every item, read back at once (one host wait a batch, not two an item): what a
-    MONAI transform reads of an item to draw or compute on the host."""
-    import torch
-
-    flat = [batch.data[k].reshape(batch.n, -1) for k in keys]
-    both = torch.cat([torch.stack([f.amin(1), f.amax(1)], 1).to(torch.float64) for f in flat]).tolist()
-    return {k: [(lo, hi) for lo, hi in both[j * batch.n : (j + 1) * batch.n]] for j, k in enumerate(keys)}
-
-
 def gather(x: Any, rows: Sequence[Any]) -> Any:
     """One tensor from per-item rows (views or tensors), by one stack: no index tensor to upload."""
     import torch
@@ -448,6 +392,7 @@ class BatchedTail:
             if _repeats(self.transforms):
                 self.transforms = [_Sequence(self.transforms)]
         self.device = device
+        self._graphs = Graphs()
         self._handlers = [_handler(t) for t in self.transforms]
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
         if self._fallbacks:
@@ -474,16 +419,42 @@ class BatchedTail:
     ) -> tuple[dict[Hashable, Any], list[int]]:
         """(the tail's batch, the input item each output item came from: num_samples crops repeat it).
         `groups`: the MONAI item each input row is a sample of, where a multi-sample crop was made before."""
+        from loaders.tail.graphs import Rewind
+
         tb = TailBatch.from_batch(batch, self.device, groups)
-        for t, handler in zip(self.transforms, self._handlers):
-            with _marked(t):
-                tb.try_stack()
-                if handler is not None and tb.items is None and handler(t, tb):
-                    continue
-                if handler is not None:
-                    self._note_fallback(t)
-                _per_item(t, tb)
-        return tb.result(), tb.origin
+        segments = self._graphs.begin(tb)
+        index = 0
+        while True:
+            try:
+                while index < len(self.transforms):
+                    self._step(index, tb, segments)
+                    index += 1
+                if segments is not None:
+                    segments.close(tb)
+                return tb.result(), tb.origin
+            except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
+                index = back.index
+
+    def _step(self, index: int, tb: TailBatch, segments: Segments | None) -> None:
+        """Transform `index` on the batch: batched (captured into the open CUDA graph where `segments` takes
+        it), else per item through MONAI."""
+        t, handler = self.transforms[index], self._handlers[index]
+        with _marked(t):
+            tb.try_stack()
+            capture = segments is not None and handler is not None and segments.takes(index, t)
+            if segments is not None and not capture:
+                segments.close(tb)
+            if handler is not None and tb.items is None:
+                if segments is not None and capture:
+                    if segments.captured(index, t, handler, tb):
+                        return
+                elif handler(t, tb):
+                    return
+            if segments is not None:
+                segments.close(tb)
+            if handler is not None:
+                self._note_fallback(t)
+            _per_item(t, tb)
 
     def _note_fallback(self, transform: Any) -> None:
         name = type(transform).__name__

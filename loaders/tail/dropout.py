@@ -6,7 +6,7 @@ min and max of every item come back in one read per batch; the holes and the fil
 `randomize` and numpy's generator from the transform's own state, in MONAI's order (each item's holes, then its
 fills key by key, before the next item's holes), with the same min and max; the fills are copied to the device
 from pinned memory and written into a copy of the item there (numpy's float64 numbers rounded to the item's dtype,
-as numpy's assignment rounds them). For float32 and float64 keys (`batched.float_keys`); others go through MONAI's
+as numpy's assignment rounds them). For float32 and float64 keys (`device.float_keys`); others go through MONAI's
 own transform.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.tail.batched import to_device
+from loaders.tail.device import to_device
 
 
 def filled(inner: Any, img: Any, span: tuple[float, float] | None) -> Any:

@@ -192,7 +192,7 @@ def _where_used(t: Any, inner: Any, item: dict[Hashable, Any], offset: Any) -> A
     """The drawn offsets on the CUDA device MONAI's transform makes the item's grid on, else as they are."""
     import torch
 
-    from loaders.tail.batched import to_device
+    from loaders.tail.device import to_device
 
     first = t.first_key(item)
     device = inner.device if inner.device is not None else getattr(item.get(first), "device", None)

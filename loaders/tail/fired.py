@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, to_device
+from loaders.tail.batched import TailBatch
+from loaders.tail.device import to_device
 from loaders.tail.sparse import Apply, assemble, ready, row_of, taken
 
 Draws = dict[int, dict[str, Any]]  # fired item -> the inner transform's attributes as its draw left them
@@ -82,8 +83,8 @@ def _drawn_without_image(t: Any, batch: TailBatch, name: str, run: Callable[[Any
 def rand_adjust_contrast(t: Any, batch: TailBatch) -> bool:
     """RandAdjustContrastd: MONAI's gamma on the items it fires on, each item's range read once a batch for all
     (`loaders.tail.contrast`), or MONAI's own transform for keys neither float32 nor float64."""
-    from loaders.tail.batched import float_keys, item_spans
     from loaders.tail.contrast import adjusted
+    from loaders.tail.device import float_keys, item_spans
 
     keys, inner = ready(t, batch), _inner(t, "adjuster")
     if keys is None or inner is None:
@@ -141,7 +142,7 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
     state while filling, so each item's holes and fills come before the next item's holes): where the batch is,
     with one read a batch (`loaders.tail.dropout`), or by MONAI's own transform for keys neither float32 nor
     float64."""
-    from loaders.tail.batched import float_keys, item_spans
+    from loaders.tail.device import float_keys, item_spans
     from loaders.tail.dropout import filled
 
     keys, inner = ready(t, batch), _inner(t, "dropper")

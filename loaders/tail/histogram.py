@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.tail.batched import rows_of, to_device
+from loaders.tail.device import rows_of, to_device
 
 
 def shifted(x: Any, rows: list[int], draws: list[dict[str, Any]]) -> list[Any]:

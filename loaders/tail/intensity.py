@@ -12,7 +12,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from loaders.tail.ahead import ahead
-from loaders.tail.batched import TailBatch, gather, keys_of, to_device
+from loaders.tail.batched import TailBatch, gather, keys_of
+from loaders.tail.device import to_device
 
 
 def _ready(t: Any, batch: TailBatch) -> list[Hashable] | None:

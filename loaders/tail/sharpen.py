@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders.tail.batched import to_device
+from loaders.tail.device import to_device
 
 _KNOWN: Any = None
 

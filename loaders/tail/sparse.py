@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, _plain, _stack, keys_of, rows_of, to_device
+from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
+from loaders.tail.device import rows_of, to_device
 
 Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
 

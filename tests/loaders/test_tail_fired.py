@@ -192,8 +192,8 @@ def test_dropout_reads_no_range_when_no_item_fires(monkeypatch: Any) -> None:
 
 
 def _counted_spans(monkeypatch: Any) -> list[int]:
-    """Each call of `batched.item_spans` (one read of the batch back to the host) appended to the list."""
-    from loaders.tail import batched as b
+    """Each call of `device.item_spans` (one read of the batch back to the host) appended to the list."""
+    from loaders.tail import device as b
 
     reads: list[int] = []
     spans = b.item_spans

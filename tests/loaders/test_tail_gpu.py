@@ -10,7 +10,7 @@ import torch
 from tailutil import assert_same, make_batch, reference_batches
 
 from loaders.tail import BatchedTail
-from loaders.tail.batched import rows_of, tail_stream
+from loaders.tail.device import rows_of, tail_stream
 
 K = ["image", "label"]
 

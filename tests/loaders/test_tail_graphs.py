@@ -1,0 +1,119 @@
+"""The batched tail's kernels launched as CUDA graphs on the tail stream: bit for bit MONAI's per-item chain on the
+same GPU; a transform whose work cannot be captured is undone and run again uncaptured, with the same numbers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tailutil import assert_same, make_batch, reference_batches
+
+from loaders import tunables
+from loaders.tail import BatchedTail
+from loaders.tail.device import tail_stream
+
+K = ["image", "label"]
+
+
+def _chain_3d() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandAffined(keys=K, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
+                       mode=("bilinear", "nearest"), padding_mode="border"),
+        mt.RandAdjustContrastd(keys="image", prob=0.5, gamma=(0.7, 1.5)),
+        mt.RandHistogramShiftd(keys="image", prob=0.5, num_control_points=10),
+        mt.RandBiasFieldd(keys="image", prob=0.5, coeff_range=(0.0, 0.1)),
+        mt.RandGaussianSharpend(keys="image", prob=0.5),
+        mt.RandCoarseDropoutd(keys="image", prob=0.5, holes=4, spatial_size=4),
+        mt.RandStdShiftIntensityd(keys="image", prob=0.5, factors=0.1),
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+    ]  # fmt: skip
+
+
+def _chain_2d() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+        mt.RandRotate90d(keys=K, prob=0.5, max_k=3),
+        mt.RandRotated(keys=K, range_x=0.3, prob=0.5, mode=("bilinear", "nearest")),
+        mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+        mt.RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
+        mt.EnsureTyped(keys=K, dtype=torch.float32),
+    ]
+
+
+def _refusing() -> list[Any]:
+    """A chain whose middle transform reads the GPU on the host (MONAI's `slices.any()` where `nonzero`): its
+    capture fails, and the flip captured before it in the same segment must be undone with it."""
+    import monai.transforms as mt
+
+    return [
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+        mt.RandStdShiftIntensityd(keys="image", prob=1.0, factors=0.1, nonzero=True),
+        mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+        mt.RandFlipd(keys=K, spatial_axis=[1], prob=0.5),
+    ]
+
+
+def _run(chain: Any, spatial: tuple[int, ...], batches: int = 4) -> tuple[list[Any], list[Any], BatchedTail]:
+    from monai.transforms import Compose
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    given = []
+    for s in range(batches):
+        b = make_batch(n=6, spatial=spatial, seed=s)
+        given.append({"image": b["image"].to("cuda:0"), "label": b["label"].float().to("cuda:0")})
+    want = reference_batches(
+        Compose(chain()).set_random_state(3), [{k: v.clone() for k, v in b.items()} for b in given]
+    )
+    tail = BatchedTail(Compose(chain())).set_random_state(3)
+    stream = tail_stream("cuda:0")
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = [tail(b) for b in given]
+    torch.cuda.current_stream().wait_stream(stream)
+    return got, want, tail
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("chain", "spatial"), [(_chain_3d, (20, 22, 20)), (_chain_2d, (24, 24))], ids=["3d", "2d"])
+def test_captured_batches_equal_monai_on_the_gpu(chain: Any, spatial: tuple[int, ...]) -> None:
+    got, want, tail = _run(chain, spatial)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert tail.fallbacks == []
+    assert tail._graphs.launched >= len(got)  # at least a segment a batch was launched as a graph
+    assert tail._graphs.refused == {}
+
+
+@pytest.mark.gpu
+def test_a_transform_that_cannot_be_captured_is_undone_and_run_again() -> None:
+    got, want, tail = _run(_refusing, (20, 22, 20))
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert set(tail._graphs.refused) == {1}, (
+        tail._graphs.refused
+    )  # the std shift with nonzero; the flips and the scaling stay captured
+    assert tail._graphs.launched >= 2 * len(got)
+
+
+@pytest.mark.gpu
+def test_graphs_off_launch_nothing_as_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tunables, "TAIL_GRAPHS", False)
+    got, want, tail = _run(_chain_2d, (24, 24), batches=2)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert tail._graphs.launched == 0
+
+
+def test_on_the_cpu_nothing_is_captured() -> None:
+    from monai.transforms import Compose
+
+    b = make_batch(n=3, spatial=(12, 12), seed=0)
+    tail = BatchedTail(Compose(_chain_2d())).set_random_state(3)
+    tail(b)
+    assert tail._graphs.launched == 0 and tail._graphs.pool is None
