@@ -1,11 +1,13 @@
-"""`RandAdjustContrastd` on the items it fires on, the host waiting once a batch.
+"""`RandAdjustContrastd` on the items it fires on, the host never waiting on a GPU, once a batch on the CPU.
 
 MONAI's `AdjustContrast` divides by a host number, `float(img_range + epsilon)`: a read back of each item (and
-each key). Here every item's min and max come back in one read a batch; the range plus epsilon is then computed
-on the host in the item's dtype (IEEE subtraction and addition, as the device computes them: the same number),
-and MONAI's other steps run on the item as MONAI runs them, op for op (the same device, the same kernels): the
-inversion, the stats it keeps, the division by that host number, the power, the scaling back. For float32 and
-float64 keys; others go through MONAI's own transform.
+each key). On a CUDA device torch divides a tensor by a host number as a multiplication by the number's
+reciprocal, computed in the tensor's precision; here that reciprocal is computed on the device from the range
+plus epsilon there (IEEE division, as the host computes it: the same number), so nothing is read back. On the
+CPU (a plain division there) every item's min and max come back in one read a batch, and the range plus epsilon
+is computed on the host in the item's dtype (IEEE subtraction and addition: the same number). MONAI's other
+steps run on the item as MONAI runs them, op for op: the inversion, the stats it keeps, the power, the scaling
+back. For float32 and float64 keys; others go through MONAI's own transform.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ def host_range(span: tuple[float, float], dtype: Any, invert: bool) -> float:
     return float((hi - lo) + kind.type(EPSILON))
 
 
-def adjusted(inner: Any, img: Any, span: tuple[float, float]) -> Any:
+def adjusted(inner: Any, img: Any, span: tuple[float, float] | None) -> Any:
     """MONAI's `RandAdjustContrast(img, randomize=False)` with the gamma `inner` drew (`span`: the item's min and
-    max)."""
+    max, read by the host; None on a CUDA device)."""
+    import torch
+
     if not inner._do_transform:
         return img
     if inner.gamma_value is None:
@@ -39,7 +43,11 @@ def adjusted(inner: Any, img: Any, span: tuple[float, float]) -> Any:
         sd = img.std()
     img_min = img.min()
     img_range = img.max() - img_min
-    ret = ((img - img_min) / host_range(span, img.dtype, a.invert_image)) ** gamma * img_range + img_min
+    if span is None:  # torch's CUDA division by a host number: times its reciprocal
+        scaled = (img - img_min) * torch.reciprocal(img_range + EPSILON)
+    else:
+        scaled = (img - img_min) / host_range(span, img.dtype, a.invert_image)
+    ret = scaled**gamma * img_range + img_min
     if a.retain_stats:
         ret = ret - ret.mean()
         ret = ret / (ret.std() + 1e-8)

@@ -81,8 +81,9 @@ def _drawn_without_image(t: Any, batch: TailBatch, name: str, run: Callable[[Any
 
 
 def rand_adjust_contrast(t: Any, batch: TailBatch) -> bool:
-    """RandAdjustContrastd: MONAI's gamma on the items it fires on, each item's range read once a batch for all
-    (`loaders.tail.contrast`), or MONAI's own transform for keys neither float32 nor float64."""
+    """RandAdjustContrastd: MONAI's gamma on the items it fires on, with no read on a CUDA device and each item's
+    range read once a batch for all on the CPU (`loaders.tail.contrast`), or MONAI's own transform for keys
+    neither float32 nor float64."""
     from loaders.tail.contrast import adjusted
     from loaders.tail.device import float_keys, item_spans
 
@@ -93,12 +94,13 @@ def rand_adjust_contrast(t: Any, batch: TailBatch) -> bool:
         return _drawn_without_image(t, batch, "adjuster")
     fired = _fired_without_image(t, batch, inner)
     if fired:
-        span = item_spans(batch, keys)
+        on_cuda = all(batch.data[k].is_cuda for k in keys)
+        span = None if on_cuda else item_spans(batch, keys)
 
         def one(i: int) -> Apply:
             def apply(k: Hashable, x: Any) -> Any:
                 vars(inner).update(fired[i])
-                return adjusted(inner, x, span[k][i])
+                return adjusted(inner, x, None if span is None else span[k][i])
 
             return apply
 
@@ -125,11 +127,33 @@ def rand_histogram_shift(t: Any, batch: TailBatch) -> bool:
 
 
 def rand_gaussian_sharpen(t: Any, batch: TailBatch) -> bool:
-    """RandGaussianSharpend: MONAI's sigmas and filters on the items it fires on, with no host wait
-    (`loaders.tail.sharpen`)."""
-    from loaders.tail.sharpen import sharpened
+    """RandGaussianSharpend: MONAI's sigmas drawn per item; the filters' kernels of every item it fires on made
+    at once, with no host wait (`loaders.tail.sharpen`), then MONAI's filtering and sharpening sum on each."""
+    from loaders.tail.sharpen import filter_kernels, sharpened
 
-    return _drawn_without_image(t, batch, "rand_sharpen", sharpened)
+    keys, inner = ready(t, batch), _inner(t, "rand_sharpen")
+    if keys is None or inner is None:
+        return False
+    fired = _fired_without_image(t, batch, inner)
+    applied = [i for i in fired if fired[i]["_do_transform"]]
+    if not keys or not applied:
+        return True
+    made: dict[int, list[list[Any]]] = {}  # an item's ndim -> each applied item's kernels
+
+    def kernels(i: int, x: Any) -> list[Any]:
+        if x.ndim not in made:
+            made[x.ndim] = filter_kernels(inner.approx, [fired[j] for j in applied], x.ndim - 1, x.device)
+        return made[x.ndim][applied.index(i)]
+
+    def one(i: int) -> Apply:
+        def apply(k: Hashable, x: Any) -> Any:
+            vars(inner).update(fired[i])
+            return sharpened(inner, x, kernels(i, x)) if i in applied else x
+
+        return apply
+
+    assemble(batch, keys, {i: one(i) for i in fired}, lambda x: x)
+    return True
 
 
 def rand_std_shift_intensity(t: Any, batch: TailBatch) -> bool:

@@ -58,7 +58,9 @@ def _refusing() -> list[Any]:
     ]
 
 
-def _run(chain: Any, spatial: tuple[int, ...], batches: int = 4) -> tuple[list[Any], list[Any], BatchedTail]:
+def _run(
+    chain: Any, spatial: tuple[int, ...], batches: int = 4, dtype: torch.dtype = torch.float32
+) -> tuple[list[Any], list[Any], BatchedTail]:
     from monai.transforms import Compose
 
     if not torch.cuda.is_available():
@@ -66,7 +68,7 @@ def _run(chain: Any, spatial: tuple[int, ...], batches: int = 4) -> tuple[list[A
     given = []
     for s in range(batches):
         b = make_batch(n=6, spatial=spatial, seed=s)
-        given.append({"image": b["image"].to("cuda:0"), "label": b["label"].float().to("cuda:0")})
+        given.append({"image": b["image"].to("cuda:0", dtype), "label": b["label"].float().to("cuda:0")})
     want = reference_batches(
         Compose(chain()).set_random_state(3), [{k: v.clone() for k, v in b.items()} for b in given]
     )
@@ -117,3 +119,46 @@ def test_on_the_cpu_nothing_is_captured() -> None:
     tail = BatchedTail(Compose(_chain_2d())).set_random_state(3)
     tail(b)
     assert tail._graphs.launched == 0 and tail._graphs.pool is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("invert", "stats"), [(False, False), (True, True)])
+def test_contrast_on_the_gpu_reads_nothing_back(
+    dtype: torch.dtype, invert: bool, stats: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MONAI divides by the range read back; on a CUDA device that is a multiplication by its reciprocal, made
+    here on the device: the same numbers with no read."""
+    import monai.transforms as mt
+
+    from loaders.tail import device
+
+    reads: list[int] = []
+    spans = device.item_spans
+    monkeypatch.setattr(device, "item_spans", lambda *a: reads.append(1) or spans(*a))
+
+    def chain() -> list[Any]:
+        return [mt.RandAdjustContrastd("image", prob=0.7, gamma=(0.7, 1.5), invert_image=invert, retain_stats=stats)]
+
+    got, want, tail = _run(chain, (20, 22, 20), dtype=dtype)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image",))
+    assert reads == [] and tail._graphs.refused == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approx", ["erf", "sampled"])
+@pytest.mark.parametrize("spatial", [(20, 22, 20), (24, 26)])
+def test_sharpening_kernels_made_at_once_equal_monai(approx: str, spatial: tuple[int, ...]) -> None:
+    """Sigmas far apart, so the batch's kernels differ in length (each one a slice of a longer row)."""
+    import monai.transforms as mt
+
+    def chain() -> list[Any]:
+        wide = (0.2, 3.0)
+        return [mt.RandGaussianSharpend("image", sigma1_x=wide, sigma1_y=wide, sigma1_z=wide, sigma2_x=0.4,
+                                        sigma2_y=(0.1, 0.6), sigma2_z=0.4, prob=0.8, approx=approx)]  # fmt: skip
+
+    got, want, tail = _run(chain, spatial)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert tail._graphs.refused == {}
