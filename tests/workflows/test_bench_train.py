@@ -321,3 +321,17 @@ def test_settled_row_times_the_choice_once_it_is_warm() -> None:
     back = _Trial("batches made in this process again: 59.0 ms a step fed, 56.9 ms made here", None)
     chosen = _chosen(back)
     assert [chosen(), chosen(), chosen()] == [False, True, True]
+
+
+def test_a_row_may_launch_the_tail_kernels_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fast-settled@tail_graphs=False: the tunable and the variable the feeder's process reads set for the row
+    only, then put back."""
+    from loaders import tunables
+    from workflows.bench.train_rows import _tail_graphs
+
+    monkeypatch.delenv("BLOCKPREP_TAIL_GRAPHS", raising=False)
+    with _tail_graphs(False):
+        assert tunables.TAIL_GRAPHS is False and os.environ["BLOCKPREP_TAIL_GRAPHS"] == "0"
+    assert tunables.TAIL_GRAPHS is True and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
+    with _tail_graphs(None):
+        assert tunables.TAIL_GRAPHS is True and "BLOCKPREP_TAIL_GRAPHS" not in os.environ

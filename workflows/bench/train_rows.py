@@ -8,6 +8,7 @@ the tail after the crop per item, `PersistentDataset`'s own outputs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -330,12 +331,42 @@ def fast_path(
     pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, **options: Any
 ) -> TrainRow:
     """blockprep PreparedLoader: crop folded into the read, batched tail on the device, overlap, GPU tier."""
-    from loaders.fast.loader import PreparedLoader
-    from prep.bricks import build_bricks, drop_bricks
-
     serving = options.pop("serving", False)  # a long run's steady state: the feeder's start (seconds) waited out
     settled = options.pop("settled", False)  # ... or trained untimed until feeder="auto" has chosen (trial.py)
     bricks = options.pop("bricks", False)  # the cache's bricks written first (untimed), removed after the row
+    graphs = options.pop("tail_graphs", None)  # "fast-settled@tail_graphs=False": the tail's kernels one by one
+    with _tail_graphs(graphs):
+        return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options)
+
+
+@contextlib.contextmanager
+def _tail_graphs(on: bool | None) -> Iterator[None]:
+    """`loaders.tunables.TAIL_GRAPHS` and its environment variable (which the feeder's process reads) set for one
+    row, then put back; None leaves them."""
+    from loaders import tunables
+
+    if on is None:
+        yield
+        return
+    before, env = tunables.TAIL_GRAPHS, os.environ.get("BLOCKPREP_TAIL_GRAPHS")
+    tunables.TAIL_GRAPHS, os.environ["BLOCKPREP_TAIL_GRAPHS"] = bool(on), "1" if on else "0"
+    try:
+        yield
+    finally:
+        tunables.TAIL_GRAPHS = before
+        if env is None:
+            os.environ.pop("BLOCKPREP_TAIL_GRAPHS", None)
+        else:
+            os.environ["BLOCKPREP_TAIL_GRAPHS"] = env
+
+
+def _fast_row(
+    pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, serving: bool, settled: bool,
+    bricks: bool, options: dict[str, Any],
+) -> TrainRow:  # fmt: skip
+    from loaders.fast.loader import PreparedLoader
+    from prep.bricks import build_bricks, drop_bricks
+
     drop_bricks(cache)
     made = time.perf_counter()
     if bricks:
