@@ -80,10 +80,13 @@ TIER_SHARE_TENSORS = 4096
 DEPTH = 2
 AHEAD_MOST = 16
 AHEAD_BYTES = 256 << 20
-# A batch's tail on a CUDA side stream launches its batched transforms' kernels as CUDA graphs
-# (`loaders.tail.graphs`): the same kernels, a third of their cost to a training step in another process.
-# BLOCKPREP_TAIL_GRAPHS=0 in the environment launches them one by one (it reaches the feeder's process too).
-TAIL_GRAPHS = os.environ.get("BLOCKPREP_TAIL_GRAPHS", "1") != "0"
+# In a feeder's process (`loaders.fast.child`), a batch's tail launches its batched transforms' kernels as CUDA
+# graphs (`loaders.tail.graphs`): the same kernels, about a third of their cost to the training step in the other
+# process (time-sliced contexts). In the training process itself they would cost their capture and gain nothing
+# (one context: no time slicing), and the first batch, made there while the feeder starts, measured 0.3-0.8 s
+# without them and 0.8-1.1 s with them (docs/benchmarks.md). BLOCKPREP_TAIL_GRAPHS=0 in the environment (which
+# the feeder's process inherits) launches them one by one there too; =1 captures them in any process.
+TAIL_GRAPHS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_GRAPHS", ""), "feeder")
 
 
 # --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---

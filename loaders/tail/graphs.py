@@ -40,6 +40,7 @@ CAPTURED = frozenset({
 })  # fmt: skip
 
 _here = threading.local()  # the segments of the batch this thread's tail is running, if any
+in_feeder = False  # this process is a feeder's (`loaders.fast.child` sets it): where TAIL_GRAPHS="feeder" captures
 
 
 class Rewind(Exception):
@@ -63,7 +64,8 @@ class Graphs:
 
     def begin(self, tb: Any) -> Segments | None:
         """This batch's segments, where its tail runs on a CUDA stream that may capture; else None."""
-        if not tunables.TAIL_GRAPHS:
+        wanted = tunables.TAIL_GRAPHS
+        if wanted is False or (wanted == "feeder" and not in_feeder):
             return None
         import torch
 

@@ -16,6 +16,12 @@ from loaders.tail.device import tail_stream
 K = ["image", "label"]
 
 
+@pytest.fixture(autouse=True)
+def _captured_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tail's graphs in this process too (by default only a feeder's process captures)."""
+    monkeypatch.setattr(tunables, "TAIL_GRAPHS", True)
+
+
 def _chain_3d() -> list[Any]:
     import monai.transforms as mt
 
@@ -162,3 +168,17 @@ def test_sharpening_kernels_made_at_once_equal_monai(approx: str, spatial: tuple
     for g, w in zip(got, want):
         assert_same(g, w, keys=("image", "label"))
     assert tail._graphs.refused == {}
+
+
+@pytest.mark.gpu
+def test_by_default_only_a_feeders_process_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loaders.tail import graphs
+
+    monkeypatch.setattr(tunables, "TAIL_GRAPHS", "feeder")
+    _, _, here = _run(_chain_2d, (24, 24), batches=2)
+    assert here._graphs.launched == 0
+    monkeypatch.setattr(graphs, "in_feeder", True)
+    got, want, there = _run(_chain_2d, (24, 24), batches=2)
+    assert there._graphs.launched >= 2
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))

@@ -330,8 +330,11 @@ def test_a_row_may_launch_the_tail_kernels_one_by_one(monkeypatch: pytest.Monkey
     from workflows.bench.train_rows import _tail_graphs
 
     monkeypatch.delenv("BLOCKPREP_TAIL_GRAPHS", raising=False)
+    monkeypatch.setattr(tunables, "TAIL_GRAPHS", "feeder")
     with _tail_graphs(False):
         assert tunables.TAIL_GRAPHS is False and os.environ["BLOCKPREP_TAIL_GRAPHS"] == "0"
-    assert tunables.TAIL_GRAPHS is True and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
+    assert tunables.TAIL_GRAPHS == "feeder" and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
+    with _tail_graphs(True):
+        assert tunables.TAIL_GRAPHS is True and os.environ["BLOCKPREP_TAIL_GRAPHS"] == "1"
     with _tail_graphs(None):
-        assert tunables.TAIL_GRAPHS is True and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
+        assert tunables.TAIL_GRAPHS == "feeder" and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
