@@ -70,7 +70,7 @@ class Graphs:
         import torch
 
         tensors = [v for v in tb.data.values() if isinstance(v, torch.Tensor)]
-        if not tensors or not tensors[0].is_cuda or torch._C._autograd._profiler_enabled():
+        if not tensors or not tensors[0].is_cuda or torch._C._autograd._profiler_enabled() or not _undoable():
             return None
         device = tensors[0].device
         stream = torch.cuda.current_stream(device)
@@ -86,6 +86,14 @@ class Graphs:
         """Forget what the GPU has finished with."""
         while self.inflight and self.inflight[0][0].query():
             self.inflight.popleft()
+
+
+def _undoable() -> bool:
+    """Whether this torch can end a failed capture's pool (`_cuda_endAllocateToPool`): a capture left recording
+    would hold the allocator in capture mode, its freed blocks never reused."""
+    import torch
+
+    return hasattr(torch._C, "_cuda_endAllocateToPool")
 
 
 @dataclasses.dataclass
