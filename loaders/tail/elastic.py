@@ -3,10 +3,12 @@ own transform on each item makes its draws and grid, one grid_sample resamples t
 
 Its cost is its draws: per item a dense field of uniform offsets, three numbers per voxel of the crop (2.65 M for
 96^3: 28 ms of numpy on a GPU box's core, three quarters of the loader's time on `seg-elastic`), drawn whether or
-not the item is deformed. The smoothing, the grid and the resampling are a few kernels on the item's device.
-So the batch's draws are made by MONAI's own `randomize` ahead of the tail (`loaders.tail.ahead`: exact, or drawn
-inline), and MONAI's own dict transform then runs on each item with those draws put back in place of its
-`randomize` calls: the same code, the same numbers, the draws off the tail's path. One stream drawing every item
+not the item is deformed. The smoothing, the grid and the resampling are a few kernels on the item's device. So the
+batch's draws are made by MONAI's own `randomize` ahead of the tail (`loaders.tail.ahead`: exact, or drawn inline).
+Where the affine grid has no range, each item's grid is then made as MONAI's dict transform makes it, op for op,
+with no host wait (`_grids_here`: MONAI copies the smoothing's sigma and the affine between host and device and
+reads the sigma back); otherwise MONAI's own dict transform runs on each item with the draws put back in place of
+its `randomize` calls: the same code, the same numbers, the draws off the tail's path. One stream drawing every item
 in turn would bound `seg-elastic` at 0.42 of its ceiling, and moving it past each item's words (a fixed count of
 uniform numbers, confirmed once per shape against MONAI's own draw) at 0.3: so each item's start is jumped to
 (`loaders.tail.mtjump`, 2-3 ms whatever the count) and the items draw at once on the draw threads; an item whose
@@ -144,6 +146,10 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
     early = ahead(t, inner, "rand_offset", _draws)
     drawn = _draws(t, inner, batch.n, _Like(size)) if early is None else early.take(batch.n, size)
     modes = _modes_at_once(t, inner, keys)
+    if modes is not None and not ranged:  # the grids made here, as MONAI's dict transform makes them
+        grids = _grids_here(inner, [resolved(d) for d in drawn], size, batch.data[keys[0]].device)
+        _resample(inner, batch, keys, modes, grids)
+        return True
     if modes is not None:
         run = lambda i: _with_draws(t, inner, resolved(drawn[i]), batch.item(i))  # noqa: E731
         _resample_at_once(inner, batch, keys, modes, run)
@@ -190,12 +196,17 @@ def _with_draws(t: Any, inner: Any, drawn: Drawn, item: dict[Hashable, Any]) -> 
 
 def _where_used(t: Any, inner: Any, item: dict[Hashable, Any], offset: Any) -> Any:
     """The drawn offsets on the CUDA device MONAI's transform makes the item's grid on, else as they are."""
+    first = t.first_key(item)
+    return _offset_on(offset, inner.device if inner.device is not None else getattr(item.get(first), "device", None))
+
+
+def _offset_on(offset: Any, device: Any) -> Any:
+    """Offsets drawn (numpy's, or pinned by the draw thread) where MONAI's transform uses them: copied from pinned
+    memory to a CUDA device, else as numpy's array."""
     import torch
 
     from loaders.tail.device import to_device
 
-    first = t.first_key(item)
-    device = inner.device if inner.device is not None else getattr(item.get(first), "device", None)
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if isinstance(offset, torch.Tensor):  # pinned by the draw thread
         return offset.to(device, non_blocking=True) if on_cuda else offset.numpy()
@@ -248,11 +259,8 @@ def _resample_at_once(
 ) -> None:
     """`run(i)` (MONAI's dict transform on item i) for each item in batch order, its resampler noting the item's
     grid (an identity grid where it does not fire: MONAI resamples every item); then each key of the batch
-    resampled at once, as MONAI's `Resample` does item by item (torch backend, normalised coordinates)."""
+    resampled at once on those grids (`_resample`)."""
     import torch
-    from monai.utils import get_equivalent_dtype
-
-    from loaders.tail.affine import sample
 
     resampler = inner.resampler
     noting = _Noting(resampler.device)
@@ -265,6 +273,20 @@ def _resample_at_once(
     finally:
         inner.resampler = resampler
         resampler.device = noting.device
+    _resample(inner, batch, keys, modes, grids)
+
+
+def _resample(
+    inner: Any, batch: TailBatch, keys: list[Hashable], modes: list[tuple[Any, Any]], grids: list[Any]
+) -> None:
+    """Each key of the batch resampled at once on the items' grids, as MONAI's `Resample` does item by item
+    (torch backend, normalised coordinates)."""
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    from loaders.tail.affine import sample
+
+    resampler = inner.resampler
     x = batch.data[keys[0]]
     dtype = get_equivalent_dtype(resampler.dtype, torch.Tensor)
     size = tuple(x.shape[2:])
@@ -274,3 +296,44 @@ def _resample_at_once(
         grid[..., axis] *= 2.0 / max(2, dim)
     for k, (interp, pad) in zip(keys, modes):
         batch.data[k] = sample(batch.data[k], grid, interp, pad, resampler.align_corners, dtype)
+
+
+def _grids_here(inner: Any, drawn: list[Drawn], size: tuple[int, ...], first: Any) -> list[Any]:
+    """Each item's grid as MONAI's `Rand3DElasticd` makes it where its affine grid has no range, with no host wait:
+    MONAI's identity grid; where the item is deformed, its offsets smoothed by MONAI's `separable_filtering` with
+    the kernels of its sigma (`loaders.tail.gauss`, truncated at 3 as MONAI's filter is), times its magnitude, added
+    to the grid's first rows; then, in the affine grid's dtype, the identity affine applied as MONAI's `AffineGrid`
+    applies it (the same matmul: the same numbers where a user's TF32 setting rounds them). MONAI moves the filter's
+    sigma and the affine between host and device and reads the sigma back; here nothing is read back. `first`: the
+    device of the transform's first key.
+    """
+    import torch
+    from monai.networks.layers.simplelayers import separable_filtering
+    from monai.transforms import AffineGrid
+    from monai.transforms.utils import create_grid
+
+    from loaders.tail import gauss
+
+    device = inner.device
+    if device is None:
+        device = first
+        inner.set_device(device)  # as MONAI's dict transform does, for this call and the next
+    dtype = AffineGrid(dtype=inner.rand_affine_grid.dtype).dtype  # what MONAI's affine grid computes in
+    fired = [j for j, d in enumerate(drawn) if d[0]]
+    smoothing = gauss.kernels([drawn[j][4] for j in fired], 3.0, "erf", device)
+    grids = []
+    for j, (do, _, offset, magnitude, _) in enumerate(drawn):
+        grid = create_grid(spatial_size=size, device=device, backend="torch")
+        if do:
+            k = smoothing[fired.index(j)]
+            moved = torch.as_tensor(_offset_on(offset, device), device=device).unsqueeze(0)
+            grid[:3] += separable_filtering(x=moved, kernels=[k, k, k])[0] * magnitude
+            grid = grid.to(dtype or grid.dtype)  # AffineGrid's dtype (float32 by default: the grid was float64)
+            affine = torch.eye(len(size) + 1, device=device, dtype=grid.dtype)
+            grid = (affine @ grid.view((grid.shape[0], -1))).view([-1, *grid.shape[1:]])
+            inner.rand_affine_grid.affine = affine
+        grids.append(grid)
+    if drawn:  # what MONAI's last call leaves on its transform
+        inner._do_transform = drawn[-1][1]
+        inner.rand_offset, inner.magnitude, inner.sigma = drawn[-1][2:]
+    return grids

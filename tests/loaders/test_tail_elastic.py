@@ -100,6 +100,27 @@ def test_an_item_whose_draws_end_elsewhere_raises(monkeypatch: pytest.MonkeyPatc
         elastic.resolved(drawn[0])
 
 
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["the-items", "set"])
+def test_without_an_affine_range_the_grids_are_made_here(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No affine range: each item's grid made as MONAI's transform makes it, without MONAI's transform (whose
+    filter and affine move between host and device): MONAI's numbers, and MONAI's dict transform never runs."""
+    from monai.transforms import Compose
+    from monai.transforms.spatial import dictionary
+
+    batches = _batches([3, 4, 2])
+    want = reference_batches(Compose(_chain(device=device)).set_random_state(8), batches)
+    tail = BatchedTail(Compose(_chain(device=device))).set_random_state(8)
+
+    def refused(*_: Any, **__: Any) -> Any:
+        raise AssertionError("MONAI's Rand3DElasticd ran")
+
+    monkeypatch.setattr(dictionary.Rand3DElasticd, "__call__", refused)
+    for b, w in zip(batches, want):
+        assert_same(tail(b), w, keys=("image", "label"))
+    inner = tail.transforms[0].rand_3d_elastic
+    assert tail.fallbacks == [] and str(inner.device) == "cpu"  # set as MONAI's transform sets it
+
+
 AFFINE = [{"rotate_range": (0.1, 0.1, 0.1)}, {"rotate_range": (0, 0, 0.2), "scale_range": 0.1}]
 
 

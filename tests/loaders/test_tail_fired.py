@@ -157,11 +157,11 @@ def test_monai_runs_only_on_the_items_it_fires_on() -> None:
 def test_sharpening_reads_no_sigma_back_and_equals_monai(monkeypatch: Any) -> None:
     """The filters' sigmas reach MONAI's `gaussian_1d` as device tensors whose `float()` is their host value (no
     read back); MONAI's own `GaussianSharpen` is not called, and the batch is still MONAI's."""
-    from loaders.tail.sharpen import _known
+    from loaders.tail.gauss import known
 
-    s = _known(torch.tensor(2.5), 2.5)
+    s = known(torch.tensor(2.5), 2.5)
     assert float(s) == 2.5 and type(torch.abs(s)) is torch.Tensor
-    assert float(_known(torch.tensor(2.5), 1.0)) == 1.0  # the host value, not the tensor's
+    assert float(known(torch.tensor(2.5), 1.0)) == 1.0  # the host value, not the tensor's
     chain = [mt.RandGaussianSharpend("image", prob=0.7)]
     batch = make_batch(n=6)
     got, tail = _without_monais(monkeypatch, mt.GaussianSharpen, chain, batch, 4)
