@@ -206,10 +206,14 @@ def _offset_on(offset: Any, device: Any) -> Any:
     import torch
 
     from loaders.tail.device import to_device
+    from loaders.tail.graphs import keep
 
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if isinstance(offset, torch.Tensor):  # pinned by the draw thread
-        return offset.to(device, non_blocking=True) if on_cuda else offset.numpy()
+        if not on_cuda:
+            return offset.numpy()
+        keep(offset)  # inside a captured segment, the copy runs when the segment does
+        return offset.to(device, non_blocking=True)
     if not isinstance(offset, np.ndarray) or not on_cuda:
         return offset
     return to_device(torch.from_numpy(offset), device)
@@ -318,12 +322,12 @@ def _grids_here(inner: Any, drawn: list[Drawn], size: tuple[int, ...], first: An
     if device is None:
         device = first
         inner.set_device(device)  # as MONAI's dict transform does, for this call and the next
-    dtype = AffineGrid(dtype=inner.rand_affine_grid.dtype).dtype  # what MONAI's affine grid computes in
+    dtype: Any = AffineGrid(dtype=inner.rand_affine_grid.dtype).dtype  # what MONAI's affine grid computes in
     fired = [j for j, d in enumerate(drawn) if d[0]]
     smoothing = gauss.kernels([drawn[j][4] for j in fired], 3.0, "erf", device)
     grids = []
     for j, (do, _, offset, magnitude, _) in enumerate(drawn):
-        grid = create_grid(spatial_size=size, device=device, backend="torch")
+        grid: Any = create_grid(spatial_size=size, device=device, backend="torch")
         if do:
             k = smoothing[fired.index(j)]
             moved = torch.as_tensor(_offset_on(offset, device), device=device).unsqueeze(0)
