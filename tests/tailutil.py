@@ -80,3 +80,33 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], keys: tuple[str, ...]
             assert torch.equal(got[k], want[k]), (k, (got[k].float() - want[k].float()).abs().max())
         else:
             torch.testing.assert_close(got[k].float(), want[k].float(), atol=atol, rtol=0)
+
+
+def augment_3d() -> list[Any]:
+    """The 3D augmentations `seg-aug` adds after the crop (every prob 0.5), for the GPU tests."""
+    import monai.transforms as mt
+
+    return [
+        mt.RandAffined(keys=K, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
+                       mode=("bilinear", "nearest"), padding_mode="border"),
+        mt.RandAdjustContrastd(keys="image", prob=0.5, gamma=(0.7, 1.5)),
+        mt.RandHistogramShiftd(keys="image", prob=0.5, num_control_points=10),
+        mt.RandBiasFieldd(keys="image", prob=0.5, coeff_range=(0.0, 0.1)),
+        mt.RandGaussianSharpend(keys="image", prob=0.5),
+        mt.RandCoarseDropoutd(keys="image", prob=0.5, holes=4, spatial_size=4),
+        mt.RandStdShiftIntensityd(keys="image", prob=0.5, factors=0.1),
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+    ]  # fmt: skip
+
+
+def augment_2d() -> list[Any]:
+    """The 2D augmentations of `slices` (every prob 0.5), for the GPU tests."""
+    import monai.transforms as mt
+
+    return [
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+        mt.RandRotate90d(keys=K, prob=0.5, max_k=3),
+        mt.RandRotated(keys=K, range_x=0.3, prob=0.5, mode=("bilinear", "nearest")),
+        mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+        mt.RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
+    ]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from tailutil import assert_same, make_batch, reference_batches
+from tailutil import assert_same, augment_2d, augment_3d, make_batch, reference_batches
 
 from loaders import tunables
 from loaders.tail import BatchedTail
@@ -22,33 +22,10 @@ def _captured_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tunables, "TAIL_GRAPHS", True)
 
 
-def _chain_3d() -> list[Any]:
-    import monai.transforms as mt
-
-    return [
-        mt.RandAffined(keys=K, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
-                       mode=("bilinear", "nearest"), padding_mode="border"),
-        mt.RandAdjustContrastd(keys="image", prob=0.5, gamma=(0.7, 1.5)),
-        mt.RandHistogramShiftd(keys="image", prob=0.5, num_control_points=10),
-        mt.RandBiasFieldd(keys="image", prob=0.5, coeff_range=(0.0, 0.1)),
-        mt.RandGaussianSharpend(keys="image", prob=0.5),
-        mt.RandCoarseDropoutd(keys="image", prob=0.5, holes=4, spatial_size=4),
-        mt.RandStdShiftIntensityd(keys="image", prob=0.5, factors=0.1),
-        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
-    ]  # fmt: skip
-
-
 def _chain_2d() -> list[Any]:
     import monai.transforms as mt
 
-    return [
-        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
-        mt.RandRotate90d(keys=K, prob=0.5, max_k=3),
-        mt.RandRotated(keys=K, range_x=0.3, prob=0.5, mode=("bilinear", "nearest")),
-        mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
-        mt.RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
-        mt.EnsureTyped(keys=K, dtype=torch.float32),
-    ]
+    return [*augment_2d(), mt.EnsureTyped(keys=K, dtype=torch.float32)]
 
 
 def _refusing() -> list[Any]:
@@ -88,7 +65,7 @@ def _run(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("chain", "spatial"), [(_chain_3d, (20, 22, 20)), (_chain_2d, (24, 24))], ids=["3d", "2d"])
+@pytest.mark.parametrize(("chain", "spatial"), [(augment_3d, (20, 22, 20)), (_chain_2d, (24, 24))], ids=["3d", "2d"])
 def test_captured_batches_equal_monai_on_the_gpu(chain: Any, spatial: tuple[int, ...]) -> None:
     got, want, tail = _run(chain, spatial)
     for g, w in zip(got, want):
