@@ -445,10 +445,8 @@ class BatchedTail:
             if segments is not None and not capture:
                 segments.close(tb)
             if handler is not None and tb.items is None:
-                if segments is not None and capture:
-                    if segments.captured(index, t, handler, tb):
-                        return
-                elif handler(t, tb):
+                done = segments.captured(index, t, handler, tb) if capture and segments else handler(t, tb)
+                if done:
                     return
             if segments is not None:
                 segments.close(tb)
