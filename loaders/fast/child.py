@@ -107,7 +107,7 @@ def _serve(checkpoint: Any) -> None:
     _bound_to_parent()
     from loaders.tail import graphs
 
-    graphs.in_feeder = True  # the tail's kernels as CUDA graphs here (loaders.tunables.TAIL_GRAPHS)
+    graphs.in_a_feeder()  # the tail's kernels as CUDA graphs here (loaders.tunables.TAIL_GRAPHS)
     address, key = os.environ.pop(ENV).rsplit("|", 1)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(key))
 

@@ -6,7 +6,8 @@ GPU; the same kernels launched as one CUDA graph cost it about a third as much (
 docs/benchmarks.md). So the kernels of consecutive batched transforms are captured on the tail's stream and
 launched as one graph (a "segment"): the same kernels, on the same inputs, in the same order, so the same
 numbers. A segment ends where the host must read the GPU (`host_read`: the items' ranges some transforms draw
-from) and around every transform that runs otherwise (per item through MONAI, or with draws made ahead).
+from) and around every transform that runs otherwise (per item through MONAI). Draws made on the host (numpy's, made
+ahead on a thread or inline) are made while the segment is captured: only their copies up are in the graph.
 
 A transform whose work cannot be captured (it reads the GPU on the host, or copies from pageable memory: CUDA
 refuses that during a capture) fails its capture before anything of the segment has run: the segment is undone
@@ -34,13 +35,23 @@ _log = logging.getLogger("loaders.tail")
 # The MONAI transforms whose batched versions are captured (each checked against MONAI on a GPU, captured).
 CAPTURED = frozenset({
     "AsDiscreted", "CastToTyped", "ConcatItemsd", "CopyItemsd", "DeleteItemsd", "EnsureTyped", "NormalizeIntensityd",
-    "RandAdjustContrastd", "RandAffined", "RandAxisFlipd", "RandBiasFieldd", "RandCoarseDropoutd", "RandFlipd",
-    "RandGaussianSharpend", "RandHistogramShiftd", "RandRotate90d", "RandRotated", "RandScaleIntensityd",
-    "RandShiftIntensityd", "RandStdShiftIntensityd", "SqueezeDimd",
+    "Rand3DElasticd", "RandAdjustContrastd", "RandAffined", "RandAxisFlipd", "RandBiasFieldd", "RandCoarseDropoutd",
+    "RandFlipd", "RandGaussianNoised", "RandGaussianSharpend", "RandHistogramShiftd", "RandRotate90d", "RandRotated",
+    "RandScaleIntensityd", "RandShiftIntensityd", "RandStdShiftIntensityd", "SqueezeDimd",
 })  # fmt: skip
 
 _here = threading.local()  # the segments of the batch this thread's tail is running, if any
-in_feeder = False  # this process is a feeder's (`loaders.fast.child` sets it): where TAIL_GRAPHS="feeder" captures
+in_feeder = False  # this process is a feeder's (`in_a_feeder`): where TAIL_GRAPHS="feeder" captures
+
+
+def in_a_feeder() -> None:
+    """This process is a feeder's: where TAIL_GRAPHS="feeder", its tails capture. A segment in which no item's
+    transform launched anything (every flip skipped) is an empty graph, which torch warns of: not here."""
+    global in_feeder
+    import warnings
+
+    in_feeder = True
+    warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
 
 
 class Rewind(Exception):
@@ -61,6 +72,7 @@ class Graphs:
         self.refused: dict[int, str] = {}  # transform index -> why its capture failed
         self.inflight: deque[tuple[Any, list[Any]]] = deque()  # (event after a replay, what it uses)
         self.launched = 0  # segments launched
+        self.undone: list[list[Any]] = []  # the host tensors of undone segments' copies (`Segments._undo`)
 
     def begin(self, tb: Any) -> Segments | None:
         """This batch's segments, where its tail runs on a CUDA stream that may capture; else None."""
@@ -173,7 +185,12 @@ class Segments:
         """The open segment undone: its capture ended, the batch and random states as at its start."""
         import torch
 
-        graph, self.graph, self.keep = self.graph, None, []
+        graph, self.graph = self.graph, None
+        # the host tensors its copies used are never freed: freeing a pinned block a captured copy used records an
+        # event on the stream (during the capture torch aborts; after it, a later query of that event fails
+        # another capture). A transform is undone once before it is refused, so these are few.
+        self.graphs.undone.append(self.keep)
+        self.keep = []
         if graph is not None:
             with contextlib.suppress(Exception):
                 graph.capture_end()  # ends the stream's capture (the capture itself is invalid)

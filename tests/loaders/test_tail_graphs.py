@@ -86,6 +86,72 @@ def test_a_transform_that_cannot_be_captured_is_undone_and_run_again() -> None:
     assert tail._graphs.launched >= 2 * len(got)
 
 
+def _drawn_on_the_host(**affine: Any) -> list[Any]:
+    """Transforms whose draws numpy makes on the host, ahead on a thread (the elastic's offsets, the noise):
+    captured, only their copies up are in the graph."""
+    import monai.transforms as mt
+
+    return [
+        mt.Rand3DElasticd(K, sigma_range=(2, 3), magnitude_range=(2, 5), prob=0.6, mode=("bilinear", "nearest"),
+                          padding_mode="border", **affine),
+        mt.RandGaussianNoised("image", prob=0.5, std=0.1),
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+    ]  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_draws_made_on_the_host_are_captured_with_their_copies() -> None:
+    got, want, tail = _run(_drawn_on_the_host, (20, 22, 20), batches=5)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert tail.fallbacks == [] and tail._graphs.refused == {}
+    assert tail._graphs.launched >= len(got)
+
+
+@pytest.mark.gpu
+def test_an_elastic_with_an_affine_range_equals_monai() -> None:
+    """MONAI's own transform makes each item's grid (its sigma copied up and read back): refused, or captured."""
+    got, want, _ = _run(lambda: _drawn_on_the_host(rotate_range=(0.1, 0.1, 0.1)), (20, 22, 20), batches=3)
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+
+
+@pytest.mark.gpu
+def test_an_undone_segment_puts_back_draws_made_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The elastic's offsets and the noise are drawn ahead; a transform after them in the segment fails its
+    capture (its refusal forgotten at each batch's start): each batch's draws are undone and drawn again, exactly
+    (after the first batch, from draws made ahead)."""
+    import monai.transforms as mt
+
+    from loaders.tail import graphs
+
+    def chain() -> list[Any]:
+        return [*_drawn_on_the_host(), mt.RandStdShiftIntensityd(keys="image", prob=1.0, factors=0.1, nonzero=True)]
+
+    undone: list[tuple[int, list[int], str]] = []
+    undo = graphs.Segments._undo
+
+    def forgetting(self: Any, tb: Any, refused: list[int], error: Exception) -> Any:
+        rewind = undo(self, tb, refused, error)
+        undone.append((rewind.index, refused, str(error).splitlines()[0][:200]))
+        return rewind
+
+    monkeypatch.setattr(graphs.Segments, "_undo", forgetting)
+    got, want, tail = _run(chain, (20, 22, 20), batches=2)  # the refusal kept: one undo
+    assert [u[:2] for u in undone] == [(0, [3])], undone
+    begin = graphs.Graphs.begin
+
+    def forgotten(self: Any, tb: Any) -> Any:
+        self.refused.clear()
+        return begin(self, tb)
+
+    monkeypatch.setattr(graphs.Graphs, "begin", forgotten)
+    got, want, tail = _run(chain, (20, 22, 20), batches=4)  # the refusal forgotten each batch: one undo a batch
+    for g, w in zip(got, want):
+        assert_same(g, w, keys=("image", "label"))
+    assert [u[:2] for u in undone] == [(0, [3])] * 5, undone  # each time the std shift's read, nothing else
+
+
 @pytest.mark.gpu
 def test_graphs_off_launch_nothing_as_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tunables, "TAIL_GRAPHS", False)
@@ -93,6 +159,25 @@ def test_graphs_off_launch_nothing_as_a_graph(monkeypatch: pytest.MonkeyPatch) -
     for g, w in zip(got, want):
         assert_same(g, w, keys=("image", "label"))
     assert tail._graphs.launched == 0
+
+
+@pytest.mark.gpu
+def test_a_feeders_empty_segments_warn_of_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment where no transform launched anything (a flip that never fires) is an empty graph: torch warns
+    of it, but not in a feeder's process."""
+    import warnings
+
+    import monai.transforms as mt
+
+    from loaders.tail import graphs
+
+    monkeypatch.setattr(graphs, "in_feeder", False)  # restored after the test
+    with warnings.catch_warnings(record=True) as seen:  # the filter `in_a_feeder` adds is undone after it
+        warnings.simplefilter("always")
+        graphs.in_a_feeder()
+        _, _, tail = _run(lambda: [mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.0)], (8, 8), batches=2)
+    assert tail._graphs.launched >= 2
+    assert not [w for w in seen if "CUDA Graph is empty" in str(w.message)]
 
 
 def test_on_the_cpu_nothing_is_captured() -> None:

@@ -244,6 +244,10 @@ def _print_ops(loader: Any, steps: int) -> None:
     for name, count in ops.most_common():
         print(f"{name:<28} {count / max(1, n):>8.1f} {kernels[name] / max(1, n):>8.1f}")
     print(f"{'all':<28} {sum(ops.values()) / max(1, n):>8.1f} {sum(kernels.values()) / max(1, n):>8.1f}")
+    if gpu:  # the kernels the loader launches outside its tail too (the reads' and the batch's assembly)
+        launched = [k for e in prof.events() for k in e.kernels]
+        took = sum(k.duration for k in launched) / 1e3
+        print(f"the loader's kernels a batch, all: {len(launched) / max(1, n):.1f} ({took / max(1, n):.2f} ms)")
 
 
 def _descendants(event: Any) -> Any:
