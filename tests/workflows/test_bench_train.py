@@ -338,3 +338,30 @@ def test_a_row_may_launch_the_tail_kernels_one_by_one(monkeypatch: pytest.Monkey
         assert tunables.TAIL_GRAPHS is True and os.environ["BLOCKPREP_TAIL_GRAPHS"] == "1"
     with _tail_graphs(None):
         assert tunables.TAIL_GRAPHS == "feeder" and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
+
+
+def test_a_row_may_leave_out_the_augmentations() -> None:
+    """fast@augment=False: the chain up to its crop and the deterministic transforms after it (the squeeze a 2D
+    model needs); every random one after the crop left out."""
+    import monai.transforms as mt
+
+    from workflows.bench.core import Unavailable
+    from workflows.bench.train_rows import unaugmented
+
+    k = ["image", "label"]
+    head = [mt.ScaleIntensityd(keys="image"), mt.RandSpatialCropSamplesd(k, roi_size=(8, 8, 1), num_samples=2)]
+    after = [mt.SqueezeDimd(k, dim=-1), mt.RandFlipd(k, prob=0.5), mt.EnsureTyped(k), mt.RandRotate90d(k, prob=0.5)]
+    kept = unaugmented(mt.Compose([*head, *after], map_items=True)).transforms
+    assert [type(t).__name__ for t in kept] == [
+        "ScaleIntensityd", "RandSpatialCropSamplesd", "SqueezeDimd", "EnsureTyped"
+    ]  # fmt: skip
+    with pytest.raises(Unavailable, match="no crop"):
+        unaugmented(mt.Compose(after))
+
+
+def test_slices_train_without_their_augmentations(out: Path) -> None:
+    args = ["train", "--workload", "slices", *WORKLOAD_TINY["slices"], "--epochs", "2", "--workers", "1",
+            "--device", "cpu", "--rows", "fast@augment=False", "--out", str(out / "unaugmented")]  # fmt: skip
+    assert benchmark.main(args) == 0
+    names = [r["name"] for r in _rows(out / "unaugmented" / "bench.csv")]
+    assert any(n.endswith("augment=False") for n in names), names

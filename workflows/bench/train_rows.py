@@ -335,8 +335,24 @@ def fast_path(
     settled = options.pop("settled", False)  # ... or trained untimed until feeder="auto" has chosen (trial.py)
     bricks = options.pop("bricks", False)  # the cache's bricks written first (untimed), removed after the row
     graphs = options.pop("tail_graphs", None)  # "fast-settled@tail_graphs=False": the tail's kernels one by one
+    augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tail_graphs(graphs):
-        return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options)
+        return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
+
+
+def unaugmented(transform: Any) -> Any:
+    """`transform` (a MONAI Compose) without the random transforms after its crop: the same reads, crops and
+    hand-over, the deterministic ones after the crop kept (a squeeze the model needs), the augmentations gone.
+    Against the defaults, what the augmentations cost the step."""
+    from loaders.fast.folds import is_fold_crop
+
+    ts = list(transform.transforms)
+    crops = [i for i, t in enumerate(ts) if is_fold_crop(t)]
+    if not crops:
+        raise Unavailable("augment=False: the chain has no crop the loader folds, so no augmentations after it")
+    kept = ts[: crops[-1] + 1] + [t for t in ts[crops[-1] + 1 :] if not hasattr(t, "set_random_state")]
+    transform.transforms = tuple(kept)
+    return transform
 
 
 @contextlib.contextmanager
@@ -362,7 +378,7 @@ def _tail_graphs(on: bool | None) -> Iterator[None]:
 
 def _fast_row(
     pipeline: Path, cache: Path, opts: TrainOptions, budget: int | str, label: str, serving: bool, settled: bool,
-    bricks: bool, options: dict[str, Any],
+    bricks: bool, options: dict[str, Any], augment: bool = True,
 ) -> TrainRow:  # fmt: skip
     from loaders.fast.loader import PreparedLoader
     from prep.bricks import build_bricks, drop_bricks
@@ -373,7 +389,8 @@ def _fast_row(
         build_bricks(cache)
         label = f"{label} in {time.perf_counter() - made:.1f} s"
     setup_s = time.perf_counter() - made
-    loader = PreparedLoader(cache, transform_of(pipeline, opts.seed), opts.batch, device=opts.device,
+    transform = transform_of(pipeline, opts.seed)
+    loader = PreparedLoader(cache, transform if augment else unaugmented(transform), opts.batch, device=opts.device,
                             gpu_budget=budget, seed=opts.seed, **options)  # fmt: skip
     loader.set_random_state(opts.seed)
     if serving:
