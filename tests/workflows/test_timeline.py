@@ -41,9 +41,11 @@ def test_no_kernels_or_no_steps_give_none() -> None:
     assert step_times({"traceEvents": [_kernel(7, 0, 5)]}) is None
 
 
-def test_timeline_runs_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("feeder", [[], ["--feeder", "True"]])
+def test_timeline_runs_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str], feeder: list[str]) -> None:
     argv = ["--workload", "mednist", "--count", "8", "--size", "32", "--steps", "3", "--device", "cpu",
-            "--work", str(tmp_path), "--timeline"]  # fmt: skip
+            "--work", str(tmp_path), "--timeline", *feeder]  # fmt: skip
     assert profile_train.main(argv) == 0
     out = capsys.readouterr().out
+    assert f"feeder={bool(feeder)}" in out and ("made by process" in out) == bool(feeder)
     assert "with the loader: no CUDA kernels traced" in out and "compute only: no CUDA kernels traced" in out

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         "--feeder",
         choices=["auto", "True", "False"],
         action="append",
-        help="--first-batch: this feeder setting (repeat for several, in one process); default auto and False",
+        help="--first-batch: this feeder setting (repeat for several, in one process); default auto and False. "
+        "--timeline: the loader's feeder (default False: one trace holds both streams; else the training "
+        "process's kernels beside the feeder's process)",
     )
     a = parser.parse_args(argv)
     if a.loader_only:
@@ -92,14 +94,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _timeline(a: argparse.Namespace) -> int:
-    """`--steps` steps with the loader's batches (in this process), then as many on one resident batch: where
-    each step's time goes (`workflows.bench.timeline`)."""
+    """`--steps` steps with the loader's batches (in this process, or with `--feeder` from the feeder's), then as
+    many on one resident batch: where each step's time goes (`workflows.bench.timeline`)."""
     from loaders.fast.loader import PreparedLoader
     from workflows.bench.timeline import print_rows, step_times, traced
 
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)
-    loader = PreparedLoader(cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, feeder=False)
+    feeder = {"True": True, "False": False}.get((a.feeder or ["False"])[0], "auto")
+    loader = PreparedLoader(cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, feeder=feeder)
+    loader.wait_feeder()  # the feeder's batches, not this process's while it starts
     step = make_step(opts, a.device)
 
     def batches() -> Any:
@@ -118,7 +122,9 @@ def _timeline(a: argparse.Namespace) -> int:
 
     rows = {"with the loader": step_times(traced(feed, step, a.device, a.steps))}
     rows["compute only"] = step_times(traced(same(), step, a.device, a.steps))
-    print(f"{a.workload}: {a.steps} training steps, {a.device}")
+    pid = loader.feeder_pid
+    fed = f" (batches made by process {pid})" if pid else " (batches made in this process)"
+    print(f"{a.workload}: {a.steps} training steps, {a.device}, feeder={feeder}{fed}")
     print_rows(rows)
     loader.close()
     return 0
