@@ -2,6 +2,7 @@
 
     python -m workflows.bench.profile_train --workload seg-ct --steps 12 --device cuda:0
     python -m workflows.bench.profile_train --workload slices --first-batch --device cuda:0
+    python -m workflows.bench.profile_train --workload seg-aug --phases --steps 60 --device cuda:0
 
 Builds (or reuses) the training benchmark's data and cache for the workload, runs one warm epoch, then profiles
 `--steps` training steps and prints the table sorted by device time (CPU time on a CPU run).
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ops", action="store_true", help="--loader-only: the tail's ops and device kernels a batch, by transform"
     )
+    parser.add_argument("--phases", action="store_true", help="the host's phases of a step: fed, in process, resident")
+    parser.add_argument(
+        "--unaugmented", action="store_true", help="--phases: the chain without its random transforms after the crop"
+    )
     parser.add_argument(
         "--feeder",
         choices=["auto", "True", "False"],
@@ -55,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return _loader_only(a)
     if a.timeline:
         return _timeline(a)
+    if a.phases:
+        return _phases(a)
     if a.first_batch:
         from workflows.bench.first_batch import first_batch
 
@@ -127,6 +134,25 @@ def _timeline(a: argparse.Namespace) -> int:
     print(f"{a.workload}: {a.steps} training steps, {a.device}, feeder={feeder}{fed}")
     print_rows(rows)
     loader.close()
+    return 0
+
+
+def _phases(a: argparse.Namespace) -> int:
+    """`workflows.bench.phases`: the feeder's batches, then this process's, each between resident batches."""
+    from loaders.fast.loader import PreparedLoader
+    from workflows.bench.phases import phases
+    from workflows.bench.train_rows import unaugmented
+
+    opts = _options(a)
+    _, pipeline, cache = build_data(opts, a.work)
+
+    def build(feeder: bool) -> Any:
+        chain = transform_of(pipeline, 0)
+        chain = unaugmented(chain) if a.unaugmented else chain
+        return lambda: PreparedLoader(cache, chain, opts.batch, device=a.device, seed=0, feeder=feeder)
+
+    print(f"{a.workload}{' unaugmented' if a.unaugmented else ''}: {a.steps} training steps a row, {a.device}")
+    phases({"feeder=True": build(True), "feeder=False": build(False)}, make_step(opts, a.device), a.device, a.steps)
     return 0
 
 

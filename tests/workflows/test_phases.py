@@ -1,0 +1,48 @@
+"""workflows.bench.phases: a step's phases timed, the hand-over's calls timed and put back, the tool on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from workflows.bench import profile_train
+from workflows.bench.phases import handover_calls, timed_steps
+
+
+def test_each_phase_is_timed_where_it_is_spent() -> None:
+    import time
+
+    def step(image: int, label: int) -> None:
+        time.sleep(0.004)
+
+    def sync() -> None:
+        time.sleep(0.002)
+
+    p = timed_steps(itertools.repeat((0, 0)), step, sync, 5)
+    assert p.steps == 5 and p.taking < 1.0
+    assert 2.0 <= p.synced < 10.0 and 2.0 <= p.finishing < 10.0 and 4.0 <= p.launching < 20.0
+    assert p.total == pytest.approx(p.taking + p.synced + p.launching + p.finishing)
+
+
+def test_the_hand_over_hooks_are_put_back() -> None:
+    from loaders.fast import feeder
+
+    before = (feeder.Feeder._recv, feeder.Feeder._unpack, feeder.Feeder._send, feeder.loads)
+    with handover_calls() as calls:
+        assert feeder.Feeder._recv is not before[0] and feeder.loads is not before[3]
+        feeder.loads(feeder.dumps(("credit",)))
+    assert (feeder.Feeder._recv, feeder.Feeder._unpack, feeder.Feeder._send, feeder.loads) == before
+    assert calls["message KB"][1] == 1 and calls["message KB"][0] > 0
+
+
+def test_phases_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "mednist", "--count", "8", "--size", "32", "--steps", "3", "--device", "cpu",
+            "--work", str(tmp_path), "--phases"]  # fmt: skip
+    assert profile_train.main(argv) == 0
+    out = capsys.readouterr().out
+    fed = [line for line in out.splitlines() if line.startswith("feeder=True (batches made by ")]
+    assert fed and "this process" not in fed[0]  # the feeder's batches, waited for
+    assert "feeder=False (batches made by this process)" in out
+    assert out.count("resident batch again") == 2 and "the hand-over's calls here" in out

@@ -1,0 +1,133 @@
+"""Where a training step's time goes on the training process's host, phase by phase: with the feeder's batches,
+with batches made in this process, and on one resident batch (the ceiling's step), all in one process.
+
+    python -m workflows.bench.profile_train --workload seg-aug --phases --steps 60 --device cuda:0
+
+Each step runs as the training benchmark runs it: the batch taken (`next`), the training stream synced, the step's
+launches, the stream synced again. A resident row runs before and after each loader's row, because the ceiling's
+step moves within one process. Beside the feeder, the hand-over's own calls in this process are timed too:
+receiving a batch's message (and its size), copying the batch out of the ring, sending the credit back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Means per step, in ms."""
+
+    steps: int
+    taking: float  # next(): the batch handed over
+    synced: float  # the batch on the device, the training stream synced
+    launching: float  # the step's host work: forward, backward, optimiser (launches)
+    finishing: float  # the training stream synced after the step: the GPU's work left
+
+    @property
+    def total(self) -> float:
+        return self.taking + self.synced + self.launching + self.finishing
+
+
+def timed_steps(batches: Iterator[tuple[Any, Any]], step: Callable[[Any, Any], Any], sync: Callable[[], Any],
+                n: int) -> Phases:  # fmt: skip
+    """n steps from `batches`, each phase timed."""
+    sums = [0.0] * 4
+    for _ in range(n):
+        t0 = time.perf_counter()
+        image, label = next(batches)
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        step(image, label)
+        t3 = time.perf_counter()
+        sync()
+        t4 = time.perf_counter()
+        for i, (a, b) in enumerate(((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+            sums[i] += b - a
+    return Phases(n, *(1e3 * s / max(1, n) for s in sums))
+
+
+@contextlib.contextmanager
+def handover_calls() -> Iterator[dict[str, tuple[float, int]]]:
+    """The feeder's hand-over calls in this process timed while inside: name -> (ms a call, calls), filled at the
+    end; "message KB" -> (KB a message, messages)."""
+    from loaders.fast import feeder
+
+    spent: dict[str, float] = defaultdict(float)
+    calls: Counter[str] = Counter()
+    out: dict[str, tuple[float, int]] = {}
+
+    def timing(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+                calls[name] += 1
+
+        return wrapped
+
+    def sized(data: bytes) -> Any:
+        spent["message KB"] += len(data) / 1e6  # MB: a thousand times this a call is KB
+        calls["message KB"] += 1
+        return loads(data)
+
+    loads = feeder.loads
+    methods = {name: getattr(feeder.Feeder, name) for name in ("_recv", "_unpack", "_send")}
+    for name, f in methods.items():
+        setattr(feeder.Feeder, name, timing(name.lstrip("_"), f))
+    feeder.loads = sized  # type: ignore[assignment]
+    try:
+        yield out
+    finally:
+        for name, f in methods.items():
+            setattr(feeder.Feeder, name, f)
+        feeder.loads = loads  # type: ignore[assignment]
+        out.update({k: (1e3 * spent[k] / calls[k], calls[k]) for k in calls})
+
+
+def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any], device: str, steps: int) -> None:
+    """Print each loader's phases (`loaders`: name -> a function that builds it), a resident batch's before and
+    after each."""
+    import torch
+
+    from workflows.bench.train_loop import on_device
+
+    sync = torch.cuda.current_stream(device).synchronize if device.startswith("cuda") else (lambda: None)
+    print("per step, ms:  all  next (the batch)  synced  the step's launches  synced after")
+    for name, build in loaders.items():
+        loader = build()
+        loader.wait_feeder()  # the feeder's batches (where it has one), not this process's while it starts
+
+        def batches(loader: Any = loader) -> Generator[tuple[Any, Any], None, None]:
+            while True:
+                for b in loader:
+                    yield on_device(b["image"], device), on_device(b["label"], device)
+
+        feed = batches()
+        timed_steps(feed, step, sync, max(steps // 2, len(loader)))  # warm: the tier fills, kernels compile
+        resident = next(feed)
+        same = itertools.repeat(resident)
+        _show("resident batch", timed_steps(same, step, sync, steps))
+        with handover_calls() as calls:
+            row = timed_steps(feed, step, sync, steps)
+        _show(f"{name} (batches made by {loader.feeder_pid or 'this process'})", row)
+        _show("resident batch again", timed_steps(same, step, sync, steps))
+        if calls:
+            print("  the hand-over's calls here (ms a call, calls): " + ", ".join(
+                f"{k} {v:.3f} ({n})" for k, (v, n) in calls.items()))  # fmt: skip
+        feed.close()
+        loader.close()
+
+
+def _show(name: str, p: Phases) -> None:
+    print(f"{name} ({p.steps} steps): {p.total:.2f}  {p.taking:.2f}  {p.synced:.2f}  {p.launching:.2f}  "
+          f"{p.finishing:.2f}")  # fmt: skip
