@@ -11,8 +11,10 @@ small host tensor copied to the device from pageable memory (as `torch.tensor(..
 `--processes`, a second process on the same GPU instead (a CUDA context of its own, as the feeder's child): idle,
 or every 25 ms 200 small kernels, one by one with host work between (or with the host waiting for them 17 times
 in the 200, as a tail that reads values back; or launched back to back, no host work between), or the same as
-one CUDA graph. Printed:
-ms a step, x the step alone, and the thread's loops a second.
+one CUDA graph; or that graph replayed at each step's start, when the training process says so (as a feeder
+would launch a batch's work when the training takes a batch, the training's GPU idle then). `--handover-ms X`
+adds X ms of host work at each step's start, every row alike (taking a batch from a feeder: 0.8 ms on an H200).
+Printed: ms a step, x the step alone, and the thread's loops a second.
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ WORK = ("none", "python", "numpy", "kernels", "kernels-stream-sync", "kernels-re
 # small kernels one by one with host work between (as a per-item tail launches them); the same kernels as one
 # CUDA graph (back to back, no gaps); the gapped kernels with the host waiting for its stream WAITS times a period
 # (as a tail that reads values back does: a `float()`, an `.item()`, a copy to numpy); the kernels launched one by
-# one with no host work between (a burst of launches, no graph)
-PROCESS_WORK = ("process-idle", "process-gapped", "process-waits", "process-burst", "process-graph")
+# one with no host work between (a burst of launches, no graph); the graph replayed at each step's start, when told
+PROCESS_WORK = (
+    "process-idle",
+    "process-gapped",
+    "process-waits",
+    "process-burst",
+    "process-graph",
+    "process-graph-at-steps",
+)
 PERIOD_S, KERNELS, GAP_S = 0.025, 200, 0.00005  # a batch's tail every 25 ms: 200 kernels, 50 us of host between
 WAITS = 17  # seg-aug's waits a batch (docs/benchmarks.md, Training: where the loader waits for the GPU)
 
@@ -41,8 +50,8 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
-    """The second process: `kind`'s work once a period until `stop`."""
+def _process_loop(kind: str, device: str, ready: Any, stop: Any, go: Any) -> None:
+    """The second process: `kind`'s work once a period until `stop` (at each `go`, for process-graph-at-steps)."""
     import torch
 
     torch.cuda.set_device(device)
@@ -64,12 +73,19 @@ def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
     with torch.cuda.stream(stream):
         kernels()
         stream.synchronize()
-        if kind == "process-graph":
+        if kind.startswith("process-graph"):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 kernels()
     ready.set()
     while not stop.is_set():
+        if kind == "process-graph-at-steps":
+            if go.wait(0.1):
+                go.clear()
+                with torch.cuda.stream(stream):
+                    graph.replay()  # type: ignore[union-attr]
+                stream.synchronize()
+            continue
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
             if kind in ("process-gapped", "process-waits", "process-burst"):
@@ -80,18 +96,26 @@ def _process_loop(kind: str, device: str, ready: Any, stop: Any) -> None:
         time.sleep(max(0.0, PERIOD_S - (time.perf_counter() - t0)))
 
 
-def beside_process(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int, device: str) -> float:
-    """ms a step with a second process doing `kind` on the same GPU."""
+def beside_process(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int, device: str,
+                   handover_s: float = 0.0) -> float:  # fmt: skip
+    """ms a step with a second process doing `kind` on the same GPU (`handover_s` of host work at each step's
+    start, after telling the process to go where it waits to be told)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_process_loop, args=(kind, device, ready, stop), daemon=True)
+    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_process_loop, args=(kind, device, ready, stop, go), daemon=True)
     proc.start()
+    told = go.set if kind == "process-graph-at-steps" else (lambda: None)
     try:
         if not ready.wait(120):
             raise RuntimeError(f"the {kind} process did not start")
-        return timed_steps(step, sync, n)
+
+        def started() -> None:
+            told()
+            _busy(handover_s)
+
+        return timed_steps(step, sync, n, started)
     finally:
         stop.set()
         proc.join(30)
@@ -132,22 +156,27 @@ def _work(kind: str, device: str) -> Callable[[], None]:
     return pageable
 
 
-def timed_steps(step: Callable[[], Any], sync: Callable[[], None], n: int) -> float:
-    """ms a step over n steps, each synced before and after."""
+def timed_steps(step: Callable[[], Any], sync: Callable[[], None], n: int,
+                start: Callable[[], Any] | None = None) -> float:  # fmt: skip
+    """ms a step over n steps, each synced before and after (`start`: timed too, at each step's start)."""
     total = 0.0
     for _ in range(n):
         sync()
         t0 = time.perf_counter()
+        if start is not None:
+            start()
         step()
         sync()
         total += time.perf_counter() - t0
     return 1e3 * total / n
 
 
-def beside(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int, device: str) -> tuple[float, float]:
+def beside(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int, device: str,
+           handover_s: float = 0.0) -> tuple[float, float]:  # fmt: skip
     """(ms a step, the thread's loops a second) with a thread doing `kind` beside the steps."""
+    start = (lambda: _busy(handover_s)) if handover_s else None
     if kind == "none":
-        return timed_steps(step, sync, n), 0.0
+        return timed_steps(step, sync, n, start), 0.0
     work, stop, loops = _work(kind, device), threading.Event(), [0]
 
     def run() -> None:
@@ -159,7 +188,7 @@ def beside(kind: str, step: Callable[[], Any], sync: Callable[[], None], n: int,
     t0 = time.perf_counter()
     thread.start()
     try:
-        ms = timed_steps(step, sync, n)
+        ms = timed_steps(step, sync, n, start)
     finally:
         stop.set()
         thread.join()
@@ -181,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crop", type=int, default=None)
     parser.add_argument("--processes", action="store_true", help="also a second process on the GPU")
     parser.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(WORK + PROCESS_WORK)}")
+    parser.add_argument("--handover-ms", type=float, default=0.0, help="host work at each step's start, every row")
     a = parser.parse_args(argv)
     import torch
 
@@ -197,16 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     sync: Callable[[], Any] = torch.cuda.current_stream(a.device).synchronize if cuda else (lambda: None)
     asked = a.kinds.split(",") if a.kinds else [*WORK, *(PROCESS_WORK if a.processes else ())]
     kinds = [k for k in asked if k in WORK and (cuda or k in ("none", "python", "numpy"))]
+    handover = a.handover_ms / 1e3
     timed_steps(lambda: train(image, label), sync, max(4, a.steps // 4))  # warm
-    alone = timed_steps(lambda: train(image, label), sync, a.steps)
-    print(f"{a.workload}: the training step on one resident batch, {a.steps} steps a row, {a.device}")
-    print(f"{'beside it':<20} {'ms a step':>10} {'x alone':>8} {'loops/s':>10}")
+    alone = timed_steps(lambda: train(image, label), sync, a.steps, (lambda: _busy(handover)) if handover else None)
+    more = f", {a.handover_ms} ms of host work at each step's start" if handover else ""
+    print(f"{a.workload}: the training step on one resident batch{more}, {a.steps} steps a row, {a.device}")
+    print(f"{'beside it':<22} {'ms a step':>10} {'x alone':>8} {'loops/s':>10}")
     for kind in kinds:
-        ms, rate = beside(kind, lambda: train(image, label), sync, a.steps, a.device)
-        print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
+        ms, rate = beside(kind, lambda: train(image, label), sync, a.steps, a.device, handover)
+        print(f"{kind:<22} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
     for kind in [k for k in asked if k in PROCESS_WORK and cuda]:
-        ms = beside_process(kind, lambda: train(image, label), sync, a.steps, a.device)
-        print(f"{kind:<20} {ms:>10.2f} {ms / alone:>8.2f} {1 / PERIOD_S:>10.0f}")
+        ms = beside_process(kind, lambda: train(image, label), sync, a.steps, a.device, handover)
+        rate = 1e3 / ms if kind == "process-graph-at-steps" else 1 / PERIOD_S
+        print(f"{kind:<22} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
     return 0
 
 
