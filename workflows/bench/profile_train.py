@@ -18,7 +18,7 @@ from workflows.bench.train import DEFAULTS
 from workflows.bench.train_loop import TrainOptions, build_data, make_step, on_device, transform_of
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="seg-ct", choices=sorted(DEFAULTS))
     parser.add_argument("--steps", type=int, default=12)
@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         "--timeline: the loader's feeder (default False: one trace holds both streams; else the training "
         "process's kernels beside the feeder's process)",
     )
-    a = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.loader_only:
         return _loader_only(a)
     if a.timeline:
@@ -63,12 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.phases:
         return _phases(a)
     if a.first_batch:
-        from workflows.bench.first_batch import first_batch
+        return _first_batch(a)
+    return _profiled(a)
 
-        opts = _options(a)
-        _, pipeline, cache = build_data(opts, a.work)
-        feeders = [{"True": True, "False": False}.get(f, f) for f in a.feeder or ()]
-        return first_batch(cache, lambda: transform_of(pipeline, 0), opts.batch, a.device, a.rows, feeders)
+
+def _first_batch(a: argparse.Namespace) -> int:
+    from workflows.bench.first_batch import first_batch
+
+    opts = _options(a)
+    _, pipeline, cache = build_data(opts, a.work)
+    feeders = [{"True": True, "False": False}.get(f, f) for f in a.feeder or ()]
+    return first_batch(cache, lambda: transform_of(pipeline, 0), opts.batch, a.device, a.rows, feeders)
+
+
+def _profiled(a: argparse.Namespace) -> int:
+    """torch.profiler's top entries over `--steps` training steps with the defaults' batches."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
