@@ -26,4 +26,3 @@ def test_the_hand_over_gap_is_in_every_row(tmp_path: Path, capsys: pytest.Captur
     assert "30.0 ms of host work at each step's start" in out[0]
     rows = [line.split() for line in out[2:]]
     assert [r[0] for r in rows] == ["none", "numpy"] and all(float(r[1]) >= 30.0 for r in rows)
-
