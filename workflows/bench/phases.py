@@ -94,12 +94,19 @@ def handover_calls() -> Iterator[dict[str, tuple[float, int]]]:
         out.update({k: (1e3 * spent[k] / calls[k], calls[k]) for k in calls})
 
 
+def endless(loader: Any, device: str) -> Generator[tuple[Any, Any], None, None]:
+    """(image, label) on `device`, epoch after epoch of `loader`."""
+    from workflows.bench.train_loop import on_device
+
+    while True:
+        for b in loader:
+            yield on_device(b["image"], device), on_device(b["label"], device)
+
+
 def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any], device: str, steps: int) -> None:
     """Print each loader's phases (`loaders`: name -> a function that builds it), a resident batch's before and
     after each."""
     import torch
-
-    from workflows.bench.train_loop import on_device
 
     sync = torch.cuda.current_stream(device).synchronize if device.startswith("cuda") else (lambda: None)
     print("per step, ms:  all  next (the batch)  synced  the step's launches  synced after")
@@ -107,12 +114,7 @@ def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any
         loader = build()
         loader.wait_feeder()  # the feeder's batches (where it has one), not this process's while it starts
 
-        def batches(loader: Any = loader) -> Generator[tuple[Any, Any], None, None]:
-            while True:
-                for b in loader:
-                    yield on_device(b["image"], device), on_device(b["label"], device)
-
-        feed = batches()
+        feed = endless(loader, device)
         timed_steps(feed, step, sync, max(steps // 2, len(loader)))  # warm: the tier fills, kernels compile
         resident = next(feed)
         same = itertools.repeat(resident)

@@ -71,12 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     return _profiled(a)
 
 
+def _feeder(text: str) -> bool | str:
+    """A --feeder value as PreparedLoader takes it."""
+    return {"True": True, "False": False}.get(text, text)
+
+
 def _first_batch(a: argparse.Namespace) -> int:
     from workflows.bench.first_batch import first_batch
 
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)
-    feeders = [{"True": True, "False": False}.get(f, f) for f in a.feeder or ()]
+    feeders = [_feeder(f) for f in a.feeder or ()]
     return first_batch(cache, lambda: transform_of(pipeline, 0), opts.batch, a.device, a.rows, feeders)
 
 
@@ -117,21 +122,17 @@ def _timeline(a: argparse.Namespace) -> int:
     """`--steps` steps with the loader's batches (in this process, or with `--feeder` from the feeder's), then as
     many on one resident batch: where each step's time goes (`workflows.bench.timeline`)."""
     from loaders.fast.loader import PreparedLoader
+    from workflows.bench.phases import endless
     from workflows.bench.timeline import print_rows, step_times, traced
 
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)
-    feeder = {"True": True, "False": False}.get((a.feeder or ["False"])[0], "auto")
+    feeder = _feeder((a.feeder or ["False"])[0])
     loader = PreparedLoader(cache, transform_of(pipeline, 0), opts.batch, device=a.device, seed=0, feeder=feeder)
     loader.wait_feeder()  # the feeder's batches, not this process's while it starts
     step = make_step(opts, a.device)
 
-    def batches() -> Any:
-        while True:
-            for b in loader:
-                yield on_device(b["image"], a.device), on_device(b["label"], a.device)
-
-    feed = batches()
+    feed = endless(loader, a.device)
     for _ in range(max(a.steps, len(loader))):  # warm: the tier fills, kernels compile
         step(*next(feed))
     resident = next(feed)
