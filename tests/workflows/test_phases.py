@@ -34,7 +34,7 @@ def test_the_hand_over_hooks_are_put_back() -> None:
         assert feeder.Feeder._recv is not before[0] and feeder.loads is not before[3]
         feeder.loads(feeder.dumps(("credit",)))
     assert (feeder.Feeder._recv, feeder.Feeder._unpack, feeder.Feeder._send, feeder.loads) == before
-    assert calls["message KB"][1] == 1 and calls["message KB"][0] > 0
+    assert calls["message KB"][2] == 1 and calls["message KB"][0] > 0 and calls["loads"][2] == 1
 
 
 def test_phases_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,15 +6,17 @@ with batches made in this process, and on one resident batch (the ceiling's step
 Each step runs as the training benchmark runs it: the batch taken (`next`), the training stream synced, the step's
 launches, the stream synced again. A resident row runs before and after each loader's row, because the ceiling's
 step moves within one process. Beside the feeder, the hand-over's own calls in this process are timed too:
-receiving a batch's message (and its size), copying the batch out of the ring, sending the credit back.
+receiving a batch's message (there already, or waited for; its unpickling; its size), copying the batch out of the
+ring.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -55,30 +57,36 @@ def timed_steps(batches: Iterator[tuple[Any, Any]], step: Callable[[Any, Any], A
 
 
 @contextlib.contextmanager
-def handover_calls() -> Iterator[dict[str, tuple[float, int]]]:
-    """The feeder's hand-over calls in this process timed while inside: name -> (ms a call, calls), filled at the
-    end; "message KB" -> (KB a message, messages)."""
+def handover_calls() -> Iterator[dict[str, tuple[float, float, int]]]:
+    """The feeder's hand-over calls in this process timed while inside: name -> (ms a call: mean, median; calls),
+    filled at the end. A message's receipt is told apart by whether the message was there already ("recv, there":
+    the hand-over's own cost) or was waited for ("recv, waited": the child behind); "loads" is its unpickling
+    alone, "message KB" its size (KB: mean, median; messages)."""
     from loaders.fast import feeder
 
-    spent: dict[str, float] = defaultdict(float)
-    calls: Counter[str] = Counter()
-    out: dict[str, tuple[float, int]] = {}
+    samples: dict[str, list[float]] = defaultdict(list)
+    out: dict[str, tuple[float, float, int]] = {}
 
     def timing(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            key = name
+            if name == "recv":
+                key = "recv, there" if self._conn.poll() else "recv, waited"
             t = time.perf_counter()
             try:
-                return f(*args, **kwargs)
+                return f(self, *args, **kwargs)
             finally:
-                spent[name] += time.perf_counter() - t
-                calls[name] += 1
+                samples[key].append(1e3 * (time.perf_counter() - t))
 
         return wrapped
 
     def sized(data: bytes) -> Any:
-        spent["message KB"] += len(data) / 1e6  # MB: a thousand times this a call is KB
-        calls["message KB"] += 1
-        return loads(data)
+        samples["message KB"].append(len(data) / 1e3)
+        t = time.perf_counter()
+        try:
+            return loads(data)
+        finally:
+            samples["loads"].append(1e3 * (time.perf_counter() - t))
 
     loads = feeder.loads
     methods = {name: getattr(feeder.Feeder, name) for name in ("_recv", "_unpack", "_send")}
@@ -91,7 +99,7 @@ def handover_calls() -> Iterator[dict[str, tuple[float, int]]]:
         for name, f in methods.items():
             setattr(feeder.Feeder, name, f)
         feeder.loads = loads  # type: ignore[assignment]
-        out.update({k: (1e3 * spent[k] / calls[k], calls[k]) for k in calls})
+        out.update({k: (statistics.fmean(v), statistics.median(v), len(v)) for k, v in samples.items()})
 
 
 def endless(loader: Any, device: str) -> Generator[tuple[Any, Any], None, None]:
@@ -124,8 +132,8 @@ def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any
         _show(f"{name} (batches made by {loader.feeder_pid or 'this process'})", row)
         _show("resident batch again", timed_steps(same, step, sync, steps))
         if calls:
-            print("  the hand-over's calls here (ms a call, calls): " + ", ".join(
-                f"{k} {v:.3f} ({n})" for k, (v, n) in calls.items()))  # fmt: skip
+            print("  the hand-over's calls here (ms a call: mean/median, calls): " + ", ".join(
+                f"{k} {v:.3f}/{m:.3f} ({n})" for k, (v, m, n) in calls.items()))  # fmt: skip
         feed.close()
         loader.close()
 
