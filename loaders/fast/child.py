@@ -8,7 +8,7 @@ import pickle
 from typing import Any
 
 from loaders.errors import LoaderStateError
-from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, dumps, incoming, loads, outgoing
+from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, Tally, dumps, incoming, loads, outgoing
 from loaders.state import same
 
 __all__ = ["Ring", "serve"]
@@ -108,7 +108,9 @@ def _serve(checkpoint: Any) -> None:
     from loaders.tail import graphs
 
     graphs.in_a_feeder()  # the tail's kernels as CUDA graphs here (loaders.tunables.TAIL_GRAPHS)
-    address, key = os.environ.pop(ENV).rsplit("|", 1)
+    address, key, fd = os.environ.pop(ENV).rsplit("|", 2)
+    tally = Tally(int(fd))
+    os.close(int(fd))
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(key))
 
     def send(*msg: Any) -> None:
@@ -148,7 +150,7 @@ def _serve(checkpoint: Any) -> None:
             if msg[0] == "tier":
                 loader.tier.adopt({item: incoming(tensors) for item, tensors in msg[1].items()})
             if msg[0] == "epoch":
-                ahead = _epoch(loader, conn, send, msg[1], ring, ahead)
+                ahead = _epoch(loader, _Turns(conn, tally, msg[1].credits, ring), send, msg[1], ahead)
     except (EOFError, OSError):
         return  # the parent is gone
     finally:
@@ -194,9 +196,37 @@ class _Ahead:
             loader.cursor.draws.put(self.ask.snap)
 
 
-def _epoch(loader: Any, conn: Any, send: Any, ask: EpochAsk, ring: Ring, ahead: _Ahead | None) -> _Ahead | None:
+class _Turns:
+    """When the child may send its next batch of an epoch: while fewer than `credits` it sent are not yet taken by
+    the parent (the shared tally), unless told to stop. While it may not, it looks for the parent's messages and
+    at the tally in turn, waiting a little longer each time (0.1 ms to 1 ms: a batch ahead of the parent waits
+    while the parent trains; it is noticed within a millisecond of its turn, and its CPU is left alone meanwhile)."""
+
+    def __init__(self, conn: Any, tally: Tally, credits: int, ring: Ring) -> None:
+        self.conn, self.tally, self.credits, self.ring = conn, tally, credits, ring
+        self.base = tally.get()  # taken before this epoch (the parent writes it only while it takes batches)
+        self.sent = 0
+
+    def next(self) -> bool:
+        """True where the batch may go (counted as sent), False where the parent said stop."""
+        wait = 1e-4
+        while True:
+            while self.conn.poll():
+                got = loads(self.conn.recv_bytes())
+                if got[0] == "fences":
+                    self.ring.open_fences(got[1])
+                if got[0] == "stop":
+                    return False
+            if self.sent - (self.tally.get() - self.base) < self.credits:
+                self.sent += 1
+                return True
+            self.conn.poll(wait)
+            wait = min(2 * wait, 1e-3)
+
+
+def _epoch(loader: Any, turns: _Turns, send: Any, ask: EpochAsk, ahead: _Ahead | None) -> _Ahead | None:
     """One epoch as the parent asked (from `ahead` where it is that epoch); returns the next epoch begun."""
-    credits = ask.credits
+    ring = turns.ring
     batches = ahead.take(ask) if ahead is not None else None
     gen = ahead.it if batches is not None and ahead is not None else None
     if batches is None and ahead is not None:
@@ -210,18 +240,8 @@ def _epoch(loader: Any, conn: Any, send: Any, ask: EpochAsk, ring: Ring, ahead: 
             loader.cursor.start_at(ask.skip, ask.snap)
             batches = gen = iter(loader)
         for batch in batches:
-            stopped = False
-            while credits == 0 or conn.poll():
-                got = loads(conn.recv_bytes())
-                credits += got[0] == "credit"
-                stopped = stopped or got[0] == "stop"
-                if got[0] == "fences":
-                    ring.open_fences(got[1])
-                if stopped:
-                    break
-            if stopped:
+            if not turns.next():
                 break
-            credits -= 1
             at, out = ring.pack(batch, send)
             send("batch", BatchSent(at, out, dict(loader.cursor.live.snap)))
         else:

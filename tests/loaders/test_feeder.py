@@ -413,3 +413,31 @@ def test_the_parent_sends_tensors_by_reference_as_the_child_does() -> None:
     got = items[0]["image"]
     assert kind == "tier" and torch.equal(got, t)
     assert got.is_shared() and len(feeder._conn.sent[0]) < t.nbytes // 4  # a handle, not the 256 KiB
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_the_child_makes_at_most_prefetch_batches_beyond_those_taken(made: tuple[Path, Path], device: str) -> None:
+    """The child's credits are the batches the parent has taken (the shared tally): with prefetch=2 and one batch
+    taken, two more are sent and no third until the tally moves; then exactly one."""
+    import time
+
+    from loaders.fast.feeder import loads
+
+    fed = _loader(made, {**OPTIONS, "feeder": True, "batch_size": 1, "device": device})
+    try:
+        fed.wait_feeder()
+        assert len(fed) == 7
+        it = iter(fed)
+        next(it)  # batch 0 taken
+        time.sleep(1.5)  # the child has had time to make more than it may
+        feeder = fed._feeder
+        kinds = []
+        while feeder._conn.poll(0.5):
+            kinds.append(loads(feeder._conn.recv_bytes())[0])
+        assert kinds == ["batch", "batch"]  # batches 1 and 2
+        feeder._tally.set(feeder._taken + 1)  # as if batch 1 were taken
+        assert feeder._conn.poll(10.0) and loads(feeder._conn.recv_bytes())[0] == "batch"  # batch 3
+        assert not feeder._conn.poll(1.0)
+    finally:
+        fed.close()
+    assert fed._feeder._proc.poll() is not None
