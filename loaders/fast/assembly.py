@@ -89,9 +89,14 @@ class BatchAssembly:
         # batched, and for unequal shapes (no folded crop) MONAI per item: one Compose with the user's options
         self.tail, self._ragged_tail = loader_tails(rest, torch.device(self.reader.device), options)
         self.values = Values(self.cache, keys, tail)
+        self._planned = 0  # batches planned so far, every epoch's: each its own staging slots in turn
 
-    def plan(self, items: list[int], k: int) -> BatchPlan:
-        """Draw the folded crop's windows per item, in batch order (as MONAI's per-item tail draws them)."""
+    def plan(self, items: list[int]) -> BatchPlan:
+        """Draw the folded crop's windows per item, in batch order (as MONAI's per-item tail draws them). Plans
+        are made in the order their reads run; each takes the staging slots after the last plan's, across epochs
+        too: a slot is read into again only after the upload of the batch before that filled it was queued (at
+        most `prefetch` + 1 batches are read ahead of the one taken), where an epoch's own batch index would give
+        the next epoch's first reads the slots of this epoch's last batches, still to be uploaded."""
         rows: list[tuple[int, Window | None]] = []
         for item in items:
             if self.fold is None:
@@ -99,7 +104,8 @@ class BatchAssembly:
                 continue
             spatial = next(e.shape[1:] for e in self.reader.entries(item) if e.key == self._spatial_key)
             rows.extend((item, w) for w in self.fold.draw(item, spatial))
-        return BatchPlan(items, rows, slot=len(_READS) * k)
+        slot, self._planned = len(_READS) * self._planned, self._planned + 1
+        return BatchPlan(items, rows, slot=slot)
 
     def fetch(self, plan: BatchPlan) -> BatchPlan:
         """Read what the tier does not hold: whole items (those the tier will take, or all without a folded

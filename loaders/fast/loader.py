@@ -431,7 +431,7 @@ class PreparedLoader(FeederSide):
         """Batch `k`'s plan on the read thread: its crops drawn and its reads done (finished by the tail thread,
         `_finish_next`, or by the training thread)."""
         self._thread_threads()
-        plan = self.assembly.plan([int(i) for i in chunk], k)
+        plan = self.assembly.plan([int(i) for i in chunk])
         plan.early = self.cursor.draws.take(self.cursor.draws.early)
         return self.assembly.fetch(plan)
 

@@ -61,7 +61,7 @@ class BatchMaker:
     def __getitem__(self, key: tuple[int, tuple[int, ...]]) -> dict[str, Any]:
         k, items = key
         assembly = self._built().assembly
-        return assembly.finish(assembly.fetch(assembly.plan(list(items), k)))  # type: ignore[no-any-return]
+        return assembly.finish(assembly.fetch(assembly.plan(list(items))))  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
         return len(self._built().cache)

@@ -101,3 +101,28 @@ def test_only_a_whole_epoch_begins_the_next(made: tuple[Path, Path]) -> None:
     assert left._carry is not None and (left.state_dict()["epoch"], left.state_dict()["batch"]) == (2, 0)
     left.close()
     assert left._carry is None
+
+
+def test_each_batch_planned_takes_the_staging_slots_after_the_last_across_epochs(
+    made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's reads land in pinned staging slots (on a GPU) that are read into again only once their upload
+    was queued. The next epoch begun ahead takes the slots after this epoch's last batch's: numbered by the batch's
+    index within its epoch, its first batch took those of this epoch's batch 0 (and of the batch `prefetch` + 2
+    after it), which were still waiting for their uploads where an epoch has few batches."""
+    from loaders.fast.assembly import _READS, BatchAssembly
+
+    slots: list[int] = []
+    fetch = BatchAssembly.fetch
+
+    def spy(self: BatchAssembly, plan: Any) -> Any:
+        slots.append(plan.slot)
+        return fetch(self, plan)
+
+    monkeypatch.setattr(BatchAssembly, "fetch", spy)
+    loader = _loader(made, {**OPTIONS["tail-thread"], "batch_size": 3})
+    n = len(loader)
+    _epochs(loader, 3)
+    loader.close()
+    assert len(slots) > 3 * n  # the fourth epoch begun ahead too
+    assert slots == [len(_READS) * i for i in range(len(slots))]

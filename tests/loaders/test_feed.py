@@ -173,6 +173,36 @@ def test_gpu_batches_equal_cpu_batches(prepared: tuple[Path, Path]) -> None:
             torch.testing.assert_close(a["label"], b["label"])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail_thread", [True, False], ids=["tail-thread", "tail-in-caller"])
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_gpu_batches_equal_cpu_batches_over_epochs_of_few_batches(
+    prepared: tuple[Path, Path], batch_size: int, tail_thread: bool
+) -> None:
+    """Where an epoch has few batches (5, 2, 1 here), the next epoch's first reads begin while this epoch's last
+    batches still wait for their uploads: each batch reads into staging slots of its own, so every batch of three
+    epochs on the GPU is the CPU loader's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pipeline, cache = prepared
+
+    def epochs(device: str) -> list[dict[str, object]]:
+        loader = PreparedLoader(cache, _transform(pipeline), batch_size, device=device, shuffle=False, gpu_budget=0,
+                                tail_thread=tail_thread, feeder=False)  # fmt: skip
+        loader.set_random_state(5)
+        out = [{k: b[k].cpu() for k in ("image", "label")} for _ in range(3) for b in loader]
+        loader.close()
+        return out
+
+    want, got = epochs("cpu"), epochs("cuda:0")
+    assert len(got) == len(want) > 0
+    for i, (a, b) in enumerate(zip(want, got)):
+        for key in ("image", "label"):
+            torch.testing.assert_close(b[key], a[key], msg=lambda m, i=i, key=key: f"batch {i} {key}: {m}")
+
+
 @pytest.fixture(scope="module")
 def spheres(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three 40^3 volumes through the demo pipeline (resampled: unequal shapes; 2 pos/neg crops per item)."""
@@ -219,7 +249,7 @@ def test_warm_crop_reads_of_a_batch_are_packed_by_key(prepared: tuple[Path, Path
     for shard in (cache / "shards").iterdir():
         shard.read_bytes()  # warm (another test evicts them): warm crops are copied straight into the buffer
     loader = PreparedLoader(cache, _transform(pipeline), batch_size=3, device="cpu")
-    plan = loader.assembly.fetch(loader.assembly.plan([4, 0, 2], 0))
+    plan = loader.assembly.fetch(loader.assembly.plan([4, 0, 2]))
     got = plan.reads["regions"]
     buf, nbytes, places = got.buf, got.nbytes, got.places
     assert [p[:2] for p in places] == [(("row", r), k) for k in ("image", "label") for r in range(3)]

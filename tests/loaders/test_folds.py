@@ -346,7 +346,7 @@ def test_slices_of_volumes_read_only_their_crops_and_run_batched(tmp_path: Path)
     want = _monai_batches(datalist, pipeline, [[0, 1], [2, 3]], 3)
     for g, w in zip(got, want):
         _same(g, w)
-    plan = loader.assembly.fetch(loader.assembly.plan([0, 1], 0))  # (draws: after the comparison)
+    plan = loader.assembly.fetch(loader.assembly.plan([0, 1]))  # (draws: after the comparison)
     assert set(plan.reads) == {"regions"} and len(plan.rows) == 6
     loader.close()
     cache = loader.cache
