@@ -23,7 +23,7 @@ TORCH_PIP_ARGS ?=
 # Into an existing Python whose torch must stay (HPC container): make install-keep-torch PY=/path/to/python
 KEEP_TORCH_ARGS ?= -e .
 
-.PHONY: install install-keep-torch demo test test-all lint typecheck bench cache bmap clean
+.PHONY: install install-keep-torch demo test test-all test-gpu lint typecheck bench cache bmap clean
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ test: install
 # + install, stress, dask-cluster, SLURM, DDP and README/docs-block tests: what .ci/run runs
 test-all: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the tests marked gpu, on a GPU box (elsewhere each skips, naming why); a box whose Python has torch but not the
+# other dependencies runs them as `bash workflows/gpu_kit.sh python -m pytest -m gpu` (the wheels carried in .whl/)
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check prep loaders workflows tests
