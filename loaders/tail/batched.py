@@ -105,6 +105,9 @@ class TailBatch:
     inputs: set[int] = field(default_factory=set)  # storages of the caller's tensors (never written)
     origin: list[int] = field(default_factory=list)  # the input item each current item came from
     groups: list[int] = field(default_factory=list)  # the MONAI item each current item is a sample of
+    # (a device flag, what MONAI raises where it is false): values the host would read mid-tail to raise as MONAI
+    # does, read once after the whole tail (`BatchedTail.run`), so its kernels are not split by a wait
+    checks: list[tuple[Any, BaseException]] = field(default_factory=list)
 
     @classmethod
     def from_batch(cls, batch: Mapping[Any, Any], device: Any = None, groups: Sequence[int] | None = None) -> TailBatch:
@@ -152,7 +155,7 @@ class TailBatch:
                 data[k] = [v[i] for i in rows] if k in self.per_item else v
         origin, groups = [self.origin[i] for i in rows], [self.groups[i] for i in rows]
         return TailBatch(data=data, n=len(rows), per_item=set(self.per_item), inputs=set(), origin=origin,
-                         groups=groups)  # fmt: skip
+                         groups=groups, checks=self.checks)  # fmt: skip
 
     def _own(self, value: Any) -> Any:
         import torch
@@ -431,6 +434,7 @@ class BatchedTail:
                     index += 1
                 if segments is not None:
                     segments.close(tb)
+                _raise_failed(tb.checks)
                 return tb.result(), tb.origin
             except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
                 index = back.index
@@ -459,6 +463,18 @@ class BatchedTail:
         if name not in self._fallbacks:
             self._fallbacks.append(name)
             _log.warning("BatchedTail: %s runs per item through MONAI for this input", name)
+
+
+def _raise_failed(checks: list[tuple[Any, BaseException]]) -> None:
+    """The first check whose flag is false raised (every flag read in one wait, after the tail's work)."""
+    if not checks:
+        return
+    import torch
+
+    ok = torch.stack([torch.as_tensor(flag).reshape(()) for flag, _ in checks]).cpu().tolist()
+    for good, (_, error) in zip(ok, checks):
+        if not good:
+            raise error
 
 
 def _marked(transform: Any) -> Any:

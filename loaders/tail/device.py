@@ -61,6 +61,18 @@ def float_keys(batch: TailBatch, keys: Sequence[Hashable]) -> bool:
     return all(str(batch.data[k].dtype) in ("torch.float32", "torch.float64") for k in keys)
 
 
+def device_spans(batch: TailBatch, keys: Sequence[Hashable]) -> dict[Hashable, list[tuple[Any, Any]]]:
+    """Each key's (min, max) of every item as 0-dim float64 tensors where the batch is: nothing read back."""
+    import torch
+
+    out: dict[Hashable, list[tuple[Any, Any]]] = {}
+    for k in keys:
+        flat = batch.data[k].reshape(batch.n, -1)
+        both = torch.stack([flat.amin(1), flat.amax(1)], 1).to(torch.float64)
+        out[k] = [(both[i, 0], both[i, 1]) for i in range(batch.n)]
+    return out
+
+
 def item_spans(batch: TailBatch, keys: Sequence[Hashable]) -> dict[Hashable, list[tuple[float, float]]]:
     """Each key's (min, max) of every item, read back at once (one host wait a batch, not two an item): what a
     MONAI transform reads of an item to draw or compute on the host."""

@@ -164,10 +164,10 @@ def rand_std_shift_intensity(t: Any, batch: TailBatch) -> bool:
 def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
     """RandCoarseDropoutd: holes drawn per fired item, and filled right after (a random fill draws from the same
     state while filling, so each item's holes and fills come before the next item's holes): where the batch is,
-    with one read a batch (`loaders.tail.dropout`), or by MONAI's own transform for keys neither float32 nor
-    float64."""
-    from loaders.tail.device import float_keys, item_spans
-    from loaders.tail.dropout import filled
+    with no read back (or one a batch where numpy's uniform is not the plain affine map: `loaders.tail.dropout`),
+    or by MONAI's own transform for keys neither float32 nor float64."""
+    from loaders.tail.device import device_spans, float_keys, item_spans
+    from loaders.tail.dropout import filled, uniform_is_affine
 
     keys, inner = ready(t, batch), _inner(t, "dropper")
     if keys is None or inner is None:
@@ -182,9 +182,10 @@ def rand_coarse_dropout(t: Any, batch: TailBatch) -> bool:
     def draw(i: int) -> dict[str, Any]:
         inner.randomize(tuple(batch.data[keys[0]].shape[2:]))
         if here and inner.fill_value is None and not spans:
-            spans.update(item_spans(batch, keys))
+            spans.update(device_spans(batch, keys) if uniform_is_affine() else item_spans(batch, keys))
         if here:
-            done[i] = {k: filled(inner, row_of(batch, k, i), spans[k][i] if spans else None) for k in keys}
+            done[i] = {k: filled(inner, row_of(batch, k, i), spans[k][i] if spans else None, batch.checks)
+                       for k in keys}  # fmt: skip
         else:
             done[i] = {k: inner(row_of(batch, k, i), randomize=False) for k in keys}
         return {}

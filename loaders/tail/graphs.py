@@ -250,6 +250,7 @@ def _fields_copy(fields: dict[str, Any]) -> dict[str, Any]:
     for name in ("data", "per_item", "inputs", "origin", "groups"):
         out[name] = type(fields[name])(fields[name])
     out["items"] = None if fields["items"] is None else [dict(d) for d in fields["items"]]
+    out["checks"] = list(fields["checks"])
     return out
 
 

@@ -169,17 +169,42 @@ def test_sharpening_reads_no_sigma_back_and_equals_monai(monkeypatch: Any) -> No
     assert_same(got, reference(chain, batch, 4), keys=("image",))
 
 
+@pytest.mark.parametrize("affine", [True, False], ids=["no-read", "one-read"])
 @pytest.mark.parametrize("name", ["dropout_image", "dropout_fill", "dropout_keep", "dropout_keep_range"])
-def test_dropout_fills_float_items_where_they_are(name: str, monkeypatch: Any) -> None:
+def test_dropout_fills_float_items_where_they_are(name: str, affine: bool, monkeypatch: Any) -> None:
     """Float keys: the holes filled without MONAI's round trip through numpy (its own transform is not called),
-    the numbers MONAI's; the batch's min and max read once, and only for a random fill."""
+    the numbers MONAI's. A random fill computed from the items' min and max where they are, nothing read back
+    (where numpy's uniform is the plain affine map); otherwise the batch's min and max read once."""
+    from loaders.tail import dropout
+
+    if affine and not dropout.uniform_is_affine():
+        pytest.skip("this numpy's uniform is not lo + (hi - lo) * u rounded apart (a fused multiply-add build)")
+    monkeypatch.setattr(dropout, "uniform_is_affine", lambda: affine)
     chain = CHAINS[name]
     batch = make_batch(n=6)
     reads = _counted_spans(monkeypatch)
     got, tail = _without_monais(monkeypatch, mt.RandCoarseDropout, chain, batch, 2)
-    assert tail.fallbacks == [] and len(reads) == (chain[0].dropper.fill_value is None)
+    assert tail.fallbacks == [] and len(reads) == (chain[0].dropper.fill_value is None and not affine)
     assert_same(got, reference(chain, batch, 2), keys=("image",))
     assert not torch.equal(got["image"], batch["image"])  # some item was dropped out
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["no-read", "one-read"])
+@pytest.mark.parametrize("holes", [True, False], ids=["holes-filled", "holes-kept"])
+def test_dropout_refuses_a_range_that_is_not_finite_as_numpy_does(affine: bool, holes: bool, monkeypatch: Any) -> None:
+    """An item holding inf: numpy's uniform refuses its range in MONAI's transform, and the batched tail raises
+    the same error (read once, after the tail's work, where nothing is read mid-tail)."""
+    from loaders.tail import dropout
+
+    monkeypatch.setattr(dropout, "uniform_is_affine", lambda: affine)
+    chain = [mt.RandCoarseDropoutd("image", prob=1.0, holes=2, spatial_size=3, dropout_holes=holes)]
+    batch = make_batch(n=4)
+    batch["image"][2, 0, 1, 1, 1] = float("inf")
+    with pytest.raises(RuntimeError) as monais:  # Compose wraps the transform's error
+        reference(chain, batch, 2)
+    assert isinstance(monais.value.__cause__, OverflowError) and str(monais.value.__cause__) == dropout.RANGE_ERROR
+    with pytest.raises(OverflowError, match=dropout.RANGE_ERROR):
+        batched(chain, batch, 2)
 
 
 def test_dropout_reads_no_range_when_no_item_fires(monkeypatch: Any) -> None:
