@@ -1,0 +1,205 @@
+"""The most any loader could make of a workload's chain on this GPU: the training step beside that chain's own
+GPU work, with no host work for it at all.
+
+    python -m workflows.bench.tail_bound --workload seg-elastic --device cuda:0
+
+The workload's tail (its random transforms after the crop, batched) runs on `--batches` batches with its batched
+transforms captured as CUDA graphs, as the feeder's child captures them; each batch's graphs are kept. Then the
+compute-only ceiling's step (one resident batch, synced before and after, as the training benchmark times it) is
+timed: alone (first and last); beside one batch's graphs replayed at each step's start on a side stream of the
+training process (one context: the tail's kernels may run beside the training's, its Python costs nothing, so no
+loader that runs this tail on this GPU can do better); beside the same replayed by a second process, told at each
+step's start (a context of its own, as the feeder's child: the bound of a feeder whose whole batch is one graph);
+and the graphs replayed alone, synced (their GPU time a batch). Kernels the tail launches uncaptured (a transform
+run item by item through MONAI) are not in the graphs: the printed count of graphs a batch says how much was.
+
+The graphs are replayed on the inputs they were captured on, held for the run; the numbers they make are not
+used. Printed: ms a step, x the step alone (the bound of the x-ceiling ratio the training benchmark prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass
+class Captured:
+    """One batch's tail as captured: its graphs, and what they read (held: a replay reads them again)."""
+
+    graphs: list[Any]
+    held: list[Any]
+
+    def replay(self, stream: Any) -> None:
+        import torch
+
+        with torch.cuda.stream(stream):
+            for graph in self.graphs:
+                graph.replay()
+
+
+def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batches: int) -> tuple[list[Captured], Any]:
+    """`batches` batches of the chain's tail captured (those with a graph), and the loader (kept open: its device
+    tier holds inputs the graphs read)."""
+    import torch
+
+    from loaders import tunables
+    from loaders.fast.loader import PreparedLoader
+    from loaders.tail import batched, graphs
+    from workflows.bench.train_loop import transform_of
+
+    tunables.TAIL_GRAPHS = True
+    graphs.in_a_feeder()  # an empty segment's warning silenced, as in the child
+    now = Captured([], [])
+    launch, run = graphs.Segments._launch, batched.BatchedTail.run
+
+    def kept_launch(self: Any) -> None:
+        launch(self)
+        graph, keep = self.graphs.inflight[-1][1]
+        now.graphs.append(graph)
+        now.held.append(keep)  # the host tensors its copies read
+
+    def kept_run(self: Any, batch: Any, groups: Any = None) -> Any:
+        now.held.append(dict(batch))  # the tail's inputs: a replay reads them (and writes only in its pool)
+        return run(self, batch, groups)
+
+    graphs.Segments._launch = kept_launch  # type: ignore[method-assign]
+    batched.BatchedTail.run = kept_run  # type: ignore[method-assign]
+    side = torch.cuda.Stream(device=device)
+    loader = PreparedLoader(cache, transform_of(pipeline, 0), batch, device=device, seed=0, feeder=False,
+                            tail_thread=False)  # fmt: skip
+    out: list[Captured] = []
+    try:
+        with torch.cuda.stream(side):  # the tail on a side stream (the legacy default stream cannot capture)
+            for _ in range(batches):
+                for got in loader:
+                    side.synchronize()
+                    now.held.append(got)
+                    if now.graphs:
+                        out.append(now)
+                    now = Captured([], [])
+                    if len(out) == batches:
+                        break
+                if len(out) == batches:
+                    break
+    finally:
+        graphs.Segments._launch = launch  # type: ignore[method-assign]
+        batched.BatchedTail.run = run  # type: ignore[method-assign]
+    return out, loader
+
+
+def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any) -> None:
+    """The second process: the tail's graphs captured in its own context, one batch's replayed at each `go`."""
+    import torch
+
+    cache, pipeline, batch, device, batches = spec
+    torch.cuda.set_device(device)
+    kept, loader = captured_batches(cache, pipeline, batch, device, batches)
+    stream = torch.cuda.Stream(device=device)
+    ready.set()
+    k = 0
+    while not stop.is_set():
+        if go.wait(0.1):
+            go.clear()
+            kept[k % len(kept)].replay(stream)
+            k += 1
+            stream.synchronize()
+    loader.close()
+
+
+def beside_second_process(spec: tuple[Any, ...], step: Callable[[], Any], sync: Callable[[], None], n: int) -> float:
+    import multiprocessing as mp
+
+    from workflows.bench.interference import timed_steps
+
+    ctx = mp.get_context("spawn")
+    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_process_loop, args=(spec, ready, stop, go), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(300):
+            raise RuntimeError("the second process did not capture its tail")
+        return timed_steps(step, sync, n, go.set)
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from workflows.bench.interference import timed_steps
+    from workflows.bench.profile_train import _options
+    from workflows.bench.train import DEFAULTS
+    from workflows.bench.train_loop import build_data, make_step, on_device
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="seg-elastic", choices=sorted(DEFAULTS))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batches", type=int, default=12, help="batches captured (replayed in turn)")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--work", type=Path, default=Path("bench_out/work"))
+    parser.add_argument("--count", type=int, default=None)
+    parser.add_argument("--size", type=int, default=None)
+    parser.add_argument("--crop", type=int, default=None)
+    parser.add_argument("--no-process", action="store_true", help="leave out the second process's row")
+    a = parser.parse_args(argv)
+    if not a.device.startswith("cuda"):
+        print("tail_bound: CUDA graphs need a GPU; pass --device cuda:N on a GPU box")
+        return 2
+    import torch
+
+    opts = _options(a)
+    _, pipeline, cache = build_data(opts, a.work)
+    kept, loader = captured_batches(cache, pipeline, opts.batch, a.device, a.batches)
+    if not kept:
+        print(f"tail_bound: {a.workload}'s tail captured no graph (nothing batched on the GPU)")
+        return 1
+    b = kept[0].held[-1]
+    # the step's own copy: a replay writes where the graphs' outputs were
+    image, label = on_device(b["image"], a.device).clone(), on_device(b["label"], a.device).clone()
+    train = make_step(opts, a.device)
+    sync: Callable[[], Any] = torch.cuda.current_stream(a.device).synchronize
+    side = torch.cuda.Stream(device=a.device)
+    turn = [0]
+
+    def beside_tail() -> None:
+        kept[turn[0] % len(kept)].replay(side)
+        turn[0] += 1
+
+    def alone_graphs() -> None:
+        beside_tail()
+        side.synchronize()
+
+    def step() -> None:
+        train(image, label)
+
+    def full_sync() -> None:
+        sync()
+        side.synchronize()
+
+    timed_steps(step, full_sync, max(4, a.steps // 4), beside_tail)  # warm
+    rows = [("alone, first", timed_steps(step, sync, a.steps))]
+    rows.append(("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail)))
+    if not a.no_process:
+        spec = (cache, pipeline, opts.batch, a.device, a.batches)
+        rows.append(("tail graphs, 2nd process", beside_second_process(spec, step, sync, a.steps)))
+    rows.append(("alone, last", timed_steps(step, sync, a.steps)))
+    tail_ms = timed_steps(alone_graphs, full_sync, a.steps)
+    loader.close()
+    alone = min(ms for name, ms in rows if name.startswith("alone"))
+    graphs_a_batch = sum(len(k.graphs) for k in kept) / len(kept)
+    print(f"{a.workload}: the training step on one resident batch beside its tail's own GPU work, {a.steps} steps a "
+          f"row, {a.device}; {len(kept)} batches captured, {graphs_a_batch:.1f} graphs a batch, "
+          f"{tail_ms:.2f} ms a batch's graphs alone")  # fmt: skip
+    print(f"{'beside it':<28} {'ms a step':>10} {'x alone':>8} {'bound':>6}")
+    for name, ms in rows:
+        print(f"{name:<28} {ms:>10.2f} {ms / alone:>8.2f} {alone / ms:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
