@@ -29,5 +29,5 @@ def test_a_row_per_way_with_the_tails_graphs(workload: str, tmp_path: Path, caps
     assert "3 batches captured" in out[0]
     rows = [line.rsplit(maxsplit=3) for line in out[2:]]
     assert [r[0] for r in rows] == ["alone, first", "tail graphs, this process", "tail graphs, 2nd process",
-                                    "alone, last"]  # fmt: skip
+                                    "batches made, 2nd process", "alone, last"]  # fmt: skip
     assert all(float(r[1]) > 0 for r in rows)

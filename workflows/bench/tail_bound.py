@@ -10,8 +10,10 @@ timed: alone (first and last); beside one batch's graphs replayed at each step's
 training process (one context: the tail's kernels may run beside the training's, its Python costs nothing, so no
 loader that runs this tail on this GPU can do better); beside the same replayed by a second process, told at each
 step's start (a context of its own, as the feeder's child: the bound of a feeder whose whole batch is one graph);
-and the graphs replayed alone, synced (their GPU time a batch). Kernels the tail launches uncaptured (a transform
-run item by item through MONAI) are not in the graphs: the printed count of graphs a batch says how much was.
+beside the second process making a whole batch at each step's start as the feeder's child does (its reads,
+assembly and tail captured anew and launched; no hand-over); and the graphs replayed alone, synced (their GPU
+time a batch). Kernels the tail launches uncaptured (a transform run item by item through MONAI) are not in the
+graphs: the printed count of graphs a batch says how much was.
 
 The graphs are replayed on the inputs they were captured on, held for the run; the numbers they make are not
 used. Printed: ms a step, x the step alone (the bound of the x-ceiling ratio the training benchmark prints).
@@ -92,19 +94,28 @@ def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batch
 
 
 def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any) -> None:
-    """The second process: the tail's graphs captured in its own context, one batch's replayed at each `go`."""
+    """The second process, at each `go`: one batch's graphs replayed (mode "replay", captured in this process's
+    context first), or the loader's next batch made ("make": its reads, assembly and tail captured anew and
+    launched, as the feeder's child makes a batch, without the hand-over)."""
     import torch
 
-    cache, pipeline, batch, device, batches = spec
+    cache, pipeline, batch, device, batches, mode = spec
     torch.cuda.set_device(device)
     kept, loader = captured_batches(cache, pipeline, batch, device, batches)
     stream = torch.cuda.Stream(device=device)
+    it: Any = iter(())
     ready.set()
     k = 0
     while not stop.is_set():
         if go.wait(0.1):
             go.clear()
-            kept[k % len(kept)].replay(stream)
+            if mode == "replay":
+                kept[k % len(kept)].replay(stream)
+            else:
+                with torch.cuda.stream(stream):
+                    if next(it, None) is None:
+                        it = iter(loader)
+                        next(it)
             k += 1
             stream.synchronize()
     loader.close()
@@ -186,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail)))
     if not a.no_process:
         spec = (cache, pipeline, opts.batch, a.device, a.batches)
-        rows.append(("tail graphs, 2nd process", beside_second_process(spec, step, sync, a.steps)))
+        rows.append(("tail graphs, 2nd process", beside_second_process((*spec, "replay"), step, sync, a.steps)))
+        rows.append(("batches made, 2nd process", beside_second_process((*spec, "make"), step, sync, a.steps)))
     rows.append(("alone, last", timed_steps(step, sync, a.steps)))
     tail_ms = timed_steps(alone_graphs, full_sync, a.steps)
     loader.close()
