@@ -16,7 +16,8 @@ time a batch). Kernels the tail launches uncaptured (a transform run item by ite
 graphs: the printed count of graphs a batch says how much was.
 
 The graphs are replayed on the inputs they were captured on, held for the run; the numbers they make are not
-used. Printed: ms a step, x the step alone (the bound of the x-ceiling ratio the training benchmark prints).
+used. Printed, row by row as measured: ms a step, x the first step alone, and its inverse (the bound of the x-ceiling
+ratio the training benchmark prints).
 """
 
 from __future__ import annotations
@@ -193,23 +194,24 @@ def main(argv: list[str] | None = None) -> int:
         side.synchronize()
 
     timed_steps(step, full_sync, max(4, a.steps // 4), beside_tail)  # warm
-    rows = [("alone, first", timed_steps(step, sync, a.steps))]
-    rows.append(("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail)))
-    if not a.no_process:
-        spec = (cache, pipeline, opts.batch, a.device, a.batches)
-        rows.append(("tail graphs, 2nd process", beside_second_process((*spec, "replay"), step, sync, a.steps)))
-        rows.append(("batches made, 2nd process", beside_second_process((*spec, "make"), step, sync, a.steps)))
-    rows.append(("alone, last", timed_steps(step, sync, a.steps)))
-    tail_ms = timed_steps(alone_graphs, full_sync, a.steps)
-    loader.close()
-    alone = min(ms for name, ms in rows if name.startswith("alone"))
     graphs_a_batch = sum(len(k.graphs) for k in kept) / len(kept)
     print(f"{a.workload}: the training step on one resident batch beside its tail's own GPU work, {a.steps} steps a "
-          f"row, {a.device}; {len(kept)} batches captured, {graphs_a_batch:.1f} graphs a batch, "
-          f"{tail_ms:.2f} ms a batch's graphs alone")  # fmt: skip
-    print(f"{'beside it':<28} {'ms a step':>10} {'x alone':>8} {'bound':>6}")
-    for name, ms in rows:
-        print(f"{name:<28} {ms:>10.2f} {ms / alone:>8.2f} {alone / ms:>6.2f}")
+          f"row, {a.device}; {len(kept)} batches captured, {graphs_a_batch:.1f} graphs a batch")  # fmt: skip
+    print(f"{'beside it':<28} {'ms a step':>10} {'x alone':>8} {'bound':>6}", flush=True)
+    alone = timed_steps(step, sync, a.steps)
+
+    def row(name: str, ms: float) -> None:  # printed as measured: a run cut short keeps its rows
+        print(f"{name:<28} {ms:>10.2f} {ms / alone:>8.2f} {alone / ms:>6.2f}", flush=True)
+
+    row("alone, first", alone)
+    row("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail))
+    if not a.no_process:
+        spec = (cache, pipeline, opts.batch, a.device, a.batches)
+        row("tail graphs, 2nd process", beside_second_process((*spec, "replay"), step, sync, a.steps))
+        row("batches made, 2nd process", beside_second_process((*spec, "make"), step, sync, a.steps))
+    row("alone, last", timed_steps(step, sync, a.steps))
+    print(f"a batch's graphs alone, synced: {timed_steps(alone_graphs, full_sync, a.steps):.2f} ms")
+    loader.close()
     return 0
 
 
