@@ -26,3 +26,11 @@ def test_the_hand_over_gap_is_in_every_row(tmp_path: Path, capsys: pytest.Captur
     assert "30.0 ms of host work at each step's start" in out[0]
     rows = [line.split() for line in out[2:]]
     assert [r[0] for r in rows] == ["none", "numpy"] and all(float(r[1]) >= 30.0 for r in rows)
+
+
+def test_a_busy_process_beside_the_step_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "mednist", "--count", "8", "--size", "32", "--steps", "2", "--device", "cpu",
+            "--work", str(tmp_path), "--processes", "--kinds", "none,process-busy"]  # fmt: skip
+    assert interference.main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["none", "process-busy"] and all(float(r[1]) > 0 for r in rows)

@@ -12,7 +12,9 @@ small host tensor copied to the device from pageable memory (as `torch.tensor(..
 or every 25 ms 200 small kernels, one by one with host work between (or with the host waiting for them 17 times
 in the 200, as a tail that reads values back; or launched back to back, no host work between), or the same as
 one CUDA graph; or that graph replayed at each step's start, when the training process says so (as a feeder
-would launch a batch's work when the training takes a batch, the training's GPU idle then). `--handover-ms X`
+would launch a batch's work when the training takes a batch, the training's GPU idle then); or a process that
+touches no GPU and keeps one core busy with Python (`process-busy`, on the CPU too: what another busy core of the
+box costs a step bound by one core, its clock or its caches, without any GPU work). `--handover-ms X`
 adds X ms of host work at each step's start, every row alike (taking a batch from a feeder: 0.8 ms on an H200).
 Printed: ms a step, x the step alone, and the thread's loops a second.
 """
@@ -33,6 +35,7 @@ WORK = ("none", "python", "numpy", "kernels", "kernels-stream-sync", "kernels-re
 # (as a tail that reads values back does: a `float()`, an `.item()`, a copy to numpy); the kernels launched one by
 # one with no host work between (a burst of launches, no graph); the graph replayed at each step's start, when told
 PROCESS_WORK = (
+    "process-busy",
     "process-idle",
     "process-gapped",
     "process-waits",
@@ -52,6 +55,11 @@ def _busy(seconds: float) -> None:
 
 def _process_loop(kind: str, device: str, ready: Any, stop: Any, go: Any) -> None:
     """The second process: `kind`'s work once a period until `stop` (at each `go`, for process-graph-at-steps)."""
+    if kind == "process-busy":  # no CUDA context: one core kept busy, nothing else
+        ready.set()
+        while not stop.is_set():
+            sum(i * i for i in range(20_000))
+        return
     import torch
 
     torch.cuda.set_device(device)
@@ -236,9 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         ms, rate = beside(kind, lambda: train(image, label), sync, a.steps, a.device, handover)
         print(f"{kind:<22} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
-    for kind in [k for k in asked if k in PROCESS_WORK and cuda]:
+    for kind in [k for k in asked if k in PROCESS_WORK and (cuda or k == "process-busy")]:
         ms = beside_process(kind, lambda: train(image, label), sync, a.steps, a.device, handover)
-        rate = 1e3 / ms if kind == "process-graph-at-steps" else 1 / PERIOD_S
+        rate = (
+            1e3 / ms
+            if kind == "process-graph-at-steps"
+            else 0.0
+            if kind in ("process-busy", "process-idle")
+            else 1 / PERIOD_S
+        )
         print(f"{kind:<22} {ms:>10.2f} {ms / alone:>8.2f} {rate:>10.0f}")
     return 0
 
