@@ -3,21 +3,25 @@ GPU work, with no host work for it at all.
 
     python -m workflows.bench.tail_bound --workload seg-elastic --device cuda:0
 
-The workload's tail (its random transforms after the crop, batched) runs on `--batches` batches with its batched
-transforms captured as CUDA graphs, as the feeder's child captures them; each batch's graphs are kept. Then the
+The workload's tail (its random transforms after the crop, batched) runs on `--batches` batches, its batched
+transforms captured as CUDA graphs as the feeder's child captures them; each batch's graphs are kept. Then the
 compute-only ceiling's step (one resident batch, synced before and after, as the training benchmark times it) is
-timed: alone (first and last); beside one batch's graphs replayed at each step's start on a side stream of the
-training process (one context: the tail's kernels may run beside the training's, its Python costs nothing, so no
-loader that runs this tail on this GPU can do better); beside the same replayed by a second process, told at each
-step's start (a context of its own, as the feeder's child: the bound of a feeder whose whole batch is one graph);
-beside the second process making a whole batch at each step's start as the feeder's child does (its reads,
-assembly and tail captured anew and launched; no hand-over); and the graphs replayed alone, synced (their GPU
-time a batch). Kernels the tail launches uncaptured (a transform run item by item through MONAI) are not in the
-graphs: the printed count of graphs a batch says how much was.
-
-The graphs are replayed on the inputs they were captured on, held for the run; the numbers they make are not
-used. Printed, row by row as measured: ms a step, x the first step alone, and its inverse (the bound of the x-ceiling
-ratio the training benchmark prints).
+timed, row by row:
+- alone, first and last;
+- beside one batch's graphs replayed at each step's start on a side stream of the training process (one context:
+  the tail's kernels may run beside the training's and its Python costs nothing, so no loader that runs this tail
+  on this GPU can do better);
+- beside the same replayed by a second process, told at each step's start (a context of its own, as the feeder's
+  child: the bound of a feeder whose whole batch is one graph);
+- beside the second process making a whole batch at each step's start as the child does (its reads, assembly and
+  tail captured anew and launched; no hand-over), then the same with the tail's kernels launched one by one. These
+  rows note the GPU memory segments the process's allocator asked the driver for and gave back meanwhile (each a
+  change of the GPU's mappings);
+- then the graphs replayed alone, synced: their GPU time a batch.
+Kernels the tail launches uncaptured (a transform run item by item through MONAI) are not in the graphs: the
+printed count of graphs a batch says how much was. The graphs are replayed on the inputs they were captured on,
+held for the run; the numbers they make are not used. Printed as measured: ms a step, x the first step alone, and
+its inverse (the bound of the x-ceiling ratio the training benchmark prints).
 """
 
 from __future__ import annotations
@@ -94,17 +98,24 @@ def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batch
     return out, loader
 
 
-def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any) -> None:
+def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: Any) -> None:
     """The second process, at each `go`: one batch's graphs replayed (mode "replay", captured in this process's
     context first), or the loader's next batch made ("make": its reads, assembly and tail captured anew and
-    launched, as the feeder's child makes a batch, without the hand-over)."""
+    launched, as the feeder's child makes a batch, without the hand-over; "make-uncaptured": the same with the
+    tail's kernels launched one by one). Said at the end: the batches it made or replayed, and the GPU memory
+    segments its allocator asked the driver for and gave back meanwhile."""
     import torch
+
+    from loaders import tunables
 
     cache, pipeline, batch, device, batches, mode = spec
     torch.cuda.set_device(device)
     kept, loader = captured_batches(cache, pipeline, batch, device, batches)
+    tunables.TAIL_GRAPHS = mode != "make-uncaptured"
     stream = torch.cuda.Stream(device=device)
     it: Any = iter(())
+    stats = torch.cuda.memory_stats(device)
+    before = (stats.get("segment.all.allocated", 0), stats.get("segment.all.freed", 0))
     ready.set()
     k = 0
     while not stop.is_set():
@@ -119,22 +130,34 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any) -> None
                         next(it)
             k += 1
             stream.synchronize()
+    stats = torch.cuda.memory_stats(device)
+    said.put((k, stats.get("segment.all.allocated", 0) - before[0], stats.get("segment.all.freed", 0) - before[1]))
     loader.close()
 
 
-def beside_second_process(spec: tuple[Any, ...], step: Callable[[], Any], sync: Callable[[], None], n: int) -> float:
+def beside_second_process(spec: tuple[Any, ...], step: Callable[[], Any], sync: Callable[[], None],
+                          n: int) -> tuple[float, str]:  # fmt: skip
+    """(ms a step beside the second process in `spec`'s mode, what the process said of its run)."""
     import multiprocessing as mp
+    import queue
 
     from workflows.bench.interference import timed_steps
 
     ctx = mp.get_context("spawn")
-    ready, stop, go = ctx.Event(), ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_process_loop, args=(spec, ready, stop, go), daemon=True)
+    ready, stop, go, said = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_process_loop, args=(spec, ready, stop, go, said), daemon=True)
     proc.start()
     try:
         if not ready.wait(300):
             raise RuntimeError("the second process did not capture its tail")
-        return timed_steps(step, sync, n, go.set)
+        ms = timed_steps(step, sync, n, go.set)
+        stop.set()
+        try:
+            k, allocated, freed = said.get(timeout=60)
+            note = f"{k} batches; GPU memory segments allocated {allocated}, freed {freed}"
+        except queue.Empty:
+            note = "the process said nothing"
+        return ms, note
     finally:
         stop.set()
         proc.join(30)
@@ -197,18 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     graphs_a_batch = sum(len(k.graphs) for k in kept) / len(kept)
     print(f"{a.workload}: the training step on one resident batch beside its tail's own GPU work, {a.steps} steps a "
           f"row, {a.device}; {len(kept)} batches captured, {graphs_a_batch:.1f} graphs a batch")  # fmt: skip
-    print(f"{'beside it':<28} {'ms a step':>10} {'x alone':>8} {'bound':>6}", flush=True)
+    print(f"{'beside it':<28} {'ms a step':>10} {'x alone':>8} {'bound':>6}  note", flush=True)
     alone = timed_steps(step, sync, a.steps)
 
-    def row(name: str, ms: float) -> None:  # printed as measured: a run cut short keeps its rows
-        print(f"{name:<28} {ms:>10.2f} {ms / alone:>8.2f} {alone / ms:>6.2f}", flush=True)
+    def row(name: str, ms: float, note: str = "") -> None:  # printed as measured: a run cut short keeps its rows
+        print(f"{name:<28} {ms:>10.2f} {ms / alone:>8.2f} {alone / ms:>6.2f}  {note}".rstrip(), flush=True)
 
     row("alone, first", alone)
     row("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail))
     if not a.no_process:
         spec = (cache, pipeline, opts.batch, a.device, a.batches)
-        row("tail graphs, 2nd process", beside_second_process((*spec, "replay"), step, sync, a.steps))
-        row("batches made, 2nd process", beside_second_process((*spec, "make"), step, sync, a.steps))
+        row("tail graphs, 2nd process", *beside_second_process((*spec, "replay"), step, sync, a.steps))
+        row("batches made, 2nd process", *beside_second_process((*spec, "make"), step, sync, a.steps))
+        row("made, uncaptured, 2nd", *beside_second_process((*spec, "make-uncaptured"), step, sync, a.steps))
     row("alone, last", timed_steps(step, sync, a.steps))
     print(f"a batch's graphs alone, synced: {timed_steps(alone_graphs, full_sync, a.steps):.2f} ms")
     loader.close()
