@@ -46,3 +46,5 @@ def test_phases_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert fed and "this process" not in fed[0]  # the feeder's batches, waited for
     assert "feeder=False (batches made by this process)" in out
     assert out.count("resident batch again") == 2 and "the hand-over's calls here" in out
+    said = [line.split() for line in out.splitlines() if "random states a batch:" in line]
+    assert said and int(said[0][4].rstrip(",")) >= 1  # mednist's random transforms, their states with each batch

@@ -134,8 +134,18 @@ def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any
         if calls:
             print("  the hand-over's calls here (ms a call: mean/median, calls): " + ", ".join(
                 f"{k} {v:.3f}/{m:.3f} ({n})" for k, (v, m, n) in calls.items()))  # fmt: skip
+            print(f"  {_states_said(loader)}")
         feed.close()
         loader.close()
+
+
+def _states_said(loader: Any) -> str:
+    """How the batches' random states came: read in place as raw bytes, or as numpy's `get_state()` tuples (where
+    this numpy's layout was not the expected one: slower to take, and to send in each batch's message)."""
+    live = getattr(loader.cursor, "live", None)
+    snap = live.snap if live is not None else {}
+    raw = sum(isinstance(v, bytes) for v in snap.values())
+    return f"random states a batch: {len(snap)}, of them read in place as raw bytes: {raw}"
 
 
 def _show(name: str, p: Phases) -> None:
