@@ -65,10 +65,12 @@ def _on_device(inner: Any, fill: Any, like: Any, checks: list[Any] | None) -> An
 
     lo, hi = fill
     width = hi - lo
+    checked: list[bool] = []  # the range's check added once, where numpy's first uniform would make it
 
     def uniform(size: tuple[int, ...]) -> Any:
-        if checks is not None:
+        if checks is not None and not checked:
             checks.append((torch.isfinite(width), OverflowError(RANGE_ERROR)))
+            checked.append(True)
         return _up(inner.R.random_sample(size), like).mul(width).add_(lo)
 
     return uniform
