@@ -48,18 +48,27 @@ class Captured:
                 graph.replay()
 
 
+def feeder_like(cache: Path, pipeline: Path, batch: int, device: str) -> Any:
+    """The workload's loader making its batches in this process as the feeder's child makes them: the tail's
+    batched transforms captured as CUDA graphs, on the caller's stream (no tail thread)."""
+    from loaders import tunables
+    from loaders.fast.loader import PreparedLoader
+    from loaders.tail import graphs
+    from workflows.bench.train_loop import transform_of
+
+    tunables.TAIL_GRAPHS = True
+    graphs.in_a_feeder()  # an empty segment's warning silenced, as in the child
+    return PreparedLoader(cache, transform_of(pipeline, 0), batch, device=device, seed=0, feeder=False,
+                          tail_thread=False)  # fmt: skip
+
+
 def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batches: int) -> tuple[list[Captured], Any]:
     """`batches` batches of the chain's tail captured (those with a graph), and the loader (kept open: its device
     tier holds inputs the graphs read)."""
     import torch
 
-    from loaders import tunables
-    from loaders.fast.loader import PreparedLoader
     from loaders.tail import batched, graphs
-    from workflows.bench.train_loop import transform_of
 
-    tunables.TAIL_GRAPHS = True
-    graphs.in_a_feeder()  # an empty segment's warning silenced, as in the child
     now = Captured([], [])
     launch, run = graphs.Segments._launch, batched.BatchedTail.run
 
@@ -76,8 +85,7 @@ def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batch
     graphs.Segments._launch = kept_launch  # type: ignore[method-assign]
     batched.BatchedTail.run = kept_run  # type: ignore[method-assign]
     side = torch.cuda.Stream(device=device)
-    loader = PreparedLoader(cache, transform_of(pipeline, 0), batch, device=device, seed=0, feeder=False,
-                            tail_thread=False)  # fmt: skip
+    loader = feeder_like(cache, pipeline, batch, device)
     out: list[Captured] = []
     try:
         with torch.cuda.stream(side):  # the tail on a side stream (the legacy default stream cannot capture)
