@@ -148,8 +148,7 @@ class BatchAssembly:
                 continue
             for tag, tensors in by_tag.items():  # tag: the item (whole reads) or ("row", r) (crops)
                 got.setdefault(("pass", tag) if what == "pass" else tag, {}).update(tensors)
-        for item in plan.admit:
-            self.tier.admit(item, got[item], self.reader.nbytes(item))
+        self.tier.admit_all({item: got[item] for item in plan.admit}, {i: self.reader.nbytes(i) for i in plan.admit})
         if batch is None:
             batch = self._assemble(plan, got)
         elif self.pass_keys:

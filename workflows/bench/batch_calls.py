@@ -7,22 +7,27 @@ The workload's loader makes its batches in this process as the child does (`tail
 batched transforms captured as CUDA graphs), `--warm` batches first (past the first epoch, so that the device tier
 is full and no item is admitted), then `--batches` under `torch.profiler`. Printed per batch: the runtime calls by
 name (those made while a graph is captured included: a kernel launched then is recorded into the graph, not run),
-then the GPU's kernels, copies and fills by name (a graph's kernels included), then the first calls in the order they
-came. A second CUDA context takes turns with the training's on the GPU, so what arrives from the child one by one,
-outside a graph, is what its making costs the training beyond the GPU time itself (docs/benchmarks.md).
+then the GPU's kernels, copies and fills by name (a graph's kernels included), then the arrivals: each graph launched,
+and each kernel, copy or fill launched on its own ("loose", named by the op that launched it; a GPU event is tied to
+its launch by the trace's correlation id). A second CUDA context takes turns with the training's on the GPU, so what
+arrives from the child one by one is what its making costs the training beyond the GPU time itself
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import warnings
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
-def profiled(loader: Any, device: str, warm: int, batches: int) -> Any:
-    """The profiler's events of `batches` batches made on a side stream, after `warm` batches (epochs restarted)."""
+def profiled(loader: Any, device: str, warm: int, batches: int) -> dict[str, Any]:
+    """The chrome trace of `batches` batches made on a side stream, after `warm` batches (epochs restarted)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -47,23 +52,54 @@ def profiled(loader: Any, device: str, warm: int, batches: int) -> Any:
                 for _ in range(batches):
                     take()
                 side.synchronize()
-    return prof.events()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return dict(json.loads(path.read_text()))
 
 
-def tally(events: Any) -> tuple[Counter[str], Counter[str], list[str]]:
-    """(runtime calls by name, GPU work by name, the calls' names in the order they came)."""
-    from torch.autograd import DeviceType
+_CALLS = ("cuda_runtime", "cuda_driver")
+_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
-    calls: Counter[str] = Counter()
-    work: Counter[str] = Counter()
-    order = []
-    for e in sorted(events, key=lambda e: e.time_range.start):
-        if e.device_type == DeviceType.CUDA:
-            work[e.name[:72]] += 1
-        elif e.name.startswith("cuda") or e.name.startswith("cu"):
-            calls[e.name] += 1
-            order.append(e.name)
-    return calls, work, order
+
+@dataclass
+class Tally:
+    """A trace's CUDA calls by name, its GPU work by name, and that work split by how it came: launched by a graph
+    (one arrival a graph) or on its own ("loose": one arrival each), the loose by the op that launched it."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    work: Counter[str] = field(default_factory=Counter)
+    graphs: int = 0  # graph launches
+    in_graphs: int = 0  # kernels, copies and fills they ran
+    loose: Counter[str] = field(default_factory=Counter)  # "op: what ran" -> count
+
+
+def tally(trace: dict[str, Any]) -> Tally:
+    """The trace's calls and GPU work; a GPU event is tied to the call that launched it by its correlation id (a
+    graph's also carry their node's id), and a call to the op around it by its external id."""
+    events = trace.get("traceEvents", [])
+    ops = {e["args"]["External id"]: e["name"] for e in events
+           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}  # fmt: skip
+    by_correlation: dict[Any, dict[str, Any]] = {}
+    out = Tally()
+    for e in events:
+        if e.get("cat") in _CALLS:
+            out.calls[e["name"]] += 1
+            by_correlation[e.get("args", {}).get("correlation")] = e
+    out.graphs = sum(k for name, k in out.calls.items() if name.startswith(("cudaGraphLaunch", "cuGraphLaunch")))
+    for e in events:
+        if e.get("cat") not in _WORK:
+            continue
+        name = e["name"][:60]
+        out.work[name] += 1
+        args = e.get("args", {})
+        call = by_correlation.get(args.get("correlation"), {})
+        if str(call.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch")) or args.get("graph node id"):
+            out.in_graphs += 1
+        else:
+            op = ops.get(call.get("args", {}).get("External id"), "no op")
+            out.loose[f"{op}: {name}"] += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="seg-aug", choices=sorted(DEFAULTS))
     parser.add_argument("--warm", type=int, default=14, help="batches made before the profiled ones")
     parser.add_argument("--batches", type=int, default=8, help="batches profiled")
-    parser.add_argument("--first", type=int, default=40, help="calls listed in the order they came")
+    parser.add_argument("--top", type=int, default=30, help="names listed per table")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--work", type=Path, default=Path("bench_out/work"))
     parser.add_argument("--count", type=int, default=None)
@@ -93,18 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     _, pipeline, cache = build_data(opts, a.work)
     loader = feeder_like(cache, pipeline, opts.batch, a.device)
     try:
-        calls, work, order = tally(profiled(loader, a.device, a.warm, a.batches))
+        got = tally(profiled(loader, a.device, a.warm, a.batches))
     finally:
         loader.close()
     n = a.batches
     print(f"{a.workload}: one batch made as the feeder's child makes it, {n} batches after {a.warm}, {a.device}")
-    print(f"runtime calls a batch: {sum(calls.values()) / n:.1f}")
-    for name, k in calls.most_common():
+    print(f"runtime calls a batch: {sum(got.calls.values()) / n:.1f}")
+    for name, k in got.calls.most_common():
         print(f"  {k / n:8.1f}  {name}")
-    print(f"GPU work a batch: {sum(work.values()) / n:.1f}")
-    for name, k in work.most_common(30):
+    print(f"GPU work a batch: {sum(got.work.values()) / n:.1f}")
+    for name, k in got.work.most_common(a.top):
         print(f"  {k / n:8.1f}  {name}")
-    print(f"the first {min(a.first, len(order))} calls in order: {', '.join(order[: a.first])}")
+    loose = sum(got.loose.values())
+    print(f"arrivals a batch: {(got.graphs + loose) / n:.1f} (graphs {got.graphs / n:.1f}, running "
+          f"{got.in_graphs / n:.1f}; loose {loose / n:.1f}, by the op that launched them:)")  # fmt: skip
+    for name, k in got.loose.most_common(a.top):
+        print(f"  {k / n:8.1f}  {name}")
     return 0
 
 
