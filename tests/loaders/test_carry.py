@@ -3,6 +3,7 @@ same batches as an epoch begun when asked for, dropped (its draws put back) by a
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,9 @@ def test_each_batch_planned_takes_the_staging_slots_after_the_last_across_epochs
     loader = _loader(made, {**OPTIONS["tail-thread"], "batch_size": 3})
     n = len(loader)
     _epochs(loader, 3)
+    deadline = time.monotonic() + 60  # the fourth epoch's reads are submitted to the read thread: a busy box may
+    while len(slots) <= 3 * n and time.monotonic() < deadline:  # run them after this thread gets here
+        time.sleep(0.01)
     loader.close()
     assert len(slots) > 3 * n  # the fourth epoch begun ahead too
     assert slots == [len(_READS) * i for i in range(len(slots))]
