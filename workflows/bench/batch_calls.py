@@ -72,6 +72,7 @@ class Tally:
     graphs: int = 0  # graph launches
     in_graphs: int = 0  # kernels, copies and fills they ran
     loose: Counter[str] = field(default_factory=Counter)  # "op: what ran" -> count
+    unattributed: int = 0  # work whose launching call the trace does not hold
 
 
 def tally(trace: dict[str, Any]) -> Tally:
@@ -96,6 +97,8 @@ def tally(trace: dict[str, Any]) -> Tally:
         call = by_correlation.get(args.get("correlation"), {})
         if str(call.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch")) or args.get("graph node id"):
             out.in_graphs += 1
+        elif not call:
+            out.unattributed += 1
         else:
             op = ops.get(call.get("args", {}).get("External id"), "no op")
             out.loose[f"{op}: {name}"] += 1
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k / n:8.1f}  {name}")
     loose = sum(got.loose.values())
     print(f"arrivals a batch: {(got.graphs + loose) / n:.1f} (graphs {got.graphs / n:.1f}, running "
-          f"{got.in_graphs / n:.1f}; loose {loose / n:.1f}, by the op that launched them:)")  # fmt: skip
+          f"{got.in_graphs / n:.1f}; loose {loose / n:.1f}, by the op that launched them; not tied to a call "
+          f"{got.unattributed / n:.1f})")  # fmt: skip
     for name, k in got.loose.most_common(a.top):
         print(f"  {k / n:8.1f}  {name}")
     return 0
