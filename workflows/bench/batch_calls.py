@@ -17,8 +17,6 @@ arrives from the child one by one is what its making costs the training beyond t
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +28,8 @@ def profiled(loader: Any, device: str, warm: int, batches: int) -> dict[str, Any
     """The chrome trace of `batches` batches made on a side stream, after `warm` batches (epochs restarted)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from workflows.bench.timeline import chrome_trace
 
     it: Any = iter(())
 
@@ -52,10 +52,7 @@ def profiled(loader: Any, device: str, warm: int, batches: int) -> dict[str, Any
                 for _ in range(batches):
                     take()
                 side.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return dict(json.loads(path.read_text()))
+    return chrome_trace(prof)
 
 
 _CALLS = ("cuda_runtime", "cuda_driver")

@@ -92,6 +92,11 @@ def traced(batches: Iterator[tuple[Any, Any]], step: Callable[[Any, Any], Any], 
             with record_function(STEP):
                 step(image, label)
                 sync()
+    return chrome_trace(prof)
+
+
+def chrome_trace(prof: Any) -> dict[str, Any]:
+    """A finished `torch.profiler.profile`'s chrome trace, as a dict."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
