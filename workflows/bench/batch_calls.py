@@ -1,36 +1,33 @@
 """What making one batch asks of the GPU, as the feeder's child makes it: the CUDA runtime calls a batch and the GPU
-work a batch, by name.
+work a batch, by name; then what reaches the GPU as one arrival each, by op.
 
     python -m workflows.bench.batch_calls --workload seg-aug --device cuda:0 --warm 14
 
 The workload's loader makes its batches in this process as the child does (`tail_bound.feeder_like`: the tail's
 batched transforms captured as CUDA graphs), `--warm` batches first (past the first epoch, so that the device tier
-is full and no item is admitted), then `--batches` under `torch.profiler`. Printed per batch: the runtime calls by
-name (those made while a graph is captured included: a kernel launched then is recorded into the graph, not run),
-then the GPU's kernels, copies and fills by name (a graph's kernels included), then the arrivals: each graph launched,
-and each kernel, copy or fill launched on its own ("loose", named by the op that launched it; a GPU event is tied to
-its launch by the trace's correlation id). A second CUDA context takes turns with the training's on the GPU, so what
-arrives from the child one by one is what its making costs the training beyond the GPU time itself
-(docs/benchmarks.md).
+is full and no item is admitted). Then `--batches` under `torch.profiler`: the runtime calls and the GPU's kernels,
+copies and fills by name. The tail captures nothing while a profiler runs (`loaders.tail.graphs`), so these are
+the batch's work uncaptured. Then `--batches` more, as the child makes them, under a dispatch mode that counts each
+op on a CUDA tensor by whether a graph was being captured when it ran, and the graphs launched: the arrivals a batch
+are the graphs launched and the ops run outside a capture, one each (an op may launch more than one kernel). A
+second CUDA context takes turns with the training's on the GPU, so what arrives from the child one by one is what
+its making costs the training beyond the GPU time itself (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
-def profiled(loader: Any, device: str, warm: int, batches: int) -> dict[str, Any]:
-    """The chrome trace of `batches` batches made on a side stream, after `warm` batches (epochs restarted)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from workflows.bench.timeline import chrome_trace
-
+def batches_of(loader: Any) -> Any:
+    """A function that makes the loader's next batch, an epoch's end starting the next."""
     it: Any = iter(())
 
     def take() -> Any:
@@ -40,6 +37,16 @@ def profiled(loader: Any, device: str, warm: int, batches: int) -> dict[str, Any
             it = iter(loader)
             got = next(it)
         return got
+
+    return take
+
+
+def profiled(take: Any, device: str, warm: int, batches: int) -> dict[str, Any]:
+    """The chrome trace of `batches` batches made by `take` on a side stream, after `warm` batches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from workflows.bench.timeline import chrome_trace
 
     side = torch.cuda.Stream(device=device)
     with torch.cuda.stream(side):  # the legacy default stream cannot capture
@@ -55,51 +62,99 @@ def profiled(loader: Any, device: str, warm: int, batches: int) -> dict[str, Any
     return chrome_trace(prof)
 
 
+def made(take: Any, device: str, batches: int) -> Arrivals:
+    """`batches` batches made by `take` on a side stream, their ops counted."""
+    import torch
+
+    side = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(side), counting("cuda") as out:
+        for _ in range(batches):
+            take()
+        side.synchronize()
+    return out
+
+
 _CALLS = ("cuda_runtime", "cuda_driver")
 _WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 @dataclass
 class Tally:
-    """A trace's CUDA calls by name, its GPU work by name, and that work split by how it came: launched by a graph
-    (one arrival a graph) or on its own ("loose": one arrival each), the loose by the op that launched it."""
+    """A trace's CUDA calls by name and its GPU work by name."""
 
     calls: Counter[str] = field(default_factory=Counter)
     work: Counter[str] = field(default_factory=Counter)
-    graphs: int = 0  # graph launches
-    in_graphs: int = 0  # kernels, copies and fills they ran
-    loose: Counter[str] = field(default_factory=Counter)  # "op: what ran" -> count
-    unattributed: int = 0  # work whose launching call the trace does not hold
 
 
 def tally(trace: dict[str, Any]) -> Tally:
-    """The trace's calls and GPU work; a GPU event is tied to the call that launched it by its correlation id (a
-    graph's also carry their node's id), and a call to the op around it by its external id."""
-    events = trace.get("traceEvents", [])
-    ops = {e["args"]["External id"]: e["name"] for e in events
-           if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}  # fmt: skip
-    by_correlation: dict[Any, dict[str, Any]] = {}
+    """The trace's CUDA runtime and driver calls, and its kernels, copies and fills."""
     out = Tally()
-    for e in events:
+    for e in trace.get("traceEvents", []):
         if e.get("cat") in _CALLS:
             out.calls[e["name"]] += 1
-            by_correlation[e.get("args", {}).get("correlation")] = e
-    out.graphs = sum(k for name, k in out.calls.items() if name.startswith(("cudaGraphLaunch", "cuGraphLaunch")))
-    for e in events:
-        if e.get("cat") not in _WORK:
-            continue
-        name = e["name"][:60]
-        out.work[name] += 1
-        args = e.get("args", {})
-        call = by_correlation.get(args.get("correlation"), {})
-        if str(call.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch")) or args.get("graph node id"):
-            out.in_graphs += 1
-        elif not call:
-            out.unattributed += 1
-        else:
-            op = ops.get(call.get("args", {}).get("External id"), "no op")
-            out.loose[f"{op}: {name}"] += 1
+        elif e.get("cat") in _WORK:
+            out.work[e["name"][:60]] += 1
     return out
+
+
+@dataclass
+class Arrivals:
+    """Ops on `kind` tensors by name, split by whether a CUDA graph was being captured when they ran, and the
+    graphs launched."""
+
+    loose: Counter[str] = field(default_factory=Counter)
+    captured: Counter[str] = field(default_factory=Counter)
+    graphs: int = 0
+
+
+@contextlib.contextmanager
+def counting(kind: str = "cuda") -> Iterator[Arrivals]:
+    """Within it, every op with a `kind` tensor among its inputs or outputs counted (`Arrivals`), and every graph
+    segment the tail launches (`loaders.tail.graphs.Segments`)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from loaders.tail import graphs
+
+    out = Arrivals()
+
+    class Count(TorchDispatchMode):  # type: ignore[misc]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            got = func(*args, **(kwargs or {}))
+            flat = tree_flatten((args, kwargs, got))[0]
+            if any(isinstance(t, torch.Tensor) and t.device.type == kind for t in flat):
+                capturing = kind == "cuda" and torch.cuda.is_current_stream_capturing()
+                (out.captured if capturing else out.loose)[func.overloadpacket.__name__] += 1
+            return got
+
+    launch = graphs.Segments._launch
+
+    def counted(self: Any) -> None:
+        launch(self)
+        out.graphs += 1
+
+    graphs.Segments._launch = counted  # type: ignore[method-assign]
+    try:
+        with Count():
+            yield out
+    finally:
+        graphs.Segments._launch = launch  # type: ignore[method-assign]
+
+
+def _print(got: Tally, arrivals: Arrivals, n: int, top: int) -> None:
+    print(f"runtime calls a batch, uncaptured: {sum(got.calls.values()) / n:.1f}")
+    for name, k in got.calls.most_common():
+        print(f"  {k / n:8.1f}  {name}")
+    print(f"GPU work a batch, uncaptured: {sum(got.work.values()) / n:.1f}")
+    for name, k in got.work.most_common(top):
+        print(f"  {k / n:8.1f}  {name}")
+    loose = sum(arrivals.loose.values())
+    print(f"arrivals a batch, as the child makes it: {(arrivals.graphs + loose) / n:.1f} (graphs "
+          f"{arrivals.graphs / n:.1f}, holding {sum(arrivals.captured.values()) / n:.1f} ops; ops on their own "
+          f"{loose / n:.1f}, by op)")  # fmt: skip
+    for name, k in arrivals.loose.most_common(top):
+        print(f"  {k / n:8.1f}  {name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,23 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     _, pipeline, cache = build_data(opts, a.work)
     loader = feeder_like(cache, pipeline, opts.batch, a.device)
     try:
-        got = tally(profiled(loader, a.device, a.warm, a.batches))
+        take = batches_of(loader)
+        got = tally(profiled(take, a.device, a.warm, a.batches))
+        arrivals = made(take, a.device, a.batches)
     finally:
         loader.close()
-    n = a.batches
-    print(f"{a.workload}: one batch made as the feeder's child makes it, {n} batches after {a.warm}, {a.device}")
-    print(f"runtime calls a batch: {sum(got.calls.values()) / n:.1f}")
-    for name, k in got.calls.most_common():
-        print(f"  {k / n:8.1f}  {name}")
-    print(f"GPU work a batch: {sum(got.work.values()) / n:.1f}")
-    for name, k in got.work.most_common(a.top):
-        print(f"  {k / n:8.1f}  {name}")
-    loose = sum(got.loose.values())
-    print(f"arrivals a batch: {(got.graphs + loose) / n:.1f} (graphs {got.graphs / n:.1f}, running "
-          f"{got.in_graphs / n:.1f}; loose {loose / n:.1f}, by the op that launched them; not tied to a call "
-          f"{got.unattributed / n:.1f})")  # fmt: skip
-    for name, k in got.loose.most_common(a.top):
-        print(f"  {k / n:8.1f}  {name}")
+    print(f"{a.workload}: one batch made as the feeder's child makes it, {a.batches} batches after {a.warm}, {a.device}")
+    _print(got, arrivals, a.batches, a.top)
     return 0
 
 
