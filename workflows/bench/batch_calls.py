@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         arrivals = made(take, a.device, a.batches)
     finally:
         loader.close()
-    print(f"{a.workload}: one batch made as the feeder's child makes it, {a.batches} batches after {a.warm}, {a.device}")
+    n = a.batches
+    print(f"{a.workload}: one batch made as the feeder's child makes it, {n} batches after {a.warm}, {a.device}")
     _print(got, arrivals, a.batches, a.top)
     return 0
 
