@@ -87,11 +87,6 @@ AHEAD_BYTES = 256 << 20
 # without them and 0.8-1.1 s with them (docs/benchmarks.md). BLOCKPREP_TAIL_GRAPHS=0 in the environment (which
 # the feeder's process inherits) launches them one by one there too; =1 captures them in any process.
 TAIL_GRAPHS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_GRAPHS", ""), "feeder")
-# Where the tail captures, a batch's assembly from the device tier (its rows cropped and stacked) is captured too,
-# into a graph launched just before the tail's first: what the child makes of a batch reaches the GPU at once, not
-# in two bursts a capture's host time apart, each a turn of its context on the GPU (docs/benchmarks.md).
-# BLOCKPREP_ASSEMBLY_GRAPH=0 in the environment launches the assembly's kernels as they come.
-ASSEMBLY_GRAPH = os.environ.get("BLOCKPREP_ASSEMBLY_GRAPH", "") != "0"
 
 
 # --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---

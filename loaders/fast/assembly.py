@@ -149,16 +149,11 @@ class BatchAssembly:
             for tag, tensors in by_tag.items():  # tag: the item (whole reads) or ("row", r) (crops)
                 got.setdefault(("pass", tag) if what == "pass" else tag, {}).update(tensors)
         self.tier.admit_all({item: got[item] for item in plan.admit}, {i: self.reader.nbytes(i) for i in plan.admit})
-        ahead = getattr(self.tail, "made_ahead", None) if self.gpu else None
-        if batch is None and ahead is not None:  # where the tail captures, with its first graph
-            batch = ahead(lambda: self._assemble(plan, got), self.reader.device)
-        elif batch is None:
+        if batch is None:
             batch = self._assemble(plan, got)
         elif self.pass_keys:
             batch.update({k: stack([got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
         ragged = any(isinstance(v, list) for v in batch.values())
-        if ragged and ahead is not None:
-            self.tail.launch_ahead()  # the per-item tail runs next, not this one
         if ragged:  # MONAI per item: it may write into its input, not the tier
             batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}
         self.values.into_tail(batch, [item for item, _ in plan.rows])

@@ -417,15 +417,6 @@ class BatchedTail:
     def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:
         return self.run(batch)[0]
 
-    def made_ahead(self, make: Any, device: Any) -> Any:
-        """`make()`, the batch this tail will be given (`loaders.tail.graphs.Graphs.defer`): where this tail
-        captures, its kernels reach the GPU with the tail's first graph."""
-        return self._graphs.defer(make, device)
-
-    def launch_ahead(self) -> None:
-        """What `made_ahead` captured, launched now (before anything but this tail uses it)."""
-        self._graphs.flush()
-
     def run(
         self, batch: Mapping[Any, Any], groups: Sequence[int] | None = None
     ) -> tuple[dict[Hashable, Any], list[int]]:
@@ -436,21 +427,17 @@ class BatchedTail:
         tb = TailBatch.from_batch(batch, self.device, groups)
         segments = self._graphs.begin(tb)
         index = 0
-        try:
-            while True:
-                try:
-                    while index < len(self.transforms):
-                        self._step(index, tb, segments)
-                        index += 1
-                    if segments is not None:
-                        segments.close(tb)
-                    self._graphs.flush()  # an assembly captured ahead (`Graphs.defer`) where no segment launched it
-                    _raise_failed(tb.checks)
-                    return tb.result(), tb.origin
-                except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
-                    index = back.index
-        finally:
-            self._graphs.pending.clear()  # launched by now, unless the tail failed: then never
+        while True:
+            try:
+                while index < len(self.transforms):
+                    self._step(index, tb, segments)
+                    index += 1
+                if segments is not None:
+                    segments.close(tb)
+                _raise_failed(tb.checks)
+                return tb.result(), tb.origin
+            except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
+                index = back.index
 
     def _step(self, index: int, tb: TailBatch, segments: Segments | None) -> None:
         """Transform `index` on the batch: batched (captured into the open CUDA graph where `segments` takes
@@ -461,8 +448,6 @@ class BatchedTail:
             capture = segments is not None and handler is not None and segments.takes(index, t)
             if segments is not None and not capture:
                 segments.close(tb)
-            if not capture:
-                self._graphs.flush()  # what runs uncaptured comes after what was captured before it
             if handler is not None and tb.items is None:
                 done = segments.captured(index, t, handler, tb) if capture and segments else handler(t, tb)
                 if done:

@@ -73,26 +73,18 @@ class Graphs:
         self.inflight: deque[tuple[Any, list[Any]]] = deque()  # (event after a replay, what it uses)
         self.launched = 0  # segments launched
         self.undone: list[list[Any]] = []  # the host tensors of undone segments' copies (`Segments._undo`)
-        self.pending: list[Any] = []  # graphs captured ahead (`defer`), launched first
 
     def begin(self, tb: Any) -> Segments | None:
         """This batch's segments, where its tail runs on a CUDA stream that may capture; else None."""
-        import torch
-
-        tensors = [v for v in tb.data.values() if isinstance(v, torch.Tensor)]
-        stream = self._stream(tensors[0].device) if tensors else None
-        return None if stream is None else Segments(self, stream)
-
-    def _stream(self, device: Any) -> Any:
-        """The current stream of `device` where a tail on it captures (this process's choice, a CUDA side stream
-        not already capturing, no profiler running, a torch that can undo a capture); else None."""
         wanted = tunables.TAIL_GRAPHS
         if wanted is False or (wanted == "feeder" and not in_feeder):
             return None
         import torch
 
-        if device.type != "cuda" or torch._C._autograd._profiler_enabled() or not _undoable():
+        tensors = [v for v in tb.data.values() if isinstance(v, torch.Tensor)]
+        if not tensors or not tensors[0].is_cuda or torch._C._autograd._profiler_enabled() or not _undoable():
             return None
+        device = tensors[0].device
         stream = torch.cuda.current_stream(device)
         if stream == torch.cuda.default_stream(device) or torch.cuda.is_current_stream_capturing():
             return None  # the legacy default stream cannot capture; a capture already running is the caller's
@@ -100,47 +92,7 @@ class Graphs:
         if device.index not in warm:
             _warm(device)
             warm.add(device.index)
-        return stream
-
-    def defer(self, make: Any, device: Any) -> Any:
-        """`make()` (pure: it reads device tensors and makes new ones, nothing else) captured into a graph that is
-        launched just before this tail's next segment, or by `flush`, where the tail would capture on this stream;
-        else run as it is. Its outputs are the graph's: their contents are there once it is launched."""
-        import torch
-
-        if not tunables.ASSEMBLY_GRAPH or self._stream(torch.device(device)) is None:
-            return make()
-        self.pending.clear()  # one a batch made ahead but never given to the tail (its making failed): not launched
-        if self.pool is None:
-            self.pool, self.last = torch.cuda.graph_pool_handle(), None
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        try:
-            out = make()
-        except Exception:  # noqa: BLE001 - undone, then run as it is (it changes nothing but what it returns)
-            with contextlib.suppress(Exception):
-                graph.capture_end()
-            with contextlib.suppress(Exception):
-                torch._C._cuda_endAllocateToPool(torch.device(device).index, self.pool)
-            self.pool = None
-            return make()
-        graph.capture_end()
-        self.pending.append(graph)
-        self.last = graph
-        return out
-
-    def flush(self) -> None:
-        """Launch the graphs `defer` captured, in order, on the current stream (before anything else uses their
-        outputs)."""
-        import torch
-
-        while self.pending:
-            graph = self.pending.pop(0)
-            graph.replay()
-            event = torch.cuda.Event()
-            event.record()
-            self.inflight.append((event, [graph, []]))
-            self.launched += 1
+        return Segments(self, stream)
 
     def settle(self) -> None:
         """Forget what the GPU has finished with."""
@@ -221,7 +173,6 @@ class Segments:
         self.graph.capture_end()
         graph, self.graph = self.graph, None
         keep, self.keep = self.keep, []
-        self.graphs.flush()  # the batch's assembly, captured ahead: at once with this segment
         graph.replay()
         event = torch.cuda.Event()
         event.record(self.stream)

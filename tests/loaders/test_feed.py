@@ -174,47 +174,6 @@ def test_gpu_batches_equal_cpu_batches(prepared: tuple[Path, Path]) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("assembly_graph", [True, False], ids=["assembly-captured", "assembly-loose"])
-def test_captured_tail_and_assembly_equal_cpu_batches(
-    prepared: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, assembly_graph: bool
-) -> None:
-    """As a feeder's child makes batches (the tail captured as CUDA graphs), with the batch's assembly from the
-    device tier captured ahead and launched with the tail's first graph, or launched as it comes: three epochs of
-    the CPU loader's batches, the tier whole or in part."""
-    import torch
-
-    from loaders import tunables
-    from loaders.tail import graphs
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(tunables, "TAIL_GRAPHS", True)
-    monkeypatch.setattr(tunables, "ASSEMBLY_GRAPH", assembly_graph)
-    ahead: list[int] = []
-    flush = graphs.Graphs.flush
-
-    def counted(self: graphs.Graphs) -> None:
-        ahead.append(len(self.pending))
-        flush(self)
-
-    monkeypatch.setattr(graphs.Graphs, "flush", counted)
-    pipeline, cache = prepared
-    out = {}
-    for device, budget in (("cpu", 0), ("cuda:0", "1GiB"), ("cuda:0", 24**3 * 4 * 2 * 2)):
-        loader = PreparedLoader(cache, _transform(pipeline), 2, device=device, shuffle=False, gpu_budget=budget,
-                                tail_thread=False, feeder=False)  # fmt: skip
-        loader.set_random_state(5)
-        out[(device, budget)] = [{k: b[k].cpu() for k in ("image", "label")} for _ in range(3) for b in loader]
-        loader.close()
-    assert len(out[("cpu", 0)]) == 9
-    for key in out:
-        for a, b in zip(out[("cpu", 0)], out[key], strict=True):
-            torch.testing.assert_close(a["image"], b["image"])
-            torch.testing.assert_close(a["label"], b["label"])
-    assert (sum(ahead) > 0) == assembly_graph  # assemblies captured ahead and launched, or none
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("tail_thread", [True, False], ids=["tail-thread", "tail-in-caller"])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 def test_gpu_batches_equal_cpu_batches_over_epochs_of_few_batches(
