@@ -12,7 +12,8 @@ timed, row by row:
   the tail's kernels may run beside the training's and its Python costs nothing, so no loader that runs this tail
   on this GPU can do better);
 - beside the same replayed by a second process, told at each step's start (a context of its own, as the feeder's
-  child: the bound of a feeder whose whole batch is one graph);
+  child: the bound of a feeder whose whole batch is one graph), and (`--modes apart:MS`) the same with two tiny
+  kernels launched MS ms before each replay (the work in two arrivals, as a capture's start launches two);
 - beside the second process making a whole batch at each step's start as the child does (its reads, assembly and
   tail captured anew and launched; no hand-over), then the same with the tail's kernels launched one by one. These
   rows note the GPU memory segments the process's allocator asked the driver for and gave back meanwhile (each a
@@ -108,10 +109,14 @@ def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batch
 
 def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: Any) -> None:
     """The second process, at each `go`: one batch's graphs replayed (mode "replay", captured in this process's
-    context first), or the loader's next batch made ("make": its reads, assembly and tail captured anew and
-    launched, as the feeder's child makes a batch, without the hand-over; "make-uncaptured": the same with the
-    tail's kernels launched one by one). Said at the end: the batches it made or replayed, and the GPU memory
-    segments its allocator asked the driver for and gave back meanwhile."""
+    context first; "apart:MS": two one-element kernels launched MS ms before the replay, as a capture's start
+    launches two, its host time before the graph: the graph's work in two arrivals, not one), or the loader's next
+    batch made ("make": its reads, assembly and tail captured anew and launched, as the feeder's child makes a
+    batch, without the hand-over; "make-uncaptured": the same with the tail's kernels launched one by one). Said
+    at the end: the batches it made or replayed, and the GPU memory segments its allocator asked the driver for
+    and gave back meanwhile."""
+    import time
+
     import torch
 
     from loaders import tunables
@@ -121,6 +126,8 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
     kept, loader = captured_batches(cache, pipeline, batch, device, batches)
     tunables.TAIL_GRAPHS = mode != "make-uncaptured"
     stream = torch.cuda.Stream(device=device)
+    flags = torch.zeros(1, device=device)
+    gap = float(mode.split(":")[1]) / 1e3 if mode.startswith("apart") else 0.0
     it: Any = iter(())
     stats = torch.cuda.memory_stats(device)
     before = (stats.get("segment.all.allocated", 0), stats.get("segment.all.freed", 0))
@@ -130,6 +137,12 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
         if go.wait(0.1):
             go.clear()
             if mode == "replay":
+                kept[k % len(kept)].replay(stream)
+            elif mode.startswith("apart"):  # two one-element kernels `gap` ms before the replay: two arrivals
+                with torch.cuda.stream(stream):
+                    flags.fill_(k)
+                    flags.add_(1)
+                time.sleep(gap)
                 kept[k % len(kept)].replay(stream)
             else:
                 with torch.cuda.stream(stream):
@@ -173,6 +186,10 @@ def beside_second_process(spec: tuple[Any, ...], step: Callable[[], Any], sync: 
             proc.kill()
 
 
+_ROWS = {"replay": "tail graphs, 2nd process", "make": "batches made, 2nd process",
+         "make-uncaptured": "made, uncaptured, 2nd"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from workflows.bench.interference import timed_steps
     from workflows.bench.profile_train import _options
@@ -188,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=None)
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--crop", type=int, default=None)
-    parser.add_argument("--no-process", action="store_true", help="leave out the second process's row")
+    parser.add_argument("--no-process", action="store_true", help="leave out the second process's rows")
+    parser.add_argument("--modes", default="replay,make,make-uncaptured",
+                        help="the second process's rows: replay, apart:MS, make, make-uncaptured")  # fmt: skip
     a = parser.parse_args(argv)
     if not a.device.startswith("cuda"):
         print("tail_bound: CUDA graphs need a GPU; pass --device cuda:N on a GPU box")
@@ -236,11 +255,9 @@ def main(argv: list[str] | None = None) -> int:
 
     row("alone, first", alone)
     row("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail))
-    if not a.no_process:
-        spec = (cache, pipeline, opts.batch, a.device, a.batches)
-        row("tail graphs, 2nd process", *beside_second_process((*spec, "replay"), step, sync, a.steps))
-        row("batches made, 2nd process", *beside_second_process((*spec, "make"), step, sync, a.steps))
-        row("made, uncaptured, 2nd", *beside_second_process((*spec, "make-uncaptured"), step, sync, a.steps))
+    spec = (cache, pipeline, opts.batch, a.device, a.batches)
+    for mode in [] if a.no_process else a.modes.split(","):
+        row(_ROWS.get(mode, f"graphs {mode} ms, 2nd"), *beside_second_process((*spec, mode), step, sync, a.steps))
     row("alone, last", timed_steps(step, sync, a.steps))
     print(f"a batch's graphs alone, synced: {timed_steps(alone_graphs, full_sync, a.steps):.2f} ms")
     loader.close()
