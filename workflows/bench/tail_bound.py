@@ -13,7 +13,8 @@ timed, row by row:
   on this GPU can do better);
 - beside the same replayed by a second process, told at each step's start (a context of its own, as the feeder's
   child: the bound of a feeder whose whole batch is one graph), and (`--modes apart:MS`) the same with two tiny
-  kernels launched MS ms before each replay (the work in two arrivals, as a capture's start launches two);
+  kernels launched MS ms before each replay (the work in two arrivals, as a capture's start launches two), or
+  (`gated:MS`) behind a gate on the stream opened once the replay is queued (one arrival again);
 - beside the second process making a whole batch at each step's start as the child does (its reads, assembly and
   tail captured anew and launched; no hand-over), then the same with the tail's kernels launched one by one. These
   rows note the GPU memory segments the process's allocator asked the driver for and gave back meanwhile (each a
@@ -107,10 +108,36 @@ def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batch
     return out, loader
 
 
+class StreamGate:
+    """Work queued on a CUDA stream held back until the host says: the stream waits (the driver's
+    `cuStreamWaitValue32`, no kernel) until a word of pinned host memory reaches a value, which the host then writes.
+    What was queued behind it reaches the GPU at once."""
+
+    def __init__(self, device: Any) -> None:
+        import ctypes
+
+        import torch
+
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: its address is the device's too
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        self.wait = self.cuda.cuStreamWaitValue32_v2
+        self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self.device = device
+
+    def hold(self, stream: Any, value: int) -> None:
+        rc = self.wait(stream.cuda_stream, self.word.data_ptr(), value, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed: CUresult {rc}")
+
+    def open(self, value: int) -> None:
+        self.word[0] = value
+
+
 def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: Any) -> None:
     """The second process, at each `go`: one batch's graphs replayed (mode "replay", captured in this process's
     context first; "apart:MS": two one-element kernels launched MS ms before the replay, as a capture's start
-    launches two, its host time before the graph: the graph's work in two arrivals, not one), or the loader's next
+    launches two, its host time before the graph: the graph's work in two arrivals, not one; "gated:MS": the same
+    behind a `StreamGate` opened once the replay is queued), or the loader's next
     batch made ("make": its reads, assembly and tail captured anew and launched, as the feeder's child makes a
     batch, without the hand-over; "make-uncaptured": the same with the tail's kernels launched one by one). Said
     at the end: the batches it made or replayed, and the GPU memory segments its allocator asked the driver for
@@ -127,7 +154,8 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
     tunables.TAIL_GRAPHS = mode != "make-uncaptured"
     stream = torch.cuda.Stream(device=device)
     flags = torch.zeros(1, device=device)
-    gap = float(mode.split(":")[1]) / 1e3 if mode.startswith("apart") else 0.0
+    gap = float(mode.split(":")[1]) / 1e3 if mode.startswith(("apart", "gated")) else 0.0
+    gate = StreamGate(device) if mode.startswith("gated") else None
     it: Any = iter(())
     stats = torch.cuda.memory_stats(device)
     before = (stats.get("segment.all.allocated", 0), stats.get("segment.all.freed", 0))
@@ -138,12 +166,16 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
             go.clear()
             if mode == "replay":
                 kept[k % len(kept)].replay(stream)
-            elif mode.startswith("apart"):  # two one-element kernels `gap` ms before the replay: two arrivals
+            elif mode.startswith(("apart", "gated")):  # two one-element kernels `gap` ms before the replay
+                if gate is not None:  # held back on the stream until the replay is queued too
+                    gate.hold(stream, k + 1)
                 with torch.cuda.stream(stream):
                     flags.fill_(k)
                     flags.add_(1)
                 time.sleep(gap)
                 kept[k % len(kept)].replay(stream)
+                if gate is not None:
+                    gate.open(k + 1)
             else:
                 with torch.cuda.stream(stream):
                     if next(it, None) is None:
@@ -207,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crop", type=int, default=None)
     parser.add_argument("--no-process", action="store_true", help="leave out the second process's rows")
     parser.add_argument("--modes", default="replay,make,make-uncaptured",
-                        help="the second process's rows: replay, apart:MS, make, make-uncaptured")  # fmt: skip
+                        help="2nd process rows: replay, apart:MS, gated:MS, make, make-uncaptured")  # fmt: skip
     a = parser.parse_args(argv)
     if not a.device.startswith("cuda"):
         print("tail_bound: CUDA graphs need a GPU; pass --device cuda:N on a GPU box")
