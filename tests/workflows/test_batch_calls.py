@@ -47,6 +47,24 @@ def test_counting_counts_the_ops_on_tensors_of_the_kind_given_only() -> None:
     assert b[0] == 3
     assert got.loose["cat"] == 1 and got.loose["mul"] == 1 and got.loose["add_"] == 1
     assert "add" not in got.loose and not got.captured and got.graphs == 0
+    assert len(got.times) == 3  # cat, mul and add_ launch work
+
+
+def test_counting_leaves_views_out_of_the_launches() -> None:
+    import torch
+
+    a = torch.ones(4, 4)
+    with batch_calls.counting("cpu") as got:
+        a[1:].reshape(-1)
+        a.t()
+    assert sum(got.loose.values()) >= 2 and got.times == []
+
+
+def test_bursts_count_launches_apart_by_more_than_the_gap() -> None:
+    assert batch_calls.bursts([]) == 0
+    assert batch_calls.bursts([0.0, 0.0001, 0.0002]) == 1
+    assert batch_calls.bursts([0.0, 0.0001, 0.004, 0.0041, 0.02]) == 3
+    assert batch_calls.bursts([0.004, 0.0, 0.0041], gap=0.001) == 2  # in any order
 
 
 @pytest.mark.gpu
@@ -66,4 +84,6 @@ def test_batch_calls_counts_a_made_batchs_calls_and_gpu_work(tmp_path: Path,
     assert float(calls.split(": ")[1]) > 0 and float(work.split(": ")[1]) > 0
     graphs = float(arrivals.split("(graphs ")[1].split(",")[0])
     assert graphs >= 1  # seg-aug's batched transforms captured: a graph launched every batch
+    in_time = next(line for line in out if line.startswith("arrivals in time a batch: "))
+    assert 1 <= float(in_time.split(": ")[1].split()[0]) <= float(arrivals.split(": ")[1].split()[0])
     assert any("Memcpy" in line or "kernel" in line for line in out)

@@ -9,15 +9,19 @@ is full and no item is admitted). Then `--batches` under `torch.profiler`: the r
 copies and fills by name. The tail captures nothing while a profiler runs (`loaders.tail.graphs`), so these are
 the batch's work uncaptured. Then `--batches` more, as the child makes them, under a dispatch mode that counts each
 op on a CUDA tensor by whether a graph was being captured when it ran, and the graphs launched: the arrivals a batch
-are the graphs launched and the ops run outside a capture, one each (an op may launch more than one kernel). A
-second CUDA context takes turns with the training's on the GPU, so what arrives from the child one by one is what
-its making costs the training beyond the GPU time itself (docs/benchmarks.md).
+are the graphs launched and the ops run outside a capture, one each (an op may launch more than one kernel). Last,
+the arrivals in time: the graph launches and the ops that launch work (not views), those less than half a
+millisecond apart on the host's clock counted as one. A second CUDA context takes turns with the training's on the
+GPU, and each arrival of its work apart from the others costs the training a turn (docs/benchmarks.md: about
+1.1-1.5 ms a step on `seg-aug`), so the arrivals in time are what making a batch costs the training beyond its GPU
+time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -105,6 +109,16 @@ class Arrivals:
     loose: Counter[str] = field(default_factory=Counter)
     captured: Counter[str] = field(default_factory=Counter)
     graphs: int = 0
+    times: list[float] = field(default_factory=list)  # when work reached the stream outside a capture (host clock)
+
+
+GAP_S = 0.5e-3  # launches closer than this reach the GPU as one arrival (a capture's host time is milliseconds)
+
+
+def bursts(times: list[float], gap: float = GAP_S) -> int:
+    """How many groups `times` make, a group ending where the next time is more than `gap` later."""
+    ordered = sorted(times)
+    return sum(1 for i, t in enumerate(ordered) if i == 0 or t - ordered[i - 1] > gap)
 
 
 @contextlib.contextmanager
@@ -126,6 +140,8 @@ def counting(kind: str = "cuda") -> Iterator[Arrivals]:
             if any(isinstance(t, torch.Tensor) and t.device.type == kind for t in flat):
                 capturing = kind == "cuda" and torch.cuda.is_current_stream_capturing()
                 (out.captured if capturing else out.loose)[func.overloadpacket.__name__] += 1
+                if not capturing and not _is_view(func):  # a view launches nothing
+                    out.times.append(time.perf_counter())
             return got
 
     launch = graphs.Segments._launch
@@ -133,6 +149,7 @@ def counting(kind: str = "cuda") -> Iterator[Arrivals]:
     def counted(self: Any) -> None:
         launch(self)
         out.graphs += 1
+        out.times.append(time.perf_counter())
 
     graphs.Segments._launch = counted  # type: ignore[method-assign]
     try:
@@ -140,6 +157,11 @@ def counting(kind: str = "cuda") -> Iterator[Arrivals]:
             yield out
     finally:
         graphs.Segments._launch = launch  # type: ignore[method-assign]
+
+
+def _is_view(func: Any) -> bool:
+    """Whether an op returns a view of an input (its schema says so), launching no work."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 def _print(got: Tally, arrivals: Arrivals, n: int, top: int) -> None:
@@ -155,6 +177,10 @@ def _print(got: Tally, arrivals: Arrivals, n: int, top: int) -> None:
           f"{loose / n:.1f}, by op)")  # fmt: skip
     for name, k in arrivals.loose.most_common(top):
         print(f"  {k / n:8.1f}  {name}")
+    print(
+        f"arrivals in time a batch: {bursts(arrivals.times) / n:.1f} (graph launches and ops that launch work, "
+        f"those less than {GAP_S * 1e3:g} ms apart counted as one; each a turn of a second context on the GPU)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
