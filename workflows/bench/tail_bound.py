@@ -14,7 +14,8 @@ timed, row by row:
 - beside the same replayed by a second process, told at each step's start (a context of its own, as the feeder's
   child: the bound of a feeder whose whole batch is one graph), and (`--modes apart:MS`) the same with two tiny
   kernels launched MS ms before each replay (the work in two arrivals, as a capture's start launches two), or
-  (`gated:MS`) behind a gate on the stream opened once the replay is queued (one arrival again);
+  (`gated:MS`) behind a gate on the stream opened once the replay is queued (meant to make them one arrival; it
+  does not: docs/benchmarks.md);
 - beside the second process making a whole batch at each step's start as the child does (its reads, assembly and
   tail captured anew and launched; no hand-over), then the same with the tail's kernels launched one by one. These
   rows note the GPU memory segments the process's allocator asked the driver for and gave back meanwhile (each a
@@ -113,16 +114,14 @@ class StreamGate:
     `cuStreamWaitValue32`, no kernel) until a word of pinned host memory reaches a value, which the host then writes.
     What was queued behind it reaches the GPU at once."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self) -> None:
         import ctypes
 
         import torch
 
         self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # mapped: its address is the device's too
-        self.cuda = ctypes.CDLL("libcuda.so.1")
-        self.wait = self.cuda.cuStreamWaitValue32_v2
+        self.wait = ctypes.CDLL("libcuda.so.1").cuStreamWaitValue32_v2
         self.wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self.device = device
 
     def hold(self, stream: Any, value: int) -> None:
         rc = self.wait(stream.cuda_stream, self.word.data_ptr(), value, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
@@ -155,7 +154,7 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
     stream = torch.cuda.Stream(device=device)
     flags = torch.zeros(1, device=device)
     gap = float(mode.split(":")[1]) / 1e3 if mode.startswith(("apart", "gated")) else 0.0
-    gate = StreamGate(device) if mode.startswith("gated") else None
+    gate = StreamGate() if mode.startswith("gated") else None
     it: Any = iter(())
     stats = torch.cuda.memory_stats(device)
     before = (stats.get("segment.all.allocated", 0), stats.get("segment.all.freed", 0))
