@@ -17,9 +17,10 @@ timed, row by row:
   (`gated:MS`) behind a gate on the stream opened once the replay is queued (meant to make them one arrival; it
   does not: docs/benchmarks.md);
 - beside the second process making a whole batch at each step's start as the child does (its reads, assembly and
-  tail captured anew and launched; no hand-over), then the same with the tail's kernels launched one by one. These
-  rows note the GPU memory segments the process's allocator asked the driver for and gave back meanwhile (each a
-  change of the GPU's mappings);
+  tail captured anew and launched; no hand-over, or with `--modes ring:MS` the child's hand-over copy into its ring
+  of slots MS ms later, from the default stream, as the child's main thread makes it at the parent's credit), then
+  the same with the tail's kernels launched one by one. These rows note the GPU memory segments the process's
+  allocator asked the driver for and gave back meanwhile (each a change of the GPU's mappings);
 - then the graphs replayed alone, synced: their GPU time a batch.
 Kernels the tail launches uncaptured (a transform run item by item through MONAI) are not in the graphs: the
 printed count of graphs a batch says how much was. The graphs are replayed on the inputs they were captured on,
@@ -132,13 +133,27 @@ class StreamGate:
         self.word[0] = value
 
 
+def _ring(device: Any) -> Any:
+    """The child's ring of hand-over slots, its fences never recorded (nothing copies the slots out here)."""
+    import torch
+
+    from loaders.fast.child import Ring
+
+    ring = Ring(4)
+    with torch.cuda.device(device):
+        ring.fences = [torch.cuda.Event() for _ in range(ring.count)]
+    return ring
+
+
 def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: Any) -> None:
     """The second process, at each `go`: one batch's graphs replayed (mode "replay", captured in this process's
     context first; "apart:MS": two one-element kernels launched MS ms before the replay, as a capture's start
     launches two, its host time before the graph: the graph's work in two arrivals, not one; "gated:MS": the same
     behind a `StreamGate` opened once the replay is queued), or the loader's next
     batch made ("make": its reads, assembly and tail captured anew and launched, as the feeder's child makes a
-    batch, without the hand-over; "make-uncaptured": the same with the tail's kernels launched one by one). Said
+    batch, without the hand-over; "ring:MS": the same, then MS ms later copied into the child's ring of hand-over
+    slots from the default stream, as its main thread does at the parent's credit; "make-uncaptured": the same
+    without the ring, the tail's kernels launched one by one). Said
     at the end: the batches it made or replayed, and the GPU memory segments its allocator asked the driver for
     and gave back meanwhile."""
     import time
@@ -153,8 +168,9 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
     tunables.TAIL_GRAPHS = mode != "make-uncaptured"
     stream = torch.cuda.Stream(device=device)
     flags = torch.zeros(1, device=device)
-    gap = float(mode.split(":")[1]) / 1e3 if mode.startswith(("apart", "gated")) else 0.0
+    gap = float(mode.split(":")[1]) / 1e3 if mode.startswith(("apart", "gated", "ring")) else 0.0
     gate = StreamGate() if mode.startswith("gated") else None
+    ring = _ring(device) if mode.startswith("ring") else None
     it: Any = iter(())
     stats = torch.cuda.memory_stats(device)
     before = (stats.get("segment.all.allocated", 0), stats.get("segment.all.freed", 0))
@@ -177,9 +193,17 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
                     gate.open(k + 1)
             else:
                 with torch.cuda.stream(stream):
-                    if next(it, None) is None:
+                    made = next(it, None)
+                    if made is None:
                         it = iter(loader)
-                        next(it)
+                        made = next(it)
+                if ring is not None:  # handed over MS ms later, on the default stream, as the child's main thread
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    time.sleep(gap)
+                    torch.cuda.current_stream(device).wait_event(done)
+                    ring.pack(made, lambda *_: None)
+                    torch.cuda.current_stream(device).synchronize()
             k += 1
             stream.synchronize()
     stats = torch.cuda.memory_stats(device)
@@ -221,6 +245,12 @@ _ROWS = {"replay": "tail graphs, 2nd process", "make": "batches made, 2nd proces
          "make-uncaptured": "made, uncaptured, 2nd"}  # fmt: skip
 
 
+def _label(mode: str) -> str:
+    if mode.startswith("ring"):
+        return f"made, ring {mode.split(':')[1]} ms on, 2nd"
+    return _ROWS.get(mode, f"graphs {mode} ms, 2nd")
+
+
 def main(argv: list[str] | None = None) -> int:
     from workflows.bench.interference import timed_steps
     from workflows.bench.profile_train import _options
@@ -238,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crop", type=int, default=None)
     parser.add_argument("--no-process", action="store_true", help="leave out the second process's rows")
     parser.add_argument("--modes", default="replay,make,make-uncaptured",
-                        help="2nd process rows: replay, apart:MS, gated:MS, make, make-uncaptured")  # fmt: skip
+                        help="rows: replay, apart:MS, gated:MS, make, ring:MS, make-uncaptured")  # fmt: skip
     a = parser.parse_args(argv)
     if not a.device.startswith("cuda"):
         print("tail_bound: CUDA graphs need a GPU; pass --device cuda:N on a GPU box")
@@ -288,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     row("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail))
     spec = (cache, pipeline, opts.batch, a.device, a.batches)
     for mode in [] if a.no_process else a.modes.split(","):
-        row(_ROWS.get(mode, f"graphs {mode} ms, 2nd"), *beside_second_process((*spec, mode), step, sync, a.steps))
+        row(_label(mode), *beside_second_process((*spec, mode), step, sync, a.steps))
     row("alone, last", timed_steps(step, sync, a.steps))
     print(f"a batch's graphs alone, synced: {timed_steps(alone_graphs, full_sync, a.steps):.2f} ms")
     loader.close()
