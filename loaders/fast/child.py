@@ -5,13 +5,93 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
+from loaders import tunables
+from loaders.cache.nesting import map_leaves
 from loaders.errors import LoaderStateError
 from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, Tally, dumps, incoming, loads, outgoing
 from loaders.state import same
 
-__all__ = ["Ring", "serve"]
+__all__ = ["Packed", "Ring", "Slots", "serve"]
+
+
+@dataclass
+class Packed:
+    """A batch packed where its tail ran (`Ring.pack_ahead`): its CUDA tensors in slot `at`, the rest to send."""
+
+    at: int
+    out: dict[str, Any]
+
+
+class Slots:
+    """Which of the ring's slots may be filled, shared by the thread that fills them and the one that sends: free,
+    packed (filled, not sent), or sent until the parent has taken that batch. The parent takes batches in the order
+    they were sent and counts them in the tally, so the tally frees the sent slots in that order; a batch sent without
+    a slot is counted there too. `count` at least the batches that may be packed and not sent (the loader's prefetch
+    and one begun ahead) plus those sent and not taken (the credits) keeps a free slot at hand."""
+
+    def __init__(self, count: int, tally: Any) -> None:
+        self.count, self.tally = count, tally
+        self.state = ["free"] * count
+        self.order: deque[int | None] = deque()  # each batch sent and not yet taken: its slot, or None
+        self.taken = tally.get() if tally is not None else 0
+        self.last = count - 1
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def take(self) -> int:
+        """A free slot, marked packed: the next after the last taken that is free (waits while none is)."""
+        wait = 1e-4
+        with self.cond:
+            while True:
+                self._release()
+                for step in range(1, self.count + 1):
+                    at = (self.last + step) % self.count
+                    if self.state[at] == "free":
+                        self.state[at], self.last = "packed", at
+                        return at
+                if self.closed:
+                    raise EOFError("the feeder closed while its tail waited for a hand-over slot")
+                self.cond.wait(wait)
+                wait = min(2 * wait, 1e-3)
+
+    def sent(self, at: int | None) -> None:
+        with self.cond:
+            if at is not None:
+                self.state[at] = "sent"
+            self.order.append(at)
+
+    def _release(self) -> None:
+        now = self.tally.get() if self.tally is not None else self.taken
+        while self.taken < now and self.order:
+            at = self.order.popleft()
+            self.taken += 1
+            if at is not None:
+                self.state[at] = "free"
+        self.taken = max(self.taken, now)
+
+    def new_epoch(self) -> None:
+        """The parent asks for an epoch: every batch it was sent before is taken or dropped, so their slots are free."""
+        with self.cond:
+            self.state = ["free" if s == "sent" else s for s in self.state]
+            self.order.clear()
+            self.taken = self.tally.get() if self.tally is not None else self.taken
+            self.cond.notify_all()
+
+    def drop_unsent(self) -> None:
+        """Every batch packed and not sent was dropped (an epoch left early, the next one begun ahead dropped)."""
+        with self.cond:
+            self.state = ["free" if s == "packed" else s for s in self.state]
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
 
 class Ring:
@@ -22,39 +102,66 @@ class Ring:
     block of the child's allocator (a sent block is kept in limbo until memory runs short) and a fresh
     cudaIpcOpenMemHandle in the parent, which measured slower (docs/benchmarks.md, the feeder)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, tally: Any = None) -> None:
         self.count = count
         self.slots: list[dict[str, Any]] = []
         self.events: list[Any] = []
         self.fences: list[Any] = []  # the parent's events, opened here when it sends them
         self.shapes: dict[str, Any] = {}
-        self.k = 0
+        self.free = Slots(count, tally)
+        self.used = [False] * count  # filled before: the parent's fence for it must be waited on
+        self.made = threading.Lock()  # the slots made once, by whichever thread packs first
 
     def pack(self, batch: dict[str, Any], send: Any) -> tuple[int | None, dict[str, Any]]:
-        """(slot, the batch to send): the top-level CUDA tensors copied into the slot (marked `IN_SLOT`), the
+        """(slot, the batch to send): the top-level CUDA tensors copied into a free slot (marked `IN_SLOT`), the
         rest as `_outgoing`; slot None where the batch's CUDA tensors are not those the slots were made for."""
         import torch
 
         cuda = {k: v.as_subclass(torch.Tensor) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
         shapes = {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
-        if not self.slots and cuda:
-            self.shapes = shapes
-            self.slots = [{k: torch.empty_like(v) for k, v in cuda.items()} for _ in range(self.count)]
-            with torch.cuda.device(next(iter(cuda.values())).device):  # the slots' device, not the current one
-                self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.count)]
-                handles = [e.ipc_handle() for e in self.events]  # made here: an event is made on its first use
-            send("slots", self.slots, handles)
+        with self.made:
+            if not self.slots and cuda:
+                self._make(cuda, shapes, send)
         if not cuda or shapes != self.shapes:
             return None, outgoing(batch)
-        at = self.k % self.count
-        self.k += 1
+        at = self.free.take()
         stream = torch.cuda.current_stream(next(iter(cuda.values())).device)
-        if self.k > self.count:  # the slot was filled before: the parent's copy of it must be done
+        if self.used[at]:  # the slot was filled before: the parent's copy of it must be done
             stream.wait_event(self.fences[at])
+        self.used[at] = True
         for key, value in cuda.items():
             self.slots[at][key].copy_(value)
         self.events[at].record(stream)
         return at, {k: IN_SLOT if k in cuda else outgoing(v) for k, v in batch.items()}
+
+    def pack_ahead(self, batch: dict[str, Any], send: Any) -> Any:
+        """`batch` packed where its tail ran, right after its work was queued (so that it reaches the GPU with that
+        work, not at the parent's credit: each arrival of the child's work is a turn of its context on the GPU,
+        docs/benchmarks.md); the batch as it is where it cannot be (not the slots' tensors, or a slot to fill
+        again before the parent's fences came): the main thread packs it then."""
+        import torch
+
+        cuda = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
+        shapes = {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
+        if not cuda or (self.shapes and shapes != self.shapes) or (not self.fences and any(self.used)):
+            return batch
+        nested: list[bool] = []  # CUDA tensors the slots do not hold go by IPC, after the main thread's handover
+        map_leaves([v for k, v in batch.items() if k not in cuda],
+                   lambda v: nested.append(isinstance(v, torch.Tensor) and v.is_cuda))  # fmt: skip
+        if any(nested):
+            return batch
+        at, out = self.pack(batch, send)
+        return batch if at is None else Packed(at, out)
+
+    def _make(self, cuda: dict[str, Any], shapes: dict[str, Any], send: Any) -> None:
+        import torch
+
+        self.shapes = shapes
+        self.slots = [{k: torch.empty_like(v) for k, v in cuda.items()} for _ in range(self.count)]
+        with torch.cuda.device(next(iter(cuda.values())).device):  # the slots' device, not the current one
+            self.events = [torch.cuda.Event(interprocess=True) for _ in range(self.count)]
+            handles = [e.ipc_handle() for e in self.events]  # made here: an event is made on its first use
+        send("slots", self.slots, handles)
 
     def open_fences(self, handles: list[Any]) -> None:
         import torch
@@ -112,9 +219,12 @@ def _serve(checkpoint: Any) -> None:
     tally = Tally(int(fd))
     os.close(int(fd))
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(key))
+    sending = threading.Lock()  # the main thread's messages, and the slots the tail thread may make
 
     def send(*msg: Any) -> None:
-        conn.send_bytes(dumps(msg))
+        data = dumps(msg)
+        with sending:
+            conn.send_bytes(data)
 
     try:
         from loaders.fast.loader import PreparedLoader  # its imports' errors are said to the parent too
@@ -137,7 +247,11 @@ def _serve(checkpoint: Any) -> None:
         loader.close()
         return
     checkpoint()  # the profile as of the loader built (its start)
-    ring = Ring(loader.prefetch + 2)
+    # packed ahead: the loader's prefetch and a batch begun ahead, and the parent's credits (its prefetch) sent
+    ahead_packed = loader.gpu and loader.tail_thread and tunables.PACK_AHEAD
+    ring = Ring(2 * loader.prefetch + 4 if ahead_packed else loader.prefetch + 2, tally)
+    if ahead_packed:
+        loader.pack_ahead = lambda batch: ring.pack_ahead(batch, send)
     ahead: _Ahead | None = None
     try:
         while True:
@@ -154,6 +268,7 @@ def _serve(checkpoint: Any) -> None:
     except (EOFError, OSError):
         return  # the parent is gone
     finally:
+        ring.free.close()  # a tail waiting for a slot gives up
         if ahead is not None:
             ahead.drop(loader)
         loader.close()
@@ -227,6 +342,7 @@ class _Turns:
 def _epoch(loader: Any, turns: _Turns, send: Any, ask: EpochAsk, ahead: _Ahead | None) -> _Ahead | None:
     """One epoch as the parent asked (from `ahead` where it is that epoch); returns the next epoch begun."""
     ring = turns.ring
+    ring.free.new_epoch()  # what the parent was sent before is taken or dropped
     batches = ahead.take(ask) if ahead is not None else None
     gen = ahead.it if batches is not None and ahead is not None else None
     if batches is None and ahead is not None:
@@ -236,13 +352,15 @@ def _epoch(loader: Any, turns: _Turns, send: Any, ask: EpochAsk, ahead: _Ahead |
         if batches is None:
             loader.shard(ask.rank, ask.world)
             loader.drop_ahead()
+            ring.free.drop_unsent()  # batches packed ahead and dropped with the epoch begun ahead
             loader.epoch = ask.epoch
             loader.cursor.start_at(ask.skip, ask.snap)
             batches = gen = iter(loader)
         for batch in batches:
             if not turns.next():
                 break
-            at, out = ring.pack(batch, send)
+            at, out = (batch.at, batch.out) if isinstance(batch, Packed) else ring.pack(batch, send)
+            ring.free.sent(at)  # before the parent may take it
             send("batch", BatchSent(at, out, dict(loader.cursor.live.snap)))
         else:
             finished = True
@@ -256,5 +374,7 @@ def _epoch(loader: Any, turns: _Turns, send: Any, ask: EpochAsk, ahead: _Ahead |
     finally:
         if gen is not None:
             gen.close()  # an epoch left early: the read thread stopped, the draws as of the last batch sent
+        if not finished:
+            ring.free.drop_unsent()  # what was packed ahead of the last batch sent is dropped
     # the states as of the last batch sent (the loader's own next epoch may already be drawing past them)
     return _Ahead(loader, ask.epoch + 1, dict(loader.cursor.now(loader.epoch).snap)) if finished else None

@@ -356,8 +356,9 @@ class Feeder:
         """Tell the child to leave the epoch; drop what it sent meanwhile."""
         try:
             self._send("stop")
-            while self._recv()[0] != "end":
-                pass
+            while (msg := self._recv())[0] != "end":
+                if msg[0] == "slots":  # made by the child's tail thread meanwhile: its later batches name them
+                    self._open_slots(msg)
         except FeederError:
             self.close()
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,9 @@ class PreparedLoader(FeederSide):
         self.rank, self.world = 0, 1
         self.epoch = 0
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
+        # a feeder's child: each batch handed to this (on the tail thread, its work just queued), what it returns
+        # is what the iteration gives (`loaders.fast.child.Ring.pack_ahead`)
+        self.pack_ahead: Callable[[dict[str, Any]], Any] | None = None
         self._threads_kept: dict[str, Any] = {}  # "read", "feed": one thread each, kept from epoch to epoch
         self._feeder: Any = None
         self._carry: NextEpoch | None = None  # the next epoch begun ahead (loaders.fast.carry)
@@ -418,7 +421,7 @@ class PreparedLoader(FeederSide):
 
     def _handover(self, batch: dict[str, Any], event: Any) -> dict[str, Any]:
         """A batch finished on the read thread's stream, made safe to use on the caller's stream."""
-        if event is not None:
+        if event is not None and isinstance(batch, dict):  # not a batch packed by `pack_ahead`
             torch = self.torch
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
@@ -447,6 +450,8 @@ class PreparedLoader(FeederSide):
                 self._side = tail_stream(self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(self._side):
                 batch = self.assembly.finish(plan)
+                if self.pack_ahead is not None:  # a feeder's child: handed over from here, with its work
+                    batch = self.pack_ahead(batch)
                 event = torch.cuda.Event()
                 event.record(self._side)
         else:

@@ -323,21 +323,23 @@ def test_settled_row_times_the_choice_once_it_is_warm() -> None:
     assert [chosen(), chosen(), chosen()] == [False, True, True]
 
 
-def test_a_row_may_launch_the_tail_kernels_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fast-settled@tail_graphs=False: the tunable and the variable the feeder's process reads set for the row
-    only, then put back."""
+@pytest.mark.parametrize("name", ["TAIL_GRAPHS", "PACK_AHEAD"])
+def test_a_row_may_set_how_the_feeder_launches_and_hands_over(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """fast-settled@tail_graphs=False, @pack_ahead=False: the tunable and the variable the feeder's process reads
+    set for the row only, then put back."""
     from loaders import tunables
-    from workflows.bench.train_rows import _tail_graphs
+    from workflows.bench.train_rows import _tunable
 
-    monkeypatch.delenv("BLOCKPREP_TAIL_GRAPHS", raising=False)
-    monkeypatch.setattr(tunables, "TAIL_GRAPHS", "feeder")
-    with _tail_graphs(False):
-        assert tunables.TAIL_GRAPHS is False and os.environ["BLOCKPREP_TAIL_GRAPHS"] == "0"
-    assert tunables.TAIL_GRAPHS == "feeder" and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
-    with _tail_graphs(True):
-        assert tunables.TAIL_GRAPHS is True and os.environ["BLOCKPREP_TAIL_GRAPHS"] == "1"
-    with _tail_graphs(None):
-        assert tunables.TAIL_GRAPHS == "feeder" and "BLOCKPREP_TAIL_GRAPHS" not in os.environ
+    var = f"BLOCKPREP_{name}"
+    monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tunables, name, "feeder")
+    with _tunable(name, False):
+        assert getattr(tunables, name) is False and os.environ[var] == "0"
+    assert getattr(tunables, name) == "feeder" and var not in os.environ
+    with _tunable(name, True):
+        assert getattr(tunables, name) is True and os.environ[var] == "1"
+    with _tunable(name, None):
+        assert getattr(tunables, name) == "feeder" and var not in os.environ
 
 
 def test_a_row_may_leave_out_the_augmentations() -> None:

@@ -335,8 +335,9 @@ def fast_path(
     settled = options.pop("settled", False)  # ... or trained untimed until feeder="auto" has chosen (trial.py)
     bricks = options.pop("bricks", False)  # the cache's bricks written first (untimed), removed after the row
     graphs = options.pop("tail_graphs", None)  # "fast-settled@tail_graphs=False": the tail's kernels one by one
+    pack = options.pop("pack_ahead", None)  # "fast-settled@pack_ahead=False": the child hands over at the credit
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
-    with _tail_graphs(graphs):
+    with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack):
         return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
 
 
@@ -356,24 +357,26 @@ def unaugmented(transform: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _tail_graphs(on: bool | None) -> Iterator[None]:
-    """`loaders.tunables.TAIL_GRAPHS` and its environment variable (which the feeder's process reads) set for one
-    row, then put back; None leaves them."""
+def _tunable(name: str, on: bool | None) -> Iterator[None]:
+    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD) and its environment variable BLOCKPREP_<name> (which the
+    feeder's process reads) set for one row, then put back; None leaves them."""
     from loaders import tunables
 
     if on is None:
         yield
         return
-    before, env = tunables.TAIL_GRAPHS, os.environ.get("BLOCKPREP_TAIL_GRAPHS")
-    tunables.TAIL_GRAPHS, os.environ["BLOCKPREP_TAIL_GRAPHS"] = bool(on), "1" if on else "0"
+    var = f"BLOCKPREP_{name}"
+    before, env = getattr(tunables, name), os.environ.get(var)
+    setattr(tunables, name, bool(on))
+    os.environ[var] = "1" if on else "0"
     try:
         yield
     finally:
-        tunables.TAIL_GRAPHS = before
+        setattr(tunables, name, before)
         if env is None:
-            os.environ.pop("BLOCKPREP_TAIL_GRAPHS", None)
+            os.environ.pop(var, None)
         else:
-            os.environ["BLOCKPREP_TAIL_GRAPHS"] = env
+            os.environ[var] = env
 
 
 def _fast_row(
