@@ -96,11 +96,12 @@ class Slots:
 
 class Ring:
     """The child's end of the hand-over of a batch's top-level CUDA tensors: `slots` fixed buffers per key,
-    shared with the parent once (CUDA IPC), filled in turn. Each fill is followed by an IPC event the parent's
-    stream waits on; a slot is filled again only after the parent's fence for it (recorded after the parent
-    copied the slot out, before its credit) has passed. Tensors sent one by one instead would each be a fresh
-    block of the child's allocator (a sent block is kept in limbo until memory runs short) and a fresh
-    cudaIpcOpenMemHandle in the parent, which measured slower (docs/benchmarks.md, the feeder)."""
+    shared with the parent once (CUDA IPC), each filled when free (`Slots`: the parent has taken the batch it
+    held). Each fill is followed by an IPC event the parent's stream waits on; a slot is filled again only after
+    the parent's fence for it (recorded after the parent copied the slot out, before its credit) has passed.
+    Tensors sent one by one instead would each be a fresh block of the child's allocator (a sent block is kept in
+    limbo until memory runs short) and a fresh cudaIpcOpenMemHandle in the parent, which measured slower
+    (docs/benchmarks.md, the feeder)."""
 
     def __init__(self, count: int, tally: Any = None) -> None:
         self.count = count
