@@ -92,6 +92,11 @@ TAIL_GRAPHS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_GRAPHS"
 # the GPU: docs/benchmarks.md), not at the parent's credit from the main thread. BLOCKPREP_PACK_AHEAD=0 in the
 # environment packs it there.
 PACK_AHEAD = os.environ.get("BLOCKPREP_PACK_AHEAD", "") != "0"
+# In a feeder's child, the next batch's first capture is opened as soon as this batch's work is queued, and that
+# batch's assembly (its rows stacked from the device tier) is captured into it: the two small kernels a capture's
+# start launches go with this batch's work, and the next batch's work reaches the GPU as one graph
+# (`loaders.tail.graphs.Graphs.open_ahead`). BLOCKPREP_CAPTURE_AHEAD=0 in the environment opens each where it is.
+CAPTURE_AHEAD = os.environ.get("BLOCKPREP_CAPTURE_AHEAD", "") != "0"
 
 
 # --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---

@@ -140,6 +140,8 @@ class BatchAssembly:
 
         got: dict[Any, dict[str, Any]] = {}
         batch: dict[str, Any] | None = None
+        if plan.reads:  # uploads from staging slots the read thread fills again: never left in a capture
+            self.abandon_ahead()
         for what, fetched in plan.reads.items():
             packed = self.crop_keys if what == "regions" and not plan.whole else ()
             rows, by_tag = landed(self.reader.upload(fetched), fetched.places, packed, len(plan.rows))
@@ -151,9 +153,13 @@ class BatchAssembly:
         self.tier.admit_all({item: got[item] for item in plan.admit}, {i: self.reader.nbytes(i) for i in plan.admit})
         if batch is None:
             batch = self._assemble(plan, got)
+            ahead = getattr(self.tail, "made_ahead", None)
+            if ahead is not None and ahead(lambda: self._assemble(plan, got)) and _ragged(batch):
+                self.abandon_ahead()  # the per-item tail runs it: what went into the capture made again outside it
+                batch = self._assemble(plan, got)
         elif self.pass_keys:
             batch.update({k: stack([got[("pass", item)][k] for item, _ in plan.rows]) for k in self.pass_keys})
-        ragged = any(isinstance(v, list) for v in batch.values())
+        ragged = _ragged(batch)
         if ragged:  # MONAI per item: it may write into its input, not the tier
             batch = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in batch.items()}
         self.values.into_tail(batch, [item for item, _ in plan.rows])
@@ -164,6 +170,29 @@ class BatchAssembly:
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         out = nested_batch(self.values.collate(out))
         return values_to(out, self.reader.device) if self.gpu else out
+
+    def open_ahead(self) -> None:
+        """The next batch's first capture opened now, where the tail captures (a feeder's child: `loaders.tail.graphs.
+        Graphs.open_ahead`)."""
+        opener = getattr(self.tail, "open_ahead", None)
+        if opener is not None and self.gpu:
+            opener(self.reader.device)
+
+    def defer_checks(self) -> None:
+        """The tail's checks read back without waiting, raised by `raise_deferred` (a feeder's child)."""
+        if hasattr(self.tail, "defer_checks"):
+            self.tail.defer_checks = True
+
+    def raise_deferred(self) -> None:
+        raiser = getattr(self.tail, "raise_deferred", None)
+        if raiser is not None:
+            raiser()
+
+    def abandon_ahead(self) -> None:
+        """A capture opened ahead ended unlaunched, if any (on the thread that opened it)."""
+        abandon = getattr(self.tail, "abandon_ahead", None)
+        if abandon is not None:
+            abandon()
 
     def _assemble(self, plan: BatchPlan, got: dict[Any, dict[str, Any]]) -> dict[str, Any]:
         """Per key, the batch's rows (resident, whole or crop reads) cropped and stacked (a list if ragged)."""
@@ -197,3 +226,7 @@ class BatchAssembly:
     def _read_whole(self, items: list[int], slot: int, keys: Sequence[str] | None = None) -> Fetched:
         """Whole items (their `keys`, default all), item-major, every tensor in flight in one backend call."""
         return self.reader.fetch(self.reader.plan(items, keys=keys, key_major=False), self._slot(slot))
+
+
+def _ragged(batch: dict[str, Any]) -> bool:
+    return any(isinstance(v, list) for v in batch.values())

@@ -253,6 +253,9 @@ def _serve(checkpoint: Any) -> None:
     ring = Ring(2 * loader.prefetch + 4 if ahead_packed else loader.prefetch + 2, tally)
     if ahead_packed:
         loader.pack_ahead = lambda batch: ring.pack_ahead(batch, send)
+    loader.capture_ahead = loader.gpu and loader.tail_thread and tunables.CAPTURE_AHEAD
+    if ahead_packed:
+        loader.assembly.defer_checks()  # waited for after the batch's hand-over is queued
     ahead: _Ahead | None = None
     try:
         while True:

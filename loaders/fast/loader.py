@@ -140,6 +140,7 @@ class PreparedLoader(FeederSide):
         # a feeder's child: each batch handed to this (on the tail thread, its work just queued), what it returns
         # is what the iteration gives (`loaders.fast.child.Ring.pack_ahead`)
         self.pack_ahead: Callable[[dict[str, Any]], Any] | None = None
+        self.capture_ahead = False  # a feeder's child: the next batch's capture opened as each batch is queued
         self._threads_kept: dict[str, Any] = {}  # "read", "feed": one thread each, kept from epoch to epoch
         self._feeder: Any = None
         self._carry: NextEpoch | None = None  # the next epoch begun ahead (loaders.fast.carry)
@@ -378,6 +379,7 @@ class PreparedLoader(FeederSide):
             return
         if tails is not None:
             tails.close()  # before the reads: a tail waiting for its batch's read gets it, or its cancellation
+            self._abandon_ahead()
         reads.close()
         # draws made for batches read ahead and never delivered are undone: a later epoch (or a saved state) goes
         # on from the last batch the user received, as MONAI's per-item chain would
@@ -399,8 +401,14 @@ class PreparedLoader(FeederSide):
         carried, self._carry = self._carry, None
         if carried is not None:
             carried.clear()
+            self._abandon_ahead()
             self.cursor.drop_ahead()
             self.tier.settle()
+
+    def _abandon_ahead(self) -> None:
+        """A capture the tail thread opened ahead for a batch it will not make, ended there (where it was opened)."""
+        if self.capture_ahead and "feed" in self._threads_kept:
+            self._threads_kept["feed"].submit(self.assembly.abandon_ahead).result()
 
     def _thread(self, stage: str) -> Any:
         """The stage's one thread, started at the first epoch and kept for the next ones (a thread started and
@@ -449,11 +457,18 @@ class PreparedLoader(FeederSide):
             if self._side is None:
                 self._side = tail_stream(self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(self._side):
-                batch = self.assembly.finish(plan)
+                try:
+                    batch = self.assembly.finish(plan)
+                except BaseException:
+                    self.assembly.abandon_ahead()  # a capture opened ahead and not reached
+                    raise
                 if self.pack_ahead is not None:  # a feeder's child: handed over from here, with its work
                     batch = self.pack_ahead(batch)
                 event = torch.cuda.Event()
                 event.record(self._side)
+                if self.capture_ahead:  # ... and the next batch's capture begun with it
+                    self.assembly.open_ahead()
+                self.assembly.raise_deferred()  # the batch's checks, once all that is queued
         else:
             batch = self.assembly.finish(plan)
         return batch, event, self.cursor.draws.after(plan.early)

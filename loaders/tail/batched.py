@@ -396,6 +396,10 @@ class BatchedTail:
                 self.transforms = [_Sequence(self.transforms)]
         self.device = device
         self._graphs = Graphs()
+        # the batch's checks read back without waiting, raised by `raise_deferred` (a feeder's child: after what it
+        # queues with the batch, so that waiting for the flags does not split its work on the GPU in two)
+        self.defer_checks = False
+        self._pending: list[tuple[Any, Any, list[BaseException]]] = []
         self._handlers = [_handler(t) for t in self.transforms]
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
         if self._fallbacks:
@@ -417,6 +421,27 @@ class BatchedTail:
     def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:
         return self.run(batch)[0]
 
+    def raise_deferred(self) -> None:
+        """The checks of the batches run since (`defer_checks`) waited for; the first failed raised."""
+        pending, self._pending = self._pending, []
+        for flags, done, errors in pending:
+            done.synchronize()
+            for good, error in zip(flags.tolist(), errors):
+                if not good:
+                    raise error
+
+    def open_ahead(self, device: Any) -> None:
+        """The next batch's first capture opened now (`loaders.tail.graphs.Graphs.open_ahead`)."""
+        self._graphs.open_ahead(device)
+
+    def made_ahead(self, redo: Any) -> bool:
+        """Whether the batch's assembly just made went into a capture opened ahead (`redo` makes it again)."""
+        return self._graphs.made_ahead(redo)
+
+    def abandon_ahead(self) -> None:
+        """A capture opened ahead ended unlaunched (a batch this tail will not run, or one read from the host)."""
+        self._graphs.abandon_ahead()
+
     def run(
         self, batch: Mapping[Any, Any], groups: Sequence[int] | None = None
     ) -> tuple[dict[Hashable, Any], list[int]]:
@@ -434,7 +459,10 @@ class BatchedTail:
                     index += 1
                 if segments is not None:
                     segments.close(tb)
-                _raise_failed(tb.checks)
+                if self.defer_checks and tb.checks:
+                    self._pending.append(_flags_read(tb.checks))
+                else:
+                    _raise_failed(tb.checks)
                 return tb.result(), tb.origin
             except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
                 index = back.index
@@ -475,6 +503,18 @@ def _raise_failed(checks: list[tuple[Any, BaseException]]) -> None:
     for good, (_, error) in zip(ok, checks):
         if not good:
             raise error
+
+
+def _flags_read(checks: list[tuple[Any, BaseException]]) -> tuple[Any, Any, list[BaseException]]:
+    """(the checks' flags copied to pinned host memory without waiting, the event after the copy, their errors)."""
+    import torch
+
+    flags = torch.stack([torch.as_tensor(flag).reshape(()) for flag, _ in checks])
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done, [error for _, error in checks]
 
 
 def _marked(transform: Any) -> Any:

@@ -73,26 +73,93 @@ class Graphs:
         self.inflight: deque[tuple[Any, list[Any]]] = deque()  # (event after a replay, what it uses)
         self.launched = 0  # segments launched
         self.undone: list[list[Any]] = []  # the host tensors of undone segments' copies (`Segments._undo`)
+        self.ahead: Any = None  # (graph, stream): the next batch's first capture, opened when the last was queued
+        self.redo: Any = None  # () -> {key: tensor}: the batch's assembly made again, where it was captured ahead
 
     def begin(self, tb: Any) -> Segments | None:
-        """This batch's segments, where its tail runs on a CUDA stream that may capture; else None."""
+        """This batch's segments, where its tail runs on a CUDA stream that may capture (the capture opened ahead,
+        holding the batch's assembly, their first); else None (a capture opened ahead ended, the assembly made again
+        outside it)."""
+        import torch
+
+        tensors = [v for v in tb.data.values() if isinstance(v, torch.Tensor)]
+        stream = self._stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
+        if self.ahead is not None:
+            graph, opened = self.ahead
+            if stream is not None and stream == opened:
+                self.ahead, redo, self.redo = None, self.redo, None
+                return Segments(self, stream, adopted=(graph, _Mark(0, _fields(tb), []), redo))
+            self.abandon_ahead(tb)
+        return None if stream is None else Segments(self, stream)
+
+    def _stream(self, device: Any) -> Any:
+        """The current stream of `device` where a tail on it captures (this process's choice, a CUDA side stream not
+        capturing but for the capture opened ahead, no profiler running, a torch that can undo a capture); else
+        None."""
         wanted = tunables.TAIL_GRAPHS
         if wanted is False or (wanted == "feeder" and not in_feeder):
             return None
         import torch
 
-        tensors = [v for v in tb.data.values() if isinstance(v, torch.Tensor)]
-        if not tensors or not tensors[0].is_cuda or torch._C._autograd._profiler_enabled() or not _undoable():
+        if torch._C._autograd._profiler_enabled() or not _undoable():
             return None
-        device = tensors[0].device
         stream = torch.cuda.current_stream(device)
-        if stream == torch.cuda.default_stream(device) or torch.cuda.is_current_stream_capturing():
+        ahead = self.ahead is not None and self.ahead[1] == stream
+        if stream == torch.cuda.default_stream(device) or (torch.cuda.is_current_stream_capturing() and not ahead):
             return None  # the legacy default stream cannot capture; a capture already running is the caller's
         warm = _here.__dict__.setdefault("warm", set())
         if device.index not in warm:
             _warm(device)
             warm.add(device.index)
-        return Segments(self, stream)
+        return stream
+
+    def open_ahead(self, device: Any) -> None:
+        """The next batch's first capture opened now, on the current stream, where this tail captured the batch just
+        queued: a capture's start launches two small kernels (torch sets the graph's random seed and offset), and
+        now they reach the GPU with the batch just queued, not alone before the next (each arrival of a feeder's
+        work is a turn of its context on the GPU: docs/benchmarks.md). The next batch's assembly is captured into it
+        (`made_ahead`), and its tail goes on in it."""
+        import torch
+
+        if self.ahead is not None or self.launched == 0 or not tunables.CAPTURE_AHEAD:
+            return
+        stream = self._stream(torch.device(device))
+        if stream is None or torch.cuda.is_current_stream_capturing():
+            return
+        if self.pool is None:
+            self.pool, self.last = torch.cuda.graph_pool_handle(), None
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self.ahead = (graph, stream)
+
+    def made_ahead(self, redo: Any) -> bool:
+        """Whether a capture is open ahead (what the batch's assembly just launched is in it); `redo` makes that
+        assembly again, outside any capture, where the capture is ended unlaunched."""
+        if self.ahead is None:
+            return False
+        self.redo = redo
+        return True
+
+    def abandon_ahead(self, tb: Any = None) -> None:
+        """The capture opened ahead ended, never launched; what the batch's assembly made in it is made again (into
+        `tb`, where given)."""
+        if self.ahead is None:
+            return
+        (graph, _), self.ahead = self.ahead, None
+        redo, self.redo = self.redo, None
+        try:
+            graph.capture_end()
+        except Exception:  # noqa: BLE001 - an invalidated capture: its pool ends with it
+            self._end_pool(graph)
+        if redo is not None and tb is not None:
+            tb.data.update(redo())
+
+    def _end_pool(self, graph: Any) -> None:
+        import torch
+
+        with contextlib.suppress(Exception):  # where it raised before telling the allocator the capture ended
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), self.pool)
+        self.pool = None
 
     def settle(self) -> None:
         """Forget what the GPU has finished with."""
@@ -122,11 +189,14 @@ class Segments:
     """The segments of one batch's tail (`BatchedTail.run`): `captured` runs a transform's batched version
     inside the open segment, `close` launches it."""
 
-    def __init__(self, graphs: Graphs, stream: Any) -> None:
+    def __init__(self, graphs: Graphs, stream: Any, adopted: tuple[Any, _Mark, Any] | None = None) -> None:
         self.graphs, self.stream = graphs, stream
         self.graph: Any = None
         self.mark: _Mark | None = None
         self.keep: list[Any] = []
+        self.redo: Any = None  # the assembly made again, where the open segment (opened ahead) holding it is undone
+        if adopted is not None:  # the capture opened ahead: the batch's assembly in it, its first transform next
+            self.graph, self.mark, self.redo = adopted
 
     def takes(self, index: int, transform: Any) -> bool:
         return index not in self.graphs.refused and type(transform).__name__ in CAPTURED
@@ -157,7 +227,7 @@ class Segments:
             except Exception as e:  # noqa: BLE001
                 assert self.mark is not None
                 raise self._undo(tb, [self.mark.index + j for j in range(len(self.mark.states))], e) from e
-        self.mark = None
+        self.mark, self.redo = None, None
 
     def _open(self) -> None:
         import torch
@@ -200,6 +270,9 @@ class Segments:
         mark, self.mark = self.mark, None
         assert mark is not None
         vars(tb).update(_fields_copy(mark.batch))
+        redo, self.redo = self.redo, None
+        if redo is not None:  # the batch's assembly was in the segment undone: made again, outside any capture
+            tb.data.update(redo())
         for states in reversed(mark.states):
             for rng, state in states:
                 rng.set_state(state)

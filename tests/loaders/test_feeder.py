@@ -59,6 +59,40 @@ def test_feeder_batches_are_the_in_process_loaders(made: tuple[Path, Path], opti
     assert fed._feeder._proc.poll() is not None  # the child is gone
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ahead", ["1", "0"], ids=["handed-over-with-its-work", "at-the-credit"])
+def test_feeder_batches_with_graphs_and_checks_are_the_in_process_loaders(
+    made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, ahead: str
+) -> None:
+    """The child captures the tail as CUDA graphs (a dropout with a device-side check among them) and, by default,
+    hands each batch over from its tail thread with the next batch's capture opened (BLOCKPREP_PACK_AHEAD and
+    BLOCKPREP_CAPTURE_AHEAD at 0: at the parent's credit, each capture opened where it begins): the in-process
+    loader's batches, through an epoch left early, the child's early start taken and dropped, and a resume."""
+    from test_folds import CHAINS
+
+    monkeypatch.setenv("BLOCKPREP_PACK_AHEAD", ahead)
+    monkeypatch.setenv("BLOCKPREP_CAPTURE_AHEAD", ahead)
+    source = (
+        CHAINS["posneg-3d"][2]
+        .replace(
+            "RandScaleIntensityd(",
+            'RandCoarseDropoutd(keys="image", holes=2, spatial_size=2, prob=0.5), RandScaleIntensityd(',
+        )
+        .replace("from monai.transforms import (", "from monai.transforms import (RandCoarseDropoutd, ")
+    )
+    options = {"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}
+    want_loader = _loader(made, {**options, "feeder": False}, source)
+    want = _run(want_loader)
+    fed = _loader(made, {**options, "feeder": True}, source)
+    try:
+        got = _run(fed)
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+    finally:
+        fed.close()
+    assert fed._feeder._proc.poll() is not None
+
+
 def test_building_the_loader_does_not_wait_for_the_child_to_connect(
     made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
