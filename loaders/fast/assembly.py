@@ -179,14 +179,14 @@ class BatchAssembly:
             opener(self.reader.device)
 
     def defer_checks(self) -> None:
-        """The tail's checks read back without waiting, raised by `raise_deferred` (a feeder's child)."""
+        """The tail's checks read back without waiting, taken by `take_deferred` (a feeder's child)."""
         if hasattr(self.tail, "defer_checks"):
             self.tail.defer_checks = True
 
-    def raise_deferred(self) -> None:
-        raiser = getattr(self.tail, "raise_deferred", None)
-        if raiser is not None:
-            raiser()
+    def take_deferred(self) -> list[Any]:
+        """The tail's deferred checks since the last call (`loaders.tail.batched.raise_checks` waits for them)."""
+        taker = getattr(self.tail, "take_deferred", None)
+        return taker() if taker is not None else []
 
     def abandon_ahead(self) -> None:
         """A capture opened ahead ended unlaunched, if any (on the thread that opened it)."""

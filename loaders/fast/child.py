@@ -15,16 +15,19 @@ from loaders.cache.nesting import map_leaves
 from loaders.errors import LoaderStateError
 from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, Tally, dumps, incoming, loads, outgoing
 from loaders.state import same
+from loaders.tail.batched import raise_checks
 
 __all__ = ["Packed", "Ring", "Slots", "serve"]
 
 
 @dataclass
 class Packed:
-    """A batch packed where its tail ran (`Ring.pack_ahead`): its CUDA tensors in slot `at`, the rest to send."""
+    """A batch packed where its tail ran (`Ring.pack_ahead`): its CUDA tensors in slot `at`, the rest to send, and
+    its tail's checks, waited for before it is sent (`loaders.tail.batched.raise_checks`)."""
 
     at: int
     out: dict[str, Any]
+    checks: list[Any]
 
 
 class Slots:
@@ -135,7 +138,7 @@ class Ring:
         self.events[at].record(stream)
         return at, {k: IN_SLOT if k in cuda else outgoing(v) for k, v in batch.items()}
 
-    def pack_ahead(self, batch: dict[str, Any], send: Any) -> Any:
+    def pack_ahead(self, batch: dict[str, Any], checks: list[Any], send: Any) -> Any:
         """`batch` packed where its tail ran, right after its work was queued (so that it reaches the GPU with that
         work, not at the parent's credit: each arrival of the child's work is a turn of its context on the GPU,
         docs/benchmarks.md); the batch as it is where it cannot be (not the slots' tensors, or a slot to fill
@@ -145,14 +148,19 @@ class Ring:
         cuda = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
         shapes = {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
         if not cuda or (self.shapes and shapes != self.shapes) or (not self.fences and any(self.used)):
+            raise_checks(checks)
             return batch
         nested: list[bool] = []  # CUDA tensors the slots do not hold go by IPC, after the main thread's handover
         map_leaves([v for k, v in batch.items() if k not in cuda],
                    lambda v: nested.append(isinstance(v, torch.Tensor) and v.is_cuda))  # fmt: skip
         if any(nested):
+            raise_checks(checks)
             return batch
         at, out = self.pack(batch, send)
-        return batch if at is None else Packed(at, out)
+        if at is None:
+            raise_checks(checks)
+            return batch
+        return Packed(at, out, checks)
 
     def _make(self, cuda: dict[str, Any], shapes: dict[str, Any], send: Any) -> None:
         import torch
@@ -252,7 +260,7 @@ def _serve(checkpoint: Any) -> None:
     ahead_packed = loader.gpu and loader.tail_thread and tunables.PACK_AHEAD
     ring = Ring(2 * loader.prefetch + 4 if ahead_packed else loader.prefetch + 2, tally)
     if ahead_packed:
-        loader.pack_ahead = lambda batch: ring.pack_ahead(batch, send)
+        loader.pack_ahead = lambda batch, checks: ring.pack_ahead(batch, checks, send)
     loader.capture_ahead = loader.gpu and loader.tail_thread and tunables.CAPTURE_AHEAD
     if ahead_packed:
         loader.assembly.defer_checks()  # waited for after the batch's hand-over is queued
@@ -363,7 +371,12 @@ def _epoch(loader: Any, turns: _Turns, send: Any, ask: EpochAsk, ahead: _Ahead |
         for batch in batches:
             if not turns.next():
                 break
-            at, out = (batch.at, batch.out) if isinstance(batch, Packed) else ring.pack(batch, send)
+            at: int | None
+            if isinstance(batch, Packed):
+                raise_checks(batch.checks)  # the tail's flags, read back by now
+                at, out = batch.at, batch.out
+            else:
+                at, out = ring.pack(batch, send)
             ring.free.sent(at)  # before the parent may take it
             send("batch", BatchSent(at, out, dict(loader.cursor.live.snap)))
         else:

@@ -52,6 +52,7 @@ from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_
 from loaders.fast.trial import FeederTrial
 from loaders.reading.ahead import InOrder
 from loaders.reading.reads import Reader
+from loaders.tail.batched import raise_checks
 from loaders.tail.device import tail_stream
 
 
@@ -139,7 +140,7 @@ class PreparedLoader(FeederSide):
         self._side: Any = None  # the read thread's CUDA stream (tail_thread)
         # a feeder's child: each batch handed to this (on the tail thread, its work just queued), what it returns
         # is what the iteration gives (`loaders.fast.child.Ring.pack_ahead`)
-        self.pack_ahead: Callable[[dict[str, Any]], Any] | None = None
+        self.pack_ahead: Callable[[dict[str, Any], list[Any]], Any] | None = None
         self.capture_ahead = False  # a feeder's child: the next batch's capture opened as each batch is queued
         self._threads_kept: dict[str, Any] = {}  # "read", "feed": one thread each, kept from epoch to epoch
         self._feeder: Any = None
@@ -462,13 +463,15 @@ class PreparedLoader(FeederSide):
                 except BaseException:
                     self.assembly.abandon_ahead()  # a capture opened ahead and not reached
                     raise
+                checks = self.assembly.take_deferred()
                 if self.pack_ahead is not None:  # a feeder's child: handed over from here, with its work
-                    batch = self.pack_ahead(batch)
+                    batch = self.pack_ahead(batch, checks)  # the checks waited for where it is sent
+                else:
+                    raise_checks(checks)
                 event = torch.cuda.Event()
                 event.record(self._side)
                 if self.capture_ahead:  # ... and the next batch's capture begun with it
                     self.assembly.open_ahead()
-                self.assembly.raise_deferred()  # the batch's checks, once all that is queued
         else:
             batch = self.assembly.finish(plan)
         return batch, event, self.cursor.draws.after(plan.early)

@@ -396,8 +396,8 @@ class BatchedTail:
                 self.transforms = [_Sequence(self.transforms)]
         self.device = device
         self._graphs = Graphs()
-        # the batch's checks read back without waiting, raised by `raise_deferred` (a feeder's child: after what it
-        # queues with the batch, so that waiting for the flags does not split its work on the GPU in two)
+        # the batch's checks read back without waiting, taken by `take_deferred` and waited for by `raise_checks`
+        # (a feeder's child: where the batch is sent, so that waiting for the flags does not split its work in two)
         self.defer_checks = False
         self._pending: list[tuple[Any, Any, list[BaseException]]] = []
         self._handlers = [_handler(t) for t in self.transforms]
@@ -421,14 +421,10 @@ class BatchedTail:
     def __call__(self, batch: Mapping[Any, Any]) -> dict[Hashable, Any]:
         return self.run(batch)[0]
 
-    def raise_deferred(self) -> None:
-        """The checks of the batches run since (`defer_checks`) waited for; the first failed raised."""
+    def take_deferred(self) -> list[Any]:
+        """The checks of the batches run since (`defer_checks`), to give `raise_checks` once their work is queued."""
         pending, self._pending = self._pending, []
-        for flags, done, errors in pending:
-            done.synchronize()
-            for good, error in zip(flags.tolist(), errors):
-                if not good:
-                    raise error
+        return pending
 
     def open_ahead(self, device: Any) -> None:
         """The next batch's first capture opened now (`loaders.tail.graphs.Graphs.open_ahead`)."""
@@ -503,6 +499,16 @@ def _raise_failed(checks: list[tuple[Any, BaseException]]) -> None:
     for good, (_, error) in zip(ok, checks):
         if not good:
             raise error
+
+
+def raise_checks(pending: list[Any]) -> None:
+    """Deferred checks (`BatchedTail.take_deferred`) waited for; the first failed raised. Not on a thread whose
+    stream is capturing (a wait there would end the capture)."""
+    for flags, done, errors in pending:
+        done.synchronize()
+        for good, error in zip(flags.tolist(), errors):
+            if not good:
+                raise error
 
 
 def _flags_read(checks: list[tuple[Any, BaseException]]) -> tuple[Any, Any, list[BaseException]]:
