@@ -97,6 +97,9 @@ PACK_AHEAD = os.environ.get("BLOCKPREP_PACK_AHEAD", "") != "0"
 # start launches go with this batch's work, and the next batch's work reaches the GPU as one graph
 # (`loaders.tail.graphs.Graphs.open_ahead`). BLOCKPREP_CAPTURE_AHEAD=0 in the environment opens each where it is.
 CAPTURE_AHEAD = os.environ.get("BLOCKPREP_CAPTURE_AHEAD", "") != "0"
+# A feeder's child that fails says one line to the training process, which raises it; BLOCKPREP_FEEDER_TRACE=1 in the
+# environment also prints the child's whole traceback to its standard error (where the error came from).
+FEEDER_TRACE = os.environ.get("BLOCKPREP_FEEDER_TRACE", "") == "1"
 
 
 # --- DALI sources (loaders.faces.dali, loaders.faces.dali_base, loaders.faces.dali_bmap) ---

@@ -184,7 +184,7 @@ class BatchAssembly:
             self.tail.defer_checks = True
 
     def take_deferred(self) -> list[Any]:
-        """The tail's deferred checks since the last call (`loaders.tail.batched.raise_checks` waits for them)."""
+        """The tail's deferred checks since the last call (`loaders.tail.checks.raise_checks` waits for them)."""
         taker = getattr(self.tail, "take_deferred", None)
         return taker() if taker is not None else []
 

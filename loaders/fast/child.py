@@ -15,7 +15,7 @@ from loaders.cache.nesting import map_leaves
 from loaders.errors import LoaderStateError
 from loaders.fast.feeder import ENV, IN_SLOT, BatchSent, EpochAsk, Tally, dumps, incoming, loads, outgoing
 from loaders.state import same
-from loaders.tail.batched import raise_checks
+from loaders.tail.checks import raise_checks
 
 __all__ = ["Packed", "Ring", "Slots", "serve"]
 
@@ -23,7 +23,7 @@ __all__ = ["Packed", "Ring", "Slots", "serve"]
 @dataclass
 class Packed:
     """A batch packed where its tail ran (`Ring.pack_ahead`): its CUDA tensors in slot `at`, the rest to send, and
-    its tail's checks, waited for before it is sent (`loaders.tail.batched.raise_checks`)."""
+    its tail's checks, waited for before it is sent (`loaders.tail.checks.raise_checks`)."""
 
     at: int
     out: dict[str, Any]
@@ -244,6 +244,7 @@ def _serve(checkpoint: Any) -> None:
     except (EOFError, OSError):  # the parent closed the loader before it needed this one: nothing to say
         return
     except BaseException as exc:  # noqa: BLE001  (said to the parent, which raises it)
+        _trace()
         send("error", f"{type(exc).__name__}: {exc}")
         return
     if loader.gpu:  # what the tail makes on "the current device" goes to the loader's (one process per device)
@@ -284,6 +285,14 @@ def _serve(checkpoint: Any) -> None:
         if ahead is not None:
             ahead.drop(loader)
         loader.close()
+
+
+def _trace() -> None:
+    """The error being handled, its whole traceback printed to standard error where BLOCKPREP_FEEDER_TRACE=1."""
+    if tunables.FEEDER_TRACE:
+        import traceback
+
+        traceback.print_exc()
 
 
 class _Ahead:
@@ -387,6 +396,7 @@ def _epoch(loader: Any, turns: _Turns, send: Any, ask: EpochAsk, ahead: _Ahead |
     except LoaderStateError as exc:
         send("error", str(exc))
     except BaseException as exc:  # noqa: BLE001
+        _trace()
         send("error", f"{type(exc).__name__}: {exc}")
     finally:
         if gen is not None:

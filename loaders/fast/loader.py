@@ -52,7 +52,7 @@ from loaders.fast.tier import DeviceTier, auto_budget, dataset_bytes  # dataset_
 from loaders.fast.trial import FeederTrial
 from loaders.reading.ahead import InOrder
 from loaders.reading.reads import Reader
-from loaders.tail.batched import raise_checks
+from loaders.tail.checks import raise_checks
 from loaders.tail.device import tail_stream
 
 

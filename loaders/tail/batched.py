@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loaders.errors import PrepError
+from loaders.tail.checks import raise_failed
 from loaders.tail.graphs import Graphs, Segments
 
 _log = logging.getLogger("loaders.tail")
@@ -399,7 +400,8 @@ class BatchedTail:
         # the batch's checks read back without waiting, taken by `take_deferred` and waited for by `raise_checks`
         # (a feeder's child: where the batch is sent, so that waiting for the flags does not split its work in two)
         self.defer_checks = False
-        self._pending: list[tuple[Any, Any, list[BaseException]]] = []
+        self._pending: list[Any] = []  # `loaders.tail.checks.Deferred`
+        self._rows: Any = None  # their host rows (`loaders.tail.checks.FlagRows`), made at the first deferred check
         self._handlers = [_handler(t) for t in self.transforms]
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
         if self._fallbacks:
@@ -425,6 +427,16 @@ class BatchedTail:
         """The checks of the batches run since (`defer_checks`), to give `raise_checks` once their work is queued."""
         pending, self._pending = self._pending, []
         return pending
+
+    def _defer(self, checks: list[tuple[Any, BaseException]]) -> Any:
+        """The checks copied back without waiting (`defer_checks`), or None where they are raised here."""
+        if not self.defer_checks or not checks:
+            return None
+        if self._rows is None:
+            from loaders.tail.checks import FlagRows
+
+            self._rows = FlagRows()
+        return self._rows.read(checks)
 
     def open_ahead(self, device: Any) -> None:
         """The next batch's first capture opened now (`loaders.tail.graphs.Graphs.open_ahead`)."""
@@ -455,10 +467,11 @@ class BatchedTail:
                     index += 1
                 if segments is not None:
                     segments.close(tb)
-                if self.defer_checks and tb.checks:
-                    self._pending.append(_flags_read(tb.checks))
+                deferred = self._defer(tb.checks)
+                if deferred is None:
+                    raise_failed(tb.checks)
                 else:
-                    _raise_failed(tb.checks)
+                    self._pending.append(deferred)
                 return tb.result(), tb.origin
             except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
                 index = back.index
@@ -487,40 +500,6 @@ class BatchedTail:
         if name not in self._fallbacks:
             self._fallbacks.append(name)
             _log.warning("BatchedTail: %s runs per item through MONAI for this input", name)
-
-
-def _raise_failed(checks: list[tuple[Any, BaseException]]) -> None:
-    """The first check whose flag is false raised (every flag read in one wait, after the tail's work)."""
-    if not checks:
-        return
-    import torch
-
-    ok = torch.stack([torch.as_tensor(flag).reshape(()) for flag, _ in checks]).cpu().tolist()
-    for good, (_, error) in zip(ok, checks):
-        if not good:
-            raise error
-
-
-def raise_checks(pending: list[Any]) -> None:
-    """Deferred checks (`BatchedTail.take_deferred`) waited for; the first failed raised. Not on a thread whose
-    stream is capturing (a wait there would end the capture)."""
-    for flags, done, errors in pending:
-        done.synchronize()
-        for good, error in zip(flags.tolist(), errors):
-            if not good:
-                raise error
-
-
-def _flags_read(checks: list[tuple[Any, BaseException]]) -> tuple[Any, Any, list[BaseException]]:
-    """(the checks' flags copied to pinned host memory without waiting, the event after the copy, their errors)."""
-    import torch
-
-    flags = torch.stack([torch.as_tensor(flag).reshape(()) for flag, _ in checks])
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-    host.copy_(flags, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done, [error for _, error in checks]
 
 
 def _marked(transform: Any) -> Any:
