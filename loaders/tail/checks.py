@@ -62,7 +62,8 @@ class FlagRows:
         self.free = list(range(rows))
         self.lock = threading.Lock()
         cudart = torch.cuda.cudart()
-        self.registered = int(cudart.cudaHostRegister(self.host.data_ptr(), self.host.numel(), 0)) == 0
+        portable = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+        self.registered = int(cudart.cudaHostRegister(self.host.data_ptr(), self.host.numel(), portable)) == 0
         if self.registered:  # the tensor held by the finalizer until its memory is unregistered
             weakref.finalize(self, _unregister, self.host)
 
