@@ -202,7 +202,9 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
                     done.record(stream)
                     time.sleep(gap)
                     torch.cuda.current_stream(device).wait_event(done)
-                    ring.pack(made, lambda *_: None)
+                    at, _ = ring.pack(made, lambda *_: None)
+                    ring.free.sent(at)
+                    ring.free.new_epoch()  # nothing takes the slots here: each is free again at once
                     torch.cuda.current_stream(device).synchronize()
             k += 1
             stream.synchronize()
