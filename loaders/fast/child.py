@@ -97,6 +97,24 @@ class Slots:
             self.cond.notify_all()
 
 
+def _cuda_of(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The batch's top-level CUDA tensors (plain tensors), and their shapes, dtypes and devices."""
+    import torch
+
+    cuda = {k: v.as_subclass(torch.Tensor) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    return cuda, {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
+
+
+def _nested_cuda(batch: dict[str, Any], top: dict[str, Any]) -> bool:
+    """Whether a CUDA tensor lies in the batch below its top level (outside `top`)."""
+    import torch
+
+    found: list[bool] = []
+    map_leaves([v for k, v in batch.items() if k not in top],
+               lambda v: found.append(isinstance(v, torch.Tensor) and v.is_cuda))  # fmt: skip
+    return any(found)
+
+
 class Ring:
     """The child's end of the hand-over of a batch's top-level CUDA tensors: `slots` fixed buffers per key,
     shared with the parent once (CUDA IPC), each filled when free (`Slots`: the parent has taken the batch it
@@ -119,10 +137,27 @@ class Ring:
     def pack(self, batch: dict[str, Any], send: Any) -> tuple[int | None, dict[str, Any]]:
         """(slot, the batch to send): the top-level CUDA tensors copied into a free slot (marked `IN_SLOT`), the
         rest as `_outgoing`; slot None where the batch's CUDA tensors are not those the slots were made for."""
+        return self._pack(batch, *_cuda_of(batch), send)
+
+    def pack_ahead(self, batch: dict[str, Any], checks: list[Any], send: Any) -> Any:
+        """`batch` packed where its tail ran, right after its work was queued (so that it reaches the GPU with that
+        work, not at the parent's credit: each arrival of the child's work is a turn of its context on the GPU,
+        docs/benchmarks.md); the batch as it is where it cannot be (not the slots' tensors, CUDA tensors below the
+        top level, which go by IPC after the main thread's hand-over, or a slot to fill again before the parent's
+        fences came): the main thread packs it then."""
+        cuda, shapes = _cuda_of(batch)
+        at: int | None = None
+        if (cuda and shapes == (self.shapes or shapes) and (self.fences or not any(self.used))
+                and not _nested_cuda(batch, cuda)):  # fmt: skip
+            at, out = self._pack(batch, cuda, shapes, send)
+        if at is None:
+            raise_checks(checks)
+            return batch
+        return Packed(at, out, checks)
+
+    def _pack(self, batch: dict[str, Any], cuda: dict[str, Any], shapes: dict[str, Any], send: Any) -> Any:
         import torch
 
-        cuda = {k: v.as_subclass(torch.Tensor) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
-        shapes = {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
         with self.made:
             if not self.slots and cuda:
                 self._make(cuda, shapes, send)
@@ -137,30 +172,6 @@ class Ring:
             self.slots[at][key].copy_(value)
         self.events[at].record(stream)
         return at, {k: IN_SLOT if k in cuda else outgoing(v) for k, v in batch.items()}
-
-    def pack_ahead(self, batch: dict[str, Any], checks: list[Any], send: Any) -> Any:
-        """`batch` packed where its tail ran, right after its work was queued (so that it reaches the GPU with that
-        work, not at the parent's credit: each arrival of the child's work is a turn of its context on the GPU,
-        docs/benchmarks.md); the batch as it is where it cannot be (not the slots' tensors, or a slot to fill
-        again before the parent's fences came): the main thread packs it then."""
-        import torch
-
-        cuda = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.is_cuda}
-        shapes = {k: (tuple(v.shape), v.dtype, v.device) for k, v in cuda.items()}
-        if not cuda or (self.shapes and shapes != self.shapes) or (not self.fences and any(self.used)):
-            raise_checks(checks)
-            return batch
-        nested: list[bool] = []  # CUDA tensors the slots do not hold go by IPC, after the main thread's handover
-        map_leaves([v for k, v in batch.items() if k not in cuda],
-                   lambda v: nested.append(isinstance(v, torch.Tensor) and v.is_cuda))  # fmt: skip
-        if any(nested):
-            raise_checks(checks)
-            return batch
-        at, out = self.pack(batch, send)
-        if at is None:
-            raise_checks(checks)
-            return batch
-        return Packed(at, out, checks)
 
     def _make(self, cuda: dict[str, Any], shapes: dict[str, Any], send: Any) -> None:
         import torch

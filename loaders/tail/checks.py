@@ -21,7 +21,11 @@ def raise_failed(checks: list[tuple[Any, BaseException]]) -> None:
     import torch
 
     ok = torch.stack([torch.as_tensor(flag).reshape(()) for flag, _ in checks]).cpu().tolist()
-    for good, (_, error) in zip(ok, checks):
+    _raise_first(ok, [error for _, error in checks])
+
+
+def _raise_first(ok: list[Any], errors: list[BaseException]) -> None:
+    for good, error in zip(ok, errors):
         if not good:
             raise error
 
@@ -35,9 +39,7 @@ class Deferred:
 
     def raise_failed(self) -> None:
         self.done.synchronize()
-        for good, error in zip(self.flags.tolist(), self.errors):
-            if not good:
-                raise error
+        _raise_first(self.flags.tolist(), self.errors)
 
 
 def raise_checks(pending: list[Any]) -> None:

@@ -150,11 +150,11 @@ class Graphs:
         try:
             graph.capture_end()
         except Exception:  # noqa: BLE001 - an invalidated capture: its pool ends with it
-            self._end_pool(graph)
+            self._end_pool()
         if redo is not None and tb is not None:
             tb.data.update(redo())
 
-    def _end_pool(self, graph: Any) -> None:
+    def _end_pool(self) -> None:
         import torch
 
         with contextlib.suppress(Exception):  # where it raised before telling the allocator the capture ended
