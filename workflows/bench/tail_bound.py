@@ -21,6 +21,9 @@ timed, row by row:
   of slots MS ms later, from the default stream, as the child's main thread makes it at the parent's credit), then
   the same with the tail's kernels launched one by one. These rows note the GPU memory segments the process's
   allocator asked the driver for and gave back meanwhile (each a change of the GPU's mappings);
+- with `--here`, beside the tail run again at each step's start on a thread of this process, on a side stream
+  (captured anew each batch, then launched one by one): its Python in the training's interpreter, its kernels in
+  the training's context, the step waiting for it (a tail the training process runs itself);
 - then the graphs replayed alone, synced: their GPU time a batch.
 Kernels the tail launches uncaptured (a transform run item by item through MONAI) are not in the graphs: the
 printed count of graphs a batch says how much was. The graphs are replayed on the inputs they were captured on,
@@ -43,6 +46,7 @@ class Captured:
 
     graphs: list[Any]
     held: list[Any]
+    given: Any = None  # (the tail's input batch, its groups): what a row that runs the tail again here starts from
 
     def replay(self, stream: Any) -> None:
         import torch
@@ -84,6 +88,7 @@ def captured_batches(cache: Path, pipeline: Path, batch: int, device: str, batch
 
     def kept_run(self: Any, batch: Any, groups: Any = None) -> Any:
         now.held.append(dict(batch))  # the tail's inputs: a replay reads them (and writes only in its pool)
+        now.given = (now.held[-1], groups)
         return run(self, batch, groups)
 
     graphs.Segments._launch = kept_launch  # type: ignore[method-assign]
@@ -213,6 +218,61 @@ def _process_loop(spec: tuple[Any, ...], ready: Any, stop: Any, go: Any, said: A
     loader.close()
 
 
+def beside_tail_here(tail: Any, kept: list[Captured], step: Callable[[], Any], sync: Callable[[], None], n: int,
+                     device: str) -> float:  # fmt: skip
+    """ms a step with the tail run again in this process at each step's start: on a thread of its own and a side
+    stream, on a held input batch in turn, the step waiting for it (its host time in this interpreter, its kernels
+    in this context, as a tail run beside the training in its own process would be)."""
+    import threading
+
+    import torch
+
+    from workflows.bench.interference import timed_steps
+
+    side = torch.cuda.Stream(device=device)
+    go, done, stop, turn, failed, pending = threading.Event(), threading.Event(), [False], [0], [], [False]
+
+    def loop() -> None:
+        torch.cuda.set_device(device)
+        while True:
+            go.wait()
+            go.clear()
+            if stop[0]:
+                return
+            try:
+                with torch.cuda.stream(side):
+                    batch, groups = kept[turn[0] % len(kept)].given
+                    tail.run(batch, groups)
+            except BaseException as e:  # said once the row ends
+                failed.append(e)
+            turn[0] += 1
+            done.set()
+
+    def start() -> None:
+        done.clear()
+        pending[0] = True
+        go.set()
+
+    def waited() -> None:
+        if pending[0]:
+            done.wait()
+            pending[0] = False
+        sync()
+        side.synchronize()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        ms = timed_steps(step, waited, n, start)
+    finally:
+        stop[0] = True
+        go.set()
+        thread.join(60)
+    if failed:
+        raise RuntimeError(f"the tail run here failed: {failed[0]!r}") from failed[0]
+    return ms
+
+
 def beside_second_process(spec: tuple[Any, ...], step: Callable[[], Any], sync: Callable[[], None],
                           n: int) -> tuple[float, str]:  # fmt: skip
     """(ms a step beside the second process in `spec`'s mode, what the process said of its run)."""
@@ -269,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--crop", type=int, default=None)
     parser.add_argument("--no-process", action="store_true", help="leave out the second process's rows")
+    parser.add_argument(
+        "--here", action="store_true", help="rows with the tail run again on a thread of this process at each step"
+    )
     parser.add_argument("--modes", default="replay,make,make-uncaptured",
                         help="rows: replay, apart:MS, gated:MS, make, ring:MS, make-uncaptured")  # fmt: skip
     a = parser.parse_args(argv)
@@ -276,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tail_bound: CUDA graphs need a GPU; pass --device cuda:N on a GPU box")
         return 2
     import torch
+
+    from loaders import tunables
 
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)
@@ -318,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
 
     row("alone, first", alone)
     row("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail))
+    if a.here:  # the tail's Python on a thread of this process, captured anew each batch, then launched one by one
+        tail = loader.assembly.tail
+        row("tail made here, captured", beside_tail_here(tail, kept, step, sync, a.steps, a.device))
+        tunables.TAIL_GRAPHS = False
+        row("tail made here, one by one", beside_tail_here(tail, kept, step, sync, a.steps, a.device))
+        tunables.TAIL_GRAPHS = True
     spec = (cache, pipeline, opts.batch, a.device, a.batches)
     for mode in [] if a.no_process else a.modes.split(","):
         row(_label(mode), *beside_second_process((*spec, mode), step, sync, a.steps))
