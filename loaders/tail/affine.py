@@ -129,3 +129,66 @@ def rand_affine(t: Any, batch: TailBatch) -> bool:
             out = gather(out, [out[where[i]] if i in where else x[i].to(torch.float32) for i in range(batch.n)])
         batch.data[k] = out
     return True
+
+
+def plan_affine(t: Any, keys: list[Hashable], like: Any) -> Any:
+    """RandAffined's plan (`loaders.tail.plans`) where it resamples to the item's own size by grid_sample on
+    normalised coordinates: each item's matrix drawn (the identity where it does not fire), every item resampled
+    and the fired ones kept (the others as float32, as MONAI converts them)."""
+    from monai.utils import fall_back_tuple
+
+    shapes = {tuple(like[k].shape[2:]) for k in keys}
+    modes = _modes(t, keys)
+    if len(shapes) != 1 or modes is None or not t.rand_affine.resampler.norm_coords:
+        return None
+    in_size = shapes.pop()
+    sp_size = tuple(int(s) for s in fall_back_tuple(t.rand_affine.spatial_size, in_size))
+    return None if sp_size != in_size else _AffinePlan(t, keys, modes, sp_size)
+
+
+class _AffinePlan:
+    per_item = False
+
+    def __init__(self, t: Any, keys: list[Hashable], modes: list[tuple[Any, Any]], size: tuple[int, ...]) -> None:
+        self.t, self.keys, self.modes, self.size = t, keys, modes, size
+
+    def draw(self, n: int) -> Any:
+        """`rand_affine`'s draws, in its order: MONAI's matrix for each item it fires on (and the draws its calls
+        per key make after), the identity for the others."""
+        import numpy as np
+
+        from loaders.tail.plans import Drawn
+
+        t, side = self.t, len(self.size) + 1
+        fired, mats = np.zeros(n, dtype=np.bool_), np.tile(np.eye(side, dtype=np.float32), (n, 1, 1))
+        for i in range(n):
+            t.randomize(None)
+            t.rand_affine.randomize()
+            if t._do_transform:
+                fired[i] = True
+                mats[i] = _item_matrix(t, self.size).numpy()
+                for _ in self.keys:
+                    t.rand_affine.randomize()
+        return Drawn((), {"fired": fired, "mats": mats})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        import torch
+
+        side = len(self.size) + 1
+        return {"fired": torch.empty(n, dtype=torch.bool, device="meta"),
+                "mats": torch.empty((n, side, side), dtype=torch.float32, device="meta")}  # fmt: skip
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        import torch
+
+        first = data[self.keys[0]]
+        if first.device.type == "meta":
+            return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
+        grids = _grids(self.t, values["mats"], self.size, self.size, first.device)
+        dtype, align = _resample_dtype(self.t), self.t.rand_affine.resampler.align_corners
+        fired = values["fired"].view(-1, *([1] * (first.ndim - 1)))
+        out = {}
+        for k, (interp, pad) in zip(self.keys, self.modes):
+            x = data[k]
+            out[k] = torch.where(fired, sample(x, grids, interp, pad, align, dtype), x.to(torch.float32))
+        return out

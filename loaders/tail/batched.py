@@ -403,6 +403,7 @@ class BatchedTail:
         self._pending: list[Any] = []  # `loaders.tail.checks.Deferred`
         self._rows: Any = None  # their host rows (`loaders.tail.checks.FlagRows`), made at the first deferred check
         self._handlers = [_handler(t) for t in self.transforms]
+        self._replay: Any = None  # `loaders.tail.replay.ReplayedTail`, made at the first batch on a CUDA device
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
         if self._fallbacks:
             _log.warning("BatchedTail: per item through MONAI (no batched version): %s", ", ".join(self._fallbacks))
@@ -458,6 +459,8 @@ class BatchedTail:
         from loaders.tail.graphs import Rewind
 
         tb = TailBatch.from_batch(batch, self.device, groups)
+        if self._replayed(tb):
+            return tb.result(), tb.origin
         segments = self._graphs.begin(tb)
         index = 0
         while True:
@@ -475,6 +478,26 @@ class BatchedTail:
                 return tb.result(), tb.origin
             except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
                 index = back.index
+
+    def _replayed(self, tb: TailBatch) -> bool:
+        """Whether the batch went through the tail replayed from its plans (`loaders.tail.replay`: on a CUDA device,
+        every transform planned for its shapes and dtypes)."""
+        import torch
+
+        from loaders import tunables
+
+        cuda = [v for v in tb.data.values() if isinstance(v, torch.Tensor) and v.is_cuda]
+        if not tunables.TAIL_REPLAY or not cuda or torch._C._autograd._profiler_enabled():
+            return False  # under the profiler, each transform's kernels as launched (`_marked`)
+        if self._replay is None:
+            from loaders.tail.replay import ReplayedTail
+
+            self._replay = ReplayedTail(self.transforms)
+        if not self._replay.covers(tb.data):
+            return False
+        self._graphs.abandon_ahead(tb)  # a capture opened ahead holds the batch's assembly: made again outside it
+        tb.data = self._replay.run(tb.data)
+        return True
 
     def _step(self, index: int, tb: TailBatch, segments: Segments | None) -> None:
         """Transform `index` on the batch: batched (captured into the open CUDA graph where `segments` takes

@@ -22,7 +22,7 @@ def to_device(value: Any, device: Any) -> Any:
     import torch
 
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or value.device == device:
         return value.to(device)
     pinned = value.pin_memory()
     keep(pinned)  # inside a captured segment, the copy runs when the segment does

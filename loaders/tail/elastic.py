@@ -283,6 +283,12 @@ def _resample_at_once(
 def _resample(
     inner: Any, batch: TailBatch, keys: list[Hashable], modes: list[tuple[Any, Any]], grids: list[Any]
 ) -> None:
+    batch.data.update(resampled(inner, batch.data, keys, modes, grids))
+
+
+def resampled(
+    inner: Any, data: dict[Hashable, Any], keys: list[Hashable], modes: list[tuple[Any, Any]], grids: list[Any]
+) -> dict[Hashable, Any]:
     """Each key of the batch resampled at once on the items' grids, as MONAI's `Resample` does item by item
     (torch backend, normalised coordinates)."""
     import torch
@@ -291,15 +297,16 @@ def _resample(
     from loaders.tail.affine import sample
 
     resampler = inner.resampler
-    x = batch.data[keys[0]]
+    x = data[keys[0]]
     dtype = get_equivalent_dtype(resampler.dtype, torch.Tensor)
     size = tuple(x.shape[2:])
     nd = len(size)  # the grid's first rows, reversed: grid_sample's (x, y, z) order
     grid = torch.stack([g[:nd].flip(0).movedim(0, -1).to(device=x.device, dtype=dtype) for g in grids])
     for axis, dim in enumerate(reversed(size)):
         grid[..., axis] *= 2.0 / max(2, dim)
-    for k, (interp, pad) in zip(keys, modes):
-        batch.data[k] = sample(batch.data[k], grid, interp, pad, resampler.align_corners, dtype)
+    return {
+        k: sample(data[k], grid, interp, pad, resampler.align_corners, dtype) for k, (interp, pad) in zip(keys, modes)
+    }
 
 
 def _grids_here(inner: Any, drawn: list[Drawn], size: tuple[int, ...], first: Any) -> list[Any]:
@@ -341,3 +348,88 @@ def _grids_here(inner: Any, drawn: list[Drawn], size: tuple[int, ...], first: An
         inner._do_transform = drawn[-1][1]
         inner.rand_offset, inner.magnitude, inner.sigma = drawn[-1][2:]
     return grids
+
+
+def plan_3d(t: Any, keys: list[Hashable], like: Any) -> Any:
+    """Rand3DElasticd's plan (`loaders.tail.plans`) where its affine grid has no range and every key is resampled
+    by grid_sample on normalised coordinates: per item, its kernels' length (its sigma's) picks the graph."""
+    import torch
+    from monai.utils import fall_back_tuple
+
+    inner = t.rand_3d_elastic
+    grid = inner.rand_affine_grid
+    if any(f is not None for r in _RANGES for f in getattr(grid, r, ())):
+        return None
+    if inner.device is not None and torch.device(inner.device).type != "cuda":
+        return None  # MONAI makes the grid where it is told: the plan makes it where the batch is
+    modes = _modes_at_once(t, inner, keys)
+    shapes = {tuple(like[k].shape[2:]) for k in keys}
+    if modes is None or len(shapes) != 1 or len(next(iter(shapes))) != 3:
+        return None
+    size = tuple(int(s) for s in fall_back_tuple(inner.spatial_size, next(iter(shapes))))
+    if size != next(iter(shapes)):
+        return None  # a grid of another size than the item's: MONAI resamples to it
+    return _ElasticPlan(t, keys, modes, size)
+
+
+class _ElasticPlan:
+    """Rand3DElasticd split in two: each item's draws (made ahead on the draw threads, as `rand_3d_elastic` takes
+    them) and, per item, its grid made as `_grids_here` makes it, then each key resampled as `_resample` does."""
+
+    per_item = True
+
+    def __init__(self, t: Any, keys: list[Hashable], modes: list[tuple[Any, Any]], size: tuple[int, ...]) -> None:
+        self.t, self.keys, self.modes, self.size = t, keys, modes, size
+        self.inner = t.rand_3d_elastic
+
+    def draw_items(self, n: int) -> list[Any]:
+        import torch
+
+        from loaders.tail import gauss
+        from loaders.tail.plans import Drawn
+
+        early = ahead(self.t, self.inner, "rand_offset", _draws)
+        drawn = [resolved(d) for d in (_draws(self.t, self.inner, n, _Like(self.size)) if early is None
+                                       else early.take(n, self.size))]  # fmt: skip
+        out = []
+        for do, _, offset, magnitude, sigma in drawn:
+            if not do:
+                out.append(Drawn((), {}))
+                continue
+            sigma32 = np.array([sigma], dtype=np.float32)  # GaussianFilter's float32 sigma
+            moved = offset if isinstance(offset, torch.Tensor) else torch.from_numpy(np.asarray(offset))
+            values = {"offset": moved.unsqueeze(0), "sigma": sigma32, "magnitude": np.array([magnitude], np.float32)}
+            out.append(Drawn(("deformed", gauss.tail_of(float(sigma32[0]), 3.0)), values))
+        if drawn:  # what MONAI's last call leaves on its transform
+            self.inner._do_transform = drawn[-1][1]
+            self.inner.rand_offset, self.inner.magnitude, self.inner.sigma = drawn[-1][2:]
+        return out
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        """One item (a batch of one): deformed where `kind` says so (its kernels' half length), else resampled on
+        the identity grid, as MONAI resamples every item."""
+        import torch
+        from monai.networks.layers.simplelayers import separable_filtering
+        from monai.transforms import AffineGrid
+        from monai.transforms.utils import create_grid
+
+        from loaders.tail import gauss
+
+        first = data[self.keys[0]]
+        if first.device.type == "meta":  # the batch's shapes after it: float32, as grid_sample's out
+            return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
+        device = first.device
+        if self.inner.device is None:
+            self.inner.set_device(device)  # as MONAI's dict transform does at its first call
+        grid: Any = create_grid(spatial_size=self.size, device=device, backend="torch")
+        if kind:
+            k = gauss.kernel(values["sigma"], kind[1], 3.0)
+            grid[:3] += separable_filtering(x=values["offset"], kernels=[k, k, k])[0] * values["magnitude"]
+            dtype: Any = AffineGrid(dtype=self.inner.rand_affine_grid.dtype).dtype
+            grid = grid.to(dtype or grid.dtype)
+            affine = torch.eye(len(self.size) + 1, device=device, dtype=grid.dtype)
+            grid = (affine @ grid.view((grid.shape[0], -1))).view([-1, *grid.shape[1:]])
+        return resampled(self.inner, data, self.keys, self.modes, [grid])

@@ -23,6 +23,15 @@ def _where(x: Any, chosen: list[int], op: Any) -> Any:
     return gather(x, [done[where[i]] if i in where else x[i] for i in range(x.shape[0])])
 
 
+def flip_draws(t: Any, n: int) -> list[bool]:
+    """RandFlipd's draws for n items: whether each flips."""
+    fired = []
+    for _ in range(n):
+        t.randomize(None)
+        fired.append(bool(t._do_transform))
+    return fired
+
+
 def rand_flip(t: Any, batch: TailBatch) -> bool:
     """RandFlipd: the same spatial axes flipped for every item that draws a flip."""
     import torch
@@ -30,16 +39,21 @@ def rand_flip(t: Any, batch: TailBatch) -> bool:
     keys = keys_of(t, batch)
     if any(not batch.is_batched(k) for k in keys):
         return False
-    chosen = []
-    for i in range(batch.n):
-        t.randomize(None)
-        if t._do_transform:
-            chosen.append(i)
+    chosen = [i for i, fired in enumerate(flip_draws(t, batch.n)) if fired]
     for k in keys:
         x = batch.data[k]
         dims = spatial_batch_axes(x.ndim - 1, t.flipper.spatial_axis)
         batch.data[k] = _where(x, chosen, lambda v, d=dims: torch.flip(v, d))
     return True
+
+
+def rotate90_draws(t: Any, n: int) -> list[int]:
+    """RandRotate90d's draws for n items: each item's quarter turns, 0-3 (0 where it does not fire)."""
+    ks = []
+    for _ in range(n):
+        t.randomize()
+        ks.append((4 + t._rand_k % 4) % 4 if t._do_transform else 0)
+    return ks
 
 
 def rand_rotate90(t: Any, batch: TailBatch) -> bool:
@@ -49,10 +63,7 @@ def rand_rotate90(t: Any, batch: TailBatch) -> bool:
     keys = keys_of(t, batch)
     if any(not batch.is_batched(k) for k in keys):
         return False
-    ks = []
-    for _ in range(batch.n):
-        t.randomize()
-        ks.append((4 + t._rand_k % 4) % 4 if t._do_transform else 0)
+    ks = rotate90_draws(t, batch.n)
     new: dict[Any, list[Any]] = {}
     for k in keys:
         x = batch.data[k]

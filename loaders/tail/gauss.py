@@ -50,21 +50,36 @@ def kernels(sigmas: list[Any], truncated: float, approx: str, device: Any) -> li
     values = host.tolist()
     on_device = to_device(host, device)
     if approx.lower() == "erf" and on_device.is_cuda:
-        return _erf_rows(on_device, values, truncated)
+        return _erf_rows(on_device, [tail_of(v, truncated) for v in values], truncated)
     return [gaussian_1d(known(on_device[j], v), truncated=truncated, approx=approx) for j, v in enumerate(values)]
 
 
-def _erf_rows(sigma: Any, values: list[float], truncated: float) -> list[Any]:
+def _erf_rows(sigma: Any, tails: list[int], truncated: float) -> list[Any]:
     """The "erf" kernels at once: row j over the longest kernel's positions, its kernel the centred slice of its
-    own length (`values`: the sigmas' host numbers)."""
+    own half length `tails[j]` (`tail_of` its sigma's host number)."""
     import torch
 
     if truncated <= 0.0:
         raise ValueError(f"truncated must be positive, got {truncated}.")
-    tails = [int(max(v * truncated, 0.5) + 0.5) for v in values]
     most = max(tails)
     x = torch.arange(-most, most + 1, dtype=torch.float, device=sigma.device)
     t = 0.70710678 / torch.abs(sigma.reshape(-1, 1))
     out = 0.5 * ((t * (x + 0.5)).erf() - (t * (x - 0.5)).erf())
     out = out.clamp(min=0)
     return [out[j, most - tail : most + tail + 1] for j, tail in enumerate(tails)]
+
+
+def tail_of(sigma: float, truncated: float) -> int:
+    """The half length of `gaussian_1d`'s kernel for a sigma's host number."""
+    return int(max(sigma * truncated, 0.5) + 0.5)
+
+
+def kernel(sigma: Any, tail: int, truncated: float) -> Any:
+    """MONAI's "erf" `gaussian_1d` for `sigma` (a (1,) float32 tensor on its device) whose kernel's half length is
+    `tail` (`tail_of` its host number), with no host read: on a CUDA device its ops element by element (a CUDA graph
+    replays it for any sigma of that length); elsewhere MONAI's own, which reads the sigma."""
+    from monai.networks.layers.convutils import gaussian_1d
+
+    if not sigma.is_cuda:
+        return gaussian_1d(sigma[0], truncated=truncated, approx="erf")
+    return _erf_rows(sigma, [tail], truncated)[0]

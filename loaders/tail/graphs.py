@@ -308,10 +308,27 @@ def _warm(device: Any) -> None:
 
 
 def keep(value: Any) -> None:
-    """Hold `value` (a host tensor a captured copy reads) until the GPU has run its segment."""
+    """Hold `value` (a host tensor a captured copy reads) until the GPU has run its segment, or for as long as the
+    graph being captured (`holding`) lives."""
+    held = getattr(_here, "held", None)
+    if held is not None:
+        held.append(value)
+        return
     segments: Segments | None = getattr(_here, "segments", None)
     if segments is not None and segments.graph is not None:
         segments.keep.append(value)
+
+
+@contextlib.contextmanager
+def holding(held: list[Any]) -> Iterator[None]:
+    """What `keep` is given meanwhile (on this thread) goes into `held`: the host tensors a graph captured once and
+    replayed for good copies from (`loaders.tail.replay`: constants of the batch's shapes, never its draws)."""
+    before = getattr(_here, "held", None)
+    _here.held = held
+    try:
+        yield
+    finally:
+        _here.held = before
 
 
 def _fields(tb: Any) -> dict[str, Any]:

@@ -18,8 +18,10 @@ K = ["image", "label"]
 
 @pytest.fixture(autouse=True)
 def _captured_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tail's graphs in this process too (by default only a feeder's process captures)."""
+    """The tail's graphs in this process too (by default only a feeder's process captures), its segments' (a tail
+    of planned transforms is replayed otherwise: tests/loaders/test_tail_replay.py)."""
     monkeypatch.setattr(tunables, "TAIL_GRAPHS", True)
+    monkeypatch.setattr(tunables, "TAIL_REPLAY", False)
 
 
 def _chain_2d() -> list[Any]:

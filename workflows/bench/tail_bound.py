@@ -22,7 +22,8 @@ timed, row by row:
   the same with the tail's kernels launched one by one. These rows note the GPU memory segments the process's
   allocator asked the driver for and gave back meanwhile (each a change of the GPU's mappings);
 - with `--here`, beside the tail run again at each step's start on a thread of this process, on a side stream
-  (captured anew each batch, then launched one by one): its Python in the training's interpreter, its kernels in
+  (replayed from its plans where each transform has one, `loaders.tail.replay`; captured anew each batch; launched
+  one by one): its Python in the training's interpreter, its kernels in
   the training's context, the step waiting for it (a tail the training process runs itself);
 - then the graphs replayed alone, synced: their GPU time a batch.
 Kernels the tail launches uncaptured (a transform run item by item through MONAI) are not in the graphs: the
@@ -65,6 +66,7 @@ def feeder_like(cache: Path, pipeline: Path, batch: int, device: str) -> Any:
     from workflows.bench.train_loop import transform_of
 
     tunables.TAIL_GRAPHS = True
+    tunables.TAIL_REPLAY = False  # the segments' graphs, captured anew each batch (`--here` replays a planned tail)
     graphs.in_a_feeder()  # an empty segment's warning silenced, as in the child
     return PreparedLoader(cache, transform_of(pipeline, 0), batch, device=device, seed=0, feeder=False,
                           tail_thread=False)  # fmt: skip
@@ -263,6 +265,7 @@ def beside_tail_here(tail: Any, kept: list[Captured], step: Callable[[], Any], s
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
+        timed_steps(step, waited, max(4, n // 4), start)  # warm: its first batches capture
         ms = timed_steps(step, waited, n, start)
     finally:
         stop[0] = True
@@ -383,8 +386,18 @@ def main(argv: list[str] | None = None) -> int:
 
     row("alone, first", alone)
     row("tail graphs, this process", timed_steps(step, full_sync, a.steps, beside_tail))
-    if a.here:  # the tail's Python on a thread of this process, captured anew each batch, then launched one by one
+    if a.here:  # the tail's Python on a thread of this process: replayed from its plans, captured anew, one by one
+        from loaders.tail.plans import planned_names
+        from loaders.tail.replay import ReplayedTail
+
         tail = loader.assembly.tail
+        if ReplayedTail(tail.transforms).covers(kept[0].given[0]):
+            tunables.TAIL_REPLAY = True
+            row("tail replayed here", beside_tail_here(tail, kept, step, sync, a.steps, a.device))
+            tunables.TAIL_REPLAY = False
+        else:
+            unplanned = sorted({type(t).__name__ for t in tail.transforms} - set(planned_names()))
+            print(f"(not replayed: no plan for this batch; transforms with none at all: {', '.join(unplanned)})")
         row("tail made here, captured", beside_tail_here(tail, kept, step, sync, a.steps, a.device))
         tunables.TAIL_GRAPHS = False
         row("tail made here, one by one", beside_tail_here(tail, kept, step, sync, a.steps, a.device))

@@ -337,8 +337,10 @@ def fast_path(
     graphs = options.pop("tail_graphs", None)  # "fast-settled@tail_graphs=False": the tail's kernels one by one
     pack = options.pop("pack_ahead", None)  # "fast-settled@pack_ahead=False": the child hands over at the credit
     ahead = options.pop("capture_ahead", None)  # "fast-settled@capture_ahead=False": each capture opened where it is
+    replay = options.pop("tail_replay", None)  # "fast-settled@tail_replay=False": planned tails not replayed
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
-    with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead):
+    with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
+            _tunable("TAIL_REPLAY", replay):  # fmt: skip
         return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
 
 
@@ -359,7 +361,7 @@ def unaugmented(transform: Any) -> Any:
 
 @contextlib.contextmanager
 def _tunable(name: str, on: bool | None) -> Iterator[None]:
-    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD) and its environment variable
+    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY) and its environment variable
     BLOCKPREP_<name> (which the feeder's process reads) set for one row, then put back; None leaves them."""
     from loaders import tunables
 

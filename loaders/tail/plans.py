@@ -1,0 +1,242 @@
+"""Random transforms split in two, for a tail replayed as CUDA graphs (`loaders.tail.replay`).
+
+A plan's `draw` makes a batch's numbers on the host, by the MONAI transform's own `randomize`, item by item in
+batch order as MONAI's per-item chain draws them. Its `apply` does the work on the device from those numbers
+alone, with the same kernels whatever was drawn: every item is computed, and the items the transform skips are
+kept by a mask (`torch.where` picks, bit for bit, what MONAI leaves as it was). So one graph, captured once per
+`Drawn.kind` (what the kernels depend on beyond the batch's shapes: nothing, for the plans here), serves every
+batch. A transform, or an input, that no plan here covers has none (`plan_of` gives None): its tail runs as
+`loaders.tail.batched` runs it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Like = dict[Hashable, Any]  # a batch's entries as meta tensors: their shapes and dtypes, no data
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A batch's numbers for one transform: `kind` (hashable) picks its graph, `values` are copied up to it (numpy
+    arrays, or page-locked host tensors of many numbers, copied up as they are)."""
+
+    kind: Hashable
+    values: dict[str, Any]
+
+
+class Plan:
+    """One transform's draws and work. `keys`: the batch entries it reads and writes. A plan `per_item` draws a
+    `Drawn` for each item (`draw_items`) and works on one item at a time (a batch of one), its graphs captured for
+    each row and kind: where what the kernels depend on differs by item (a kernel's length drawn per item)."""
+
+    per_item = False
+
+    def __init__(self, t: Any, keys: list[Hashable]) -> None:
+        self.t, self.keys = t, keys
+
+    def draw(self, n: int) -> Drawn:
+        raise NotImplementedError
+
+    def draw_items(self, n: int) -> list[Drawn]:
+        """A per-item plan's draws, item by item (values: arrays, or pinned host tensors copied up as they are)."""
+        raise NotImplementedError
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        """What `draw(n)` gives, as meta tensors of its shapes and dtypes (nothing drawn)."""
+        raise NotImplementedError
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        """The entries it changed, from `data` (never written), `values` (the draws, on the batch's device) and
+        `kind` (the draw's: its graph's)."""
+        raise NotImplementedError
+
+
+def _meta(shape: tuple[int, ...], dtype: str) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+
+
+def _kept(fired: Any, done: Any, x: Any) -> Any:
+    """`done` on the items that fired ((n,) bools), `x` on the others."""
+    import torch
+
+    return torch.where(fired.view(-1, *([1] * (x.ndim - 1))), done, x)
+
+
+class _Flip(Plan):
+    """RandFlipd: the same axes flipped on every item that draws a flip."""
+
+    def __init__(self, t: Any, keys: list[Hashable], like: Like) -> None:
+        from loaders.tail.batched import spatial_batch_axes
+
+        super().__init__(t, keys)
+        self.dims = {k: spatial_batch_axes(like[k].ndim - 1, t.flipper.spatial_axis) for k in keys}
+
+    def draw(self, n: int) -> Drawn:
+        from loaders.tail.flips import flip_draws
+
+        return Drawn((), {"fired": np.array(flip_draws(self.t, n), dtype=np.bool_)})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {"fired": _meta((n,), "bool")}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        import torch
+
+        return {k: _kept(values["fired"], torch.flip(data[k], self.dims[k]), data[k]) for k in self.keys}
+
+
+class _Rotate90(Plan):
+    """RandRotate90d on square planes: each item's turns drawn (0 where it does not fire), every turn made for
+    every item and the drawn one kept."""
+
+    def __init__(self, t: Any, keys: list[Hashable], like: Like) -> None:
+        from loaders.tail.batched import spatial_batch_axes
+
+        super().__init__(t, keys)
+        self.axes = {k: tuple(spatial_batch_axes(like[k].ndim - 1, t.spatial_axes)) for k in keys}
+
+    def draw(self, n: int) -> Drawn:
+        from loaders.tail.flips import rotate90_draws
+
+        return Drawn((), {"turns": np.array(rotate90_draws(self.t, n), dtype=np.int64)})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {"turns": _meta((n,), "int64")}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        import torch
+
+        out = {}
+        for k in self.keys:
+            x = out[k] = data[k]
+            for q in (1, 2, 3):
+                out[k] = _kept(values["turns"] == q, torch.rot90(x, q, self.axes[k]), out[k])
+        return out
+
+
+class _Scalar(Plan):
+    """RandScaleIntensityd (v * (1 + factor)) and RandShiftIntensityd (v + offset): one op over the batch with
+    each item's number (per channel where drawn so), the skipped items' the op's neutral (x * 1 and x + 0 are x;
+    -0.0 + 0 is 0.0, equal)."""
+
+    def __init__(self, t: Any, keys: list[Hashable], like: Like, inner: Any, attr: str, op: Callable[..., Any],
+                 neutral: float, plus_one: bool) -> None:  # fmt: skip
+        super().__init__(t, keys)
+        self.inner, self.attr, self.op, self.neutral, self.plus_one = inner, attr, op, neutral, plus_one
+        self.item = like[keys[0]][0]  # what the inner transform's randomize is given (its shape: channels)
+        self.width = int(self.item.shape[0]) if getattr(inner, "channel_wise", False) else 1
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {"table": _meta((n, self.width), "float64")}
+
+    def draw(self, n: int) -> Drawn:
+        from loaders.tail.intensity import draws
+
+        rows = []
+        for d in draws(self.t, self.inner, self.attr, [self.item] * n):
+            if d is None:
+                rows.append([self.neutral])
+            else:
+                row = list(d) if isinstance(d, (list, tuple)) else [d]
+                rows.append([1 + v for v in row] if self.plus_one else row)
+        table = np.array([r * self.width if len(r) == 1 else r for r in rows], dtype=np.float64)
+        return Drawn((), {"table": table})
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        out = {}
+        for k in self.keys:
+            x = data[k]
+            table = values["table"].to(x.dtype)  # a python float against a float tensor: rounded to its dtype
+            out[k] = self.op(x, table.view(*table.shape, *([1] * (x.ndim - 2)))).to(x.dtype)
+        return out
+
+
+def _float_keys(like: Like, keys: list[Hashable]) -> bool:
+    import torch
+
+    return all(like[k].dtype in (torch.float32, torch.float64) for k in keys)
+
+
+def _flip(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    return _Flip(t, keys, like)
+
+
+def _rotate90(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders.tail.batched import spatial_batch_axes
+
+    for k in keys:
+        a, b = spatial_batch_axes(like[k].ndim - 1, t.spatial_axes)
+        if like[k].shape[a] != like[k].shape[b]:
+            return None  # odd turns change the item's shape
+    return _Rotate90(t, keys, like)
+
+
+def _scale(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    if t.scaler.dtype is not None and any(like[k].dtype != _dtype(t.scaler.dtype) for k in keys):
+        return None  # a dtype change on some items only: MONAI's items would leave in two dtypes
+    return _Scalar(t, keys, like, t.scaler, "factor", operator.mul, 1.0, True)
+
+
+def _shift(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders.tail.intensity import _meta_key
+
+    if any(_meta_key(t, k) in like for k in keys):
+        return None  # offsets scaled by a meta factor
+    return _Scalar(t, keys, like, t.shifter, "_offset", operator.add, 0.0, False)
+
+
+def _affine(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders.tail.affine import plan_affine
+
+    return plan_affine(t, keys, like)
+
+
+def _elastic_3d(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders.tail.elastic import plan_3d
+
+    return plan_3d(t, keys, like)
+
+
+def _dtype(dtype: Any) -> Any:
+    import torch
+    from monai.utils import get_equivalent_dtype
+
+    return get_equivalent_dtype(dtype, torch.Tensor)
+
+
+_PLANS: dict[str, Callable[[Any, list[Hashable], Like], Plan | None]] = {
+    "Rand3DElasticd": _elastic_3d,
+    "RandAffined": _affine,
+    "RandFlipd": _flip,
+    "RandRotate90d": _rotate90,
+    "RandScaleIntensityd": _scale,
+    "RandShiftIntensityd": _shift,
+}
+
+
+def planned_names() -> list[str]:
+    """The MONAI transforms with a plan (for some inputs: `plan_of` says for which)."""
+    return sorted(_PLANS)
+
+
+def plan_of(t: Any, like: Like) -> Plan | None:
+    """The plan of MONAI transform `t` for a batch like `like` (every entry it acts on a float32/float64 tensor of
+    the batch), or None."""
+    cls = type(t)
+    if not cls.__module__.startswith("monai.transforms.") or cls.__name__ not in _PLANS:
+        return None
+    try:
+        keys = list(t.key_iterator(like))
+    except KeyError:  # an entry it acts on is not among the batch's on its device
+        return None
+    if not keys or not _float_keys(like, keys) or any(like[k].ndim < 3 for k in keys):
+        return None
+    return _PLANS[cls.__name__](t, keys, like)

@@ -1,0 +1,236 @@
+"""A tail replayed: a batch's draws made on the host (`loaders.tail.plans`), its work launched as CUDA graphs
+captured once for each transform and kind of draw, the draws copied up into them from page-locked host memory.
+
+Where every transform of a tail has a plan for the batch's shapes and dtypes, a batch costs the host its draws
+(MONAI's `randomize`, item by item) and one graph launch a transform, not the Python of each kernel. Made in the
+training process, a tail's Python costs the step about a third (`python -m workflows.bench.tail_bound --here`:
+the tail run on a thread there), its graphs replayed there about nothing (docs/benchmarks.md).
+
+The batch passes through static buffers: the input copied into the first, each transform's graph reading one and
+writing the next (the entries it leaves are the same tensors), the last copied out for the caller. Before each
+launch its draws are copied up into the device tensors it reads, from page-locked memory, so the host never waits
+for the GPU (a graph copying from host memory of its own could only be given the next draws once its last launch had
+run: the tail could not run ahead). Off a CUDA device the same plans run eagerly, as the tests check them against
+MONAI anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loaders.tail.graphs import holding
+from loaders.tail.plans import Drawn, Like, Plan, plan_of
+
+
+@dataclass
+class _Graph:
+    """One transform's graph for one kind of draw, and the device tensors it reads the draws from."""
+
+    graph: Any
+    dev: dict[str, Any]
+    held: list[Any]  # the host tensors of constants its copies read
+
+
+def _entries(batch: Mapping[Hashable, Any], n: int) -> list[Hashable]:
+    """The entries the tail's buffers hold: per-item tensors on the device of the batch's first (n, C, ...) one
+    (the others, a class label left on the CPU, pass through as they are)."""
+    import torch
+
+    device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim > 1)
+    return [k for k, v in batch.items() if _per_item(v, n) and v.device == device]
+
+
+def _like(batch: Mapping[Hashable, Any], n: int) -> Like:
+    import torch
+
+    return {k: torch.empty(batch[k].shape, dtype=batch[k].dtype, device="meta") for k in _entries(batch, n)}
+
+
+def _per_item(value: Any, n: int) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.ndim >= 1 and int(value.shape[0]) == n
+
+
+def _batch_size(batch: Mapping[Hashable, Any]) -> int | None:
+    import torch
+
+    sizes = {int(v.shape[0]) for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim > 1}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def plans_of(transforms: Sequence[Any], like: Like) -> tuple[list[Plan], list[Like]] | None:
+    """Each transform's plan and the batch before each (and after the last), or None where one has no plan."""
+    plans, likes = [], [like]
+    for t in transforms:
+        plan = plan_of(t, likes[-1])
+        if plan is None:
+            return None
+        after = dict(likes[-1])
+        after.update(plan.apply(likes[-1], plan.values_like(int(next(iter(like.values())).shape[0])), ()))
+        plans.append(plan)
+        likes.append(after)
+    return plans, likes
+
+
+class ReplayedTail:
+    """`transforms` (MONAI dictionary transforms, each with a plan) run over whole batches: draws here, work as
+    graphs (`capture`, on a CUDA device) or eagerly. Not thread-safe: one caller a tail."""
+
+    def __init__(self, transforms: Sequence[Any], capture: bool = True) -> None:
+        self.transforms = list(transforms)
+        self.capture = capture
+        self._chains: dict[Any, _Chain | None] = {}
+        self.captures = 0  # graphs captured, all chains
+
+    def covers(self, batch: Mapping[Hashable, Any]) -> bool:
+        """Whether every transform has a plan for a batch like this one."""
+        return self._chain(batch) is not None
+
+    def _chain(self, batch: Mapping[Hashable, Any]) -> _Chain | None:
+        n = _batch_size(batch)
+        if n is None:
+            return None
+        spec = tuple((k, tuple(batch[k].shape), batch[k].dtype, batch[k].device) for k in _entries(batch, n))
+        if spec not in self._chains:
+            found = plans_of(self.transforms, _like(batch, n))
+            self._chains[spec] = None if found is None else _Chain(self, n, *found)
+        return self._chains[spec]
+
+    def run(self, batch: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        """The batch through the tail (entries that are not per-item tensors passed through as they are)."""
+        chain = self._chain(batch)
+        if chain is None:
+            raise ValueError("ReplayedTail: a transform has no plan for this batch (check `covers` first)")
+        drawn = [plan.draw_items(chain.n) if plan.per_item else plan.draw(chain.n) for plan in chain.plans]
+        out = dict(batch)
+        on_cuda = batch[next(iter(chain.likes[0]))].is_cuda
+        out.update(chain.run(batch, drawn) if self.capture and on_cuda else chain.eager(batch, drawn))
+        return out
+
+
+class _Chain:
+    """A tail's plans for one batch spec, its static buffers and graphs."""
+
+    def __init__(self, owner: ReplayedTail, n: int, plans: list[Plan], likes: list[Like]) -> None:
+        self.owner, self.n, self.plans, self.likes = owner, n, plans, likes
+        self.buffers: list[dict[Hashable, Any]] = []
+        self.graphs: dict[Any, _Graph] = {}
+        self.pool: Any = None
+        self.stream: Any = None
+
+    def eager(self, batch: Mapping[Hashable, Any], drawn: list[Any]) -> dict[Hashable, Any]:
+        import torch
+
+        data = {k: batch[k] for k in self.likes[0]}
+        for plan, d in zip(self.plans, drawn):
+            device = data[plan.keys[0]].device
+            if not plan.per_item:
+                data.update(plan.apply(data, _up(d, device), d.kind))
+                continue
+            rows = [plan.apply({k: data[k][i : i + 1] for k in plan.keys}, _up(di, device), di.kind)
+                    for i, di in enumerate(d)]  # fmt: skip
+            data.update({k: torch.cat([r[k] for r in rows]) for k in plan.keys})
+        return data
+
+    def run(self, batch: Mapping[Hashable, Any], drawn: list[Any]) -> dict[Hashable, Any]:
+        import torch
+
+        device = batch[next(iter(self.likes[0]))].device
+        if self.stream is None:
+            self._make_buffers(device)
+        caller = torch.cuda.current_stream(device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            for k, buf in self.buffers[0].items():
+                buf.copy_(batch[k])
+            for j, (plan, d) in enumerate(zip(self.plans, drawn)):
+                if plan.per_item:
+                    for i, di in enumerate(d):
+                        self._launch(j, plan, di, i)
+                else:
+                    self._launch(j, plan, d, None)
+            out = {k: v.clone() for k, v in self.buffers[-1].items()}
+        caller.wait_stream(self.stream)
+        for v in out.values():
+            v.record_stream(caller)
+        return out
+
+    def _launch(self, j: int, plan: Plan, d: Drawn, row: int | None) -> None:
+        """Plan j's graph for this draw (on item `row` of the batch, or all of it) launched after its draws' copies
+        up (from page-locked memory, without waiting: the caching host allocator holds each block until its copy
+        has run, so the host never waits for the GPU here)."""
+        key = (j, row, d.kind, tuple((name, tuple(a.shape), str(a.dtype)) for name, a in d.values.items()))
+        g = self.graphs.get(key) or self._capture(key, j, plan, d, row)
+        for name, a in d.values.items():
+            g.dev[name].copy_(_pinned(a), non_blocking=True)
+        g.graph.replay()
+
+    def _views(self, j: int, row: int | None) -> tuple[dict[Hashable, Any], dict[Hashable, Any]]:
+        """Plan j's input and output buffers: the batch's, or item `row`'s as a batch of one."""
+        pick = (lambda v: v) if row is None else (lambda v: v[row : row + 1])
+        return {k: pick(v) for k, v in self.buffers[j].items()}, {k: pick(v) for k, v in self.buffers[j + 1].items()}
+
+    def _make_buffers(self, device: Any) -> None:
+        import torch
+
+        from loaders.tail.graphs import _warm
+
+        self.stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(self.stream):
+            _warm(device)  # cuBLAS's and cuDNN's handles made before a capture
+        for j, like in enumerate(self.likes):
+            before = self.buffers[-1] if self.buffers else {}
+            changed = set(self.plans[j - 1].keys) if j else set(like)
+            kept = {k: before[k] for k in like if k not in changed and k in before}
+            made = {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in like.items() if k not in kept}
+            self.buffers.append({k: kept[k] if k in kept else made[k] for k in like})
+
+    def _capture(self, key: Any, j: int, plan: Plan, d: Drawn, row: int | None) -> _Graph:
+        import torch
+
+        device = self.stream.device
+        given = {name: _pinned(a) for name, a in d.values.items()}
+        dev = {name: torch.empty(tuple(h.shape), dtype=h.dtype, device=device) for name, h in given.items()}
+        src, dst = self._views(j, row)
+
+        def work() -> None:
+            for k, v in plan.apply(src, dev, d.kind).items():
+                dst[k].copy_(v)
+
+        for name, h in given.items():
+            dev[name].copy_(h, non_blocking=True)
+        work()  # once outside the capture: what a first call sets up is not captured
+        self.stream.synchronize()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph, held = torch.cuda.CUDAGraph(), list[Any]()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
+            with holding(held):  # constants a plan copies up from pinned memory: held as long as the graph
+                work()
+        finally:
+            graph.capture_end()
+        self.owner.captures += 1
+        self.graphs[key] = _Graph(graph, dev, held)
+        return self.graphs[key]
+
+
+def _pinned(value: Any) -> Any:
+    """A draw's value as a page-locked host tensor (a numpy array copied into one; a tensor pinned already as is)."""
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value)).pin_memory()
+    return value if value.is_pinned() else value.pin_memory()
+
+
+def _up(d: Drawn, device: Any) -> dict[str, Any]:
+    """A draw's values on `device` (eagerly)."""
+    import torch
+
+    return {name: (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(device) for name, a in d.values.items()}

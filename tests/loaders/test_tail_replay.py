@@ -1,0 +1,173 @@
+"""A tail replayed from its plans (draws on the host, the work from them): bit for bit MONAI's per-item chain over
+several batches, eagerly here and as graphs captured once on a GPU; transforms and inputs without a plan are
+told apart before anything is drawn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tailutil import K, assert_same, make_batch, reference_batches
+
+from loaders.tail.plans import plan_of
+from loaders.tail.replay import ReplayedTail
+
+
+def _planned(dtype: torch.dtype = torch.float32) -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+        mt.RandScaleIntensityd(keys="image", factors=0.2, prob=0.5, dtype=dtype),
+        mt.RandShiftIntensityd(keys="image", offsets=0.3, prob=0.5),
+        mt.RandScaleIntensityd(keys="image", factors=0.2, prob=0.7, channel_wise=True, dtype=dtype),
+        mt.RandShiftIntensityd(keys="image", offsets=0.3, prob=0.7, channel_wise=True),
+        mt.RandFlipd(keys=K, spatial_axis=[1, 2], prob=0.5),
+        mt.RandRotate90d(keys=K, prob=0.6, max_k=3, spatial_axes=(1, 2)),
+        mt.RandFlipd(keys=K, prob=0.5),
+    ]
+
+
+def _given(batches: int, device: str, dtype: torch.dtype = torch.float32, channels: int = 2) -> list[dict[str, Any]]:
+    out = []
+    for s in range(batches):
+        b = make_batch(n=5, spatial=(9, 10, 10), seed=s)
+        image = b["image"].repeat(1, channels, 1, 1, 1)
+        out.append({"image": image.to(device, dtype), "label": b["label"].to(device, dtype)})
+    return out
+
+
+def _compare(device: str, dtype: torch.dtype = torch.float32, batches: int = 6) -> ReplayedTail:
+    from monai.transforms import Compose
+
+    given = _given(batches, device, dtype)
+    chain = Compose(_planned(dtype)).set_random_state(7)
+    want = reference_batches(chain, [{k: v.clone() for k, v in b.items()} for b in given])
+    replayed = ReplayedTail(Compose(_planned(dtype)).set_random_state(7).transforms)
+    for b, w in zip(given, want):
+        assert replayed.covers(b)
+        before = {k: v.clone() for k, v in b.items()}
+        got = replayed.run(b)
+        assert_same(got, w)
+        assert_same(b, before)  # the input is never written
+    return replayed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eager_equals_monai(dtype: torch.dtype) -> None:
+    replayed = _compare("cpu", dtype)
+    assert replayed.captures == 0
+
+
+def test_draws_have_the_shapes_said() -> None:
+    batch = _given(1, "cpu")[0]
+    like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+    for t in _planned():
+        plan = plan_of(t, like)
+        assert plan is not None
+        said = plan.values_like(5)
+        drawn = plan.draw(5).values
+        assert sorted(said) == sorted(drawn)
+        for name, a in drawn.items():
+            assert tuple(said[name].shape) == a.shape
+            assert said[name].dtype == torch.from_numpy(np.zeros(1, a.dtype)).dtype
+
+
+def test_no_plan_no_draw() -> None:
+    """A transform without a plan, or an integer image, leaves the tail uncovered, and nothing is drawn: the
+    transforms' random states are where they were."""
+    import monai.transforms as mt
+
+    flip = mt.RandFlipd(keys=K, prob=0.5).set_random_state(1)
+    state = flip.R.get_state()[1].copy()
+    rotate = mt.RandRotate90d(keys=K, prob=0.5)  # the batch's (9, 10) plane is not square: odd turns reshape
+    batch = _given(1, "cpu")[0]
+    assert not ReplayedTail([flip, rotate]).covers(batch)
+    ints = {k: v.to(torch.int32) for k, v in batch.items()}
+    assert not ReplayedTail([flip]).covers(ints)
+    doubles = {k: v.to(torch.float64) for k, v in batch.items()}  # its items would leave in two dtypes
+    assert not ReplayedTail([flip, mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5)]).covers(doubles)
+    assert np.array_equal(flip.R.get_state()[1], state)
+    with pytest.raises(ValueError, match="no plan"):
+        ReplayedTail([flip, rotate]).run(batch)
+
+
+def test_a_meta_factor_has_no_plan() -> None:
+    import monai.transforms as mt
+
+    batch = _given(1, "cpu")[0]
+    batch["image_meta_dict"] = torch.ones(5, 1)
+    assert not ReplayedTail([mt.RandShiftIntensityd(keys="image", offsets=0.1, factor_key="f")]).covers(batch)
+
+
+@pytest.mark.gpu
+def test_graphs_equal_monai_on_the_gpu() -> None:
+    """Captured once per transform, replayed for every batch after, each batch equal to MONAI's on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    replayed = _compare("cuda:0", batches=8)
+    assert replayed.captures == len(_planned())
+
+
+def _elastic() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.Rand3DElasticd(K, sigma_range=(1, 3), magnitude_range=(2, 5), prob=0.6, mode=("bilinear", "nearest"),
+                          padding_mode="border"),
+        mt.RandFlipd(K, spatial_axis=0, prob=0.5),
+        mt.RandScaleIntensityd(keys="image", factors=0.2, prob=0.5),
+    ]  # fmt: skip
+
+
+def _affine() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandAffined(keys=K, prob=0.5, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1),
+                       mode=("bilinear", "nearest"), padding_mode="border"),
+        mt.RandFlipd(K, spatial_axis=1, prob=0.5),
+    ]  # fmt: skip
+
+
+def _compare_elastic(device: str, batches: int, chain_of: Any = _elastic) -> ReplayedTail:
+    from monai.transforms import Compose
+
+    given = _given(batches, device, channels=1)
+    chain = Compose(chain_of()).set_random_state(11)
+    want = reference_batches(chain, [{k: v.clone() for k, v in b.items()} for b in given])
+    replayed = ReplayedTail(Compose(chain_of()).set_random_state(11).transforms)
+    for b, w in zip(given, want):
+        assert replayed.covers(b)
+        assert_same(replayed.run(b), w)
+    return replayed
+
+
+def test_elastic_eager_equals_monai() -> None:
+    """Rand3DElasticd's plan, item by item (its kernels' length drawn per item), against MONAI on the CPU."""
+    _compare_elastic("cpu", 3)
+
+
+def test_affine_eager_equals_monai() -> None:
+    """RandAffined's plan (every item resampled, the fired ones kept) against MONAI on the CPU."""
+    _compare_elastic("cpu", 3, _affine)
+
+
+def test_elastic_with_a_range_has_no_plan() -> None:
+    import monai.transforms as mt
+
+    ranged = mt.Rand3DElasticd(K, sigma_range=(1, 3), magnitude_range=(2, 5), rotate_range=0.1)
+    assert not ReplayedTail([ranged]).covers(_given(1, "cpu")[0])
+
+
+@pytest.mark.gpu
+def test_elastic_graphs_equal_monai_on_the_gpu() -> None:
+    """Its graphs captured per row and kernel length, replayed after: each batch MONAI's on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    replayed = _compare_elastic("cuda:0", 8)
+    assert replayed.captures >= 3
+    replayed = _compare_elastic("cuda:0", 6, _affine)
+    assert replayed.captures == 2
