@@ -15,6 +15,7 @@ from typing import Any
 
 from loaders.tail.batched import TailBatch, gather, keys_of
 from loaders.tail.device import to_device
+from loaders.tail.plans import Plan
 
 
 def _modes(t: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:
@@ -146,7 +147,7 @@ def plan_affine(t: Any, keys: list[Hashable], like: Any) -> Any:
     return None if sp_size != in_size else _AffinePlan(t, keys, modes, sp_size)
 
 
-class _AffinePlan:
+class _AffinePlan(Plan):
     per_item = False
 
     def __init__(self, t: Any, keys: list[Hashable], modes: list[tuple[Any, Any]], size: tuple[int, ...]) -> None:

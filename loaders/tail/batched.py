@@ -460,6 +460,7 @@ class BatchedTail:
 
         tb = TailBatch.from_batch(batch, self.device, groups)
         if self._replayed(tb):
+            self._checked(tb.checks)
             return tb.result(), tb.origin
         segments = self._graphs.begin(tb)
         index = 0
@@ -470,14 +471,18 @@ class BatchedTail:
                     index += 1
                 if segments is not None:
                     segments.close(tb)
-                deferred = self._defer(tb.checks)
-                if deferred is None:
-                    raise_failed(tb.checks)
-                else:
-                    self._pending.append(deferred)
+                self._checked(tb.checks)
                 return tb.result(), tb.origin
             except Rewind as back:  # a capture failed: its segment undone, to run again uncaptured
                 index = back.index
+
+    def _checked(self, checks: list[tuple[Any, BaseException]]) -> None:
+        """The batch's checks raised here, or deferred (`defer_checks`)."""
+        deferred = self._defer(checks)
+        if deferred is None:
+            raise_failed(checks)
+        else:
+            self._pending.append(deferred)
 
     def _replayed(self, tb: TailBatch) -> bool:
         """Whether the batch went through the tail replayed from its plans (`loaders.tail.replay`: on a CUDA device,
@@ -485,9 +490,13 @@ class BatchedTail:
         import torch
 
         from loaders import tunables
+        from loaders.tail import graphs
 
+        wanted = tunables.TAIL_REPLAY
+        if wanted is False or (wanted == "here" and graphs.in_feeder):
+            return False
         cuda = [v for v in tb.data.values() if isinstance(v, torch.Tensor) and v.is_cuda]
-        if not tunables.TAIL_REPLAY or not cuda or torch._C._autograd._profiler_enabled():
+        if not cuda or torch._C._autograd._profiler_enabled():
             return False  # under the profiler, each transform's kernels as launched (`_marked`)
         if self._replay is None:
             from loaders.tail.replay import ReplayedTail
@@ -497,6 +506,7 @@ class BatchedTail:
             return False
         self._graphs.abandon_ahead(tb)  # a capture opened ahead holds the batch's assembly: made again outside it
         tb.data = self._replay.run(tb.data)
+        tb.checks.extend(self._replay.checks)
         return True
 
     def _step(self, index: int, tb: TailBatch, segments: Segments | None) -> None:

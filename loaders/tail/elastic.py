@@ -32,6 +32,7 @@ import numpy as np
 from loaders.tail import stream
 from loaders.tail.ahead import _Like, ahead, drawers, from_state, resolved, same_state, skip, skippable
 from loaders.tail.batched import TailBatch
+from loaders.tail.plans import Plan
 from loaders.tail.sparse import Apply, assemble, ready
 
 _RANGES = ("rotate_range", "shear_range", "translate_range", "scale_range")
@@ -372,7 +373,7 @@ def plan_3d(t: Any, keys: list[Hashable], like: Any) -> Any:
     return _ElasticPlan(t, keys, modes, size)
 
 
-class _ElasticPlan:
+class _ElasticPlan(Plan):
     """Rand3DElasticd split in two: each item's draws (made ahead on the draw threads, as `rand_3d_elastic` takes
     them) and, per item, its grid made as `_grids_here` makes it, then each key resampled as `_resample` does."""
 

@@ -36,6 +36,7 @@ class Plan:
     each row and kind: where what the kernels depend on differs by item (a kernel's length drawn per item)."""
 
     per_item = False
+    eager = False
 
     def __init__(self, t: Any, keys: list[Hashable]) -> None:
         self.t, self.keys = t, keys
@@ -222,6 +223,30 @@ _PLANS: dict[str, Callable[[Any, list[Hashable], Like], Plan | None]] = {
 }
 
 
+class Eager(Plan):
+    """A transform with no plan run as the tail runs it otherwise (its batched version, else MONAI item by item),
+    between the graphs: where it keeps every entry's shape and dtype (`EAGER`, float32 entries), so the buffers
+    around it hold. Its draws are made as it runs; its host time is paid on the batches it fires on."""
+
+    eager = True
+
+    def draw(self, n: int) -> Drawn:
+        return Drawn(("eager",), {})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        return {}  # the batch's shapes after it: as before
+
+
+# MONAI transforms that leave a float32 entry's shape and dtype as they are (run eagerly between graphs)
+EAGER = frozenset({
+    "RandAdjustContrastd", "RandBiasFieldd", "RandCoarseDropoutd", "RandGaussianNoised", "RandGaussianSharpend",
+    "RandGaussianSmoothd", "RandHistogramShiftd", "RandStdShiftIntensityd",
+})  # fmt: skip
+
+
 def planned_names() -> list[str]:
     """The MONAI transforms with a plan (for some inputs: `plan_of` says for which)."""
     return sorted(_PLANS)
@@ -230,8 +255,10 @@ def planned_names() -> list[str]:
 def plan_of(t: Any, like: Like) -> Plan | None:
     """The plan of MONAI transform `t` for a batch like `like` (every entry it acts on a float32/float64 tensor of
     the batch), or None."""
+    import torch
+
     cls = type(t)
-    if not cls.__module__.startswith("monai.transforms.") or cls.__name__ not in _PLANS:
+    if not cls.__module__.startswith("monai.transforms.") or cls.__name__ not in _PLANS.keys() | EAGER:
         return None
     try:
         keys = list(t.key_iterator(like))
@@ -239,4 +266,7 @@ def plan_of(t: Any, like: Like) -> Plan | None:
         return None
     if not keys or not _float_keys(like, keys) or any(like[k].ndim < 3 for k in keys):
         return None
-    return _PLANS[cls.__name__](t, keys, like)
+    planned = _PLANS[cls.__name__](t, keys, like) if cls.__name__ in _PLANS else None
+    if planned is None and cls.__name__ in EAGER and all(like[k].dtype == torch.float32 for k in keys):
+        return Eager(t, keys)
+    return planned

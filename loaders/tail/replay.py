@@ -86,6 +86,8 @@ class ReplayedTail:
         self.capture = capture
         self._chains: dict[Any, _Chain | None] = {}
         self.captures = 0  # graphs captured, all chains
+        # the last batch's device flags where MONAI would have raised (`loaders.tail.checks`), from its eager steps
+        self.checks: list[tuple[Any, BaseException]] = []
 
     def covers(self, batch: Mapping[Hashable, Any]) -> bool:
         """Whether every transform has a plan for a batch like this one."""
@@ -109,6 +111,7 @@ class ReplayedTail:
         drawn = [plan.draw_items(chain.n) if plan.per_item else plan.draw(chain.n) for plan in chain.plans]
         out = dict(batch)
         on_cuda = batch[next(iter(chain.likes[0]))].is_cuda
+        self.checks = []
         out.update(chain.run(batch, drawn) if self.capture and on_cuda else chain.eager(batch, drawn))
         return out
 
@@ -129,6 +132,9 @@ class _Chain:
         data = {k: batch[k] for k in self.likes[0]}
         for plan, d in zip(self.plans, drawn):
             device = data[plan.keys[0]].device
+            if plan.eager:
+                data.update(self._eager_step(plan, data))
+                continue
             if not plan.per_item:
                 data.update(plan.apply(data, _up(d, device), d.kind))
                 continue
@@ -149,7 +155,11 @@ class _Chain:
             for k, buf in self.buffers[0].items():
                 buf.copy_(batch[k])
             for j, (plan, d) in enumerate(zip(self.plans, drawn)):
-                if plan.per_item:
+                if plan.eager:
+                    src, dst = self._views(j, None)
+                    for k, v in self._eager_step(plan, src).items():
+                        dst[k].copy_(v)
+                elif plan.per_item:
                     for i, di in enumerate(d):
                         self._launch(j, plan, di, i)
                 else:
@@ -159,6 +169,25 @@ class _Chain:
         for v in out.values():
             v.record_stream(caller)
         return out
+
+    def _eager_step(self, plan: Plan, data: dict[Hashable, Any]) -> dict[Hashable, Any]:
+        """An eager step's entries: its batched version on the batch (never written), else MONAI item by item; the
+        entries it leaves in another shape or dtype than the buffers' raise (never copied in converted)."""
+        from loaders.errors import PrepError
+        from loaders.tail.batched import TailBatch, _handler, _per_item
+
+        tb = TailBatch.from_batch(data)
+        handler = _handler(plan.t)
+        if handler is None or not handler(plan.t, tb):
+            _per_item(plan.t, tb)
+        out = tb.result()
+        self.owner.checks.extend(tb.checks)
+        for k in plan.keys:
+            if out[k].shape != data[k].shape or out[k].dtype != data[k].dtype:
+                raise PrepError(f"ReplayedTail: {type(plan.t).__name__} left {k!r} as {tuple(out[k].shape)} "
+                                f"{out[k].dtype}, not {tuple(data[k].shape)} {data[k].dtype}; run it with "
+                                "BLOCKPREP_TAIL_REPLAY=0 and report it")  # fmt: skip
+        return {k: out[k] for k in plan.keys}
 
     def _launch(self, j: int, plan: Plan, d: Drawn, row: int | None) -> None:
         """Plan j's graph for this draw (on item `row` of the batch, or all of it) launched after its draws' copies

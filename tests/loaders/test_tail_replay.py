@@ -171,3 +171,30 @@ def test_elastic_graphs_equal_monai_on_the_gpu() -> None:
     assert replayed.captures >= 3
     replayed = _compare_elastic("cuda:0", 6, _affine)
     assert replayed.captures == 2
+
+
+def _seg_aug() -> list[Any]:
+    from tailutil import augment_3d
+
+    return augment_3d()
+
+
+def test_seg_augs_chain_eager_equals_monai() -> None:
+    """The tutorials' augmentations (RandAffined and the flips planned, the intensity ones run eagerly between them)
+    against MONAI on the CPU."""
+    import monai.transforms as mt
+
+    batch = _given(1, "cpu", channels=1)[0]
+    like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
+    kinds = [type(plan_of(t, like)).__name__ for t in _seg_aug()]
+    assert "Eager" in kinds and "_Flip" in kinds and "_AffinePlan" in kinds
+    assert plan_of(mt.RandGaussianSharpend(keys="image", prob=0.5), {k: v.double() for k, v in like.items()}) is None
+    _compare_elastic("cpu", 3, _seg_aug)
+
+
+@pytest.mark.gpu
+def test_seg_augs_chain_on_the_gpu() -> None:
+    """The same on the GPU: its planned transforms as graphs, bit for bit MONAI's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    _compare_elastic("cuda:0", 6, _seg_aug)
