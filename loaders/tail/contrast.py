@@ -29,13 +29,21 @@ def host_range(span: tuple[float, float], dtype: Any, invert: bool) -> float:
 def adjusted(inner: Any, img: Any, span: tuple[float, float] | None) -> Any:
     """MONAI's `RandAdjustContrast(img, randomize=False)` with the gamma `inner` drew (`span`: the item's min and
     max, read by the host; None on a CUDA device)."""
-    import torch
-
     if not inner._do_transform:
         return img
     if inner.gamma_value is None:
         raise RuntimeError("gamma_value is not set, please call `randomize` function first.")
-    a, gamma = inner.adjust_contrast, inner.gamma_value
+    return contrasted(inner.adjust_contrast, img, inner.gamma_value, span)
+
+
+def contrasted(a: Any, img: Any, gamma: Any, span: tuple[float, float] | None) -> Any:
+    """MONAI's `AdjustContrast` `a` with `gamma` (a host number, or a device tensor of one: torch's power of a
+    tensor by either is the same `pow`, for exponents other than the few it computes otherwise, 0.5, 2, 3, -0.5, -1
+    and -2, which a drawn gamma is not) on one item."""
+    import torch
+
+    if isinstance(gamma, torch.Tensor):  # the host's number: on a CUDA device torch's power takes it in the
+        gamma = gamma.to(img.dtype) if img.is_cuda else float(gamma)  # image's dtype; the CPU's otherwise
     if a.invert_image:
         img = -img
     if a.retain_stats:
@@ -43,8 +51,10 @@ def adjusted(inner: Any, img: Any, span: tuple[float, float] | None) -> Any:
         sd = img.std()
     img_min = img.min()
     img_range = img.max() - img_min
-    if span is None:  # torch's CUDA division by a host number: times its reciprocal
+    if span is None and img.is_cuda:  # torch's CUDA division by a host number: times its reciprocal
         scaled = (img - img_min) * torch.reciprocal(img_range + EPSILON)
+    elif span is None:  # elsewhere MONAI's own division, reading the range
+        scaled = (img - img_min) / float(img_range + EPSILON)
     else:
         scaled = (img - img_min) / host_range(span, img.dtype, a.invert_image)
     ret = scaled**gamma * img_range + img_min

@@ -302,10 +302,17 @@ def _legval(x: Any, c: Any) -> Any:
 
 def bias_fields(spatial: tuple[int, ...], degree: int, coeffs: list[list[float]], device: Any) -> Any:
     """The bias fields (n, 1, *spatial), float64, of MONAI's RandBiasField for each coefficient list."""
+    import torch
+
+    return fields_of(spatial, to_device(torch.from_numpy(_coefficient_mats(len(spatial), degree, coeffs)), device))
+
+
+def fields_of(spatial: tuple[int, ...], c: Any) -> Any:
+    """The bias fields (n, 1, *spatial), float64, of coefficient matrices `c` (`_coefficient_mats`, on the device)."""
     import numpy as np
     import torch
 
-    c = to_device(torch.from_numpy(_coefficient_mats(len(spatial), degree, coeffs)), device)
+    device = c.device
     for dim in spatial:
         x = to_device(torch.from_numpy(np.linspace(-1.0, 1.0, dim, dtype=np.float32)), device)
         c = _legval(x, c)

@@ -40,13 +40,19 @@ def _points(draws: list[dict[str, Any]], name: str, like: Any) -> Any:
 
 
 def _mapped(img: Any, draws: list[dict[str, Any]]) -> Any:
+    return mapped(img, _points(draws, "reference_control_points", img), _points(draws, "floating_control_points", img))
+
+
+def mapped(img: Any, reference: Any, floating: Any) -> Any:
+    """Each row of `img` mapped by its control points (rows of `reference` and `floating`, in its dtype, on its
+    device)."""
     import torch
 
     flat = img.reshape(img.shape[0], -1)
     low, high = flat.amin(1, keepdim=True), flat.amax(1, keepdim=True)
     span = high - low
-    xp = _points(draws, "reference_control_points", img) * span + low
-    fp = _points(draws, "floating_control_points", img) * span + low
+    xp = reference * span + low
+    fp = floating * span + low
     m = (fp[:, 1:] - fp[:, :-1]) / (xp[:, 1:] - xp[:, :-1])
     b = fp[:, :-1] - (m * xp[:, :-1])
     at = (torch.searchsorted(xp.contiguous(), flat.contiguous()) - 1).clip(0, m.shape[1] - 1)

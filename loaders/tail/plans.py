@@ -194,6 +194,18 @@ def _shift(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     return _Scalar(t, keys, like, t.shifter, "_offset", operator.add, 0.0, False)
 
 
+def _fired(name: str) -> Callable[[Any, list[Hashable], Like], Plan | None]:
+    """A plan maker of `loaders.tail.fired_plans`."""
+
+    def make(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+        from loaders.tail import fired_plans
+
+        maker: Callable[[Any, list[Hashable], Like], Plan | None] = getattr(fired_plans, name)
+        return maker(t, keys, like)
+
+    return make
+
+
 def _affine(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     from loaders.tail.affine import plan_affine
 
@@ -216,6 +228,10 @@ def _dtype(dtype: Any) -> Any:
 _PLANS: dict[str, Callable[[Any, list[Hashable], Like], Plan | None]] = {
     "Rand3DElasticd": _elastic_3d,
     "RandAffined": _affine,
+    "RandAdjustContrastd": _fired("adjust_contrast"),
+    "RandBiasFieldd": _fired("bias_field"),
+    "RandHistogramShiftd": _fired("histogram_shift"),
+    "RandStdShiftIntensityd": _fired("std_shift"),
     "RandFlipd": _flip,
     "RandRotate90d": _rotate90,
     "RandScaleIntensityd": _scale,

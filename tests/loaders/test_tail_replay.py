@@ -198,3 +198,42 @@ def test_seg_augs_chain_on_the_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     _compare_elastic("cuda:0", 6, _seg_aug)
+
+
+def _intensity() -> list[Any]:
+    import monai.transforms as mt
+
+    return [
+        mt.RandAdjustContrastd(keys="image", prob=0.6, gamma=(0.7, 1.5), invert_image=True, retain_stats=True),
+        mt.RandStdShiftIntensityd(keys="image", prob=0.6, factors=0.2, channel_wise=True),
+        mt.RandHistogramShiftd(keys="image", prob=0.6, num_control_points=6),
+        mt.RandBiasFieldd(keys="image", prob=0.6, coeff_range=(0.0, 0.2), degree=2),
+        mt.RandAdjustContrastd(keys="image", prob=0.6, gamma=(0.7, 1.5)),
+    ]
+
+
+def _compare_intensity(device: str, batches: int) -> ReplayedTail:
+    from monai.transforms import Compose
+
+    given = _given(batches, device, channels=2)
+    want = reference_batches(
+        Compose(_intensity()).set_random_state(5), [{k: v.clone() for k, v in b.items()} for b in given]
+    )
+    replayed = ReplayedTail(Compose(_intensity()).set_random_state(5).transforms)
+    like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in given[0].items()}
+    assert not any(type(plan_of(t, like)).__name__ == "Eager" for t in _intensity())  # every one planned
+    for b, w in zip(given, want):
+        assert_same(replayed.run(b), w)
+    return replayed
+
+
+def test_intensity_plans_eager_equal_monai() -> None:
+    """The contrast (inverted, its stats kept), channel-wise std shift, histogram shift and bias field plans."""
+    _compare_intensity("cpu", 3)
+
+
+@pytest.mark.gpu
+def test_intensity_graphs_equal_monai_on_the_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    assert _compare_intensity("cuda:0", 6).captures == len(_intensity())
