@@ -158,7 +158,7 @@ class _AffinePlan(Plan):
         per key make after), the identity for the others."""
         import numpy as np
 
-        from loaders.tail.plans import Drawn
+        from loaders.tail.plans import Drawn, fired_kind
 
         t, side = self.t, len(self.size) + 1
         fired, mats = np.zeros(n, dtype=np.bool_), np.tile(np.eye(side, dtype=np.float32), (n, 1, 1))
@@ -170,7 +170,7 @@ class _AffinePlan(Plan):
                 mats[i] = _item_matrix(t, self.size).numpy()
                 for _ in self.keys:
                     t.rand_affine.randomize()
-        return Drawn((), {"fired": fired, "mats": mats})
+        return Drawn(fired_kind(fired), {"fired": fired, "mats": mats})
 
     def values_like(self, n: int) -> dict[str, Any]:
         import torch
@@ -185,11 +185,19 @@ class _AffinePlan(Plan):
         first = data[self.keys[0]]
         if first.device.type == "meta":
             return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
-        grids = _grids(self.t, values["mats"], self.size, self.size, first.device)
+        from loaders.tail.plans import on_fired, rows_of
+
         dtype, align = _resample_dtype(self.t), self.t.rand_affine.resampler.align_corners
-        fired = values["fired"].view(-1, *([1] * (first.ndim - 1)))
+        made: dict[int, Any] = {}  # the grids of the rows resampled, made once for every key
+
+        def grids(rows: Any) -> Any:
+            if len(rows) not in made:
+                mats = values["mats"] if len(rows) == len(values["mats"]) else rows_of(values["mats"], rows)
+                made[len(rows)] = _grids(self.t, mats, self.size, self.size, first.device)
+            return made[len(rows)]
+
         out = {}
         for k, (interp, pad) in zip(self.keys, self.modes):
-            x = data[k]
-            out[k] = torch.where(fired, sample(x, grids, interp, pad, align, dtype), x.to(torch.float32))
+            resample = lambda v, rows, i=interp, p=pad: sample(v, grids(rows), i, p, align, dtype)  # noqa: E731
+            out[k] = on_fired(data[k], kind, values["fired"], resample, lambda v: v.to(torch.float32))
         return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.tail.plans import Drawn, Like, Plan, _kept, _meta
+from loaders.tail.plans import Drawn, Like, Plan, _meta, fired_kind, on_fired, rows_of
 
 
 def _fire(t: Any, inner: Any, n: int, draw: Callable[[], Any]) -> list[Any]:
@@ -50,7 +50,8 @@ class _PerItemValue(Plan):
 
         drawn = _fire(self.t, self.inner, n, draw)
         value = np.array([0.0 if d is None else d for d in drawn], dtype=np.float64)
-        return Drawn((), {"fired": _fired(drawn), "value": value})
+        fired = _fired(drawn)
+        return Drawn(fired_kind(fired), {"fired": fired, "value": value})
 
     def values_like(self, n: int) -> dict[str, Any]:
         return {"fired": _meta((n,), "bool"), "value": _meta((n,), "float64")}
@@ -64,8 +65,12 @@ class _PerItemValue(Plan):
             if x.device.type == "meta":
                 out[k] = x
                 continue
-            done = torch.stack([self.work(x[i], values["value"][i]) for i in range(x.shape[0])])
-            out[k] = _kept(values["fired"], done, x)
+            value = values["value"]
+
+            def op(rows_x: Any, rows: Any, value: Any = value) -> Any:
+                return torch.stack([self.work(rows_x[j], value[i]) for j, i in enumerate(rows)])
+
+            out[k] = on_fired(x, kind, values["fired"], op)
         return out
 
 
@@ -125,7 +130,8 @@ class _Histogram(Plan):
         for i, d in enumerate(drawn):
             if d is not None:
                 ref[i], flo[i] = d
-        return Drawn((), {"fired": _fired(drawn), "reference": ref, "floating": flo})
+        fired = _fired(drawn)
+        return Drawn(fired_kind(fired), {"fired": fired, "reference": ref, "floating": flo})
 
     def values_like(self, n: int) -> dict[str, Any]:
         return {"fired": _meta((n,), "bool"), "reference": _meta((n, self.points), "float64"),
@@ -140,8 +146,13 @@ class _Histogram(Plan):
             if x.device.type == "meta":
                 out[k] = x
                 continue
-            done = mapped(x, values["reference"].to(x.dtype), values["floating"].to(x.dtype))
-            out[k] = _kept(values["fired"], done, x)
+            ref, flo = values["reference"].to(x.dtype), values["floating"].to(x.dtype)
+
+            def op(rows_x: Any, rows: Any, ref: Any = ref, flo: Any = flo) -> Any:
+                return mapped(rows_x, ref if len(rows) == len(ref) else rows_of(ref, rows),
+                              flo if len(rows) == len(flo) else rows_of(flo, rows))  # fmt: skip
+
+            out[k] = on_fired(x, kind, values["fired"], op)
         return out
 
 
@@ -174,7 +185,7 @@ class _BiasField(Plan):
         mats = np.zeros((n, *self.side))
         if fired.any():
             mats[fired] = _coefficient_mats(len(self.spatial), self.inner.degree, [d for d in drawn if d is not None])
-        return Drawn((), {"fired": fired, "mats": mats})
+        return Drawn(fired_kind(fired), {"fired": fired, "mats": mats})
 
     def values_like(self, n: int) -> dict[str, Any]:
         return {"fired": _meta((n,), "bool"), "mats": _meta((n, *self.side), "float64")}
@@ -188,12 +199,23 @@ class _BiasField(Plan):
         first = data[self.keys[0]]
         if first.device.type == "meta":
             return {k: data[k] for k in self.keys}
-        fields = torch.exp(fields_of(self.spatial, values["mats"]))
+        made: dict[int, Any] = {}  # the fields of the rows worked on, made once for every key
+
+        def fields(rows: Any) -> Any:
+            if len(rows) not in made:
+                mats = values["mats"] if len(rows) == len(values["mats"]) else rows_of(values["mats"], rows)
+                made[len(rows)] = torch.exp(fields_of(self.spatial, mats))
+            return made[len(rows)]
+
         out = {}
         for k in self.keys:
             x = data[k]
             dtype = get_equivalent_dtype(self.inner.dtype, torch.Tensor) if self.inner.dtype is not None else x.dtype
-            out[k] = _kept(values["fired"], (x.to(torch.float64) * fields).to(dtype), x)
+
+            def biased(v: Any, rows: Any, dtype: Any = dtype) -> Any:
+                return (v.to(torch.float64) * fields(rows)).to(dtype)
+
+            out[k] = on_fired(x, kind, values["fired"], biased)
         return out
 
 

@@ -12,7 +12,7 @@ batch. A transform, or an input, that no plan here covers has none (`plan_of` gi
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,43 @@ def _meta(shape: tuple[int, ...], dtype: str) -> Any:
     import torch
 
     return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+
+
+# Batches of at most this many items have a graph per pattern of the items a costly transform fires on (at most
+# 2**6 = 64 each, captured as they first come), its work on those items only, as its batched version runs it; larger
+# batches compute every item and keep the fired ones by a mask (more GPU work in the one graph).
+PATTERN_ITEMS = 6
+
+
+def fired_kind(fired: np.ndarray) -> Hashable:
+    """The kind of a draw whose work runs on the fired items (`on_fired`): their rows, or () for every item."""
+    return ("rows", tuple(int(i) for i in np.flatnonzero(fired))) if len(fired) <= PATTERN_ITEMS else ()
+
+
+def rows_of(v: Any, rows: Sequence[int]) -> Any:
+    """Rows `rows` of a batch tensor, by one stack of views (no index tensor to copy up in a capture)."""
+    import torch
+
+    return torch.stack([v[i] for i in rows])
+
+
+def on_fired(x: Any, kind: Any, fired: Any, op: Callable[[Any, Sequence[int]], Any],
+             rest: Callable[[Any], Any] = lambda v: v) -> Any:  # fmt: skip
+    """`op(rows of x, rows)` on the fired items, `rest` of the others: where `kind` holds the fired rows, `op` runs on
+    those alone (their rows gathered and put back by stacks); else on every item, the fired kept by the mask."""
+    import torch
+
+    n = int(x.shape[0])
+    if not (isinstance(kind, tuple) and kind[:1] == ("rows",)):
+        return _kept(fired, op(x, range(n)), rest(x))
+    rows = kind[1]
+    if not rows:
+        return rest(x)
+    done = op(x if len(rows) == n else rows_of(x, rows), rows)
+    if len(rows) == n:
+        return done
+    at = {i: j for j, i in enumerate(rows)}
+    return torch.stack([done[at[i]] if i in at else rest(x[i]) for i in range(n)])
 
 
 def _kept(fired: Any, done: Any, x: Any) -> Any:
