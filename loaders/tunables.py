@@ -87,14 +87,14 @@ AHEAD_BYTES = 256 << 20
 # without them and 0.8-1.1 s with them (docs/benchmarks.md). BLOCKPREP_TAIL_GRAPHS=0 in the environment (which
 # the feeder's process inherits) launches them one by one there too; =1 captures them in any process.
 TAIL_GRAPHS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_GRAPHS", ""), "feeder")
-# In the training process, a tail whose every transform has a plan (`loaders.tail.plans`: draws on the host, the work
-# from them with the same kernels whatever was drawn) or runs eagerly between them keeping its entries' shapes and
-# dtypes, on a CUDA device, is replayed: its planned transforms as graphs captured once (`loaders.tail.replay`). A
-# batch costs the host its draws, a launch a planned transform and the eager ones' Python where they fire; the
-# tail's Python made in the training process otherwise costs its step a fifth to a third (docs/benchmarks.md). A
-# feeder's child runs its tail as before (every item computed, as a replay does, is more GPU work in a second
-# context). BLOCKPREP_TAIL_REPLAY=0 in the environment runs such tails as the others; =1 replays them in any process.
-TAIL_REPLAY = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_REPLAY", ""), "here")
+# A tail whose every transform has a plan (`loaders.tail.plans`: draws on the host, the work from them with the same
+# kernels for every batch of a kind) or runs eagerly between them keeping its entries' shapes and dtypes, on a CUDA
+# device, can be replayed: its planned transforms as graphs captured once per kind (`loaders.tail.replay`), a batch
+# costing the host its draws, a launch a planned transform and the eager ones' Python where they fire. Not by
+# default: made in the training process it has not beaten the batched versions there in the training benchmark yet,
+# and its first captures delay the first batch (docs/benchmarks.md). BLOCKPREP_TAIL_REPLAY=here in the environment
+# replays in the training process (not in a feeder's child); =1 in any process.
+TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REPLAY", ""), False)
 # In a feeder's child, a batch is copied into its hand-over slot on the tail thread right after its tail's work is
 # queued, so that both reach the GPU as one arrival (each arrival of the child's work is a turn of its context on
 # the GPU: docs/benchmarks.md), not at the parent's credit from the main thread. BLOCKPREP_PACK_AHEAD=0 in the

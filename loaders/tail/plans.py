@@ -64,10 +64,13 @@ def _meta(shape: tuple[int, ...], dtype: str) -> Any:
     return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
 
 
-# Batches of at most this many items have a graph per pattern of the items a costly transform fires on (at most
-# 2**6 = 64 each, captured as they first come), its work on those items only, as its batched version runs it; larger
-# batches compute every item and keep the fired ones by a mask (more GPU work in the one graph).
-PATTERN_ITEMS = 6
+# Batches of at most this many items could have a graph per pattern of the items a costly transform fires on (at
+# most 2**n each, captured as they first come), its work on those items only, as its batched version runs it;
+# larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). 0: every
+# batch by the mask. On the fired rows alone, `seg-aug`'s replayed tail cost its step about half what the masks
+# did, but RandAffined's resample came out 6e-7 from MONAI's on the GPU (equal on the CPU): not used until that is
+# found (docs/benchmarks.md).
+PATTERN_ITEMS = 0
 
 
 def fired_kind(fired: np.ndarray) -> Hashable:

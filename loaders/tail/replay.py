@@ -16,6 +16,7 @@ MONAI anywhere.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,9 +86,13 @@ class ReplayedTail:
         self.transforms = list(transforms)
         self.capture = capture
         self._chains: dict[Any, _Chain | None] = {}
-        self.captures = 0  # graphs captured, all chains
         # the last batch's device flags where MONAI would have raised (`loaders.tail.checks`), from its eager steps
         self.checks: list[tuple[Any, BaseException]] = []
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured, all batch shapes."""
+        return sum(c.captures for c in self._chains.values() if c is not None)
 
     def covers(self, batch: Mapping[Hashable, Any]) -> bool:
         """Whether every transform has a plan for a batch like this one."""
@@ -100,7 +105,7 @@ class ReplayedTail:
         spec = tuple((k, tuple(batch[k].shape), batch[k].dtype, batch[k].device) for k in _entries(batch, n))
         if spec not in self._chains:
             found = plans_of(self.transforms, _like(batch, n))
-            self._chains[spec] = None if found is None else _Chain(self, n, *found)
+            self._chains[spec] = None if found is None else _Chain(n, *found)
         return self._chains[spec]
 
     def run(self, batch: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
@@ -111,16 +116,20 @@ class ReplayedTail:
         drawn = [plan.draw_items(chain.n) if plan.per_item else plan.draw(chain.n) for plan in chain.plans]
         out = dict(batch)
         on_cuda = batch[next(iter(chain.likes[0]))].is_cuda
-        self.checks = []
+        chain.checks = []
         out.update(chain.run(batch, drawn) if self.capture and on_cuda else chain.eager(batch, drawn))
+        self.checks = chain.checks
         return out
 
 
 class _Chain:
     """A tail's plans for one batch spec, its static buffers and graphs."""
 
-    def __init__(self, owner: ReplayedTail, n: int, plans: list[Plan], likes: list[Like]) -> None:
-        self.owner, self.n, self.plans, self.likes = owner, n, plans, likes
+    def __init__(self, n: int, plans: list[Plan], likes: list[Like]) -> None:
+        self.n, self.plans, self.likes = n, plans, likes
+        self.captures = 0
+        # the eager steps' device flags where MONAI would have raised, of the batch being run
+        self.checks: list[tuple[Any, BaseException]] = []
         self.buffers: list[dict[Hashable, Any]] = []
         self.graphs: dict[Any, _Graph] = {}
         self.pool: Any = None
@@ -181,7 +190,7 @@ class _Chain:
         if handler is None or not handler(plan.t, tb):
             _per_item(plan.t, tb)
         out = tb.result()
-        self.owner.checks.extend(tb.checks)
+        self.checks.extend(tb.checks)
         for k in plan.keys:
             if out[k].shape != data[k].shape or out[k].dtype != data[k].dtype:
                 raise PrepError(f"ReplayedTail: {type(plan.t).__name__} left {k!r} as {tuple(out[k].shape)} "
@@ -238,13 +247,20 @@ class _Chain:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph, held = torch.cuda.CUDAGraph(), list[Any]()
+        # a graph freed by the collector during a capture on this thread ends the capture (CUDA refuses to destroy
+        # one then): collected before, not during (as torch.cuda.graph does)
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         try:
             with holding(held):  # constants a plan copies up from pinned memory: held as long as the graph
                 work()
         finally:
             graph.capture_end()
-        self.owner.captures += 1
+            if was_enabled:
+                gc.enable()
+        self.captures += 1
         self.graphs[key] = _Graph(graph, dev, held)
         return self.graphs[key]
 

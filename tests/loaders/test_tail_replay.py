@@ -229,16 +229,46 @@ def _compare_intensity(device: str, batches: int, n: int = 5) -> ReplayedTail:
     return replayed
 
 
-@pytest.mark.parametrize("n", [5, 8])
-def test_intensity_plans_eager_equal_monai(n: int) -> None:
-    """The contrast (inverted, its stats kept), channel-wise std shift, histogram shift and bias field plans: on the
-    fired rows alone (a graph per pattern, 5 items) and on every item kept by the mask (8)."""
-    _compare_intensity("cpu", 3, n)
+@pytest.mark.parametrize("patterns", [0, 6])
+def test_intensity_plans_eager_equal_monai(patterns: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The contrast (inverted, its stats kept), channel-wise std shift, histogram shift and bias field plans: on every
+    item kept by the mask, and on the fired rows alone (a graph per pattern)."""
+    from loaders.tail import plans
+
+    monkeypatch.setattr(plans, "PATTERN_ITEMS", patterns)
+    _compare_intensity("cpu", 3)
+    _compare_elastic("cpu", 3, _seg_aug)
 
 
 @pytest.mark.gpu
 def test_intensity_graphs_equal_monai_on_the_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    assert _compare_intensity("cuda:0", 6, 8).captures == len(_intensity())  # one graph each: the masks
-    _compare_intensity("cuda:0", 6)  # a graph per pattern of fired rows
+    assert _compare_intensity("cuda:0", 6).captures == len(_intensity())  # one graph each: the masks
+
+
+@pytest.mark.gpu
+def test_the_batched_tail_replays_where_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BLOCKPREP_TAIL_REPLAY: the loader's tail (`BatchedTail`) replays a planned chain, batches equal to MONAI's."""
+    from monai.transforms import Compose
+
+    from loaders import tunables
+    from loaders.tail import BatchedTail
+    from loaders.tail.device import tail_stream
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    monkeypatch.setattr(tunables, "TAIL_REPLAY", "here")
+    given = _given(4, "cuda:0", channels=1)
+    want = reference_batches(
+        Compose(_seg_aug()).set_random_state(2), [{k: v.clone() for k, v in b.items()} for b in given]
+    )
+    tail = BatchedTail(Compose(_seg_aug())).set_random_state(2)
+    stream = tail_stream("cuda:0")
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = [tail(b) for b in given]
+    torch.cuda.current_stream().wait_stream(stream)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    assert tail._replay is not None and tail._replay.captures > 0

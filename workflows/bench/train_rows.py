@@ -337,7 +337,7 @@ def fast_path(
     graphs = options.pop("tail_graphs", None)  # "fast-settled@tail_graphs=False": the tail's kernels one by one
     pack = options.pop("pack_ahead", None)  # "fast-settled@pack_ahead=False": the child hands over at the credit
     ahead = options.pop("capture_ahead", None)  # "fast-settled@capture_ahead=False": each capture opened where it is
-    replay = options.pop("tail_replay", None)  # "fast-settled@tail_replay=False" (or True: in the child too)
+    replay = options.pop("tail_replay", None)  # "fast-auto@feeder=False;tail_replay=True": planned tails replayed
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
             _tunable("TAIL_REPLAY", replay):  # fmt: skip
