@@ -185,15 +185,16 @@ class _AffinePlan(Plan):
         first = data[self.keys[0]]
         if first.device.type == "meta":
             return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
-        from loaders.tail.plans import on_fired, rows_of
+        from loaders.tail.plans import on_fired
 
         dtype, align = _resample_dtype(self.t), self.t.rand_affine.resampler.align_corners
         made: dict[int, Any] = {}  # the grids of the rows resampled, made once for every key
 
-        def grids(rows: Any) -> Any:
+        def grids(rows: Any) -> Any:  # each item's grid by a matmul of its own, as MONAI's AffineGrid makes it
             if len(rows) not in made:
-                mats = values["mats"] if len(rows) == len(values["mats"]) else rows_of(values["mats"], rows)
-                made[len(rows)] = _grids(self.t, mats, self.size, self.size, first.device)
+                mats = values["mats"]
+                made[len(rows)] = torch.cat([_grids(self.t, mats[i : i + 1], self.size, self.size, first.device)
+                                             for i in rows])  # fmt: skip
             return made[len(rows)]
 
         out = {}

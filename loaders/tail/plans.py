@@ -68,8 +68,9 @@ def _meta(shape: tuple[int, ...], dtype: str) -> Any:
 # most 2**n each, captured as they first come), its work on those items only, as its batched version runs it;
 # larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). 0: every
 # batch by the mask. On the fired rows alone, `seg-aug`'s replayed tail cost its step about half what the masks
-# did, but RandAffined's resample came out 6e-7 from MONAI's on the GPU (equal on the CPU): not used until that is
-# found (docs/benchmarks.md).
+# did, but RandAffined's resample came out 6e-7 from MONAI's on the GPU (equal on the CPU), its items' grids then
+# made by one matmul of the fired rows (cuBLAS's kernel for that many rows). They are made item by item now, as
+# MONAI makes each; not run on a GPU since, so not used yet (docs/benchmarks.md).
 PATTERN_ITEMS = 0
 
 
@@ -78,11 +79,12 @@ def fired_kind(fired: np.ndarray) -> Hashable:
     return ("rows", tuple(int(i) for i in np.flatnonzero(fired))) if len(fired) <= PATTERN_ITEMS else ()
 
 
-def rows_of(v: Any, rows: Sequence[int]) -> Any:
-    """Rows `rows` of a batch tensor, by one stack of views (no index tensor to copy up in a capture)."""
-    import torch
+def rows_of(x: Any, rows: Sequence[int]) -> Any:
+    """Rows `rows` of a batch tensor (`loaders.tail.device.rows_of`: in a capture, its index a constant held with
+    the graph)."""
+    from loaders.tail.device import rows_of as picked
 
-    return torch.stack([v[i] for i in rows])
+    return picked(x, rows)
 
 
 def on_fired(x: Any, kind: Any, fired: Any, op: Callable[[Any, Sequence[int]], Any],
@@ -97,7 +99,7 @@ def on_fired(x: Any, kind: Any, fired: Any, op: Callable[[Any, Sequence[int]], A
     rows = kind[1]
     if not rows:
         return rest(x)
-    done = op(x if len(rows) == n else rows_of(x, rows), rows)
+    done = op(rows_of(x, rows), rows)
     if len(rows) == n:
         return done
     at = {i: j for j, i in enumerate(rows)}

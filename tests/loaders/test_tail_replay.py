@@ -272,3 +272,16 @@ def test_the_batched_tail_replays_where_told(monkeypatch: pytest.MonkeyPatch) ->
     for g, w in zip(got, want):
         assert_same(g, w)
     assert tail._replay is not None and tail._replay.captures > 0
+
+
+@pytest.mark.gpu
+def test_fired_rows_alone_equal_monai_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The costly plans on their fired rows alone (a graph per pattern), bit for bit MONAI's on the GPU."""
+    from loaders.tail import plans
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    monkeypatch.setattr(plans, "PATTERN_ITEMS", 6)
+    _compare_elastic("cuda:0", 6, _affine)
+    _compare_intensity("cuda:0", 6)
+    _compare_elastic("cuda:0", 6, _seg_aug)
