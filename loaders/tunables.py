@@ -95,6 +95,14 @@ TAIL_GRAPHS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_GRAPHS"
 # and its first captures delay the first batch (docs/benchmarks.md). BLOCKPREP_TAIL_REPLAY=here in the environment
 # replays in the training process (not in a feeder's child); =1 in any process.
 TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REPLAY", ""), False)
+# In a replayed tail, batches of at most this many items have a graph per pattern of the items a costly transform
+# fires on (at most 2**n each, captured as they first come), its work on those items alone, as its batched version
+# runs it; larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). On
+# the fired rows alone `seg-aug`'s replayed tail cost its step about half what the masks did, but RandAffined's
+# resample came out 6e-7 from MONAI's on the GPU, its grids then made by one matmul of the fired rows; they are made
+# item by item now, as MONAI makes each, not run on a GPU since: 0 (every batch by the mask) until then
+# (docs/benchmarks.md). BLOCKPREP_TAIL_PATTERNS=N in the environment sets it.
+TAIL_PATTERNS = int(os.environ.get("BLOCKPREP_TAIL_PATTERNS", "") or 0)
 # In a feeder's child, a batch is copied into its hand-over slot on the tail thread right after its tail's work is
 # queued, so that both reach the GPU as one arrival (each arrival of the child's work is a turn of its context on
 # the GPU: docs/benchmarks.md), not at the parent's credit from the main thread. BLOCKPREP_PACK_AHEAD=0 in the

@@ -64,19 +64,12 @@ def _meta(shape: tuple[int, ...], dtype: str) -> Any:
     return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
 
 
-# Batches of at most this many items could have a graph per pattern of the items a costly transform fires on (at
-# most 2**n each, captured as they first come), its work on those items only, as its batched version runs it;
-# larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). 0: every
-# batch by the mask. On the fired rows alone, `seg-aug`'s replayed tail cost its step about half what the masks
-# did, but RandAffined's resample came out 6e-7 from MONAI's on the GPU (equal on the CPU), its items' grids then
-# made by one matmul of the fired rows (cuBLAS's kernel for that many rows). They are made item by item now, as
-# MONAI makes each; not run on a GPU since, so not used yet (docs/benchmarks.md).
-PATTERN_ITEMS = 0
-
-
 def fired_kind(fired: np.ndarray) -> Hashable:
-    """The kind of a draw whose work runs on the fired items (`on_fired`): their rows, or () for every item."""
-    return ("rows", tuple(int(i) for i in np.flatnonzero(fired))) if len(fired) <= PATTERN_ITEMS else ()
+    """The kind of a draw whose work runs on the fired items (`on_fired`): their rows, where the batch has at most
+    `loaders.tunables.TAIL_PATTERNS` items, or () for every item."""
+    from loaders import tunables
+
+    return ("rows", tuple(int(i) for i in np.flatnonzero(fired))) if len(fired) <= tunables.TAIL_PATTERNS else ()
 
 
 def rows_of(x: Any, rows: Sequence[int]) -> Any:

@@ -132,6 +132,7 @@ class _Chain:
         self.checks: list[tuple[Any, BaseException]] = []
         self.buffers: list[dict[Hashable, Any]] = []
         self.graphs: dict[Any, _Graph] = {}
+        self.items: dict[int, tuple[dict[Hashable, Any], dict[Hashable, Any]]] = {}  # a per-item plan's item buffers
         self.pool: Any = None
         self.stream: Any = None
 
@@ -199,19 +200,35 @@ class _Chain:
         return {k: out[k] for k in plan.keys}
 
     def _launch(self, j: int, plan: Plan, d: Drawn, row: int | None) -> None:
-        """Plan j's graph for this draw (on item `row` of the batch, or all of it) launched after its draws' copies
-        up (from page-locked memory, without waiting: the caching host allocator holds each block until its copy
-        has run, so the host never waits for the GPU here)."""
-        key = (j, row, d.kind, tuple((name, tuple(a.shape), str(a.dtype)) for name, a in d.values.items()))
+        """Plan j's graph for this draw launched after its draws' copies up (from page-locked memory, without
+        waiting: the caching host allocator holds each block until its copy has run, so the host never waits for the
+        GPU here): on the batch, or on item `row` (a per-item plan: the item copied into the plan's item buffers and
+        back, so that its graphs are one per kind, whatever the row)."""
+        key = (j, d.kind, tuple((name, tuple(a.shape), str(a.dtype)) for name, a in d.values.items()))
         g = self.graphs.get(key) or self._capture(key, j, plan, d, row)
         for name, a in d.values.items():
             g.dev[name].copy_(_pinned(a), non_blocking=True)
+        if row is None:
+            g.graph.replay()
+            return
+        ins, outs = self._views(j, row)
+        for k in plan.keys:
+            ins[k].copy_(self.buffers[j][k][row : row + 1])
         g.graph.replay()
+        for k in plan.keys:
+            self.buffers[j + 1][k][row : row + 1].copy_(outs[k])
 
     def _views(self, j: int, row: int | None) -> tuple[dict[Hashable, Any], dict[Hashable, Any]]:
-        """Plan j's input and output buffers: the batch's, or item `row`'s as a batch of one."""
-        pick = (lambda v: v) if row is None else (lambda v: v[row : row + 1])
-        return {k: pick(v) for k, v in self.buffers[j].items()}, {k: pick(v) for k, v in self.buffers[j + 1].items()}
+        """Plan j's input and output buffers: the batch's, or (a per-item plan's, `row` given) an item's own."""
+        if row is None:
+            return self.buffers[j], self.buffers[j + 1]
+        if j not in self.items:
+            import torch
+
+            keys = self.plans[j].keys
+            self.items[j] = ({k: torch.empty_like(self.buffers[j][k][:1]) for k in keys},
+                             {k: torch.empty_like(self.buffers[j + 1][k][:1]) for k in keys})  # fmt: skip
+        return self.items[j]
 
     def _make_buffers(self, device: Any) -> None:
         import torch
@@ -235,6 +252,9 @@ class _Chain:
         given = {name: _pinned(a) for name, a in d.values.items()}
         dev = {name: torch.empty(tuple(h.shape), dtype=h.dtype, device=device) for name, h in given.items()}
         src, dst = self._views(j, row)
+        if row is not None:  # the warm-up below works on this item
+            for k in plan.keys:
+                src[k].copy_(self.buffers[j][k][row : row + 1])
 
         def work() -> None:
             for k, v in plan.apply(src, dev, d.kind).items():
@@ -248,8 +268,7 @@ class _Chain:
             self.pool = torch.cuda.graph_pool_handle()
         graph, held = torch.cuda.CUDAGraph(), list[Any]()
         # a graph freed by the collector during a capture on this thread ends the capture (CUDA refuses to destroy
-        # one then): collected before, not during (as torch.cuda.graph does)
-        gc.collect()
+        # one then): no collection while capturing
         was_enabled = gc.isenabled()
         gc.disable()
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")

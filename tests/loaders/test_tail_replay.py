@@ -233,9 +233,9 @@ def _compare_intensity(device: str, batches: int, n: int = 5) -> ReplayedTail:
 def test_intensity_plans_eager_equal_monai(patterns: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The contrast (inverted, its stats kept), channel-wise std shift, histogram shift and bias field plans: on every
     item kept by the mask, and on the fired rows alone (a graph per pattern)."""
-    from loaders.tail import plans
+    from loaders import tunables
 
-    monkeypatch.setattr(plans, "PATTERN_ITEMS", patterns)
+    monkeypatch.setattr(tunables, "TAIL_PATTERNS", patterns)
     _compare_intensity("cpu", 3)
     _compare_elastic("cpu", 3, _seg_aug)
 
@@ -277,11 +277,11 @@ def test_the_batched_tail_replays_where_told(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.gpu
 def test_fired_rows_alone_equal_monai_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The costly plans on their fired rows alone (a graph per pattern), bit for bit MONAI's on the GPU."""
-    from loaders.tail import plans
+    from loaders import tunables
 
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    monkeypatch.setattr(plans, "PATTERN_ITEMS", 6)
+    monkeypatch.setattr(tunables, "TAIL_PATTERNS", 6)
     _compare_elastic("cuda:0", 6, _affine)
     _compare_intensity("cuda:0", 6)
     _compare_elastic("cuda:0", 6, _seg_aug)

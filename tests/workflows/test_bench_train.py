@@ -323,7 +323,7 @@ def test_settled_row_times_the_choice_once_it_is_warm() -> None:
     assert [chosen(), chosen(), chosen()] == [False, True, True]
 
 
-@pytest.mark.parametrize("name", ["TAIL_GRAPHS", "PACK_AHEAD"])
+@pytest.mark.parametrize("name", ["TAIL_GRAPHS", "PACK_AHEAD", "TAIL_REPLAY"])
 def test_a_row_may_set_how_the_feeder_launches_and_hands_over(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """fast-settled@tail_graphs=False, @pack_ahead=False: the tunable and the variable the feeder's process reads
     set for the row only, then put back."""
@@ -340,6 +340,18 @@ def test_a_row_may_set_how_the_feeder_launches_and_hands_over(monkeypatch: pytes
         assert getattr(tunables, name) is True and os.environ[var] == "1"
     with _tunable(name, None):
         assert getattr(tunables, name) == "feeder" and var not in os.environ
+
+
+def test_a_row_may_set_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """...;tail_patterns=6: a count, for the row only, in the variable too."""
+    from loaders import tunables
+    from workflows.bench.train_rows import _tunable
+
+    monkeypatch.delenv("BLOCKPREP_TAIL_PATTERNS", raising=False)
+    monkeypatch.setattr(tunables, "TAIL_PATTERNS", 0)
+    with _tunable("TAIL_PATTERNS", 6):
+        assert tunables.TAIL_PATTERNS == 6 and os.environ["BLOCKPREP_TAIL_PATTERNS"] == "6"
+    assert tunables.TAIL_PATTERNS == 0 and "BLOCKPREP_TAIL_PATTERNS" not in os.environ
 
 
 def test_a_row_may_leave_out_the_augmentations() -> None:

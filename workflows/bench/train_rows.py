@@ -338,9 +338,10 @@ def fast_path(
     pack = options.pop("pack_ahead", None)  # "fast-settled@pack_ahead=False": the child hands over at the credit
     ahead = options.pop("capture_ahead", None)  # "fast-settled@capture_ahead=False": each capture opened where it is
     replay = options.pop("tail_replay", None)  # "fast-auto@feeder=False;tail_replay=True": planned tails replayed
+    patterns = options.pop("tail_patterns", None)  # "...;tail_replay=True;tail_patterns=6": on the fired rows
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
-            _tunable("TAIL_REPLAY", replay):  # fmt: skip
+            _tunable("TAIL_REPLAY", replay), _tunable("TAIL_PATTERNS", patterns):  # fmt: skip
         return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
 
 
@@ -360,9 +361,10 @@ def unaugmented(transform: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _tunable(name: str, on: bool | None) -> Iterator[None]:
-    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY) and its environment variable
-    BLOCKPREP_<name> (which the feeder's process reads) set for one row, then put back; None leaves them."""
+def _tunable(name: str, on: bool | int | None) -> Iterator[None]:
+    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY: on or off; TAIL_PATTERNS: a
+    count) and its environment variable BLOCKPREP_<name> (which the feeder's process reads) set for one row, then put
+    back; None leaves them."""
     from loaders import tunables
 
     if on is None:
@@ -370,8 +372,9 @@ def _tunable(name: str, on: bool | None) -> Iterator[None]:
         return
     var = f"BLOCKPREP_{name}"
     before, env = getattr(tunables, name), os.environ.get(var)
-    setattr(tunables, name, bool(on))
-    os.environ[var] = "1" if on else "0"
+    count = not isinstance(on, bool)
+    setattr(tunables, name, int(on) if count else on)
+    os.environ[var] = str(int(on)) if count else "1" if on else "0"
     try:
         yield
     finally:
