@@ -247,6 +247,42 @@ def _affine(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     return plan_affine(t, keys, like)
 
 
+def _rotate(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders.tail.sparse import plan_rotate
+
+    return plan_rotate(t, keys, like)
+
+
+class _Squeeze(Plan):
+    """SqueezeDimd: each entry's singleton item dim removed (nothing drawn)."""
+
+    def __init__(self, t: Any, keys: list[Hashable], dims: dict[Hashable, int]) -> None:
+        super().__init__(t, keys)
+        self.dims = dims
+
+    def draw(self, n: int) -> Drawn:
+        return Drawn((), {})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        return {k: data[k].squeeze(self.dims[k]) for k in self.keys}
+
+
+def _squeeze(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    dim, dims = t.converter.dim, {}
+    if dim is None:
+        return None
+    for k in keys:
+        item_ndim = like[k].ndim - 1
+        d = dim + item_ndim if dim < 0 else dim
+        if not 0 <= d < item_ndim or like[k].shape[d + 1] != 1:
+            return None  # MONAI says so, item by item
+        dims[k] = d + 1
+    return _Squeeze(t, keys, dims)
+
+
 def _elastic_3d(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     from loaders.tail.elastic import plan_3d
 
@@ -263,6 +299,8 @@ def _dtype(dtype: Any) -> Any:
 _PLANS: dict[str, Callable[[Any, list[Hashable], Like], Plan | None]] = {
     "Rand3DElasticd": _elastic_3d,
     "RandAffined": _affine,
+    "RandRotated": _rotate,
+    "SqueezeDimd": _squeeze,
     "RandAdjustContrastd": _fired("adjust_contrast"),
     "RandBiasFieldd": _fired("bias_field"),
     "RandHistogramShiftd": _fired("histogram_shift"),

@@ -15,6 +15,7 @@ from typing import Any
 
 from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
 from loaders.tail.device import rows_of, to_device
+from loaders.tail.plans import Plan
 
 Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
 
@@ -215,3 +216,72 @@ def _matrices(sp: tuple[int, ...], drawn: dict[int, tuple[bool, float, float, fl
         angle = (ax,) if nd == 2 else (ax, ay, az)
         mats.append(centre @ create_rotate(nd, angle) @ back)  # MONAI's default order (1.4 has no other)
     return np.stack(mats)
+
+
+def plan_rotate(t: Any, keys: list[Hashable], like: Any) -> Any:
+    """RandRotated's plan (`loaders.tail.plans`) where it keeps the size: each item's matrix as `rand_rotate` draws
+    and builds it (the identity where it does not turn), the items resampled by MONAI's `AffineTransform` with their
+    matrices normalized item by item as MONAI normalizes each, the turned ones kept (the others as float32)."""
+    inner = t.rand_rotate
+    shapes = {tuple(like[k].shape[2:]) for k in keys}
+    if not inner.keep_size or len(shapes) != 1 or len(next(iter(shapes))) not in (2, 3):
+        return None
+    return _RotatePlan(t, keys, next(iter(shapes)))
+
+
+class _RotatePlan(Plan):
+    def __init__(self, t: Any, keys: list[Hashable], size: tuple[int, ...]) -> None:
+        super().__init__(t, keys)
+        self.inner, self.size = t.rand_rotate, size
+        self.options = {k: o for k, *o in t.key_iterator({k: None for k in keys}, t.mode, t.padding_mode,
+                                                         t.align_corners, t.dtype)}  # fmt: skip
+
+    def draw(self, n: int) -> Any:
+        import numpy as np
+
+        from loaders.tail.plans import Drawn, fired_kind
+
+        t, inner, side = self.t, self.inner, len(self.size) + 1
+        fired, theta = np.zeros(n, dtype=np.bool_), np.tile(np.eye(side), (n, 1, 1))
+        for i in range(n):
+            t.randomize(None)
+            inner.randomize()
+            if t._do_transform:
+                fired[i] = True
+                theta[i] = _matrices(self.size, {i: (inner._do_transform, inner.x, inner.y, inner.z)})[0]
+        return Drawn(fired_kind(fired), {"fired": fired, "theta": theta})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        import torch
+
+        side = len(self.size) + 1
+        return {"fired": torch.empty(n, dtype=torch.bool, device="meta"),
+                "theta": torch.empty((n, side, side), dtype=torch.float64, device="meta")}  # fmt: skip
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        import torch
+        from monai.networks.layers import AffineTransform
+        from monai.transforms.utils import resolves_modes
+        from monai.utils import get_equivalent_dtype
+
+        from loaders.tail.plans import on_fired
+
+        if data[self.keys[0]].device.type == "meta":
+            return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
+        inner, sp, out = self.inner, self.size, {}
+        for k in self.keys:
+            mode, padding_mode, align_corners, dtype = self.options[k]
+            _, m, p, _ = resolves_modes(mode or inner.mode, padding_mode or inner.padding_mode)
+            corners = inner.align_corners if align_corners is None else align_corners
+            xform = AffineTransform(normalized=True, mode=m, padding_mode=p, align_corners=corners,
+                                    reverse_indexing=False)  # fmt: skip
+            x = data[k]
+            to = get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor)
+
+            def turned(v: Any, rows: Any, to: Any = to, xform: Any = xform, corners: Any = corners) -> Any:
+                theta = values["theta"].to(to)  # each item's normalized as MONAI normalizes one: a matmul of its own
+                norm = torch.cat([_normalized(theta[i : i + 1], sp, corners, xform.zero_centered) for i in rows])
+                return xform(v.to(to), _reversed(norm, len(sp)), spatial_size=sp).float()
+
+            out[k] = on_fired(x, kind, values["fired"], turned, lambda v: v.to(torch.float32))
+        return out

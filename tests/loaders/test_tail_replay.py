@@ -285,3 +285,52 @@ def test_fired_rows_alone_equal_monai_on_the_gpu(monkeypatch: pytest.MonkeyPatch
     _compare_elastic("cuda:0", 6, _affine)
     _compare_intensity("cuda:0", 6)
     _compare_elastic("cuda:0", 6, _seg_aug)
+
+
+def _slices() -> list[Any]:
+    """`slices`' tail after its folded crop: one-voxel-thick windows squeezed, 2D flips and turns, intensity."""
+    import monai.transforms as mt
+
+    return [
+        mt.SqueezeDimd(keys=K, dim=-1),
+        mt.RandFlipd(keys=K, spatial_axis=[0], prob=0.5),
+        mt.RandRotate90d(keys=K, prob=0.5, max_k=3),
+        mt.RandRotated(keys=K, range_x=0.3, prob=0.6, mode=("bilinear", "nearest")),
+        mt.RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
+        mt.RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
+    ]
+
+
+def _compare_slices(device: str, batches: int) -> ReplayedTail:
+    from monai.transforms import Compose
+
+    given = []
+    for s in range(batches):
+        b = make_batch(n=7, spatial=(12, 12, 1), seed=s)
+        given.append({k: b[k].to(device, torch.float32) for k in K})
+    want = reference_batches(
+        Compose(_slices()).set_random_state(9), [{k: v.clone() for k, v in b.items()} for b in given]
+    )
+    replayed = ReplayedTail(Compose(_slices()).set_random_state(9).transforms)
+    like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in given[0].items()}
+    assert plan_of(_slices()[0], like) is not None
+    for b, w in zip(given, want):
+        assert replayed.covers(b)
+        assert_same(replayed.run(b), w)
+    return replayed
+
+
+@pytest.mark.parametrize("patterns", [0, 8])
+def test_slices_tail_eager_equals_monai(patterns: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SqueezeDimd and RandRotated planned too: `slices`' whole tail, against MONAI on the CPU."""
+    from loaders import tunables
+
+    monkeypatch.setattr(tunables, "TAIL_PATTERNS", patterns)
+    _compare_slices("cpu", 3)
+
+
+@pytest.mark.gpu
+def test_slices_tail_graphs_equal_monai_on_the_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    _compare_slices("cuda:0", 6)
