@@ -59,19 +59,18 @@ class _PerItemValue(Plan):
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         import torch
 
-        out = {}
-        for k in self.keys:
-            x = data[k]
-            if x.device.type == "meta":
-                out[k] = x
-                continue
-            value = values["value"]
+        value = values["value"]
 
-            def op(rows_x: Any, rows: Any, value: Any = value) -> Any:
-                return torch.stack([self.work(rows_x[j], value[i]) for j, i in enumerate(rows)])
+        def op(x: Any) -> Any:
+            return lambda rows_x, rows: torch.stack([self.work(rows_x[j], value[i]) for j, i in enumerate(rows)])
 
-            out[k] = on_fired(x, kind, values["fired"], op)
-        return out
+        return _each_key(self.keys, data, kind, values["fired"], op)
+
+
+def _each_key(keys: list[Hashable], data: dict[Hashable, Any], kind: Any, fired: Any,
+              op: Callable[[Any], Callable[[Any, Any], Any]]) -> dict[Hashable, Any]:  # fmt: skip
+    """Each key's entry with `op(entry)` run on its fired items (`on_fired`); as it is for the shapes alone (meta)."""
+    return {k: data[k] if data[k].device.type == "meta" else on_fired(data[k], kind, fired, op(data[k])) for k in keys}
 
 
 def _std_shifted(inner: Any) -> Callable[[Any, Any], Any]:
@@ -140,20 +139,12 @@ class _Histogram(Plan):
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         from loaders.tail.histogram import mapped
 
-        out = {}
-        for k in self.keys:
-            x = data[k]
-            if x.device.type == "meta":
-                out[k] = x
-                continue
+        def op(x: Any) -> Any:
             ref, flo = values["reference"].to(x.dtype), values["floating"].to(x.dtype)
+            return lambda rows_x, rows: mapped(rows_x, ref if len(rows) == len(ref) else rows_of(ref, rows),
+                                               flo if len(rows) == len(flo) else rows_of(flo, rows))  # fmt: skip
 
-            def op(rows_x: Any, rows: Any, ref: Any = ref, flo: Any = flo) -> Any:
-                return mapped(rows_x, ref if len(rows) == len(ref) else rows_of(ref, rows),
-                              flo if len(rows) == len(flo) else rows_of(flo, rows))  # fmt: skip
-
-            out[k] = on_fired(x, kind, values["fired"], op)
-        return out
+        return _each_key(self.keys, data, kind, values["fired"], op)
 
 
 def histogram_shift(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
