@@ -17,6 +17,7 @@ MONAI anywhere.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ import numpy as np
 
 from loaders.tail.graphs import holding
 from loaders.tail.plans import Drawn, Like, Plan, plan_of
+
+_log = logging.getLogger("loaders.tail")
 
 
 @dataclass
@@ -67,12 +70,18 @@ def _batch_size(batch: Mapping[Hashable, Any]) -> int | None:
 def plans_of(transforms: Sequence[Any], like: Like) -> tuple[list[Plan], list[Like]] | None:
     """Each transform's plan and the batch before each (and after the last), or None where one has no plan."""
     plans, likes = [], [like]
+    n = int(next(iter(like.values())).shape[0])
     for t in transforms:
-        plan = plan_of(t, likes[-1])
+        try:
+            plan = plan_of(t, likes[-1])
+            after = dict(likes[-1])
+            if plan is not None:
+                after.update(plan.apply(likes[-1], plan.values_like(n), ()))
+        except (AttributeError, TypeError, ValueError, RuntimeError, KeyError) as e:  # a MONAI of other attributes
+            _log.info("ReplayedTail: no plan for %s here (%r); the tail runs as the others", type(t).__name__, e)
+            return None
         if plan is None:
             return None
-        after = dict(likes[-1])
-        after.update(plan.apply(likes[-1], plan.values_like(int(next(iter(like.values())).shape[0])), ()))
         plans.append(plan)
         likes.append(after)
     return plans, likes

@@ -334,3 +334,16 @@ def test_slices_tail_graphs_equal_monai_on_the_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     _compare_slices("cuda:0", 6)
+
+
+def test_a_plan_that_cannot_be_made_leaves_the_tail_uncovered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MONAI whose transform lacks what a plan reads: no replay (the tail runs as the others), no error."""
+    import monai.transforms as mt
+
+    from loaders.tail import plans
+
+    def broken(t: Any, keys: Any, like: Any) -> Any:
+        raise AttributeError("'RandFlipd' object has no attribute 'flipper'")
+
+    monkeypatch.setitem(plans._PLANS, "RandFlipd", broken)
+    assert not ReplayedTail([mt.RandFlipd(keys=K, prob=0.5)]).covers(_given(1, "cpu")[0])
