@@ -15,7 +15,7 @@ from typing import Any
 
 from loaders.tail.batched import TailBatch, gather, keys_of
 from loaders.tail.device import to_device
-from loaders.tail.plans import Plan
+from loaders.tail.plans import MatrixPlan
 
 
 def _modes(t: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:
@@ -147,37 +147,23 @@ def plan_affine(t: Any, keys: list[Hashable], like: Any) -> Any:
     return None if sp_size != in_size else _AffinePlan(t, keys, modes, sp_size)
 
 
-class _AffinePlan(Plan):
-    per_item = False
-
+class _AffinePlan(MatrixPlan):
     def __init__(self, t: Any, keys: list[Hashable], modes: list[tuple[Any, Any]], size: tuple[int, ...]) -> None:
-        self.t, self.keys, self.modes, self.size = t, keys, modes, size
+        super().__init__(t, keys, size)
+        self.modes = modes
 
-    def draw(self, n: int) -> Any:
-        """`rand_affine`'s draws, in its order: MONAI's matrix for each item it fires on (and the draws its calls
-        per key make after), the identity for the others."""
-        import numpy as np
-
-        from loaders.tail.plans import Drawn, fired_kind
-
-        t, side = self.t, len(self.size) + 1
-        fired, mats = np.zeros(n, dtype=np.bool_), np.tile(np.eye(side, dtype=np.float32), (n, 1, 1))
-        for i in range(n):
-            t.randomize(None)
+    def fire(self) -> Any:
+        """`rand_affine`'s draws for one item, in its order: MONAI's matrix where it fires (and the draws its calls
+        per key make after)."""
+        t = self.t
+        t.randomize(None)
+        t.rand_affine.randomize()
+        if not t._do_transform:
+            return None
+        matrix = _item_matrix(t, self.size).numpy()
+        for _ in self.keys:
             t.rand_affine.randomize()
-            if t._do_transform:
-                fired[i] = True
-                mats[i] = _item_matrix(t, self.size).numpy()
-                for _ in self.keys:
-                    t.rand_affine.randomize()
-        return Drawn(fired_kind(fired), {"fired": fired, "mats": mats})
-
-    def values_like(self, n: int) -> dict[str, Any]:
-        import torch
-
-        side = len(self.size) + 1
-        return {"fired": torch.empty(n, dtype=torch.bool, device="meta"),
-                "mats": torch.empty((n, side, side), dtype=torch.float32, device="meta")}  # fmt: skip
+        return matrix
 
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         import torch

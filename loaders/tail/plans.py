@@ -58,6 +58,35 @@ class Plan:
         raise NotImplementedError
 
 
+class MatrixPlan(Plan):
+    """A plan whose draw is a matrix for each item it fires on, the identity for the others (`fire`: one item's
+    draws, in the transform's order; its matrix where it fires, else None)."""
+
+    matrix = ("mats", "float32")  # the value's name and dtype
+
+    def __init__(self, t: Any, keys: list[Hashable], size: tuple[int, ...]) -> None:
+        super().__init__(t, keys)
+        self.size = size
+
+    def fire(self) -> Any:
+        raise NotImplementedError
+
+    def draw(self, n: int) -> Drawn:
+        name, dtype = self.matrix
+        fired = np.zeros(n, dtype=np.bool_)
+        mats = np.tile(np.eye(len(self.size) + 1, dtype=dtype), (n, 1, 1))
+        for i in range(n):
+            m = self.fire()
+            if m is not None:
+                fired[i], mats[i] = True, m
+        return Drawn(fired_kind(fired), {"fired": fired, name: mats})
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        name, dtype = self.matrix
+        side = len(self.size) + 1
+        return {"fired": _meta((n,), "bool"), name: _meta((n, side, side), dtype)}
+
+
 def _meta(shape: tuple[int, ...], dtype: str) -> Any:
     import torch
 

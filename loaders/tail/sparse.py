@@ -15,7 +15,7 @@ from typing import Any
 
 from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
 from loaders.tail.device import rows_of, to_device
-from loaders.tail.plans import Plan
+from loaders.tail.plans import MatrixPlan
 
 Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
 
@@ -229,34 +229,23 @@ def plan_rotate(t: Any, keys: list[Hashable], like: Any) -> Any:
     return _RotatePlan(t, keys, next(iter(shapes)))
 
 
-class _RotatePlan(Plan):
+class _RotatePlan(MatrixPlan):
+    matrix = ("theta", "float64")
+
     def __init__(self, t: Any, keys: list[Hashable], size: tuple[int, ...]) -> None:
-        super().__init__(t, keys)
-        self.inner, self.size = t.rand_rotate, size
+        super().__init__(t, keys, size)
+        self.inner = t.rand_rotate
         self.options = {k: o for k, *o in t.key_iterator({k: None for k in keys}, t.mode, t.padding_mode,
                                                          t.align_corners, t.dtype)}  # fmt: skip
 
-    def draw(self, n: int) -> Any:
-        import numpy as np
-
-        from loaders.tail.plans import Drawn, fired_kind
-
-        t, inner, side = self.t, self.inner, len(self.size) + 1
-        fired, theta = np.zeros(n, dtype=np.bool_), np.tile(np.eye(side), (n, 1, 1))
-        for i in range(n):
-            t.randomize(None)
-            inner.randomize()
-            if t._do_transform:
-                fired[i] = True
-                theta[i] = _matrices(self.size, {i: (inner._do_transform, inner.x, inner.y, inner.z)})[0]
-        return Drawn(fired_kind(fired), {"fired": fired, "theta": theta})
-
-    def values_like(self, n: int) -> dict[str, Any]:
-        import torch
-
-        side = len(self.size) + 1
-        return {"fired": torch.empty(n, dtype=torch.bool, device="meta"),
-                "theta": torch.empty((n, side, side), dtype=torch.float64, device="meta")}  # fmt: skip
+    def fire(self) -> Any:
+        """`rand_rotate`'s draws for one item (the angles drawn whether or not it turns): its matrix where it does."""
+        self.t.randomize(None)
+        self.inner.randomize()
+        if not self.t._do_transform:
+            return None
+        inner = self.inner
+        return _matrices(self.size, {0: (inner._do_transform, inner.x, inner.y, inner.z)})[0]
 
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         import torch
