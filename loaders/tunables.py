@@ -95,6 +95,11 @@ TAIL_GRAPHS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_TAIL_GRAPHS"
 # and its first captures delay the first batch (docs/benchmarks.md). BLOCKPREP_TAIL_REPLAY=here in the environment
 # replays in the training process (not in a feeder's child); =1 in any process.
 TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REPLAY", ""), False)
+# A feeder's child that never touches CUDA (`loaders.fast.hostfeed`): it reads, crops and stacks each batch on the
+# CPU and makes its tail's draws alone; the training process copies the batch up from page-locked shared memory and
+# replays the tail's work from those draws (a tail some transform of which has no plan, or runs eagerly, runs on the
+# child's CPU instead). One CUDA context, not two. Off by default until measured on a GPU: BLOCKPREP_HOST_FEED=1.
+HOST_FEED = os.environ.get("BLOCKPREP_HOST_FEED", "") == "1"
 # In a replayed tail, batches of at most this many items have a graph per pattern of the items a costly transform
 # fires on (at most 2**n each, captured as they first come), its work on those items alone, as its batched version
 # runs it; larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). On

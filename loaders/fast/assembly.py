@@ -22,6 +22,7 @@ from loaders.fast.tier import DeviceTier
 from loaders.fast.values import Values
 from loaders.reading.reads import Fetched, Reader
 from loaders.reading.staging import Slot, landed, stack, values_to
+from loaders.tail.replay import DRAWN
 from loaders.tail.tails import loader_tails
 
 __all__ = ["BatchAssembly", "BatchPlan"]
@@ -167,8 +168,11 @@ class BatchAssembly:
         per = len(plan.rows) // max(len(plan.items), 1)  # a folded multi-sample crop's rows, item by item
         groups = [r // per for r in range(len(plan.rows))] if per * len(plan.items) == len(plan.rows) else None
         out, origin = (self._ragged_tail if ragged else self.tail).run(batch, groups)
+        drawn = out.pop(DRAWN, None)  # the tail's draws alone (a host feeder's child): its work replayed where trained
         out["_items"] = torch.as_tensor([plan.rows[i][0] for i in origin], dtype=torch.int64)  # crops repeat items
         out = nested_batch(self.values.collate(out))
+        if drawn is not None:
+            out[DRAWN] = drawn
         return values_to(out, self.reader.device) if self.gpu else out
 
     def open_ahead(self) -> None:

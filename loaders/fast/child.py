@@ -250,8 +250,13 @@ def _serve(checkpoint: Any) -> None:
         from loaders.fast.loader import PreparedLoader  # its imports' errors are said to the parent too
 
         spec = pickle.loads(conn.recv_bytes())
+        host = spec.pop("host_feed", False)
+        if host:  # `loaders.fast.hostfeed`: no CUDA here; batches made on the CPU, their tails' draws alone
+            spec.update(device="cpu", gpu_budget=0)
         conn.recv_bytes()  # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not
         loader = PreparedLoader(**spec)
+        if host and hasattr(loader.assembly.tail, "draw_only"):
+            loader.assembly.tail.draw_only = True
     except (EOFError, OSError):  # the parent closed the loader before it needed this one: nothing to say
         return
     except BaseException as exc:  # noqa: BLE001  (said to the parent, which raises it)
@@ -270,7 +275,11 @@ def _serve(checkpoint: Any) -> None:
     checkpoint()  # the profile as of the loader built (its start)
     # packed ahead: the loader's prefetch and a batch begun ahead, and the parent's credits (its prefetch) sent
     ahead_packed = loader.gpu and loader.tail_thread and tunables.PACK_AHEAD
-    ring = Ring(2 * loader.prefetch + 4 if ahead_packed else loader.prefetch + 2, tally)
+    ring: Any = Ring(2 * loader.prefetch + 4 if ahead_packed else loader.prefetch + 2, tally)
+    if host:  # a slot is freed a batch later, once the parent's copies up from it have run: one more
+        from loaders.fast.hostfeed import HostRing
+
+        ring = HostRing(loader.prefetch + 3, tally)
     if ahead_packed:
         loader.pack_ahead = lambda batch, checks: ring.pack_ahead(batch, checks, send)
     loader.capture_ahead = loader.gpu and loader.tail_thread and tunables.CAPTURE_AHEAD

@@ -178,6 +178,7 @@ class Feeder:
         self._slots: list[dict[str, Any]] = []
         self._events: list[Any] = []
         self._fences: list[Any] = []
+        self._host: Any = None  # a host feeder's slots (`loaders.fast.hostfeed.HostSlots`)
         self._ready = False  # the child says so once it has built its loader (imports included: seconds)
         # the child connects once its interpreter and this package's imports are up (seconds on a GPU box): a
         # thread accepts it and sends its arguments, so the loader's first batches are not made to wait for it
@@ -291,6 +292,8 @@ class Feeder:
     def run(self, loader: Any, epoch: int, skip: int, n: int) -> Iterator[dict[str, Any]]:
         """Batches skip..n-1 of `epoch`, made by the child; the loader's cursor kept as in-process."""
         self.wait_ready()
+        if self._host is not None:
+            self._host.settle(self._tally)  # the last epoch's last slot: its copies up have run
         snap = loader.cursor.begin(epoch, skip)
         self._send("epoch", EpochAsk(epoch, skip, loader.rank, loader.world, dict(snap), loader.prefetch))
         finished = False  # the child has left the epoch (its end, or an error it said)
@@ -298,7 +301,7 @@ class Feeder:
             for k in range(skip, n):
                 try:
                     msg = self._recv()
-                    while msg[0] == "slots":
+                    while msg[0] in ("slots", "hostslots"):
                         self._open_slots(msg)
                         msg = self._recv()
                 except FeederError:
@@ -308,9 +311,12 @@ class Feeder:
                     finished = msg[0] == "end"
                     raise FeederError(f"PreparedLoader(feeder=True): the epoch ended after {k} of {n} batches")
                 sent: BatchSent = msg[1]
-                batch = self._unpack(sent.slot, incoming(sent.batch))
-                self._taken += 1
-                self._tally.set(self._taken)  # the child's credit: one batch more may be made
+                if self._host is not None:  # a host feeder's batch: its tail replayed here, its slot freed after
+                    batch = self._replayed(loader, sent.slot, incoming(sent.batch))
+                else:
+                    batch = self._unpack(sent.slot, incoming(sent.batch))
+                    self._taken += 1
+                    self._tally.set(self._taken)  # the child's credit: one batch more may be made
                 loader.cursor.delivered(epoch, k + 1, sent.snap)
                 yield batch
             finished = True
@@ -326,9 +332,39 @@ class Feeder:
         self.wait_ready()
         self._send("tier", {item: outgoing(tensors) for item, tensors in items.items()})
 
-    def _open_slots(self, msg: tuple[Any, ...]) -> None:
-        """The child's slots (kept open for good) and its events; our fences, sent back."""
+    def _replayed(self, loader: Any, at: int | None, batch: dict[str, Any]) -> dict[str, Any]:
+        """A host feeder's batch (`loaders.fast.hostfeed`): read out of its slot, its tail's work replayed from the
+        child's draws on the loader's device, the rest copied up; counted taken once those copies have run."""
         import torch
+
+        from loaders.reading.staging import values_to
+
+        if at is not None:
+            batch = self._host.views(at, batch)
+        replay = getattr(loader.assembly.tail, "replay_drawn", None)
+        event = None
+        if replay is not None:
+            batch = replay(batch, loader.device)
+            event = loader.assembly.tail.replay_done
+        if at is not None and event is None:  # the slot's views not read by a replay: copied out of it here
+            batch = {k: v.clone() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+                     for k, v in batch.items()}  # fmt: skip
+        if loader.gpu:
+            batch = values_to(batch, loader.device)
+        self._taken += 1
+        self._host.taken(self._tally, self._taken, event)
+        return batch
+
+    def _open_slots(self, msg: tuple[Any, ...]) -> None:
+        """The child's slots (kept open for good) and its events; our fences, sent back. A host feeder's: its
+        shared memory mapped and page-locked here (`loaders.fast.hostfeed.HostSlots`)."""
+        import torch
+
+        if msg[0] == "hostslots":
+            from loaders.fast.hostfeed import HostSlots
+
+            self._host = HostSlots(*msg[1:])
+            return
 
         self._slots = msg[1]
         device = next(iter(self._slots[0].values())).device
@@ -357,7 +393,7 @@ class Feeder:
         try:
             self._send("stop")
             while (msg := self._recv())[0] != "end":
-                if msg[0] == "slots":  # made by the child's tail thread meanwhile: its later batches name them
+                if msg[0] in ("slots", "hostslots"):  # made by the child meanwhile: its later batches name them
                     self._open_slots(msg)
         except FeederError:
             self.close()
@@ -370,6 +406,9 @@ class Feeder:
         # the child's buffers released here first: a producer that exits while a consumer still maps its CUDA
         # memory prints torch's "Producer process has been terminated before all shared CUDA tensors released"
         self._slots, self._events, self._fences = [], [], []
+        if self._host is not None:
+            self._host.close()
+            self._host = None
         if not self._ready and self._proc.poll() is None:  # still starting (imports, CUDA): nothing of it to keep
             self._proc.kill()
         if self._conn is None and self._box and not isinstance(self._box[0], BaseException):

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from loaders import tunables
 from loaders.errors import ArgumentTypeError, ArgumentValueError
 from loaders.fast.trial import FeederTrial
 from loaders.tunables import TIER_SHARE_TENSORS
@@ -29,6 +30,7 @@ class FeederSide:
     made_here: int
     _feeder: Any
     _feeder_auto: bool
+    _host_feed: bool = False
     _tail_default: bool
     _trial: FeederTrial | None
     _verdict: str | None
@@ -66,6 +68,9 @@ class FeederSide:
         spec = {name: given[name] for name in names}
         # the budget as resolved here: the child's own "auto" would count this process's tier as used memory
         spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False, gpu_budget=self.budget)
+        if tunables.HOST_FEED:  # the child on the CPU, the tail replayed here (`loaders.fast.hostfeed`)
+            spec["host_feed"] = True
+        self._host_feed = bool(spec.get("host_feed"))
         try:
             return payload(spec)
         except FeederError:
@@ -96,7 +101,7 @@ class FeederSide:
         here, opened there through CUDA IPC: the child's tier starts full, and it is still here if the batches
         come back); where it holds too many tensors to send, given up (its memory back to the device, for the
         child's own tier: the same budget, not twice)."""
-        if self.tier.budget == 0:
+        if self.tier.budget == 0 or self._host_feed:  # a host feeder's child has no device: the tier stays here
             return
         if self.gpu and self.tier.shareable(TIER_SHARE_TENSORS):
             self._feeder.lend_tier(self.tier.items)

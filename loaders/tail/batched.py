@@ -404,6 +404,10 @@ class BatchedTail:
         self._rows: Any = None  # their host rows (`loaders.tail.checks.FlagRows`), made at the first deferred check
         self._handlers = [_handler(t) for t in self.transforms]
         self._replay: Any = None  # `loaders.tail.replay.ReplayedTail`, made at the first batch on a CUDA device
+        # a host feeder's child (`loaders.fast.hostfeed`): a batch every transform of which has a plan gets its draws
+        # alone, as its `DRAWN` entry; the process that trains replays the work from them (`replay_drawn`)
+        self.draw_only = False
+        self.replay_done: Any = None
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
         if self._fallbacks:
             _log.warning("BatchedTail: per item through MONAI (no batched version): %s", ", ".join(self._fallbacks))
@@ -459,6 +463,8 @@ class BatchedTail:
         from loaders.tail.graphs import Rewind
 
         tb = TailBatch.from_batch(batch, self.device, groups)
+        if self.draw_only and self._drawn_only(tb):
+            return tb.result(), tb.origin
         if self._replayed(tb):
             self._checked(tb.checks)
             return tb.result(), tb.origin
@@ -484,6 +490,39 @@ class BatchedTail:
         else:
             self._pending.append(deferred)
 
+    def _replayer(self) -> Any:
+        if self._replay is None:
+            from loaders.tail.replay import ReplayedTail
+
+            self._replay = ReplayedTail(self.transforms)
+        return self._replay
+
+    def _drawn_only(self, tb: TailBatch) -> bool:
+        """Whether the batch got its draws alone (`draw_only`), its work left to `replay_drawn` elsewhere."""
+        from loaders.tail.replay import DRAWN, Drawings
+
+        if not self._replayer().drawable(tb.data):
+            return False
+        tb.data[DRAWN] = Drawings(self._replay.draw(tb.data))
+        return True
+
+    def replay_drawn(self, batch: dict[Hashable, Any], device: Any) -> dict[Hashable, Any]:
+        """A batch made with `draw_only` (its tensors on the host, its `DRAWN` entry) through the tail's work on
+        `device`; a batch without that entry (its tail run where it was made) as it is. After it, `replay_done` is
+        the CUDA event once its host tensors are read (None where nothing read them asynchronously)."""
+        from loaders.tail.replay import DRAWN
+
+        self.replay_done = None
+        if DRAWN not in batch:
+            return batch
+        drawn = batch.pop(DRAWN).drawn
+        items = batch.pop("_items", None)  # the loader's, kept on the host
+        out = self._replayer().replay(batch, drawn, device)
+        self.replay_done = self._replay.done
+        if items is not None:
+            out["_items"] = items
+        return out
+
     def _replayed(self, tb: TailBatch) -> bool:
         """Whether the batch went through the tail replayed from its plans (`loaders.tail.replay`: on a CUDA device,
         every transform planned for its shapes and dtypes)."""
@@ -498,11 +537,7 @@ class BatchedTail:
         cuda = [v for v in tb.data.values() if isinstance(v, torch.Tensor) and v.is_cuda]
         if not cuda or torch._C._autograd._profiler_enabled():
             return False  # under the profiler, each transform's kernels as launched (`_marked`)
-        if self._replay is None:
-            from loaders.tail.replay import ReplayedTail
-
-            self._replay = ReplayedTail(self.transforms)
-        if not self._replay.covers(tb.data):
+        if not self._replayer().covers(tb.data):
             return False
         self._graphs.abandon_ahead(tb)  # a capture opened ahead holds the batch's assembly: made again outside it
         tb.data = self._replay.run(tb.data)

@@ -29,6 +29,21 @@ from loaders.tail.plans import Drawn, Like, Plan, plan_of
 
 _log = logging.getLogger("loaders.tail")
 
+DRAWN = "_drawn"  # a batch's entry holding its tail's draws (`Drawings`), made where the batch was
+
+
+class Drawings:
+    """A batch's draws, transform by transform (`ReplayedTail.draw`), as one value of the batch (not a list the
+    batch's collation would read as one entry per item)."""
+
+    __slots__ = ("drawn",)
+
+    def __init__(self, drawn: list[Any]) -> None:
+        self.drawn = drawn
+
+    def __reduce__(self) -> Any:
+        return (Drawings, (self.drawn,))
+
 
 @dataclass
 class _Graph:
@@ -97,6 +112,7 @@ class ReplayedTail:
         self._chains: dict[Any, _Chain | None] = {}
         # the last batch's device flags where MONAI would have raised (`loaders.tail.checks`), from its eager steps
         self.checks: list[tuple[Any, BaseException]] = []
+        self.done: Any = None  # a CUDA event after the last replay's reads of its input and draws (None: eager)
 
     @property
     def captures(self) -> int:
@@ -117,16 +133,39 @@ class ReplayedTail:
             self._chains[spec] = None if found is None else _Chain(n, *found)
         return self._chains[spec]
 
+    def drawable(self, batch: Mapping[Hashable, Any]) -> bool:
+        """Whether the batch's draws alone can be made here and its work replayed elsewhere (`draw`, then `replay`
+        in another process): every transform planned, none run eagerly (those draw where they run)."""
+        chain = self._chain(batch)
+        return chain is not None and not any(plan.eager for plan in chain.plans)
+
     def run(self, batch: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         """The batch through the tail (entries that are not per-item tensors passed through as they are)."""
+        return self.replay(batch, self.draw(batch))
+
+    def draw(self, batch: Mapping[Hashable, Any]) -> list[Any]:
+        """The batch's draws, transform by transform (each a `Drawn`, or a per-item plan's list of them)."""
         chain = self._chain(batch)
         if chain is None:
             raise ValueError("ReplayedTail: a transform has no plan for this batch (check `covers` first)")
-        drawn = [plan.draw_items(chain.n) if plan.per_item else plan.draw(chain.n) for plan in chain.plans]
+        return [plan.draw_items(chain.n) if plan.per_item else plan.draw(chain.n) for plan in chain.plans]
+
+    def replay(self, batch: Mapping[Hashable, Any], drawn: list[Any], device: Any = None) -> dict[Hashable, Any]:
+        """The batch through the tail's work from `drawn` (`draw`'s, here or in another process), on `device` (the
+        batch's own by default: a batch in page-locked host memory is copied up into the first buffers)."""
+        chain = self._chain(batch)
+        if chain is None:
+            raise ValueError("ReplayedTail: a transform has no plan for this batch (check `covers` first)")
         out = dict(batch)
-        on_cuda = batch[next(iter(chain.likes[0]))].is_cuda
+        first = batch[next(iter(chain.likes[0]))]
+        on_cuda = (first.device if device is None else _device(device)).type == "cuda"
         chain.checks = []
-        out.update(chain.run(batch, drawn) if self.capture and on_cuda else chain.eager(batch, drawn))
+        self.done = None
+        if self.capture and on_cuda:
+            out.update(chain.run(batch, drawn, device))
+            self.done = chain.done
+        else:
+            out.update(chain.eager({k: batch[k].to(device) for k in chain.likes[0]} if device else batch, drawn))
         self.checks = chain.checks
         return out
 
@@ -144,6 +183,7 @@ class _Chain:
         self.items: dict[int, tuple[dict[Hashable, Any], dict[Hashable, Any]]] = {}  # a per-item plan's item buffers
         self.pool: Any = None
         self.stream: Any = None
+        self.done: Any = None  # the last run's work, its reads of host memory included
 
     def eager(self, batch: Mapping[Hashable, Any], drawn: list[Any]) -> dict[Hashable, Any]:
         import torch
@@ -162,17 +202,18 @@ class _Chain:
             data.update({k: torch.cat([r[k] for r in rows]) for k in plan.keys})
         return data
 
-    def run(self, batch: Mapping[Hashable, Any], drawn: list[Any]) -> dict[Hashable, Any]:
+    def run(self, batch: Mapping[Hashable, Any], drawn: list[Any], device: Any = None) -> dict[Hashable, Any]:
         import torch
 
-        device = batch[next(iter(self.likes[0]))].device
+        device = batch[next(iter(self.likes[0]))].device if device is None else _device(device)
         if self.stream is None:
             self._make_buffers(device)
         caller = torch.cuda.current_stream(device)
-        self.stream.wait_stream(caller)
+        if batch[next(iter(self.likes[0]))].is_cuda:  # made on the caller's stream (from the host: nothing to wait for)
+            self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
             for k, buf in self.buffers[0].items():
-                buf.copy_(batch[k])
+                buf.copy_(batch[k], non_blocking=True)  # from page-locked host memory too, without waiting
             for j, (plan, d) in enumerate(zip(self.plans, drawn)):
                 if plan.eager:
                     src, dst = self._views(j, None)
@@ -184,6 +225,8 @@ class _Chain:
                 else:
                     self._launch(j, plan, d, None)
             out = {k: v.clone() for k, v in self.buffers[-1].items()}
+            self.done = torch.cuda.Event()
+            self.done.record(self.stream)  # the input and the draws read from the host: a host buffer free after it
         caller.wait_stream(self.stream)
         for v in out.values():
             v.record_stream(caller)
@@ -300,6 +343,12 @@ def _pinned(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value)).pin_memory()
     return value if value.is_pinned() else value.pin_memory()
+
+
+def _device(device: Any) -> Any:
+    import torch
+
+    return torch.device(device)
 
 
 def _up(d: Drawn, device: Any) -> dict[str, Any]:

@@ -339,9 +339,11 @@ def fast_path(
     ahead = options.pop("capture_ahead", None)  # "fast-settled@capture_ahead=False": each capture opened where it is
     replay = options.pop("tail_replay", None)  # "fast-auto@feeder=False;tail_replay=True": planned tails replayed
     patterns = options.pop("tail_patterns", None)  # "...;tail_replay=True;tail_patterns=6": on the fired rows
+    host = options.pop("host_feed", None)  # "fast-settled@host_feed=True": the child on the CPU, the tail replayed here
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
-            _tunable("TAIL_REPLAY", replay), _tunable("TAIL_PATTERNS", patterns):  # fmt: skip
+            _tunable("TAIL_REPLAY", replay), _tunable("TAIL_PATTERNS", patterns), \
+            _tunable("HOST_FEED", host):  # fmt: skip
         return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
 
 
@@ -362,9 +364,9 @@ def unaugmented(transform: Any) -> Any:
 
 @contextlib.contextmanager
 def _tunable(name: str, on: bool | int | None) -> Iterator[None]:
-    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY: on or off; TAIL_PATTERNS: a
-    count) and its environment variable BLOCKPREP_<name> (which the feeder's process reads) set for one row, then put
-    back; None leaves them."""
+    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY, HOST_FEED: on or off;
+    TAIL_PATTERNS: a count) and its environment variable BLOCKPREP_<name> (which the feeder's process reads) set for
+    one row, then put back; None leaves them."""
     from loaders import tunables
 
     if on is None:

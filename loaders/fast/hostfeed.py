@@ -1,0 +1,213 @@
+"""The host feeder (`BLOCKPREP_HOST_FEED=1`): a feeder's child that never touches CUDA, and the training process
+that replays its batches' tails.
+
+A feeder's child with a CUDA context of its own costs the training step a turn of that context on the GPU at each
+arrival of its work (docs/benchmarks.md: `seg-aug` fed made 0.87-0.88 of the ceiling with its augmentations and
+without them alike). Here the child builds its loader on the CPU: it reads and crops each batch out of the page cache
+(or the disk), stacks it, and makes its tail's draws alone (`loaders.tail.replay`: MONAI's `randomize`, item by
+item); the training process copies the batch up from page-locked shared memory and replays the tail's work from
+those draws as CUDA graphs (`BatchedTail.replay_drawn`). One context, and the training process's host work a
+batch is its copies up and one graph launch a transform.
+
+The batch's large arrays (its tensors and the tail's large draws, an elastic deformation's offsets) go through a
+ring of slots in one shared memory file (a memfd of the child's, opened by the parent through /proc and registered
+with CUDA there once): the child writes each into a free slot, the parent's copies up read it, and the parent's
+tally frees the slot once those copies have run (`HostSlots.taken`). Everything else goes by value in the message.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loaders.fast.feeder import outgoing
+
+__all__ = ["HostRing", "HostSlots", "InHost"]
+
+_SMALL = 4 << 10  # arrays below this go by value in the message
+_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class InHost:
+    """An array the parent reads out of the message's slot: at byte `at` of it, of `dtype` (numpy's) and `shape`."""
+
+    at: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _array(value: Any) -> np.ndarray | None:
+    """A host tensor or array as a numpy array (None for anything else)."""
+    import torch
+
+    from loaders.cache.dtypes import to_numpy
+
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        plain = value.as_subclass(torch.Tensor) if type(value) is not torch.Tensor else value
+        return to_numpy(plain.contiguous())
+    return value if isinstance(value, np.ndarray) else None
+
+
+def _numpy(value: Any) -> Any:
+    a = _array(value)
+    return value if a is None else a
+
+
+class _Large:
+    """An array being packed: its index among the batch's large arrays."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class HostRing:
+    """The child's end: `count` slots of one memfd, made at the first batch at twice its large arrays' bytes (and
+    32 MiB more: the draws of a batch whose augmentations fire more); a batch they do not fit goes by value."""
+
+    def __init__(self, count: int, tally: Any) -> None:
+        from loaders.fast.child import Slots
+
+        self.count = count
+        self.free = Slots(count, tally)
+        self.slot_bytes = 0
+        self.view: np.ndarray | None = None
+        self._fd = -1
+        self._mm: Any = None
+
+    def pack(self, batch: dict[str, Any], send: Any) -> tuple[int | None, dict[str, Any]]:
+        """(slot, the batch to send): its large arrays written into a free slot as `InHost`, the rest by value."""
+        from loaders.tail.replay import DRAWN, Drawings
+
+        large: list[np.ndarray] = []
+
+        def take(value: Any) -> Any:
+            a = _array(value)
+            if a is None or a.nbytes < _SMALL:
+                return value
+            large.append(a)
+            return _Large(len(large) - 1)
+
+        drawn = batch.get(DRAWN)
+        if drawn is not None:  # host tensors as numpy arrays: never torch's shared memory, which needs a shared key
+            drawn = Drawings([_drawn_map(d, _numpy) for d in drawn.drawn])
+            batch = {**batch, DRAWN: drawn}
+        top = {k: take(v) if k != "_items" else v for k, v in batch.items() if k != DRAWN}
+        if drawn is not None:
+            drawn = Drawings([_drawn_map(d, take) for d in drawn.drawn])
+        places, need = [], 0
+        for a in large:
+            places.append(need)
+            need += -(-a.nbytes // _ALIGN) * _ALIGN
+        if large and self.view is None:
+            self._make(need, send)
+        if not large or need > self.slot_bytes:
+            return None, outgoing(batch)
+        at = self.free.take()
+        base = at * self.slot_bytes
+        assert self.view is not None
+        for a, off in zip(large, places):
+            self.view[base + off : base + off + a.nbytes] = a.reshape(-1).view(np.uint8)
+
+        def placed(value: Any) -> Any:
+            if isinstance(value, _Large):
+                a = large[value.index]
+                return InHost(places[value.index], a.dtype.str, tuple(a.shape))
+            return value
+
+        out = {k: placed(v) if isinstance(v, _Large) else outgoing(v) for k, v in top.items()}
+        if drawn is not None:
+            out[DRAWN] = Drawings([_drawn_map(d, placed) for d in drawn.drawn])
+        return at, out
+
+    def _make(self, need: int, send: Any) -> None:
+        size = -(-(2 * need + (32 << 20)) // (2 << 20)) * (2 << 20)
+        self._fd = os.memfd_create("blockprep-host-feed", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, size * self.count)
+        self._mm = mmap.mmap(self._fd, size * self.count)
+        self.view = np.frombuffer(self._mm, dtype=np.uint8)
+        self.slot_bytes = size
+        send("hostslots", os.getpid(), self._fd, size, self.count)
+
+    def open_fences(self, handles: list[Any]) -> None:
+        """Nothing: the parent's tally says when a slot's copies have run."""
+
+
+def _drawn_map(d: Any, fn: Any) -> Any:
+    """A transform's draws (a `Drawn`, or a per-item plan's list of them) with `fn` applied to each value."""
+    from loaders.tail.plans import Drawn
+
+    if isinstance(d, list):
+        return [_drawn_map(x, fn) for x in d]
+    return Drawn(d.kind, {name: fn(v) for name, v in d.values.items()})
+
+
+class HostSlots:
+    """The parent's end: the child's slots mapped and registered with CUDA (page-locked) once; a batch's
+    `InHost` values read as views of its slot; the tally set for a batch once the copies up that read it have run
+    (checked at the next batch, so that the host never waits for them)."""
+
+    def __init__(self, pid: int, fd: int, slot_bytes: int, count: int) -> None:
+        import torch
+
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._mm = mmap.mmap(own, slot_bytes * count)
+        finally:
+            os.close(own)
+        self.flat = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.slot_bytes = slot_bytes
+        self.registered = False
+        if torch.cuda.is_initialized():  # a loader on a GPU: page-locked, so that its copies up need no staging
+            rc = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.flat.numel(), 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of the host feeder's slots failed (error {int(rc)})")
+            self.registered = True
+        self.pending: tuple[Any, int] | None = None  # (the last batch's copies' event, the count to set then)
+
+    def views(self, at: int, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch with its `InHost` values as views of slot `at` (page-locked host tensors)."""
+        from loaders.reading.staging import view
+        from loaders.tail.replay import DRAWN, Drawings
+
+        base = at * self.slot_bytes
+
+        def placed(value: Any) -> Any:
+            if not isinstance(value, InHost):
+                return value
+            return view(self.flat, base + value.at, np.dtype(value.dtype), value.shape)
+
+        out = {k: placed(v) for k, v in batch.items()}
+        if isinstance(out.get(DRAWN), Drawings):
+            out[DRAWN] = Drawings([_drawn_map(d, placed) for d in out[DRAWN].drawn])
+        return out
+
+    def taken(self, tally: Any, count: int, event: Any) -> None:
+        """Batch number `count` taken: its slot free once `event` (its copies up) has passed; the tally of the batch
+        before set now."""
+        self.settle(tally)
+        self.pending = (event, count)
+
+    def settle(self, tally: Any) -> None:
+        """The last batch's tally set, once its copies up have run (waits for them: they ran long since)."""
+        if self.pending is None:
+            return
+        event, count = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        tally.set(count)
+
+    def close(self) -> None:
+        import torch
+
+        if self.registered:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            self.registered = False

@@ -1,0 +1,101 @@
+"""The host feeder (`BLOCKPREP_HOST_FEED=1`): a child that reads, crops and draws on the CPU, its batches' large
+arrays handed over through shared memory and their tails' work replayed in the training process: the in-process
+loader's batches, batch for batch, through epochs left early, reseeding and resuming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_feeder import _run
+from test_state import _loader, _plain, _same, make_cache
+
+from loaders import tunables
+from loaders.fast.hostfeed import HostRing, HostSlots, InHost
+from loaders.tail.plans import Drawn
+from loaders.tail.replay import DRAWN, Drawings
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_cache(tmp_path_factory)
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def get(self) -> int:
+        return self.n
+
+    def set(self, n: int) -> None:
+        self.n = n
+
+
+def test_a_batch_goes_through_the_slots_as_it_was_made() -> None:
+    """Large arrays (the batch's tensors, a per-item draw) by slot, small ones and the rest by value; the parent's
+    views are the child's numbers; a slot is freed once the batch after it is taken."""
+    tally = _Tally()
+    ring = HostRing(3, tally)
+    said: list[tuple[Any, ...]] = []
+    image = torch.arange(2 * 4096, dtype=torch.float32).reshape(2, 1, 64, 32, 2)
+    offsets = np.random.default_rng(0).random((1, 3, 20, 20, 20), dtype=np.float32)
+    drawn = Drawings([Drawn(("x",), {"flip": np.array([1, 0])}), [Drawn((), {}), Drawn(("d",), {"offset": offsets})]])
+    batch = {"image": image, "_items": torch.tensor([3, 5]), "name": ["a", "b"], DRAWN: drawn}
+    at, out = ring.pack(batch, lambda *m: said.append(m))
+    assert at == 0 and said[0][0] == "hostslots"
+    assert isinstance(out["image"], InHost)
+    assert isinstance(out[DRAWN].drawn[1][1].values["offset"], InHost)
+    assert isinstance(out[DRAWN].drawn[0].values["flip"], np.ndarray)  # small: by value
+    slots = HostSlots(*said[0][1:])
+    got = slots.views(at, out)
+    assert torch.equal(got["image"], image)
+    assert np.array_equal(got[DRAWN].drawn[1][1].values["offset"].numpy(), offsets)
+    assert got["name"] == ["a", "b"]
+    slots.taken(tally, 1, None)
+    assert tally.n == 0  # its slot is still read until the next batch is taken
+    slots.taken(tally, 2, None)
+    assert tally.n == 1
+    slots.close()
+
+
+def test_a_batch_larger_than_the_slots_goes_by_value() -> None:
+    ring = HostRing(2, _Tally())
+    said: list[tuple[Any, ...]] = []
+    ring.pack({"image": torch.zeros(4096)}, lambda *m: said.append(m))
+    at, out = ring.pack({"image": torch.ones(40 << 20, dtype=torch.uint8)}, lambda *m: said.append(m))
+    assert at is None and len(said) == 1
+    assert np.array_equal(out["image"].array, np.ones(40 << 20, dtype=np.uint8))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"gpu_budget": 0, "prefetch": 2}, id="cpu"),
+        pytest.param({"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, id="gpu", marks=pytest.mark.gpu),
+    ],
+)
+def test_host_fed_batches_are_the_in_process_loaders(
+    made: tuple[Path, Path], options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want_loader = _loader(made, {**options, "feeder": False})
+    want = _run(want_loader)
+    monkeypatch.setattr(tunables, "HOST_FEED", True)
+    fed = _loader(made, {**options, "feeder": True})
+    try:
+        fed.wait_feeder()  # every batch from the child
+        got = _run(fed)
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+        assert fed._feeder._host is not None  # the batches came through the host slots
+        assert fed.state_dict() == want_loader.state_dict()
+        resumed = _loader(made, {**options, "feeder": True})
+        resumed.load_state_dict(want_loader.state_dict())
+        _same([_plain(b) for b in resumed], [_plain(b) for b in want_loader], "resumed")
+        resumed.close()
+    finally:
+        fed.close()
+    assert fed._feeder._proc.poll() is not None
