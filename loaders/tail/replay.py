@@ -120,8 +120,12 @@ class ReplayedTail:
         return sum(c.captures for c in self._chains.values() if c is not None)
 
     def covers(self, batch: Mapping[Hashable, Any]) -> bool:
-        """Whether every transform has a plan for a batch like this one."""
-        return self._chain(batch) is not None
+        """Whether every transform has a plan for a batch like this one (on a CUDA device, one exact there)."""
+        chain = self._chain(batch)
+        if chain is None:
+            return False
+        cuda = batch[next(iter(chain.likes[0]))].is_cuda
+        return not cuda or all(plan.exact_on_cuda for plan in chain.plans)
 
     def _chain(self, batch: Mapping[Hashable, Any]) -> _Chain | None:
         n = _batch_size(batch)
@@ -135,9 +139,10 @@ class ReplayedTail:
 
     def drawable(self, batch: Mapping[Hashable, Any]) -> bool:
         """Whether the batch's draws alone can be made here and its work replayed elsewhere (`draw`, then `replay`
-        in another process): every transform planned, none run eagerly (those draw where they run)."""
+        in another process, on any device): every transform planned, none run eagerly (those draw where they run),
+        each exact on a CUDA device."""
         chain = self._chain(batch)
-        return chain is not None and not any(plan.eager for plan in chain.plans)
+        return chain is not None and all(not plan.eager and plan.exact_on_cuda for plan in chain.plans)
 
     def run(self, batch: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         """The batch through the tail (entries that are not per-item tensors passed through as they are)."""

@@ -142,9 +142,23 @@ def _compare_elastic(device: str, batches: int, chain_of: Any = _elastic) -> Rep
     want = reference_batches(chain, [{k: v.clone() for k, v in b.items()} for b in given])
     replayed = ReplayedTail(Compose(chain_of()).set_random_state(11).transforms)
     for b, w in zip(given, want):
-        assert replayed.covers(b)
-        assert_same(replayed.run(b), w)
+        _same_or_refused(replayed, b, w)
     return replayed
+
+
+def _same_or_refused(replayed: ReplayedTail, b: dict[str, Any], w: dict[str, Any]) -> None:
+    """The replay bit for bit MONAI's where it covers the batch; where it does not (a plan not shown exact on a CUDA
+    device: RandAffined's and RandRotated's matrices), refused, its numbers still within 1e-5 of MONAI's."""
+    chain = replayed._chain(b)
+    assert chain is not None
+    exact = b["image"].device.type == "cpu" or all(p.exact_on_cuda for p in chain.plans)
+    assert replayed.covers(b) == exact
+    got = replayed.replay(b, replayed.draw(b))
+    if exact:
+        assert_same(got, w)
+        return
+    assert_same(got, w, keys=("image",), atol=1e-5)
+    assert (got["label"] != w["label"]).float().mean() < 1e-3  # nearest: a coordinate on a half may round the other way
 
 
 def test_elastic_eager_equals_monai() -> None:
@@ -260,10 +274,14 @@ def test_the_batched_tail_replays_where_told(monkeypatch: pytest.MonkeyPatch) ->
         pytest.skip("no GPU here")
     monkeypatch.setattr(tunables, "TAIL_REPLAY", "here")
     given = _given(4, "cuda:0", channels=1)
+
+    def chain() -> list[Any]:  # seg-aug's without RandAffined (not replayed on a GPU: `_same_or_refused`)
+        return [t for t in _seg_aug() if type(t).__name__ != "RandAffined"]
+
     want = reference_batches(
-        Compose(_seg_aug()).set_random_state(2), [{k: v.clone() for k, v in b.items()} for b in given]
+        Compose(chain()).set_random_state(2), [{k: v.clone() for k, v in b.items()} for b in given]
     )
-    tail = BatchedTail(Compose(_seg_aug())).set_random_state(2)
+    tail = BatchedTail(Compose(chain())).set_random_state(2)
     stream = tail_stream("cuda:0")
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -315,8 +333,7 @@ def _compare_slices(device: str, batches: int) -> ReplayedTail:
     like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in given[0].items()}
     assert plan_of(_slices()[0], like) is not None
     for b, w in zip(given, want):
-        assert replayed.covers(b)
-        assert_same(replayed.run(b), w)
+        _same_or_refused(replayed, b, w)
     return replayed
 
 
