@@ -276,10 +276,10 @@ def _serve(checkpoint: Any) -> None:
     # packed ahead: the loader's prefetch and a batch begun ahead, and the parent's credits (its prefetch) sent
     ahead_packed = loader.gpu and loader.tail_thread and tunables.PACK_AHEAD
     ring: Any = Ring(2 * loader.prefetch + 4 if ahead_packed else loader.prefetch + 2, tally)
-    if host:  # a slot is freed a batch later, once the parent's copies up from it have run: one more
+    if host:  # packed and not sent (prefetch + 1), sent and not counted taken (the credits: prefetch + 1), one free
         from loaders.fast.hostfeed import HostRing
 
-        ring = HostRing(loader.prefetch + 3, tally)
+        ring = HostRing(2 * loader.prefetch + 3, tally)
     if ahead_packed:
         loader.pack_ahead = lambda batch, checks: ring.pack_ahead(batch, checks, send)
     loader.capture_ahead = loader.gpu and loader.tail_thread and tunables.CAPTURE_AHEAD

@@ -295,7 +295,9 @@ class Feeder:
         if self._host is not None:
             self._host.settle(self._tally)  # the last epoch's last slot: its copies up have run
         snap = loader.cursor.begin(epoch, skip)
-        self._send("epoch", EpochAsk(epoch, skip, loader.rank, loader.world, dict(snap), loader.prefetch))
+        # a host feeder's slot is counted taken a batch late (once its copies up have run): one credit more
+        credits = loader.prefetch + (1 if getattr(loader, "_host_feed", False) else 0)
+        self._send("epoch", EpochAsk(epoch, skip, loader.rank, loader.world, dict(snap), credits))
         finished = False  # the child has left the epoch (its end, or an error it said)
         try:
             for k in range(skip, n):

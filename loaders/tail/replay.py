@@ -292,7 +292,11 @@ class _Chain:
 
         from loaders.tail.graphs import _warm
 
-        self.stream = torch.cuda.Stream(device=device)
+        from loaders.tail.device import tail_stream
+
+        # the device's highest priority: at the default, a capture's wait and each graph's launch behind the last
+        # (a per-item plan's) waited for the training step's queued kernels (cProfile: 60 ms a launch, host-fed)
+        self.stream = tail_stream(device)
         with torch.cuda.stream(self.stream):
             _warm(device)  # cuBLAS's and cuDNN's handles made before a capture
         for j, like in enumerate(self.likes):
