@@ -290,9 +290,8 @@ class _Chain:
     def _make_buffers(self, device: Any) -> None:
         import torch
 
-        from loaders.tail.graphs import _warm
-
         from loaders.tail.device import tail_stream
+        from loaders.tail.graphs import _warm
 
         # the device's highest priority: at the default, a capture's wait and each graph's launch behind the last
         # (a per-item plan's) waited for the training step's queued kernels (cProfile: 60 ms a launch, host-fed)
