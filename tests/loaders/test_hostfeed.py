@@ -42,7 +42,7 @@ def test_a_batch_goes_through_the_slots_as_it_was_made() -> None:
     ring = HostRing(3, tally)
     said: list[tuple[Any, ...]] = []
     image = torch.arange(2 * 4096, dtype=torch.float32).reshape(2, 1, 64, 32, 2)
-    offsets = np.random.default_rng(0).random((1, 3, 20, 20, 20), dtype=np.float32)
+    offsets = np.random.default_rng(0).random((1, 3, 96, 96, 96), dtype=np.float32)  # copied in pieces
     drawn = Drawings([Drawn(("x",), {"flip": np.array([1, 0])}), [Drawn((), {}), Drawn(("d",), {"offset": offsets})]])
     batch = {"image": image, "_items": torch.tensor([3, 5]), "name": ["a", "b"], DRAWN: drawn}
     at, out = ring.pack(batch, lambda *m: said.append(m))

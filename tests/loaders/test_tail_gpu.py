@@ -84,3 +84,34 @@ def test_matrices_reversed_here_resample_as_monai_reverses_them(device: str, siz
     ours = plain(img, _reversed(theta, nd), spatial_size=size)
     assert torch.equal(ours, monai_way)
     assert not torch.equal(plain(img, theta, spatial_size=size), ours)  # the reversal matters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", [None, "cuda:0"], ids=["grid-on-host", "grid-on-gpu"])
+def test_rand_affine_equals_monai_on_the_gpu_with_one_item_fired(where: Any) -> None:
+    """RandAffined on 96^3 items, batches in which one item fires among others: each grid made where MONAI makes
+    it (the host, or the device the transform is given), bit for bit. A (4, 4) by (4, 96^3) product on an H200
+    differs from the host's where two or more stacked do not."""
+    import monai.transforms as mt
+    from monai.transforms import Compose
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+
+    def chain() -> list[Any]:
+        return [mt.RandAffined(keys=["image", "label"], prob=0.4, rotate_range=(0.2, 0.1, 0.1), scale_range=0.1,
+                               translate_range=(3, 2, 1), mode=("bilinear", "nearest"), padding_mode="border",
+                               device=where)]  # fmt: skip
+
+    batches = [{k: v.to("cuda:0") for k, v in make_batch(n=3, spatial=(96, 96, 96), seed=s).items()} for s in range(8)]
+    want = reference_batches(
+        Compose(chain()).set_random_state(7), [{k: v.clone() for k, v in b.items()} for b in batches]
+    )
+    tail = BatchedTail(Compose(chain())).set_random_state(7)
+    fired = []
+    for b, w in zip(batches, want):
+        got = tail(b)
+        fired.append(sum(not torch.equal(got["image"][i], b["image"][i].float()) for i in range(3)))
+        assert_same(got, w, keys=("image", "label"))
+    assert tail.fallbacks == []
+    assert 1 in fired  # a batch with one item resampled among others: the case a stacked product does not cover
