@@ -44,23 +44,26 @@ def _item_matrix(t: Any, sp_size: tuple[int, ...]) -> Any:
     return torch.as_tensor(grid.get_transformation_matrix()).to(torch.float32)
 
 
-def _grids(t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...], device: Any) -> Any:
+def _grids(
+    t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...], device: Any, where: Any = None
+) -> Any:
     """Normalised sampling grids (m, *sp_size, nd) for grid_sample, one matrix per item.
 
     Each item's grid is made as MONAI's `AffineGrid` makes it: its own matmul, where MONAI makes its identity grid
     (the transform's `device`; the host where that is None), then copied to `device`. One matmul of several
     matrices is another kernel: on an H200 a (4, 4) by (4, 96^3) product on the device came out up to 7.6e-6 from
-    the host's, which a batched product of two or more matrices gave bit for bit."""
+    the host's, which a batched product of two or more matrices gave bit for bit. `where`: made there instead
+    (the replayed plan's, captured on the device: not shown exact there, `MatrixPlan.exact_on_cuda`)."""
     import torch
 
     cached = t.rand_affine._cached_grid
-    where = cached.device if cached is not None else torch.device(t.rand_affine.rand_affine_grid.device or "cpu")
+    if where is None:
+        where = cached.device if cached is not None else torch.device(t.rand_affine.rand_affine_grid.device or "cpu")
     identity = cached if cached is not None else _identity(sp_size, where)
-    identity = torch.as_tensor(identity).to(dtype=torch.float32)
-    flat = identity.view((identity.shape[0], -1))
+    identity = torch.as_tensor(identity).to(device=where, dtype=torch.float32)
     nd = len(sp_size)
-    items = [m @ flat for m in to_device(mats, where)]  # MONAI's `affine @ grid_.view(...)`, an item at a time
-    coords = _on(items, device)[:, :nd].flip(1)  # reversed: grid_sample wants (x, y, z) = (W, H, D)
+    coords = _products(to_device(mats, where), identity.view((identity.shape[0], -1)), device)
+    coords = coords[:, :nd].flip(1)  # reversed: grid_sample wants (x, y, z) = (W, H, D)
     coords = coords.to(_resample_dtype(t))
     scale = to_device(torch.tensor([2.0 / max(2, d) for d in reversed(in_size)], dtype=coords.dtype), device)
     coords = coords * scale.view(1, nd, 1)
@@ -81,18 +84,21 @@ def _identity(sp_size: tuple[int, ...], where: Any) -> Any:
     return _IDENTITY[key]
 
 
-def _on(items: list[Any], device: Any) -> Any:
-    """The items' grids stacked on `device`: from the host through one page-locked block copied up without the
-    host waiting (`loaders.tail.device.to_device`), else stacked where they are and moved."""
+def _products(mats: Any, flat: Any, device: Any) -> Any:
+    """Each matrix times the identity grid, MONAI's `affine @ grid_.view(...)` an item at a time where the grid
+    is, stacked on `device`. From the host: each product written straight into page-locked memory (one block an
+    item: the same size every batch, so the caching host allocator reuses them), on the draw threads at once
+    (torch's product runs without the interpreter lock), then copied up without the host waiting."""
     import torch
 
+    from loaders.tail.ahead import drawers
+
     device = torch.device(device)
-    if items[0].device == device or device.type != "cuda":
-        return torch.stack(items).to(device)
-    staged = torch.empty((len(items), *items[0].shape), dtype=items[0].dtype, pin_memory=True)
-    for i, item in enumerate(items):
-        staged[i].copy_(item)
-    return to_device(staged, device)
+    if flat.device == device or device.type != "cuda":
+        return torch.stack([m @ flat for m in mats]).to(device)
+    staged = [torch.empty((mats.shape[1], flat.shape[1]), dtype=flat.dtype, pin_memory=True) for _ in mats]
+    list(drawers().map(lambda i: torch.mm(mats[i], flat, out=staged[i]), range(len(staged))))
+    return torch.stack([to_device(s, device) for s in staged])
 
 
 def _resample_dtype(t: Any) -> Any:
@@ -213,8 +219,8 @@ class _AffinePlan(MatrixPlan):
         def grids(rows: Any) -> Any:  # each item's grid by a matmul of its own, as MONAI's AffineGrid makes it
             if len(rows) not in made:
                 mats = values["mats"]
-                made[len(rows)] = torch.cat([_grids(self.t, mats[i : i + 1], self.size, self.size, first.device)
-                                             for i in rows])  # fmt: skip
+                made[len(rows)] = torch.cat([_grids(self.t, mats[i : i + 1], self.size, self.size, first.device,
+                                                    first.device) for i in rows])  # fmt: skip
             return made[len(rows)]
 
         out = {}

@@ -107,17 +107,6 @@ def _pinned(offset: Any) -> Any:
     return out
 
 
-def _offset_bytes(key: tuple[int, tuple[int, ...]]) -> float:
-    """A batch's drawn offsets' bytes (float32, a number per spatial dim a voxel, for every item: MONAI draws them
-    whether or not the item is deformed), so the draw-ahead holds as many batches as `AHEAD_BYTES` allows. At
-    `DEPTH` batches, `seg-elastic`'s feeder waited for its draws 37% of its time with the draw threads half idle
-    (py-spy, H200): an item's draw takes 28 ms, so two batches ahead left too little lead."""
-    import math
-
-    n, shape = key
-    return float(n * 4 * len(shape) * math.prod(shape))
-
-
 _WORDS: dict[tuple[type, tuple[int, ...]], int | None] = {}
 
 
@@ -155,7 +144,7 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
     if not keys or (ranged and (grid.R is inner.R or grid.R is t.R)):
         return False  # one stream for the affine grid and the other draws: they interleave item by item
     size = tuple(fall_back_tuple(inner.spatial_size, tuple(batch.data[keys[0]].shape[2:])))
-    early = ahead(t, inner, "rand_offset", _draws, _offset_bytes)
+    early = ahead(t, inner, "rand_offset", _draws)
     drawn = _draws(t, inner, batch.n, _Like(size)) if early is None else early.take(batch.n, size)
     modes = _modes_at_once(t, inner, keys)
     if modes is not None and not ranged:  # the grids made here, as MONAI's dict transform makes them
@@ -400,7 +389,7 @@ class _ElasticPlan(Plan):
         from loaders.tail import gauss
         from loaders.tail.plans import Drawn
 
-        early = ahead(self.t, self.inner, "rand_offset", _draws, _offset_bytes)
+        early = ahead(self.t, self.inner, "rand_offset", _draws)
         drawn = [resolved(d) for d in (_draws(self.t, self.inner, n, _Like(self.size)) if early is None
                                        else early.take(n, self.size))]  # fmt: skip
         out = []
