@@ -15,6 +15,7 @@ from typing import Any
 
 from loaders.tail.batched import TailBatch, gather, keys_of
 from loaders.tail.device import to_device
+from loaders.tail.graphs import host_read
 from loaders.tail.plans import MatrixPlan
 
 
@@ -45,24 +46,31 @@ def _item_matrix(t: Any, sp_size: tuple[int, ...]) -> Any:
 
 
 def _grids(
-    t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...], device: Any, where: Any = None
-) -> Any:
+    t: Any, mats: Any, sp_size: tuple[int, ...], in_size: tuple[int, ...], device: Any, where: Any = None,
+    stacked: bool = False,
+) -> Any:  # fmt: skip
     """Normalised sampling grids (m, *sp_size, nd) for grid_sample, one matrix per item.
 
-    Each item's grid is made as MONAI's `AffineGrid` makes it: its own matmul, where MONAI makes its identity grid
-    (the transform's `device`; the host where that is None), then copied to `device`. One matmul of several
-    matrices is another kernel: on an H200 a (4, 4) by (4, 96^3) product on the device came out up to 7.6e-6 from
-    the host's, which a batched product of two or more matrices gave bit for bit. `where`: made there instead
-    (the replayed plan's, captured on the device: not shown exact there, `MatrixPlan.exact_on_cuda`)."""
+    Each item's grid is MONAI's `AffineGrid`'s: the matrix times MONAI's identity grid, made where MONAI makes it
+    (`_monais`) or at `where`: an item at a time, or all at once where `stacked` (a product of two or more, which
+    `_made_where` found to give the host's numbers there). `where`: the replayed plan's device, where it is
+    captured (not shown exact there: `MatrixPlan.exact_on_cuda`)."""
     import torch
 
+    monais = _monais(t)
+    where = monais if where is None else torch.device(where)
     cached = t.rand_affine._cached_grid
-    if where is None:
-        where = cached.device if cached is not None else torch.device(t.rand_affine.rand_affine_grid.device or "cpu")
-    identity = cached if cached is not None else _identity(sp_size, where)
-    identity = torch.as_tensor(identity).to(device=where, dtype=torch.float32)
+    identity = cached if cached is not None and cached.device == where else _identity(sp_size, where)
+    flat = torch.as_tensor(identity).to(dtype=torch.float32)
+    flat = flat.view((flat.shape[0], -1))
     nd = len(sp_size)
-    coords = _products(to_device(mats, where), identity.view((identity.shape[0], -1)), device)
+    mats = to_device(mats, where)
+    if stacked:
+        n = mats.shape[0]
+        padded = mats if n > 1 else torch.cat([mats, torch.eye(nd + 1, dtype=mats.dtype, device=where)[None]])
+        coords = torch.matmul(padded, flat)[:n]
+    else:
+        coords = _products(mats, flat, device)
     coords = coords[:, :nd].flip(1)  # reversed: grid_sample wants (x, y, z) = (W, H, D)
     coords = coords.to(_resample_dtype(t))
     scale = to_device(torch.tensor([2.0 / max(2, d) for d in reversed(in_size)], dtype=coords.dtype), device)
@@ -70,13 +78,63 @@ def _grids(
     return coords.movedim(1, -1).reshape(mats.shape[0], *sp_size, nd)
 
 
-_IDENTITY: dict[tuple[tuple[int, ...], str], Any] = {}  # MONAI's identity grid by size and device, made once
+def _monais(t: Any) -> Any:
+    """Where MONAI makes RandAffined's grids: its cached grid's device, the transform's own, else the host."""
+    import torch
+
+    cached = t.rand_affine._cached_grid
+    return cached.device if cached is not None else torch.device(t.rand_affine.rand_affine_grid.device or "cpu")
+
+
+_SAME_ON_DEVICE: dict[tuple[tuple[int, ...], str, int], bool] = {}
+
+
+def _made_where(t: Any, tb: TailBatch, sp_size: tuple[int, ...], device: Any, m: int) -> tuple[Any, bool]:
+    """(where m items' grids are made, whether at once): where MONAI makes them on the host and the batch is on a
+    CUDA device, there at once if a product of max(m, 2) probe matrices there gives the host's numbers bit for bit
+    (checked once a process for each size, device and count: on an H200 two or more did and one did not, 7.6e-6
+    off), else on the host an item at a time; elsewhere where MONAI makes them, an item at a time."""
+    import torch
+
+    monais, device = _monais(t), torch.device(device)
+    if monais.type != "cpu" or device.type != "cuda":
+        return monais, False
+    key = (tuple(sp_size), str(device), max(m, 2))
+    if key not in _SAME_ON_DEVICE:
+        with host_read(tb):
+            _SAME_ON_DEVICE[key] = _same_products(t, sp_size, device, key[2])
+    return (device, True) if _SAME_ON_DEVICE[key] else (monais, False)
+
+
+def _same_products(t: Any, sp_size: tuple[int, ...], device: Any, m: int) -> bool:
+    """Whether m matrices (turns, scales and shifts as RandAffined draws them) times the identity grid, at once on
+    `device`, equal each one's product on the host bit for bit."""
+    import torch
+
+    nd = len(sp_size)
+    g = torch.Generator().manual_seed(m)
+    mats = torch.eye(nd + 1).repeat(m, 1, 1)
+    mats[:, :nd, :nd] += 0.2 * (torch.rand((m, nd, nd), generator=g) - 0.5)
+    mats[:, :nd, nd] = 10 * (torch.rand((m, nd), generator=g) - 0.5)
+    cached = t.rand_affine._cached_grid
+    identity = cached if cached is not None else _identity(sp_size, torch.device("cpu"))
+    flat = torch.as_tensor(identity).to(dtype=torch.float32).view((nd + 1, -1))
+    host = torch.stack([a @ flat for a in mats])
+    there = _identity(sp_size, torch.device(device)).to(dtype=torch.float32).view((nd + 1, -1))  # as `_grids` makes it
+    return torch.equal(torch.matmul(mats.to(device), there).cpu(), host)
+
+
+_IDENTITY: dict[tuple[tuple[int, ...], str], Any] = {}  # MONAI's identity grid on the host by size, made once
 
 
 def _identity(sp_size: tuple[int, ...], where: Any) -> Any:
+    """MONAI's identity grid (`create_grid`) made at `where`: kept on the host; made anew on a device (there it may
+    be made inside a capture, from the graph's own memory)."""
     from monai.transforms.utils import create_grid
 
     key = (tuple(sp_size), str(where))
+    if str(where) != "cpu":
+        return create_grid(sp_size, device=where, backend="torch")
     if key not in _IDENTITY:
         if len(_IDENTITY) > 4:
             _IDENTITY.clear()
@@ -159,7 +217,8 @@ def rand_affine(t: Any, batch: TailBatch) -> bool:
             batch.data[k] = batch.data[k].to(torch.float32)
         return True
     device = batch.data[keys[0]].device
-    grids = _grids(t, torch.stack(mats), sp_size, in_size, device)
+    where, stacked = _made_where(t, batch, sp_size, device, len(chosen))
+    grids = _grids(t, torch.stack(mats), sp_size, in_size, device, where, stacked)
     dtype = _resample_dtype(t)
     for k, (interp, pad) in zip(keys, modes):
         x = batch.data[k]
