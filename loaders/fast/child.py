@@ -252,7 +252,7 @@ def _serve(checkpoint: Any) -> None:
         spec = pickle.loads(conn.recv_bytes())
         host = spec.pop("host_feed", False)
         if host:  # `loaders.fast.hostfeed`: no CUDA here; batches made on the CPU, their tails' draws alone
-            spec.update(device="cpu", gpu_budget=_host_tier(int(spec.get("gpu_budget") or 0)))
+            spec.update(device="cpu", gpu_budget=0)
         conn.recv_bytes()  # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not
         loader = PreparedLoader(**spec)
         if host and hasattr(loader.assembly.tail, "draw_only"):
@@ -305,15 +305,6 @@ def _serve(checkpoint: Any) -> None:
         if ahead is not None:
             ahead.drop(loader)
         loader.close()
-
-
-def _host_tier(budget: int) -> int:
-    """A host feeder's tier: whole items kept in this process's memory, up to the device tier's budget and a quarter
-    of what it may still allocate, so a crop of one is a slice, not a read. Without it the child read every crop
-    from the page cache, its checksums included, and its batches waited for those reads (py-spy, H200)."""
-    from loaders.machine import available_memory
-
-    return max(0, min(budget, available_memory() // 4))
 
 
 def _trace() -> None:

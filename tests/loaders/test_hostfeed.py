@@ -75,7 +75,6 @@ def test_a_batch_larger_than_the_slots_goes_by_value() -> None:
     "options",
     [
         pytest.param({"gpu_budget": 0, "prefetch": 2}, id="cpu"),
-        pytest.param({"gpu_budget": "64MiB", "prefetch": 2}, id="cpu-tier"),  # the child's items in its memory
         pytest.param({"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, id="gpu", marks=pytest.mark.gpu),
     ],
 )
