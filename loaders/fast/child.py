@@ -251,6 +251,11 @@ def _serve(checkpoint: Any) -> None:
 
         spec = pickle.loads(conn.recv_bytes())
         host = spec.pop("host_feed", False)
+        from loaders.tail import uniforms
+
+        # described draws: for the parent where it makes them; never in a CUDA context of this child's own but
+        # where BLOCKPREP_DEVICE_DRAWS=1 (its GPU time-sliced with the training step's)
+        uniforms.tell(bool(spec.pop("device_draws", False)) if host else tunables.DEVICE_DRAWS is True)
         if host:  # `loaders.fast.hostfeed`: no CUDA here; batches made on the CPU, their tails' draws alone
             spec.update(device="cpu", gpu_budget=0)
         conn.recv_bytes()  # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not

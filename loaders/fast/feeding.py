@@ -70,6 +70,7 @@ class FeederSide:
         spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False, gpu_budget=self.budget)
         if tunables.HOST_FEED:  # the child on the CPU, the tail replayed here (`loaders.fast.hostfeed`)
             spec["host_feed"] = True
+            spec["device_draws"] = _device_draws(self.device)
         self._host_feed = bool(spec.get("host_feed"))
         try:
             return payload(spec)
@@ -176,3 +177,17 @@ class FeederSide:
     def feeder_pid(self) -> int | None:
         """The process making this loader's batches where it is not this one (`feeder`), else None."""
         return self._feeder.pid if self._feeder is not None else None
+
+
+def _device_draws(device: Any) -> bool:
+    """Whether a host feeder's child describes its large uniform draws for this process to make on `device`
+    (`loaders.tail.uniforms`): where cupy is installed; its kernel's check is begun here (numpy's draw where it
+    fails)."""
+    import importlib.util
+
+    from loaders.tail import uniforms
+
+    if tunables.DEVICE_DRAWS is False or importlib.util.find_spec("cupy") is None:
+        return False
+    uniforms.ready(device)
+    return True

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from loaders.tail import stream
+from loaders.tail import stream, uniforms
 from loaders.tail.ahead import _Like, ahead, drawers, from_state, resolved, same_state, skip, skippable
 from loaders.tail.batched import TailBatch
 from loaders.tail.plans import Plan
@@ -86,8 +86,14 @@ def _taken(do: bool, inner: Any) -> Drawn:
 
 
 def _draw_one(do: bool, one: Any, start: Any, shape: tuple[int, ...], end: Any) -> Drawn:
-    """One item's draws by MONAI's own `randomize`, from the state its words start at."""
-    one.R = from_state(start)
+    """One item's draws by MONAI's own `randomize`, from the state its words start at; its offsets described
+    (`loaders.tail.uniforms`: made on the device that uses them) where this process defers them."""
+    import math
+
+    if uniforms.deferring() and uniforms.Deferring.usable(end, _AFTER):
+        one.R = uniforms.Deferring(start, end, 3 * math.prod(shape), _AFTER)
+    else:
+        one.R = from_state(start)
     one.randomize(shape)
     if not same_state(one.R.get_state(), end):
         raise RuntimeError(f"{type(one).__name__}: an item's draws took other than the words skipped for them")
@@ -108,6 +114,7 @@ def _pinned(offset: Any) -> Any:
 
 
 _WORDS: dict[tuple[type, tuple[int, ...]], int | None] = {}
+_AFTER = 4  # the words drawn after the offsets: the magnitude's and the sigma's
 
 
 def _words(inner: Any, shape: tuple[int, ...]) -> int | None:
@@ -144,6 +151,7 @@ def rand_3d_elastic(t: Any, batch: TailBatch) -> bool:
     if not keys or (ranged and (grid.R is inner.R or grid.R is t.R)):
         return False  # one stream for the affine grid and the other draws: they interleave item by item
     size = tuple(fall_back_tuple(inner.spatial_size, tuple(batch.data[keys[0]].shape[2:])))
+    uniforms.use_on(batch.data[keys[0]].device)  # the offsets made there once its kernel is checked
     early = ahead(t, inner, "rand_offset", _draws)
     drawn = _draws(t, inner, batch.n, _Like(size)) if early is None else early.take(batch.n, size)
     modes = _modes_at_once(t, inner, keys)
@@ -210,6 +218,8 @@ def _offset_on(offset: Any, device: Any) -> Any:
     from loaders.tail.graphs import keep
 
     on_cuda = device is not None and torch.device(device).type == "cuda"
+    if isinstance(offset, uniforms.Uniforms):  # described: made on the device (numpy's draw off it)
+        return uniforms.on_device([offset], device)[0] if on_cuda else np.asarray(offset)
     if isinstance(offset, torch.Tensor):  # pinned by the draw thread
         if not on_cuda:
             return offset.numpy()
@@ -218,6 +228,15 @@ def _offset_on(offset: Any, device: Any) -> Any:
     if not isinstance(offset, np.ndarray) or not on_cuda:
         return offset
     return to_device(torch.from_numpy(offset), device)
+
+
+def _offsets_on(offsets: list[Any], device: Any) -> list[Any]:
+    """`_offset_on` of each, the described ones made on a CUDA device by one launch."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        offsets = uniforms.on_device(offsets, device)
+    return [_offset_on(o, device) for o in offsets]
 
 
 class _Noting:
@@ -333,12 +352,13 @@ def _grids_here(inner: Any, drawn: list[Drawn], size: tuple[int, ...], first: An
     dtype: Any = AffineGrid(dtype=inner.rand_affine_grid.dtype).dtype  # what MONAI's affine grid computes in
     fired = [j for j, d in enumerate(drawn) if d[0]]
     smoothing = gauss.kernels([drawn[j][4] for j in fired], 3.0, "erf", device)
+    offsets = dict(zip(fired, _offsets_on([drawn[j][2] for j in fired], device)))
     grids = []
-    for j, (do, _, offset, magnitude, _) in enumerate(drawn):
+    for j, (do, _, _, magnitude, _) in enumerate(drawn):
         grid: Any = create_grid(spatial_size=size, device=device, backend="torch")
         if do:
             k = smoothing[fired.index(j)]
-            moved = torch.as_tensor(_offset_on(offset, device), device=device).unsqueeze(0)
+            moved = torch.as_tensor(offsets[j], device=device).unsqueeze(0)
             grid[:3] += separable_filtering(x=moved, kernels=[k, k, k])[0] * magnitude
             grid = grid.to(dtype or grid.dtype)  # AffineGrid's dtype (float32 by default: the grid was float64)
             affine = torch.eye(len(size) + 1, device=device, dtype=grid.dtype)
@@ -398,8 +418,13 @@ class _ElasticPlan(Plan):
                 out.append(Drawn((), {}))
                 continue
             sigma32 = np.array([sigma], dtype=np.float32)  # GaussianFilter's float32 sigma
-            moved = offset if isinstance(offset, torch.Tensor) else torch.from_numpy(np.asarray(offset))
-            values = {"offset": moved.unsqueeze(0), "sigma": sigma32, "magnitude": np.array([magnitude], np.float32)}
+            moved: Any
+            if isinstance(offset, uniforms.Uniforms):  # described: made where the plan's work runs
+                moved = offset.reshape(1, *offset.shape)
+            else:
+                held = offset if isinstance(offset, torch.Tensor) else torch.from_numpy(np.asarray(offset))
+                moved = held.unsqueeze(0)
+            values = {"offset": moved, "sigma": sigma32, "magnitude": np.array([magnitude], np.float32)}
             out.append(Drawn(("deformed", gauss.tail_of(float(sigma32[0]), 3.0)), values))
         if drawn:  # what MONAI's last call leaves on its transform
             self.inner._do_transform = drawn[-1][1]

@@ -189,6 +189,7 @@ class _Chain:
         self.pool: Any = None
         self.stream: Any = None
         self.done: Any = None  # the last run's work, its reads of host memory included
+        self.made: dict[int, Any] = {}  # the batch's described draws made on the device, by the id of each
 
     def eager(self, batch: Mapping[Hashable, Any], drawn: list[Any]) -> dict[Hashable, Any]:
         import torch
@@ -219,6 +220,7 @@ class _Chain:
         with torch.cuda.stream(self.stream):
             for k, buf in self.buffers[0].items():
                 buf.copy_(batch[k], non_blocking=True)  # from page-locked host memory too, without waiting
+            self.made = _made(drawn, device)
             for j, (plan, d) in enumerate(zip(self.plans, drawn)):
                 if plan.eager:
                     src, dst = self._views(j, None)
@@ -264,7 +266,7 @@ class _Chain:
         key = (j, d.kind, tuple((name, tuple(a.shape), str(a.dtype)) for name, a in d.values.items()))
         g = self.graphs.get(key) or self._capture(key, j, plan, d, row)
         for name, a in d.values.items():
-            g.dev[name].copy_(_pinned(a), non_blocking=True)
+            g.dev[name].copy_(self._source(a), non_blocking=True)
         if row is None:
             g.graph.replay()
             return
@@ -274,6 +276,11 @@ class _Chain:
         g.graph.replay()
         for k in plan.keys:
             self.buffers[j + 1][k][row : row + 1].copy_(outs[k])
+
+    def _source(self, value: Any) -> Any:
+        """What a draw's value is copied up from: made on the device already (`_made`), else page-locked."""
+        got = self.made.get(id(value))
+        return _pinned(value) if got is None else got
 
     def _views(self, j: int, row: int | None) -> tuple[dict[Hashable, Any], dict[Hashable, Any]]:
         """Plan j's input and output buffers: the batch's, or (a per-item plan's, `row` given) an item's own."""
@@ -309,7 +316,7 @@ class _Chain:
         import torch
 
         device = self.stream.device
-        given = {name: _pinned(a) for name, a in d.values.items()}
+        given = {name: self._source(a) for name, a in d.values.items()}
         dev = {name: torch.empty(tuple(h.shape), dtype=h.dtype, device=device) for name, h in given.items()}
         src, dst = self._views(j, row)
         if row is not None:  # the warm-up below works on this item
@@ -344,6 +351,15 @@ class _Chain:
         return self.graphs[key]
 
 
+def _made(drawn: list[Any], device: Any) -> dict[int, Any]:
+    """The batch's described draws (`loaders.tail.uniforms.Uniforms`) made on `device` by one launch, by id."""
+    from loaders.tail.uniforms import Uniforms, on_device
+
+    values = [v for d in drawn for di in (d if isinstance(d, list) else [d]) if isinstance(di, Drawn)
+              for v in di.values.values() if isinstance(v, Uniforms)]  # fmt: skip
+    return {id(v): t for v, t in zip(values, on_device(values, device))}
+
+
 def _pinned(value: Any) -> Any:
     """A draw's value as a page-locked host tensor (a numpy array copied into one; a tensor pinned already as is)."""
     import torch
@@ -363,4 +379,11 @@ def _up(d: Drawn, device: Any) -> dict[str, Any]:
     """A draw's values on `device` (eagerly)."""
     import torch
 
-    return {name: (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(device) for name, a in d.values.items()}
+    from loaders.tail.uniforms import Uniforms, on_device
+
+    def up(a: Any) -> Any:
+        if isinstance(a, Uniforms):
+            return on_device([a], device)[0] if torch.device(device).type == "cuda" else torch.from_numpy(np.asarray(a))
+        return (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(device)
+
+    return {name: up(a) for name, a in d.values.items()}
