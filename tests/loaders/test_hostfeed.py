@@ -99,3 +99,21 @@ def test_host_fed_batches_are_the_in_process_loaders(
     finally:
         fed.close()
     assert fed._feeder._proc.poll() is not None
+
+
+def test_described_offsets_go_by_value() -> None:
+    """A child's described draw (its generator's state, 2.5 KB) goes in the message, not a slot: the parent makes
+    the numbers (`loaders.tail.uniforms`)."""
+    from loaders.tail.uniforms import Uniforms
+
+    tally = _Tally()
+    ring = HostRing(3, tally)
+    said: list[tuple[Any, ...]] = []
+    key = np.random.RandomState(2).get_state()[1]
+    u = Uniforms(key, 17, -1.0, 1.0, (1, 3, 96, 96, 96)).astype(np.float32)
+    image = torch.arange(2 * 4096, dtype=torch.float32).reshape(2, 1, 64, 32, 2)
+    batch = {"image": image, DRAWN: Drawings([[Drawn(("d",), {"offset": u})]])}
+    at, out = ring.pack(batch, lambda *m: said.append(m))
+    sent = out[DRAWN].drawn[0][0].values["offset"]
+    assert isinstance(sent, Uniforms) and sent.pos == 17 and np.array_equal(sent.key, key)
+    assert isinstance(out["image"], InHost)
