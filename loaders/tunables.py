@@ -102,8 +102,10 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 HOST_FEED = os.environ.get("BLOCKPREP_HOST_FEED", "") == "1"
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the
 # generator's state on the CUDA device that uses them (`loaders.tail.uniforms`: cupy's compiler, the kernel checked
-# once a process against numpy): "auto" where the tail runs in the training process or a host feeder's child
-# describes them for it; "1" also in a feeder's child with a CUDA context of its own; "0" never (drawn on the host).
+# once a process against numpy): "auto" where the tail runs in the training process; "1" also where a host
+# feeder's child describes them for it (a third of the child's CPU time on `seg-elastic`, but 0.82 of the ceiling
+# against 0.88 drawn in the child, one call: docs/benchmarks.md) and in a feeder's child with a CUDA context of its
+# own; "0" never (drawn on the host).
 DEVICE_DRAWS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_DEVICE_DRAWS", ""), "auto")
 # In a replayed tail, batches of at most this many items have a graph per pattern of the items a costly transform
 # fires on (at most 2**n each, captured as they first come), its work on those items alone, as its batched version

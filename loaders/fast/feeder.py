@@ -22,6 +22,7 @@ transform. Results are those of the in-process loader, batch for batch:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -179,6 +180,8 @@ class Feeder:
         self._events: list[Any] = []
         self._fences: list[Any] = []
         self._host: Any = None  # a host feeder's slots (`loaders.fast.hostfeed.HostSlots`)
+        self._ahead: Any = None  # the CUDA stream a host feeder's batches are replayed from, ahead of the caller's
+        self._finished = False
         self._ready = False  # the child says so once it has built its loader (imports included: seconds)
         # the child connects once its interpreter and this package's imports are up (seconds on a GPU box): a
         # thread accepts it and sends its arguments, so the loader's first batches are not made to wait for it
@@ -295,38 +298,66 @@ class Feeder:
         if self._host is not None:
             self._host.settle(self._tally)  # the last epoch's last slot: its copies up have run
         snap = loader.cursor.begin(epoch, skip)
-        # a host feeder's slot is counted taken a batch late (once its copies up have run): one credit more
-        credits = loader.prefetch + (1 if getattr(loader, "_host_feed", False) else 0)
+        # a host feeder's slot is counted taken a batch late (once its copies up have run), and one batch is taken
+        # ahead of the caller's: two credits more
+        credits = loader.prefetch + (2 if getattr(loader, "_host_feed", False) else 0)
         self._send("epoch", EpochAsk(epoch, skip, loader.rank, loader.world, dict(snap), credits))
-        finished = False  # the child has left the epoch (its end, or an error it said)
+        self._finished = False  # the child has left the epoch (its end, or an error it said)
+        ahead: collections.deque[tuple[dict[str, Any], Any, Any]] = collections.deque()
         try:
+            got = skip  # batches received from the child
             for k in range(skip, n):
-                try:
-                    msg = self._recv()
-                    while msg[0] in ("slots", "hostslots"):
-                        self._open_slots(msg)
-                        msg = self._recv()
-                except FeederError:
-                    finished = True
-                    raise
-                if msg[0] != "batch":
-                    finished = msg[0] == "end"
-                    raise FeederError(f"PreparedLoader(feeder=True): the epoch ended after {k} of {n} batches")
-                sent: BatchSent = msg[1]
-                if self._host is not None:  # a host feeder's batch: its tail replayed here, its slot freed after
-                    batch = self._replayed(loader, sent.slot, incoming(sent.batch))
-                else:
-                    batch = self._unpack(sent.slot, incoming(sent.batch))
-                    self._taken += 1
-                    self._tally.set(self._taken)  # the child's credit: one batch more may be made
-                loader.cursor.delivered(epoch, k + 1, sent.snap)
+                if not ahead:
+                    ahead.append(self._take(loader, got, n))
+                    got += 1
+                # a host feeder's next batch, where it has come: its copies up and its tail's work queued now, to
+                # run beside the caller's step on this one rather than after it
+                if self._host is not None and got < n and self._conn.poll():
+                    ahead.append(self._take(loader, got, n))
+                    got += 1
+                batch, snap, event = ahead.popleft()
+                batch = loader._handover(batch, event)
+                loader.cursor.delivered(epoch, k + 1, snap)
                 yield batch
-            finished = True
+            self._finished = True
             self._expect("end")
         finally:
-            if not finished and self._conn is not None and self._proc.poll() is None:
+            if not self._finished and self._conn is not None and self._proc.poll() is None:
                 self._stop()
             loader.cursor.end()
+
+    def _take(self, loader: Any, k: int, n: int) -> tuple[dict[str, Any], Any, Any]:
+        """Batch `k`'s message, the batch out of its slot; a host feeder's replayed on a stream of this end's, with
+        the event the caller's stream waits for (None: made on the caller's stream)."""
+        try:
+            msg = self._recv()
+            while msg[0] in ("slots", "hostslots"):
+                self._open_slots(msg)
+                msg = self._recv()
+        except FeederError:
+            self._finished = True
+            raise
+        if msg[0] != "batch":
+            self._finished = msg[0] == "end"
+            raise FeederError(f"PreparedLoader(feeder=True): the epoch ended after {k} of {n} batches")
+        sent: BatchSent = msg[1]
+        if self._host is None:
+            batch = self._unpack(sent.slot, incoming(sent.batch))
+            self._taken += 1
+            self._tally.set(self._taken)  # the child's credit: one batch more may be made
+            return batch, sent.snap, None
+        if not loader.gpu:  # a host feeder's batch: its tail replayed here, its slot freed after
+            return self._replayed(loader, sent.slot, incoming(sent.batch)), sent.snap, None
+        torch = loader.torch
+        if self._ahead is None:
+            from loaders.tail.device import tail_stream
+
+            self._ahead = tail_stream(loader.device)
+        with torch.cuda.stream(self._ahead):
+            batch = self._replayed(loader, sent.slot, incoming(sent.batch))
+            event = torch.cuda.Event()
+            event.record(self._ahead)
+        return batch, sent.snap, event
 
     def lend_tier(self, items: dict[int, dict[str, Any]]) -> None:
         """The training process's device tier sent to the child through CUDA IPC (kept alive here: the child

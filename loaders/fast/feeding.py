@@ -181,13 +181,13 @@ class FeederSide:
 
 def _device_draws(device: Any) -> bool:
     """Whether a host feeder's child describes its large uniform draws for this process to make on `device`
-    (`loaders.tail.uniforms`): where cupy is installed; its kernel's check is begun here (numpy's draw where it
-    fails)."""
+    (`loaders.tail.uniforms`): where BLOCKPREP_DEVICE_DRAWS=1 and cupy is installed; its kernel's check is begun
+    here (numpy's draw where it fails)."""
     import importlib.util
 
     from loaders.tail import uniforms
 
-    if tunables.DEVICE_DRAWS is False or importlib.util.find_spec("cupy") is None:
+    if tunables.DEVICE_DRAWS is not True or importlib.util.find_spec("cupy") is None:
         return False
     uniforms.ready(device)
     return True

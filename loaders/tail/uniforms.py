@@ -158,6 +158,7 @@ class Deferring:
 
 _KERNELS: dict[int, Any] = {}
 _READY: dict[int, bool] = {}
+_WHY: dict[int, str] = {}  # where a device's check failed: why (its exception, or the numbers that differed)
 _CHECKING: dict[int, threading.Thread] = {}
 _LOCK = threading.Lock()
 
@@ -223,10 +224,21 @@ def _check(index: int) -> None:
             with torch.cuda.stream(stream):
                 got = made(cases, device)
                 stream.synchronize()
-        ok = all(np.array_equal(g.cpu().numpy(), np.asarray(u)) for g, u in zip(got, cases))
-    except Exception:  # noqa: BLE001  (no cupy, no compiler: the numbers are drawn on the host)
-        ok = False
+        differ = [i for i, (g, u) in enumerate(zip(got, cases)) if not np.array_equal(g.cpu().numpy(), np.asarray(u))]
+        ok = not differ
+        if differ:
+            _WHY[index] = f"the kernel's numbers differ from numpy's in cases {differ}"
+    except Exception as exc:  # noqa: BLE001  (no cupy, no compiler: the numbers are drawn on the host)
+        _WHY[index] = f"{type(exc).__name__}: {exc}"
     _READY[index] = ok
+
+
+def why_not(device: Any) -> str:
+    """Why `device`'s kernel is not used (after `wait_ready` said False): its check's exception or difference."""
+    import torch
+
+    dev = torch.device(device)
+    return _WHY.get(torch.cuda.current_device() if dev.index is None else dev.index, "not checked")
 
 
 def made(values: list[Uniforms], device: Any) -> list[Any]:
@@ -249,9 +261,37 @@ def made(values: list[Uniforms], device: Any) -> list[Any]:
     stream = torch.cuda.current_stream(dev)
     up = [t.to(dev, non_blocking=True) for t in (keys, meta.pin_memory(), ranges.pin_memory())]
     out = torch.empty(int(starts[-1]), dtype=torch.float32, device=dev)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), _cupy_stream(cupy, stream.cuda_stream, index):
         _kernel(index)((len(values),), (N,), tuple(_pointer(t) for t in (*up, out)))
     return [out[int(s) : int(s) + c].view(u.shape) for u, c, s in zip(values, counts, starts)]
+
+
+class _Handle:
+    """A CUDA stream's address, shown by the CUDA stream protocol."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _cupy_stream(cupy: Any, ptr: int, index: int) -> Any:
+    """torch's stream `ptr` on device `index` as a cupy stream: `Stream.from_external` where this cupy has it,
+    else `ExternalStream` (which newer cupy versions warn is deprecated: a warning that `-W error` makes fatal)."""
+    import warnings
+
+    external = getattr(cupy.cuda.Stream, "from_external", None)
+    if external is not None:
+        try:
+            made = external(_Handle(ptr))
+            if int(made.ptr) == ptr:
+                return made
+        except Exception:  # noqa: BLE001  (another signature: the older way below)
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr, index)
 
 
 def _pointer(t: Any) -> Any:

@@ -131,11 +131,21 @@ def test_the_elastic_replay_with_described_offsets_equals_monai(told: None, monk
     assert made
 
 
+def test_a_failed_check_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose check fails (no cupy here; on a GPU box, no such device) is not used, and says why."""
+    monkeypatch.setattr(uniforms, "_READY", {})
+    monkeypatch.setattr(uniforms, "_WHY", {})
+    uniforms._check(97)
+    assert uniforms._READY == {97: False}
+    assert uniforms.why_not("cuda:97") and uniforms.why_not("cuda:97") != "not checked"
+    assert uniforms.why_not("cuda:96") == "not checked"
+
+
 def _gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     pytest.importorskip("cupy")
-    assert uniforms.wait_ready("cuda:0"), "the kernel's numbers are not numpy's on this GPU"
+    assert uniforms.wait_ready("cuda:0"), f"the kernel is not used on this GPU: {uniforms.why_not('cuda:0')}"
 
 
 @pytest.mark.gpu

@@ -340,10 +340,11 @@ def fast_path(
     replay = options.pop("tail_replay", None)  # "fast-auto@feeder=False;tail_replay=True": planned tails replayed
     patterns = options.pop("tail_patterns", None)  # "...;tail_replay=True;tail_patterns=6": on the fired rows
     host = options.pop("host_feed", None)  # "fast-settled@host_feed=True": the child on the CPU, the tail replayed here
+    draws = options.pop("device_draws", None)  # "...@host_feed=True;device_draws=False": offsets drawn on the host
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
             _tunable("TAIL_REPLAY", replay), _tunable("TAIL_PATTERNS", patterns), \
-            _tunable("HOST_FEED", host):  # fmt: skip
+            _tunable("HOST_FEED", host), _tunable("DEVICE_DRAWS", draws):  # fmt: skip
         return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
 
 
@@ -364,9 +365,9 @@ def unaugmented(transform: Any) -> Any:
 
 @contextlib.contextmanager
 def _tunable(name: str, on: bool | int | None) -> Iterator[None]:
-    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY, HOST_FEED: on or off;
-    TAIL_PATTERNS: a count) and its environment variable BLOCKPREP_<name> (which the feeder's process reads) set for
-    one row, then put back; None leaves them."""
+    """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY, HOST_FEED, DEVICE_DRAWS: on
+    or off; TAIL_PATTERNS: a count) and its environment variable BLOCKPREP_<name> (which the feeder's process reads)
+    set for one row, then put back; None leaves them."""
     from loaders import tunables
 
     if on is None:
