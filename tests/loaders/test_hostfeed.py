@@ -117,3 +117,24 @@ def test_described_offsets_go_by_value() -> None:
     sent = out[DRAWN].drawn[0][0].values["offset"]
     assert isinstance(sent, Uniforms) and sent.pos == 17 and np.array_equal(sent.key, key)
     assert isinstance(out["image"], InHost)
+
+
+def test_the_next_batch_is_taken_ahead_of_the_callers(made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the child has made it, the next batch is taken (and its tail's work queued) before the caller's batch is
+    handed over, so that its work runs beside the caller's step: the same batches, one more taken."""
+    import time
+
+    want = [_plain(b) for b in _loader(made, {"gpu_budget": 0, "batch_size": 1, "feeder": False})]
+    monkeypatch.setattr(tunables, "HOST_FEED", True)
+    fed = _loader(made, {"gpu_budget": 0, "batch_size": 1, "feeder": True})
+    try:
+        fed.wait_feeder()
+        batches = iter(fed)
+        got = [_plain(next(batches))]
+        time.sleep(3.0)  # the child makes the batches its credits allow
+        got.append(_plain(next(batches)))
+        assert fed._feeder._taken == 3  # the caller's second, and the third taken ahead of it
+        got += [_plain(b) for b in batches]
+        _same(got, want, "taken ahead")
+    finally:
+        fed.close()
