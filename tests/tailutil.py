@@ -99,6 +99,20 @@ def augment_3d() -> list[Any]:
     ]  # fmt: skip
 
 
+def then_deterministic() -> list[Any]:
+    """`seg-aug`'s augmentations, then deterministic transforms users put after them."""
+    import monai.transforms as mt
+
+    return [
+        *augment_3d(),
+        mt.ScaleIntensityd("image", channel_wise=True),
+        mt.ScaleIntensityRanged("image", a_min=0.1, a_max=0.9, b_min=-1.0, b_max=1.0, clip=True),
+        mt.ThresholdIntensityd("image", threshold=0.5, above=True, cval=0.0),
+        mt.MapLabelValued("label", [0, 1], [2, 5], dtype=torch.uint8),
+        mt.ToTensord(["image", "label"]),
+    ]
+
+
 def augment_2d() -> list[Any]:
     """The 2D augmentations of `slices` (every prob 0.5), for the GPU tests."""
     import monai.transforms as mt

@@ -10,6 +10,7 @@ Light at import: torch and MONAI are imported by the functions that use them.
 
 from __future__ import annotations
 
-from loaders.tail.batched import BatchedTail, TailBatch, batched_names
+from loaders.tail.batched import BatchedTail, batched_names
+from loaders.tail.tailbatch import TailBatch
 
 __all__ = ["BatchedTail", "TailBatch", "batched_names"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, gather, keys_of
 from loaders.tail.device import to_device
 from loaders.tail.graphs import host_read
 from loaders.tail.plans import MatrixPlan
+from loaders.tail.tailbatch import TailBatch, gather, keys_of
 
 
 def _modes(t: Any, keys: list[Hashable]) -> list[tuple[Any, Any]] | None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, _handler, _monai_items
+from loaders.tail.batched import _handler, _monai_items
 from loaders.tail.sparse import assemble, taken
+from loaders.tail.tailbatch import TailBatch
 
 
 def one_of(t: Any, batch: TailBatch) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, keys_of
+from loaders.tail.tailbatch import TailBatch, keys_of
 
 
 def _spatial(batch: TailBatch, keys: list[Hashable]) -> tuple[int, ...] | None:

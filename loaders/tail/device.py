@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from loaders.tail.graphs import host_read, keep
 
 if TYPE_CHECKING:
-    from loaders.tail.batched import TailBatch
+    from loaders.tail.tailbatch import TailBatch
 
 
 def to_device(value: Any, device: Any) -> Any:

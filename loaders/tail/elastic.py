@@ -31,9 +31,9 @@ import numpy as np
 
 from loaders.tail import stream, uniforms
 from loaders.tail.ahead import _Like, ahead, drawers, from_state, resolved, same_state, skip, skippable
-from loaders.tail.batched import TailBatch
 from loaders.tail.plans import Plan
 from loaders.tail.sparse import Apply, assemble, ready
+from loaders.tail.tailbatch import TailBatch
 
 _RANGES = ("rotate_range", "shear_range", "translate_range", "scale_range")
 Drawn = tuple[bool, bool, Any, float, float]  # the dict's and the inner's _do_transform, offsets, magnitude, sigma

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch
 from loaders.tail.device import to_device
 from loaders.tail.sparse import Apply, assemble, ready, row_of, taken
+from loaders.tail.tailbatch import TailBatch
 
 Draws = dict[int, dict[str, Any]]  # fired item -> the inner transform's attributes as its draw left them
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loaders.tail.batched import TailBatch, gather, keys_of, spatial_batch_axes
+from loaders.tail.tailbatch import TailBatch, gather, keys_of, spatial_batch_axes
 
 
 def _where(x: Any, chosen: list[int], op: Any) -> Any:

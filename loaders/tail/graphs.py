@@ -238,9 +238,13 @@ class Segments:
         self.graph.capture_begin(pool=self.graphs.pool, capture_error_mode="thread_local")
 
     def _launch(self) -> None:
+        import warnings
+
         import torch
 
-        self.graph.capture_end()
+        with warnings.catch_warnings():  # a segment that launched nothing (every item skipped) is an empty graph
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
+            self.graph.capture_end()
         graph, self.graph = self.graph, None
         keep, self.keep = self.keep, []
         graph.replay()
@@ -317,6 +321,11 @@ def keep(value: Any) -> None:
     segments: Segments | None = getattr(_here, "segments", None)
     if segments is not None and segments.graph is not None:
         segments.keep.append(value)
+
+
+def capturing_for_good() -> bool:
+    """Whether this thread captures a graph replayed for good (`holding`): no batch's draws may go into it."""
+    return getattr(_here, "held", None) is not None
 
 
 @contextlib.contextmanager

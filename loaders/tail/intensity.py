@@ -12,8 +12,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from loaders.tail.ahead import ahead
-from loaders.tail.batched import TailBatch, gather, keys_of
 from loaders.tail.device import to_device
+from loaders.tail.tailbatch import TailBatch, gather, keys_of
 
 
 def _ready(t: Any, batch: TailBatch) -> list[Hashable] | None:
@@ -203,4 +203,32 @@ def normalize_intensity(t: Any, batch: TailBatch) -> bool:
             out = torch.where(mask, out, flat)
         dtype = get_equivalent_dtype(norm.dtype, torch.Tensor) if norm.dtype is not None else x.dtype
         batch.data[k] = out.reshape(x.shape).to(dtype)
+    return True
+
+
+def scale_intensity(t: Any, batch: TailBatch) -> bool:
+    """ScaleIntensityd (deterministic): each item (or each of its channels, `channel_wise`) rescaled by its own min
+    and max into [minv, maxv], the same operations as MONAI's `rescale_array` with each item's min and max
+    broadcast, so the numbers are MONAI's; with `factor` (minv and maxv None) one multiply for the batch."""
+    import torch
+    from monai.utils import convert_data_type, convert_to_dst_type
+
+    keys = _ready(t, batch)
+    s = t.scaler
+    if keys is None:
+        return False
+    for k in keys:
+        x = batch.data[k]
+        if s.minv is None and s.maxv is None:
+            out = x * (1 + s.factor) if s.factor is not None else x
+        else:
+            arr = convert_data_type(x, dtype=s.dtype)[0] if s.dtype is not None else x
+            dims = tuple(range(2 if s.channel_wise else 1, arr.ndim))
+            mina, maxa = arr.amin(dim=dims, keepdim=True), arr.amax(dim=dims, keepdim=True)
+            norm = (arr - mina) / (maxa - mina)
+            if s.minv is not None and s.maxv is not None:
+                norm = (norm * (s.maxv - s.minv)) + s.minv
+            flat = arr * s.minv if s.minv is not None else arr  # an item whose min is its max
+            out = torch.where(mina == maxa, flat, norm)
+        batch.data[k] = convert_to_dst_type(out, dst=x, dtype=s.dtype or x.dtype)[0]
     return True

@@ -145,7 +145,7 @@ class _Flip(Plan):
     """RandFlipd: the same axes flipped on every item that draws a flip."""
 
     def __init__(self, t: Any, keys: list[Hashable], like: Like) -> None:
-        from loaders.tail.batched import spatial_batch_axes
+        from loaders.tail.tailbatch import spatial_batch_axes
 
         super().__init__(t, keys)
         self.dims = {k: spatial_batch_axes(like[k].ndim - 1, t.flipper.spatial_axis) for k in keys}
@@ -169,7 +169,7 @@ class _Rotate90(Plan):
     every item and the drawn one kept."""
 
     def __init__(self, t: Any, keys: list[Hashable], like: Like) -> None:
-        from loaders.tail.batched import spatial_batch_axes
+        from loaders.tail.tailbatch import spatial_batch_axes
 
         super().__init__(t, keys)
         self.axes = {k: tuple(spatial_batch_axes(like[k].ndim - 1, t.spatial_axes)) for k in keys}
@@ -241,7 +241,7 @@ def _flip(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
 
 
 def _rotate90(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
-    from loaders.tail.batched import spatial_batch_axes
+    from loaders.tail.tailbatch import spatial_batch_axes
 
     for k in keys:
         a, b = spatial_batch_axes(like[k].ndim - 1, t.spatial_axes)

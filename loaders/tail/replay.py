@@ -243,7 +243,8 @@ class _Chain:
         """An eager step's entries: its batched version on the batch (never written), else MONAI item by item; the
         entries it leaves in another shape or dtype than the buffers' raise (never copied in converted)."""
         from loaders.errors import PrepError
-        from loaders.tail.batched import TailBatch, _handler, _per_item
+        from loaders.tail.batched import _handler, _per_item
+        from loaders.tail.tailbatch import TailBatch
 
         tb = TailBatch.from_batch(data)
         handler = _handler(plan.t)

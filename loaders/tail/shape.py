@@ -1,14 +1,16 @@
 """Deterministic transforms applied to the whole batch: `SqueezeDimd` (2D training on slices of volumes: a
 one-voxel-thick crop, then its singleton dim squeezed), `ConcatItemsd` (the keys joined one dim later),
-`AsDiscreted` (MONAI's own transform over the batch, its `dim` one later), and those that act on each value whole
-or on the keys alone (`EnsureTyped`, `CastToTyped`, `DeleteItemsd`, `CopyItemsd`: MONAI's own transform over the
-batch)."""
+`AsDiscreted` (MONAI's own transform over the batch, its `dim` one later), and those that act on each value whole,
+voxel by voxel, or on the keys alone (`EnsureTyped`, `ToTensord`, `CastToTyped`, `ScaleIntensityRanged`,
+`ThresholdIntensityd`, `MapLabelValued`, `DeleteItemsd`, `CopyItemsd`: MONAI's own transform over the batch), and
+the spatial ones that act on each channel alone (crops, pads, flips, resizes: MONAI's own transform over the batch
+folded into one item's channels)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loaders.tail.batched import TailBatch, _plain, batch_dim, keys_of
+from loaders.tail.tailbatch import TailBatch, _plain, batch_dim, keys_of
 
 
 def squeeze_dim(t: Any, batch: TailBatch) -> bool:
@@ -32,7 +34,8 @@ def squeeze_dim(t: Any, batch: TailBatch) -> bool:
 
 def whole_batch(t: Any, batch: TailBatch) -> bool:
     """A deterministic transform that acts on each value whole, element by element or by its type
-    (`EnsureTyped` to tensors, `CastToTyped`), or on the keys alone (`DeleteItemsd`, `CopyItemsd`): MONAI's own
+    (`EnsureTyped` and `ToTensord` to tensors, `CastToTyped`, `ScaleIntensityRanged`'s fixed ranges,
+    `ThresholdIntensityd`, `MapLabelValued`), or on the keys alone (`DeleteItemsd`, `CopyItemsd`): MONAI's own
     transform run once over the batch's values gives what it gives item by item, stacked. Per item through
     MONAI where a value it acts on is not batched, or for `EnsureTyped(data_type="numpy")`."""
     keys = keys_of(t, batch)
@@ -77,4 +80,25 @@ def as_discrete(t: Any, batch: TailBatch) -> bool:
             del kwargs["dim"]
     for k in keys:
         batch.data[k] = _plain(out[k])
+    return True
+
+
+def channels_folded(t: Any, batch: TailBatch) -> bool:
+    """A deterministic spatial transform that acts on each channel alone, its output's shape set by its input's
+    spatial shape (`CenterSpatialCropd`, `SpatialPadd`, `ResizeWithPadOrCropd`, `Flipd`, `Resized`, ...): MONAI's
+    own transform run once, on the batch seen as one item whose channels are every item's channels, then split
+    back into items. Per item through MONAI for values not batched or not tensors, and for `Resized` with
+    `anti_aliasing` (its smoothing over many channels at once came out 5e-7 from MONAI's)."""
+    import torch
+
+    keys = keys_of(t, batch)
+    if any(getattr(t, "anti_aliasing", ())):  # Resized's, one a key
+        return False
+    if any(not batch.is_batched(k) or not isinstance(batch.data[k], torch.Tensor) for k in keys):
+        return False
+    shapes = {k: tuple(batch.data[k].shape[:2]) for k in keys}
+    out = t({k: _plain(batch.data[k]).reshape(-1, *batch.data[k].shape[2:]) for k in keys})
+    for k in keys:
+        v = _plain(out[k])
+        batch.data[k] = v.reshape(*shapes[k], *v.shape[1:])
     return True

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from loaders.tail.batched import TailBatch, _plain, _stack, keys_of
 from loaders.tail.device import rows_of, to_device
 from loaders.tail.plans import MatrixPlan
+from loaders.tail.tailbatch import TailBatch, _plain, _stack, keys_of
 
 Apply = Callable[[Hashable, Any], Any]  # (key, item tensor) -> MONAI's output for that item
 

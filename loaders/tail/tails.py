@@ -26,7 +26,7 @@ class PerItemTail:
         """(the batch through the tail, the input item each output came from). `groups`: the MONAI item each
         row is a sample of (a folded multi-sample crop): its samples go through the tail as the list MONAI's
         chain hands on after such a crop."""
-        from loaders.tail.batched import item_rows, ragged_error
+        from loaders.tail.tailbatch import item_rows, ragged_error
 
         keys = [k for k in batch if not k.startswith("_")]
         n = len(batch[keys[0]])

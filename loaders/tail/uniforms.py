@@ -25,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from loaders.tail.device import to_device
+from loaders.tail.graphs import capturing_for_good, keep
+
 N = 624  # MT19937's words of state
 
 _SOURCE = r"""
@@ -259,7 +262,10 @@ def made(values: list[Uniforms], device: Any) -> list[Any]:
     meta = torch.tensor([[u.pos, c, int(s)] for u, c, s in zip(values, counts, starts)], dtype=torch.int64)
     ranges = torch.tensor([[u.low, u.high - u.low] for u in values], dtype=torch.float64)
     stream = torch.cuda.current_stream(dev)
-    up = [t.to(dev, non_blocking=True) for t in (keys, meta.pin_memory(), ranges.pin_memory())]
+    pinned = (keys, meta.pin_memory(), ranges.pin_memory())
+    for t in pinned:
+        keep(t)  # inside a captured segment, the copies run when the segment does
+    up = [t.to(dev, non_blocking=True) for t in pinned]
     out = torch.empty(int(starts[-1]), dtype=torch.float32, device=dev)
     with cupy.cuda.Device(index), _cupy_stream(cupy, stream.cuda_stream, index):
         _kernel(index)((len(values),), (N,), tuple(_pointer(t) for t in (*up, out)))
@@ -337,10 +343,12 @@ def on_device(values: list[Any], device: Any) -> list[Any]:
     if not at:
         return values
     out = list(values)
-    if wait_ready(device) and not torch.cuda.is_current_stream_capturing():
+    if capturing_for_good():
+        raise RuntimeError("a batch's described draws cannot go into a graph replayed for good")
+    if wait_ready(device):
         for i, t in zip(at, made([values[i] for i in at], device)):
             out[i] = t
         return out
     for i in at:
-        out[i] = torch.from_numpy(np.asarray(values[i])).to(device, non_blocking=False)
+        out[i] = to_device(torch.from_numpy(np.asarray(values[i])), device)
     return out

@@ -129,6 +129,35 @@ _TAILS: dict[str, tuple[str, Any]] = {
             _t("RandomOrder", [_t("RandFlipd", K, prob=0.5), _t("RandScaleIntensityd", IMG, factors=0.2, prob=1.0)])
         ],
     ),
+    "ScaleIntensityd": ("3d", lambda: [_t("RandFlipd", K, prob=0.5), _t("ScaleIntensityd", IMG, channel_wise=True)]),
+    "ScaleIntensityRanged": (
+        "3d",
+        lambda: [
+            _t("RandFlipd", K, prob=0.5),
+            _t("ScaleIntensityRanged", IMG, a_min=0.0, a_max=0.5, b_min=0.0, b_max=1.0, clip=True),
+        ],
+    ),
+    "ThresholdIntensityd": (
+        "3d",
+        lambda: [_t("RandScaleIntensityd", IMG, factors=0.2, prob=0.7), _t("ThresholdIntensityd", IMG, threshold=0.3)],
+    ),
+    "MapLabelValued": (
+        "3d",
+        lambda: [_t("RandFlipd", K, prob=0.5), _t("MapLabelValued", "label", orig_labels=[0, 1], target_labels=[2, 0])],
+    ),
+    "CenterSpatialCropd": (
+        "3d",
+        lambda: [_t("RandFlipd", K, prob=0.5), _t("CenterSpatialCropd", K, roi_size=(12, 10, 8))],
+    ),
+    "SpatialPadd": ("3d", lambda: [_t("RandFlipd", K, prob=0.5), _t("SpatialPadd", K, spatial_size=(40, 40, 40))]),
+    "Resized": (
+        "3d",
+        lambda: [
+            _t("RandFlipd", K, prob=0.5),
+            _t("Resized", K, spatial_size=(16, 16, 16), mode=("trilinear", "nearest")),
+        ],
+    ),
+    "ToTensord": ("3d", lambda: [_t("RandRotate90d", K, prob=0.5), _t("ToTensord", K)]),
 }
 
 _HEADS = {"3d": head_3d, "2d": head_2d}

@@ -28,6 +28,38 @@ EXACT = {
     "axis_flip_then_flip": [mt.RandAxisFlipd(K, prob=1.0), mt.RandFlipd(K, prob=0.5, spatial_axis=1)],
     "axis_flip_missing_key": [mt.RandAxisFlipd(["mask", "image"], prob=0.5, allow_missing_keys=True)],
     "ensure_typed": [mt.RandFlipd(K, prob=0.5), mt.EnsureTyped(K, dtype=torch.float16)],
+    "to_tensord": [mt.RandFlipd(K, prob=0.5), mt.ToTensord(K)],
+    "to_tensord_untracked": [
+        mt.RandRotate90d(K, 0.5, 3, (0, 2)),
+        mt.ToTensord(K, dtype=torch.float16, track_meta=False),
+    ],
+    "scale_intensity": [mt.RandScaleIntensityd("image", factors=0.3, prob=0.6), mt.ScaleIntensityd("image")],
+    "scale_intensity_range_of": [mt.RandFlipd(K, prob=0.5), mt.ScaleIntensityd(K, minv=-1.0, maxv=2.5, dtype=None)],
+    "scale_intensity_one_bound": [
+        mt.RandShiftIntensityd("image", offsets=0.5, prob=0.6),
+        mt.ScaleIntensityd("image", minv=None, maxv=3.0),
+    ],  # fmt: skip
+    "scale_intensity_factor": [mt.RandFlipd(K, prob=0.5), mt.ScaleIntensityd("image", None, None, factor=0.4)],
+    "scale_intensity_range": [
+        mt.RandScaleIntensityd("image", factors=0.3, prob=0.6),
+        mt.ScaleIntensityRanged("image", a_min=0.2, a_max=2.5, b_min=0.0, b_max=1.0, clip=True),
+    ],
+    "threshold_intensity": [
+        mt.RandShiftIntensityd("image", offsets=0.5, prob=0.6),
+        mt.ThresholdIntensityd("image", threshold=1.0, above=False, cval=-1.0),
+    ],
+    "map_label_value": [mt.RandFlipd(K, prob=0.5), mt.MapLabelValued("label", [0, 1], [3, 7], dtype=torch.uint8)],
+    "center_crop": [mt.RandFlipd(K, prob=0.5), mt.CenterSpatialCropd(K, roi_size=(12, 10, 16))],
+    "center_scale_crop": [mt.RandFlipd(K, prob=0.5), mt.CenterScaleCropd(K, roi_scale=0.6)],
+    "spatial_crop_fixed": [mt.RandFlipd(K, prob=0.5), mt.SpatialCropd(K, roi_center=(10, 11, 9), roi_size=(8, 7, 8))],
+    "spatial_pad": [mt.RandFlipd(K, prob=0.5), mt.SpatialPadd(K, spatial_size=(24, 26, 22), mode="reflect")],
+    "spatial_pad_modes": [mt.RandFlipd(K, prob=0.5), mt.SpatialPadd(K, (25, 24, 24), mode=("edge", "constant"))],
+    "border_pad": [mt.RandScaleIntensityd("image", factors=0.3, prob=0.6), mt.BorderPadd(K, spatial_border=2)],
+    "divisible_pad": [mt.RandFlipd(K, prob=0.5), mt.DivisiblePadd(K, k=16)],
+    "resize_with_pad_or_crop": [mt.RandFlipd(K, prob=0.5), mt.ResizeWithPadOrCropd(K, (16, 28, 20))],
+    "flipd": [mt.RandScaleIntensityd("image", factors=0.3, prob=0.6), mt.Flipd(K, spatial_axis=1)],
+    "rotate90d": [mt.RandFlipd(K, prob=0.5), mt.Rotate90d(K, k=1, spatial_axes=(0, 2))],
+    "resized": [mt.RandFlipd(K, prob=0.5), mt.Resized(K, (16, 18, 12), mode=("trilinear", "nearest"))],
     "cast_to_typed": [mt.CastToTyped(K, dtype=(torch.float16, torch.uint8)), mt.RandRotate90d(K, 0.5, 3, (0, 2))],
     "copy_then_delete": [
         mt.CopyItemsd("image", times=2, names=["a", "b"]),
@@ -177,6 +209,30 @@ def test_channel_wise_multichannel(dtype: torch.dtype) -> None:
     got, tail = batched(chain, batch, seed=4)
     assert_same(got, reference(chain, batch, seed=4))
     assert tail.fallbacks == []
+
+
+@pytest.mark.parametrize("channel_wise", [False, True])
+@pytest.mark.parametrize(("minv", "maxv", "dtype"), [(0.0, 1.0, torch.float32), (2.0, None, None), (None, 5.0, None)])
+def test_scale_intensity_by_each_items_range(channel_wise: bool, minv: Any, maxv: Any, dtype: Any) -> None:
+    """ScaleIntensityd over the batch: each item's (channel's) own min and max; an item (a channel) that is constant
+    takes MONAI's other branch; integer images too."""
+    batch = make_batch(n=5)
+    image = torch.cat([batch["image"], 1 - batch["image"], torch.full_like(batch["image"], 0.25)], dim=1)
+    image[3] = 2.0  # a constant item
+    batch["image"] = image if dtype is not None else (image * 40).to(torch.int16)
+    chain = [mt.RandFlipd(K, prob=0.5), mt.ScaleIntensityd("image", minv, maxv, channel_wise=channel_wise, dtype=dtype)]
+    got, tail = batched(chain, batch, seed=6)
+    assert_same(got, reference(chain, batch, seed=6))
+    assert tail.fallbacks == []
+
+
+def test_resized_with_anti_aliasing_runs_per_item() -> None:
+    """Its smoothing over every item's channels at once is not MONAI's bit for bit: per item, MONAI's numbers."""
+    batch = make_batch()
+    chain = [mt.RandFlipd(K, prob=0.5), mt.Resized("image", (10, 11, 10), anti_aliasing=True)]
+    got, tail = batched(chain, batch, seed=2)
+    assert_same(got, reference(chain, batch, seed=2))
+    assert tail.fallbacks == ["Resized"]
 
 
 def test_fallback_runs_per_item_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:

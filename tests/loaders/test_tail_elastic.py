@@ -18,8 +18,8 @@ from tailutil import assert_same, make_batch, reference_batches  # noqa: E402
 
 from loaders.tail import BatchedTail, elastic  # noqa: E402
 from loaders.tail.ahead import ahead  # noqa: E402
-from loaders.tail.batched import TailBatch  # noqa: E402
 from loaders.tail.elastic import rand_2d_elastic, rand_3d_elastic  # noqa: E402
+from loaders.tail.tailbatch import TailBatch  # noqa: E402
 
 
 def _chain(**affine: Any) -> list[Any]:

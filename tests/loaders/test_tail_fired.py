@@ -125,8 +125,8 @@ def test_monai_runs_only_on_the_items_it_fires_on() -> None:
     """`fired_whole`: MONAI's dict transform is called once per fired item, never on the others (whose values it
     leaves, or makes float32: RandSimulateLowResolutiond), and a transform none of whose keys is there draws as
     MONAI does (nothing for RandSimulateLowResolutiond, its prob for the others)."""
-    from loaders.tail.batched import TailBatch
     from loaders.tail.fired import fired_whole
+    from loaders.tail.tailbatch import TailBatch
 
     t = mt.RandRicianNoised("image", prob=0.4, std=0.1, allow_missing_keys=True).set_random_state(2)
     twin = mt.RandRicianNoised("image", prob=0.4).set_random_state(2)  # the dict's own state draws the probs only

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from tailutil import assert_same, augment_2d, augment_3d, make_batch, reference_batches
+from tailutil import assert_same, augment_2d, augment_3d, make_batch, reference_batches, then_deterministic
 
 from loaders.tail import BatchedTail
 from loaders.tail.device import rows_of, tail_stream
@@ -20,7 +20,11 @@ def _on_gpu(spatial: tuple[int, ...]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("chain", "spatial"), [(augment_3d, (20, 22, 20)), (augment_2d, (24, 24))], ids=["3d", "2d"])
+@pytest.mark.parametrize(
+    ("chain", "spatial"),
+    [(augment_3d, (20, 22, 20)), (augment_2d, (24, 24)), (then_deterministic, (20, 22, 20))],
+    ids=["3d", "2d", "3d-then-deterministic"],
+)
 def test_batches_on_the_tail_stream_equal_monai_on_the_gpu(chain: Any, spatial: tuple[int, ...]) -> None:
     from monai.transforms import Compose
 

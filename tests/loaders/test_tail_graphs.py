@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from tailutil import assert_same, augment_2d, augment_3d, make_batch, reference_batches
+from tailutil import assert_same, augment_2d, augment_3d, make_batch, reference_batches, then_deterministic
 
 from loaders import tunables
 from loaders.tail import BatchedTail
@@ -67,7 +67,11 @@ def _run(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("chain", "spatial"), [(augment_3d, (20, 22, 20)), (_chain_2d, (24, 24))], ids=["3d", "2d"])
+@pytest.mark.parametrize(
+    ("chain", "spatial"),
+    [(augment_3d, (20, 22, 20)), (_chain_2d, (24, 24)), (then_deterministic, (20, 22, 20))],
+    ids=["3d", "2d", "3d-then-deterministic"],
+)
 def test_captured_batches_equal_monai_on_the_gpu(chain: Any, spatial: tuple[int, ...]) -> None:
     got, want, tail = _run(chain, spatial)
     for g, w in zip(got, want):
