@@ -113,6 +113,21 @@ def then_deterministic() -> list[Any]:
     ]
 
 
+def then_spatial() -> list[Any]:
+    """`seg-aug`'s augmentations, then deterministic spatial transforms that act on each channel alone."""
+    import monai.transforms as mt
+
+    return [
+        *augment_3d(),
+        mt.SpatialPadd(K, spatial_size=(24, 24, 24), mode=("reflect", "constant")),
+        mt.CenterSpatialCropd(K, roi_size=(18, 20, 16)),
+        mt.Flipd(K, spatial_axis=2),
+        mt.Rotate90d(K, k=1, spatial_axes=(0, 2)),
+        mt.Resized(K, spatial_size=(16, 16, 16), mode=("trilinear", "nearest")),
+        mt.DivisiblePadd(K, k=12),
+    ]
+
+
 def augment_2d() -> list[Any]:
     """The 2D augmentations of `slices` (every prob 0.5), for the GPU tests."""
     import monai.transforms as mt

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 import torch
-from tailutil import assert_same, augment_2d, augment_3d, make_batch, reference_batches, then_deterministic
+from tailutil import (
+    assert_same,
+    augment_2d,
+    augment_3d,
+    make_batch,
+    reference_batches,
+    then_deterministic,
+    then_spatial,
+)
 
 from loaders.tail import BatchedTail
 from loaders.tail.device import rows_of, tail_stream
@@ -22,8 +30,13 @@ def _on_gpu(spatial: tuple[int, ...]) -> list[dict[str, Any]]:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("chain", "spatial"),
-    [(augment_3d, (20, 22, 20)), (augment_2d, (24, 24)), (then_deterministic, (20, 22, 20))],
-    ids=["3d", "2d", "3d-then-deterministic"],
+    [
+        (augment_3d, (20, 22, 20)),
+        (augment_2d, (24, 24)),
+        (then_deterministic, (20, 22, 20)),
+        (then_spatial, (20, 22, 20)),
+    ],
+    ids=["3d", "2d", "3d-then-deterministic", "3d-then-spatial"],
 )
 def test_batches_on_the_tail_stream_equal_monai_on_the_gpu(chain: Any, spatial: tuple[int, ...]) -> None:
     from monai.transforms import Compose
