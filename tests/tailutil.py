@@ -124,6 +124,8 @@ def then_spatial() -> list[Any]:
         mt.Flipd(K, spatial_axis=2),
         mt.Rotate90d(K, k=1, spatial_axes=(0, 2)),
         mt.Resized(K, spatial_size=(16, 16, 16), mode=("trilinear", "nearest")),
+        mt.Rotated(K, angle=(0.2, 0.1, -0.3), mode=("bilinear", "nearest")),
+        mt.Zoomd(K, zoom=1.2, mode=("trilinear", "nearest")),
         mt.DivisiblePadd(K, k=12),
     ]
 

@@ -24,6 +24,7 @@ _log = logging.getLogger("loaders.tail")
 # MONAI class name -> (module, function) of its batched version. Matched on the exact MONAI class (a user's
 # subclass may change the behaviour, so it runs per item through MONAI).
 _HANDLERS: dict[str, tuple[str, str]] = {
+    "Affined": ("loaders.tail.shape", "channels_folded"),
     "AsDiscreted": ("loaders.tail.shape", "as_discrete"),
     "BorderPadd": ("loaders.tail.shape", "channels_folded"),
     "CastToTyped": ("loaders.tail.shape", "whole_batch"),
@@ -70,6 +71,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "ResizeWithPadOrCropd": ("loaders.tail.shape", "channels_folded"),
     "Resized": ("loaders.tail.shape", "channels_folded"),
     "Rotate90d": ("loaders.tail.shape", "channels_folded"),
+    "Rotated": ("loaders.tail.shape", "channels_folded"),
     "ScaleIntensityRanged": ("loaders.tail.shape", "whole_batch"),
     "ScaleIntensityd": ("loaders.tail.intensity", "scale_intensity"),
     "SpatialCropd": ("loaders.tail.shape", "channels_folded"),
@@ -77,6 +79,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "SqueezeDimd": ("loaders.tail.shape", "squeeze_dim"),
     "ThresholdIntensityd": ("loaders.tail.shape", "whole_batch"),
     "ToTensord": ("loaders.tail.shape", "whole_batch"),
+    "Zoomd": ("loaders.tail.shape", "channels_folded"),
 }
 
 Handler = Callable[[Any, "TailBatch"], bool]

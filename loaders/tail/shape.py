@@ -85,10 +85,11 @@ def as_discrete(t: Any, batch: TailBatch) -> bool:
 
 def channels_folded(t: Any, batch: TailBatch) -> bool:
     """A deterministic spatial transform that acts on each channel alone, its output's shape set by its input's
-    spatial shape (`CenterSpatialCropd`, `SpatialPadd`, `ResizeWithPadOrCropd`, `Flipd`, `Resized`, ...): MONAI's
-    own transform run once, on the batch seen as one item whose channels are every item's channels, then split
-    back into items. Per item through MONAI for values not batched or not tensors, and for `Resized` with
-    `anti_aliasing` (its smoothing over many channels at once came out 5e-7 from MONAI's)."""
+    spatial shape and its own parameters, never the item's meta (`CenterSpatialCropd`, `SpatialPadd`, `Flipd`,
+    `Resized`, `Rotated`, `Zoomd`, `Affined`, ...; not `Spacingd` nor `Orientationd`, which read each item's
+    affine): MONAI's own transform run once, on the batch seen as one item whose channels are every item's
+    channels, then split back into items. Per item through MONAI for values not batched or not tensors, and for
+    `Resized` with `anti_aliasing` (its smoothing over many channels at once came out 5e-7 from MONAI's)."""
     import torch
 
     keys = keys_of(t, batch)

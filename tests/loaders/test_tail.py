@@ -60,6 +60,14 @@ EXACT = {
     "flipd": [mt.RandScaleIntensityd("image", factors=0.3, prob=0.6), mt.Flipd(K, spatial_axis=1)],
     "rotate90d": [mt.RandFlipd(K, prob=0.5), mt.Rotate90d(K, k=1, spatial_axes=(0, 2))],
     "resized": [mt.RandFlipd(K, prob=0.5), mt.Resized(K, (16, 18, 12), mode=("trilinear", "nearest"))],
+    "rotated": [mt.RandFlipd(K, prob=0.5), mt.Rotated(K, angle=(0.2, 0.1, -0.3), mode=("bilinear", "nearest"))],
+    "rotated_grown": [mt.RandFlipd(K, prob=0.5), mt.Rotated(K, angle=0.3, keep_size=False)],
+    "zoomd": [mt.RandFlipd(K, prob=0.5), mt.Zoomd(K, zoom=1.3, mode=("trilinear", "nearest"))],
+    "zoomd_shrunk": [mt.RandFlipd(K, prob=0.5), mt.Zoomd(K, zoom=0.7, keep_size=False)],
+    "affined": [
+        mt.RandFlipd(K, prob=0.5),
+        mt.Affined(K, rotate_params=(0.1, 0.2, 0.3), scale_params=(1.1, 0.9, 1.0), mode=("bilinear", "nearest")),
+    ],
     "cast_to_typed": [mt.CastToTyped(K, dtype=(torch.float16, torch.uint8)), mt.RandRotate90d(K, 0.5, 3, (0, 2))],
     "copy_then_delete": [
         mt.CopyItemsd("image", times=2, names=["a", "b"]),
