@@ -47,6 +47,7 @@ _HANDLERS: dict[str, tuple[str, str]] = {
     "RandBiasFieldd": ("loaders.tail.fired", "rand_bias_field"),
     "RandCoarseDropoutd": ("loaders.tail.fired", "rand_coarse_dropout"),
     "RandCoarseShuffled": ("loaders.tail.fired", "fired_whole"),
+    "RandCropByLabelClassesd": ("loaders.tail.crops", "rand_crop_by_label_classes"),
     "RandCropByPosNegLabeld": ("loaders.tail.crops", "rand_crop_by_pos_neg_label"),
     "RandFlipd": ("loaders.tail.flips", "rand_flip"),
     "RandGaussianNoised": ("loaders.tail.intensity", "rand_gaussian_noise"),

@@ -214,3 +214,30 @@ def rand_weighted_crop(t: Any, batch: TailBatch) -> bool:
         windows += [(i, tuple(Crop.compute_slices(roi_center=c, roi_size=roi))) for c in t.cropper.centers]
     _crop(batch, keys, windows)
     return True
+
+
+def rand_crop_by_label_classes(t: Any, batch: TailBatch) -> bool:
+    """RandCropByLabelClassesd: each item's `num_samples` centres drawn by MONAI's own `randomize` from the item's
+    label (its classes' voxels found as MONAI finds them), the windows sliced out item-major as `list_data_collate`
+    flattens. Per item through MONAI where the indices come with the data or the transform, or it is lazy."""
+    from monai.transforms import Crop
+    from monai.utils import fall_back_tuple
+
+    keys = keys_of(t, batch)
+    spatial = _spatial(batch, keys)
+    image_ok = t.image_key is None or t.image_key not in batch.data or batch.is_batched(t.image_key)
+    given = t.indices_key is not None and t.indices_key in batch.data
+    if spatial is None or given or t.cropper.indices is not None or getattr(t, "lazy", False):
+        return False
+    if t.label_key not in batch.data or not batch.is_batched(t.label_key) or not image_ok:
+        return False
+    label, image = batch.data[t.label_key], batch.data.get(t.image_key) if t.image_key else None
+    if tuple(label.shape[2:]) != spatial or (image is not None and tuple(image.shape[2:]) != spatial):
+        return False
+    roi = fall_back_tuple(t.cropper.spatial_size, default=spatial)
+    windows: list[tuple[int, tuple[slice, ...]]] = []
+    for i in range(batch.n):
+        t.randomize(label[i], None, None if image is None else image[i])
+        windows += [(i, tuple(Crop.compute_slices(roi_center=c, roi_size=roi))) for c in t.cropper.centers]
+    _crop(batch, keys, windows)
+    return True

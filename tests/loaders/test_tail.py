@@ -68,6 +68,14 @@ EXACT = {
         mt.RandFlipd(K, prob=0.5),
         mt.Affined(K, rotate_params=(0.1, 0.2, 0.3), scale_params=(1.1, 0.9, 1.0), mode=("bilinear", "nearest")),
     ],
+    "label_classes": [mt.RandCropByLabelClassesd(K, "label", (8, 8, 8), ratios=[1, 2], num_classes=2, num_samples=3)],
+    "label_classes_after_flip": [
+        mt.RandFlipd(K, prob=0.5),
+        mt.RandCropByLabelClassesd(
+            K, "label", (9, 8, 7), num_classes=2, num_samples=2, image_key="image", image_threshold=0.5
+        ),
+        mt.RandScaleIntensityd("image", factors=0.3, prob=0.6),
+    ],
     "cast_to_typed": [mt.CastToTyped(K, dtype=(torch.float16, torch.uint8)), mt.RandRotate90d(K, 0.5, 3, (0, 2))],
     "copy_then_delete": [
         mt.CopyItemsd("image", times=2, names=["a", "b"]),
