@@ -219,14 +219,15 @@ def rand_weighted_crop(t: Any, batch: TailBatch) -> bool:
 def rand_crop_by_label_classes(t: Any, batch: TailBatch) -> bool:
     """RandCropByLabelClassesd: each item's `num_samples` centres drawn by MONAI's own `randomize` from the item's
     label (its classes' voxels found as MONAI finds them), the windows sliced out item-major as `list_data_collate`
-    flattens. Per item through MONAI where the indices come with the data or the transform, or it is lazy."""
+    flattens. Per item through MONAI where the indices may come with the data (`indices_key`) or come with the
+    transform, or it is lazy."""
     from monai.transforms import Crop
     from monai.utils import fall_back_tuple
 
     keys = keys_of(t, batch)
     spatial = _spatial(batch, keys)
     image_ok = t.image_key is None or t.image_key not in batch.data or batch.is_batched(t.image_key)
-    given = t.indices_key is not None and t.indices_key in batch.data
+    given = t.indices_key is not None  # the head's indices (a list: kept as "key/0", "key/1", ...) or none
     if spatial is None or given or t.cropper.indices is not None or getattr(t, "lazy", False):
         return False
     if t.label_key not in batch.data or not batch.is_batched(t.label_key) or not image_ok:
