@@ -168,6 +168,15 @@ def _pos_neg_indices(t: Any, label: Any, image: Any) -> list[tuple[_Indices, _In
     return [(_Indices(fg[i], fg_counts[i]), _Indices(bg[i], bg_counts[i])) for i in range(n)]
 
 
+def _label_and_image(t: Any, batch: TailBatch, spatial: tuple[int, ...]) -> tuple[Any, Any] | None:
+    """A label-driven crop's label and image (None without `image_key`), or None where either's spatial shape is
+    not the keys' (MONAI draws over the label's own shape: per item)."""
+    label, image = batch.data[t.label_key], batch.data.get(t.image_key) if t.image_key else None
+    if tuple(label.shape[2:]) != spatial or (image is not None and tuple(image.shape[2:]) != spatial):
+        return None
+    return label, image
+
+
 def rand_crop_by_pos_neg_label(t: Any, batch: TailBatch) -> bool:
     """RandCropByPosNegLabeld: centres drawn from each item's label (on its device), windows sliced out."""
     from monai.transforms import Crop
@@ -181,9 +190,10 @@ def rand_crop_by_pos_neg_label(t: Any, batch: TailBatch) -> bool:
     own = t.cropper.fg_indices is not None or t.cropper.bg_indices is not None
     if spatial is None or given or own or not (label_ok and image_ok):
         return False
-    label, image = batch.data[t.label_key], batch.data.get(t.image_key) if t.image_key else None
-    if tuple(label.shape[2:]) != spatial or (image is not None and tuple(image.shape[2:]) != spatial):
+    found = _label_and_image(t, batch, spatial)
+    if found is None:
         return False
+    label, image = found
     roi = fall_back_tuple(t.cropper.spatial_size, default=spatial)
     windows: list[tuple[int, tuple[slice, ...]]] = []
     for i, (fg, bg) in enumerate(_pos_neg_indices(t, label, image)):
@@ -232,9 +242,10 @@ def rand_crop_by_label_classes(t: Any, batch: TailBatch) -> bool:
         return False
     if t.label_key not in batch.data or not batch.is_batched(t.label_key) or not image_ok:
         return False
-    label, image = batch.data[t.label_key], batch.data.get(t.image_key) if t.image_key else None
-    if tuple(label.shape[2:]) != spatial or (image is not None and tuple(image.shape[2:]) != spatial):
+    found = _label_and_image(t, batch, spatial)
+    if found is None:
         return False
+    label, image = found
     roi = fall_back_tuple(t.cropper.spatial_size, default=spatial)
     windows: list[tuple[int, tuple[slice, ...]]] = []
     for i in range(batch.n):
