@@ -65,6 +65,9 @@ DEFAULT_BATCH = 32
 TRIAL_WINDOW = 64
 TRIAL_LEAST = 16
 TRIAL_MARGIN = 0.03
+# A host feeder's child tried after the first child (HOST_FEED "auto"): its first TRIAL_SKIP periods left out (its
+# tail's graphs captured in the training process, its shared memory made), then TRIAL_LEAST counted
+TRIAL_SKIP = 4
 # The device tier filled while the child started is lent to it through CUDA IPC (no second fill, and nothing to
 # fill again if the batches come back) when it holds at most this many tensors: each is a handle sent and opened
 # (a dataset of many small items, MedNIST's 10,240 images, gives its tier up and the child fills its own)
@@ -98,8 +101,11 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 # A feeder's child that never touches CUDA (`loaders.fast.hostfeed`): it reads, crops and stacks each batch on the
 # CPU and makes its tail's draws alone; the training process copies the batch up from page-locked shared memory and
 # replays the tail's work from those draws (a tail some transform of which has no plan, or runs eagerly, runs on the
-# child's CPU instead). One CUDA context, not two. Off by default until measured on a GPU: BLOCKPREP_HOST_FEED=1.
-HOST_FEED = os.environ.get("BLOCKPREP_HOST_FEED", "") == "1"
+# child's CPU instead). One CUDA context, not two. It wins on some chains and loses on others (docs/benchmarks.md:
+# `seg-elastic` 0.88 of the ceiling against 0.80, `spheres` 0.58 against 0.75), so by default ("auto") feeder="auto"
+# tries it after the first child and keeps the faster (`loaders.fast.trial`); BLOCKPREP_HOST_FEED=1: the host feeder
+# alone, =0: never.
+HOST_FEED = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), "auto")
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the
 # generator's state on the CUDA device that uses them (`loaders.tail.uniforms`: cupy's compiler, the kernel checked
 # once a process against numpy): "auto" where the tail runs in the training process; "1" also where a host

@@ -13,7 +13,7 @@ import numpy as np
 
 from loaders import tunables
 from loaders.errors import ArgumentTypeError, ArgumentValueError
-from loaders.fast.trial import FeederTrial
+from loaders.fast.trial import DEVICE, HERE, HOST, FeederTrial
 from loaders.tunables import TIER_SHARE_TENSORS
 
 
@@ -31,6 +31,7 @@ class FeederSide:
     _feeder: Any
     _feeder_auto: bool
     _host_feed: bool = False
+    _child_spec: dict[str, Any] | None = None  # the first child's arguments (a host feeder's made from them)
     _tail_default: bool
     _trial: FeederTrial | None
     _verdict: str | None
@@ -68,9 +69,9 @@ class FeederSide:
         spec = {name: given[name] for name in names}
         # the budget as resolved here: the child's own "auto" would count this process's tier as used memory
         spec.update(cache_dir=str(self.cache.root), device=str(self.device), feeder=False, gpu_budget=self.budget)
-        if tunables.HOST_FEED:  # the child on the CPU, the tail replayed here (`loaders.fast.hostfeed`)
-            spec["host_feed"] = True
-            spec["device_draws"] = _device_draws(self.device)
+        self._child_spec = spec
+        if tunables.HOST_FEED is True:  # the child on the CPU, the tail replayed here (`loaders.fast.hostfeed`)
+            spec = _host(spec, self.device)
         self._host_feed = bool(spec.get("host_feed"))
         try:
             return payload(spec)
@@ -80,11 +81,15 @@ class FeederSide:
             raise
 
     def _on_trial(self, batches: Iterator[dict[str, Any]], trial: FeederTrial) -> Iterator[dict[str, Any]]:
-        """feeder="auto": the epoch's batches timed where they were made (`loaders.fast.trial`); at its end,
-        once decided, the batches stay with the child or come back to this process for good."""
+        """feeder="auto": the epoch's batches timed where they were made (`loaders.fast.trial`); at its end, what
+        the trial asks: the batches back to this process for good, a host feeder's child tried, or the first child
+        started again."""
         yield from trial.watch(batches, lambda: self.made_here)
-        if trial.decide():
+        move = trial.decide()
+        if move == HERE:
             self._feeder_back()
+        elif move in (HOST, DEVICE):
+            self._feeder_swap(host=move == HOST)
         if trial.verdict is not None:
             self._trial, self._verdict = None, trial.verdict
 
@@ -93,9 +98,22 @@ class FeederSide:
         the cursor put them back at the epoch's end); the child closed, this process's tier as it lent it (or, where
         it was given up, filled again)."""
         feeder, self._feeder = self._feeder, None
-        feeder.close()
+        if feeder is not None:
+            feeder.close()
         self.tier.budget = self.budget
         self.tail_thread = self.tail_thread or self._tail_default
+        self._host_feed = False
+
+    def _feeder_swap(self, host: bool) -> None:
+        """The child closed and another started in its place (a host feeder's, or one with a CUDA context): this
+        process makes the batches while it starts, as at the loader's start (`_until_fed`)."""
+        from loaders.fast.feeder import payload
+
+        assert self._child_spec is not None
+        self._feeder_back()
+        spec = _host(self._child_spec, self.device) if host else self._child_spec
+        self._host_feed = host
+        self._start_feeder(payload(spec))
 
     def _tier_to_feeder(self) -> None:
         """The device tier this process filled while the child started, lent to the child as it takes over (kept
@@ -165,7 +183,13 @@ class FeederSide:
             self._feeder.close()
             self._feeder = None
             self.tail_thread = self.tail_thread or self._tail_default
+            if self._trial is not None:  # nothing left to compare
+                self._trial, self._verdict = None, f"batches made in this process: {exc}"
             return False
+
+    def _host_candidate(self) -> bool:
+        """feeder="auto" on a GPU: whether a host feeder's child is tried after the first (BLOCKPREP_HOST_FEED)."""
+        return self._child_spec is not None and tunables.HOST_FEED == "auto" and self._feeder_auto and self.gpu
 
     @property
     def feeder_verdict(self) -> str | None:
@@ -177,6 +201,11 @@ class FeederSide:
     def feeder_pid(self) -> int | None:
         """The process making this loader's batches where it is not this one (`feeder`), else None."""
         return self._feeder.pid if self._feeder is not None else None
+
+
+def _host(spec: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A feeder child's arguments made a host feeder's (`loaders.fast.hostfeed`)."""
+    return {**spec, "host_feed": True, "device_draws": _device_draws(device)}
 
 
 def _device_draws(device: Any) -> bool:

@@ -146,7 +146,9 @@ class PreparedLoader(FeederSide):
         self._feeder: Any = None
         self._carry: NextEpoch | None = None  # the next epoch begun ahead (loaders.fast.carry)
         self.made_here = 0  # batches this process made for a loader with a feeder (while its child started)
-        self._trial: FeederTrial | None = FeederTrial() if payload is not None and self._feeder_auto else None
+        self._trial: FeederTrial | None = None
+        if payload is not None and self._feeder_auto:
+            self._trial = FeederTrial(host=self._host_candidate())
         self._verdict: str | None = None
         if payload is not None:
             self._start_feeder(payload)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from test_state import _loader, _plain, _same, make_cache
 
-from loaders.fast.trial import FeederTrial
+from loaders.fast.trial import DEVICE, HERE, HOST, KEEP, FeederTrial
+from loaders.tunables import TRIAL_SKIP
 
 
 def _epoch(trial: FeederTrial, made: list[int], plan: str, step_s: float, fed_s: float, here_s: float = 0.0) -> None:
@@ -41,7 +42,7 @@ def test_the_verdict_follows_the_measured_periods(fed_s: float, here_s: float, b
     assert trial.whole_fed == 1 and not trial.fed and trial.decide() is None
     _epoch(trial, made, "ffffffff", 0.002, fed_s, here_s)
     assert len(trial.fed) == 7
-    assert trial.decide() is back
+    assert trial.decide() == (HERE if back else KEEP)
     assert trial.verdict is not None and trial.verdict.startswith("batches made" if back else "feeder kept")
     assert trial.decide() is None  # said once
 
@@ -51,7 +52,29 @@ def test_no_batches_made_here_keeps_the_feeder() -> None:
     trial, made = FeederTrial(least=4), [0]
     for _ in range(3):
         _epoch(trial, made, "fffff", 0.0, 0.01)
-    assert trial.decide() is False and "too few made in this process" in str(trial.verdict)
+    assert trial.decide() == KEEP and "too few made in this process" in str(trial.verdict)
+
+
+@pytest.mark.parametrize(
+    ("fed_s", "host_s", "move"),
+    [(0.0, 0.0, DEVICE), (0.0, 0.03, DEVICE), (0.03, 0.0, KEEP), (0.03, 0.06, HERE)],
+)
+def test_a_host_feeder_is_tried_after_the_first_child(fed_s: float, host_s: float, move: str) -> None:
+    """With a host feeder to try, the first verdict waits: the host feeder's child is started, its periods counted
+    from its first batches (its first few left out), and kept only where it beats the first verdict's choice by
+    the margin; else that choice comes back (this process, or the first child)."""
+    trial, made = FeederTrial(window=64, least=6, margin=0.1, host=True), [0]
+    _epoch(trial, made, "hhhhhhhh", 0.005, fed_s, 0.01)
+    _epoch(trial, made, "ffffffff", 0.005, fed_s, 0.01)  # the first child's first whole epoch
+    _epoch(trial, made, "ffffffff", 0.005, fed_s, 0.01)
+    assert trial.decide() == HOST and trial.verdict is None and not trial.fed
+    _epoch(trial, made, "hhffff", 0.005, host_s, 0.01)  # the host feeder's child starting, then its first batches
+    assert len(trial.fed) == 3 and trial.decide() is None  # too few past its first
+    _epoch(trial, made, "f" * (TRIAL_SKIP + 6), 0.005, host_s, 0.01)
+    assert trial.decide() == move
+    said = str(trial.verdict)
+    assert said.startswith("host feeder kept" if move == KEEP else "feeder kept" if move == DEVICE else "batches made")
+    assert "host feeder" in said and trial.decide() is None
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +107,37 @@ def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Pat
         if device != "cpu":
             assert fed.tier_bytes == lent  # the tier lent is this process's again, not filled a second time
         got += [[_plain(b) for b in fed] for _ in range(2)]
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+        assert fed.state_dict() == want_loader.state_dict()
+    finally:
+        fed.close()
+        want_loader.close()
+
+
+@pytest.mark.parametrize(("margin", "said"), [(-1.0, "host feeder kept"), (100.0, "feeder kept")])
+def test_a_host_feeder_tried_and_kept_or_left_gives_the_in_process_loaders_batches(
+    made: tuple[Path, Path], margin: float, said: str
+) -> None:
+    """Every move of the trial at an epoch's end (the first child closed, a host feeder's started, then kept, or
+    closed and the first kind started again) leaves the batches the in-process loader's, epoch after epoch."""
+    options: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}
+    want_loader = _loader(made, {**options, "feeder": False})
+    want = [[_plain(b) for b in want_loader] for _ in range(7)]
+    fed = _loader(made, {**options, "feeder": True})
+    # margin -1: the first child kept (any period), the host feeder kept (any); 100: the first child kept, the host
+    # feeder left for it
+    fed._trial = FeederTrial(least=1, margin=margin, host=True)
+    try:
+        got: list[list[Any]] = []
+        hosts: list[bool] = []
+        for _ in range(7):
+            fed.wait_feeder()
+            got.append([_plain(b) for b in fed])
+            hosts.append(fed._host_feed)
+        assert str(fed.feeder_verdict).startswith(said), fed.feeder_verdict
+        assert hosts[-1] == (said == "host feeder kept") and True in hosts
+        assert fed.feeder_pid is not None and fed._feeder._proc.poll() is None
         for e, (g, w) in enumerate(zip(got, want)):
             _same(g, w, f"epoch {e}")
         assert fed.state_dict() == want_loader.state_dict()
