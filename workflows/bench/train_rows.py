@@ -43,7 +43,8 @@ def _chosen(loader: Any) -> Callable[[], bool]:
     def chosen() -> bool:
         if loader.feeder_verdict is None:
             return loader.feeder_pid is None  # no feeder at all: nothing to choose
-        if loader.feeder_pid is not None:  # kept by the child
+        if loader.feeder_pid is not None:  # kept by the child (or the first child again: ready before timing it)
+            loader.wait_feeder()
             return True
         since_back[0] += 1
         return since_back[0] > 1
