@@ -26,6 +26,7 @@ class FeederSide:
     gpu: bool
     budget: int
     tier: Any
+    assembly: Any
     tail_thread: bool
     made_here: int
     _feeder: Any
@@ -85,6 +86,8 @@ class FeederSide:
         the trial asks: the batches back to this process for good, a host feeder's child tried, or the first child
         started again."""
         yield from trial.watch(batches, lambda: self.made_here)
+        if trial.host and trial.first is None and not self._host_replays():
+            trial.host = False  # its child would run the tail on its CPU: no match for one with a device
         move = trial.decide()
         if move == HERE:
             self._feeder_back()
@@ -190,6 +193,12 @@ class FeederSide:
     def _host_candidate(self) -> bool:
         """feeder="auto" on a GPU: whether a host feeder's child is tried after the first (BLOCKPREP_HOST_FEED)."""
         return self._child_spec is not None and tunables.HOST_FEED == "auto" and self._feeder_auto and self.gpu
+
+    def _host_replays(self) -> bool:
+        """Whether a host feeder's batches would have their tails replayed here, as the first batch made here tells
+        (`BatchedTail.drawable`); True where no batch was made here to tell."""
+        drawable = getattr(self.assembly.tail, "drawable", None)
+        return drawable is None or drawable() is not False
 
     @property
     def feeder_verdict(self) -> str | None:

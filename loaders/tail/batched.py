@@ -216,6 +216,7 @@ class BatchedTail:
         # alone, as its `DRAWN` entry; the process that trains replays the work from them (`replay_drawn`)
         self.draw_only = False
         self.replay_done: Any = None
+        self._first: Any = None  # the first batch's entries as meta tensors (`drawable`)
         self._fallbacks = [type(t).__name__ for t, h in zip(self.transforms, self._handlers) if h is None]
         if self._fallbacks:
             _log.warning("BatchedTail: per item through MONAI (no batched version): %s", ", ".join(self._fallbacks))
@@ -271,6 +272,8 @@ class BatchedTail:
         from loaders.tail.graphs import Rewind
 
         tb = TailBatch.from_batch(batch, self.device, groups)
+        if self._first is None:
+            self._first = _meta(tb.data)
         if self.draw_only and self._drawn_only(tb):
             return tb.result(), tb.origin
         if self._replayed(tb):
@@ -304,6 +307,13 @@ class BatchedTail:
 
             self._replay = ReplayedTail(self.transforms)
         return self._replay
+
+    def drawable(self) -> bool | None:
+        """Whether batches like the first this tail ran could get their draws alone here and their work replayed
+        in another process (a host feeder's: `ReplayedTail.drawable`); None before a first batch."""
+        if self._first is None:
+            return None
+        return bool(self._first) and self._replayer().drawable(self._first)
 
     def _drawn_only(self, tb: TailBatch) -> bool:
         """Whether the batch got its draws alone (`draw_only`), its work left to `replay_drawn` elsewhere."""
@@ -386,3 +396,13 @@ def _marked(transform: Any) -> Any:
     if not torch._C._autograd._profiler_enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"tail:{type(transform).__name__}")
+
+
+def _meta(data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+    """A batch's tensors as meta tensors of their shapes and dtypes (the rest as it is); {} without a tensor."""
+    import torch
+
+    if not any(isinstance(v, torch.Tensor) for v in data.values()):
+        return {}
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+            for k, v in data.items()}  # fmt: skip

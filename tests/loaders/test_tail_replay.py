@@ -364,3 +364,21 @@ def test_a_plan_that_cannot_be_made_leaves_the_tail_uncovered(monkeypatch: pytes
 
     monkeypatch.setitem(plans._PLANS, "RandFlipd", broken)
     assert not ReplayedTail([mt.RandFlipd(keys=K, prob=0.5)]).covers(_given(1, "cpu")[0])
+
+
+@pytest.mark.parametrize(("sharpen", "want"), [(False, True), (True, False)])
+def test_a_tail_says_whether_its_batches_could_be_drawn_alone(sharpen: bool, want: bool) -> None:
+    """`BatchedTail.drawable` (feeder="auto" tries a host feeder only where it is True): None before a first batch;
+    then True where every transform has a plan run from its draws, False where one runs eagerly."""
+    from monai.transforms import Compose, RandFlipd, RandGaussianSharpend, RandScaleIntensityd
+
+    from loaders.tail import BatchedTail
+
+    chain: list[Any] = [RandFlipd(keys=K, prob=0.5, spatial_axis=0), RandScaleIntensityd(keys="image", factors=0.1)]
+    if sharpen:
+        chain.append(RandGaussianSharpend(keys="image", prob=0.2))
+    tail = BatchedTail(Compose(chain)).set_random_state(1)
+    assert tail.drawable() is None
+    batch = make_batch(2)
+    tail({"image": batch["image"], "label": batch["label"].float()})  # a float label, as the chain's head leaves it
+    assert tail.drawable() is want

@@ -301,10 +301,14 @@ def test_proc_counter_counts_a_childs_reads(tmp_path: Path, monkeypatch: pytest.
 
 
 class _Trial:
-    """What the settled row reads of a loader: its feeder's verdict and process."""
+    """What the settled row reads of a loader: its feeder's verdict and process (and waits for it to be ready)."""
 
     def __init__(self, verdict: str | None, pid: int | None) -> None:
         self.feeder_verdict, self.feeder_pid = verdict, pid
+        self.waited = 0
+
+    def wait_feeder(self) -> None:
+        self.waited += 1
 
 
 def test_settled_row_times_the_choice_once_it_is_warm() -> None:
@@ -317,7 +321,9 @@ def test_settled_row_times_the_choice_once_it_is_warm() -> None:
     chosen = _chosen(starting)
     assert not chosen()
     starting.feeder_verdict = "feeder kept: 30.0 ms a step fed, 31.0 ms made here"
+    assert starting.waited == 0
     assert chosen() and chosen()
+    assert starting.waited == 2  # a child started again by the trial is ready before a timed epoch
     back = _Trial("batches made in this process again: 59.0 ms a step fed, 56.9 ms made here", None)
     chosen = _chosen(back)
     assert [chosen(), chosen(), chosen()] == [False, True, True]

@@ -5,6 +5,7 @@ and its row."""
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class TrainRow:
     first_batch_at: float | None = None  # time.perf_counter() when the first batch reached the loop
     evicting_s: float = 0.0  # seconds the benchmark spent evicting (cold epochs) before the first batch: not the row's
     setup_s: float = 0.0  # seconds the benchmark spent writing what the row reads (its bricks) before it began
+    spans: list[float] = field(default_factory=list)  # each timed step's seconds, its wait included
+    epoch_waits: list[float] = field(default_factory=list)  # each timed epoch's wait for its first batch
 
     @property
     def steps_per_s(self) -> float:
@@ -195,7 +198,10 @@ def time_loop(name: str, kind: str, epochs: Callable[[int], Iterable[Any]], opts
             if epoch >= untimed:  # CPU over the same spans as the time: a tiny run's epoch end is not a step
                 row.steps += 1
                 row.wait_seconds += t1 - t0
-                row.seconds += time.perf_counter() - t0
+                row.spans.append(time.perf_counter() - t0)
+                row.seconds += row.spans[-1]
+                if seen == 1:
+                    row.epoch_waits.append(t1 - t0)
                 row.cpu_seconds += time.process_time() - cpu0
         if expected is not None and seen < expected:  # a loader thread died: its error was printed above
             raise Unavailable(f"{name}: the loader stopped after {seen} of {expected} batches in epoch {epoch + 1}")
@@ -212,4 +218,7 @@ def as_result(row: TrainRow, data: str = "train") -> Result:
     """A harness row: items = timed steps (items/s is steps/s); the wait share goes with it."""
     cpu = 100 * row.cpu_seconds / row.seconds if row.seconds > 0 else 0.0
     extra = {"waiting %": 100 * row.wait_share, "process CPU % of a core": round(cpu), **row.extra}
+    if row.spans and row.kind != "ceiling":  # where the mean step is longer than the median: stalls, or epochs' starts
+        extra["median step ms"] = round(1000 * statistics.median(row.spans), 1)
+        extra["epoch's first batch waited ms"] = round(1000 * statistics.mean(row.epoch_waits), 1)
     return Result(row.name, data, row.steps, row.seconds, 0, row.kind, row.note, extra)
