@@ -33,7 +33,6 @@ class FeederSide:
     _feeder_auto: bool
     _host_feed: bool = False
     _child_spec: dict[str, Any] | None = None  # the first child's arguments (a host feeder's made from them)
-    _parked: Any = None  # the first child, idle while a host feeder's is tried (`_feeder_swap`)
     _tail_default: bool
     _trial: FeederTrial | None
     _verdict: str | None
@@ -92,13 +91,8 @@ class FeederSide:
         move = trial.decide()
         if move == HERE:
             self._feeder_back()
-        elif move == HOST:
-            self._to_host(park=trial.first is not None and trial.first[0] == DEVICE)
-        elif move == DEVICE:
-            self._unpark()
-        if trial.verdict is not None and self._parked is not None:  # the host feeder kept: the first child left
-            self._close_parked()
-            self.tier.clear()  # lent to it; the host feeder's child reads from the host
+        elif move in (HOST, DEVICE):
+            self._feeder_swap(host=move == HOST)
         if trial.verdict is not None:
             self._trial, self._verdict = None, trial.verdict
 
@@ -113,33 +107,16 @@ class FeederSide:
         self.tail_thread = self.tail_thread or self._tail_default
         self._host_feed = False
 
-    def _to_host(self, park: bool) -> None:
-        """A host feeder's child started in the first child's place; this process makes the batches while it starts
-        (`_until_fed`). `park`: the first child kept idle, not closed (its context does no work), so that where
-        the host feeder loses it takes the batches again at once, its tier as it was lent; else closed."""
+    def _feeder_swap(self, host: bool) -> None:
+        """The child closed and another started in its place (a host feeder's, or one with a CUDA context): this
+        process makes the batches while it starts, as at the loader's start (`_until_fed`)."""
         from loaders.fast.feeder import payload
 
         assert self._child_spec is not None
-        if park and self._feeder is not None:
-            self._parked, self._feeder = self._feeder, None
-            self.tail_thread = self.tail_thread or self._tail_default  # the tier stays as lent: read here, not added to
-        else:
-            self._feeder_back()
-        self._host_feed = True
-        self._start_feeder(payload(_host(self._child_spec, self.device)))
-
-    def _unpark(self) -> None:
-        """The host feeder's child closed and the first child, parked, making the batches again from the next epoch."""
-        if self._feeder is not None:
-            self._feeder.close()
-        self._feeder, self._parked = self._parked, None
-        self._host_feed = False
-        self.tier.budget = 0  # lent to it already (or given up for its own): not lent again
-
-    def _close_parked(self) -> None:
-        if self._parked is not None:
-            self._parked.close()
-            self._parked = None
+        self._feeder_back()
+        spec = _host(self._child_spec, self.device) if host else self._child_spec
+        self._host_feed = host
+        self._start_feeder(payload(spec))
 
     def _tier_to_feeder(self) -> None:
         """The device tier this process filled while the child started, lent to the child as it takes over (kept
@@ -205,10 +182,6 @@ class FeederSide:
         except FeederError as exc:
             if not self._feeder_auto:
                 raise
-            if self._parked is not None:  # a host feeder's child that could not start: the first child again
-                self._unpark()
-                self._trial, self._verdict = None, f"feeder kept: a host feeder's child could not start: {exc}"
-                return bool(self._feeder.poll_ready())
             warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=3)
             self._feeder.close()
             self._feeder = None

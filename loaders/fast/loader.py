@@ -505,7 +505,6 @@ class PreparedLoader(FeederSide):
         self.drop_ahead()
         if self._feeder is not None:
             self._feeder.close()
-        self._close_parked()
         if self._workers is not None:
             self._workers.close()
         for pool in self._threads_kept.values():

@@ -115,15 +115,13 @@ def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Pat
         want_loader.close()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(("margin", "said"), [(-1.0, "host feeder kept"), (100.0, "feeder kept")])
 def test_a_host_feeder_tried_and_kept_or_left_gives_the_in_process_loaders_batches(
-    made: tuple[Path, Path], margin: float, said: str, device: str
+    made: tuple[Path, Path], margin: float, said: str
 ) -> None:
-    """Every move of the trial at an epoch's end (the first child parked, a host feeder's started, then kept and
-    the first closed, or closed and the first, parked, making the batches again) leaves the batches the in-process
-    loader's, epoch after epoch."""
-    options: dict[str, Any] = {"gpu_budget": "1GiB" if device != "cpu" else 0, "prefetch": 2, "device": device}
+    """Every move of the trial at an epoch's end (the first child closed, a host feeder's started, then kept, or
+    closed and the first kind started again) leaves the batches the in-process loader's, epoch after epoch."""
+    options: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}
     want_loader = _loader(made, {**options, "feeder": False})
     want = [[_plain(b) for b in want_loader] for _ in range(7)]
     fed = _loader(made, {**options, "feeder": True})
@@ -133,18 +131,13 @@ def test_a_host_feeder_tried_and_kept_or_left_gives_the_in_process_loaders_batch
     try:
         got: list[list[Any]] = []
         hosts: list[bool] = []
-        fed.wait_feeder()
-        first = fed._feeder._proc
         for _ in range(7):
             fed.wait_feeder()
             got.append([_plain(b) for b in fed])
             hosts.append(fed._host_feed)
-            assert (fed._parked is not None) == (hosts[-1] and fed.feeder_verdict is None)
         assert str(fed.feeder_verdict).startswith(said), fed.feeder_verdict
         assert hosts[-1] == (said == "host feeder kept") and True in hosts
         assert fed.feeder_pid is not None and fed._feeder._proc.poll() is None
-        assert (fed._feeder._proc is first) == (said != "host feeder kept")  # parked, not started again
-        assert (first.poll() is None) == (said != "host feeder kept")  # closed once the host feeder was kept
         for e, (g, w) in enumerate(zip(got, want)):
             _same(g, w, f"epoch {e}")
         assert fed.state_dict() == want_loader.state_dict()
