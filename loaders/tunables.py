@@ -101,11 +101,11 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 # A feeder's child that never touches CUDA (`loaders.fast.hostfeed`): it reads, crops and stacks each batch on the
 # CPU and makes its tail's draws alone; the training process copies the batch up from page-locked shared memory and
 # replays the tail's work from those draws (a tail some transform of which has no plan, or runs eagerly, runs on the
-# child's CPU instead). One CUDA context, not two. It wins on some chains and loses on others (docs/benchmarks.md:
-# `seg-elastic` 0.88 of the ceiling against 0.80, `spheres` 0.58 against 0.75), so by default ("auto") feeder="auto"
-# tries it after the first child and keeps the faster (`loaders.fast.trial`); BLOCKPREP_HOST_FEED=1: the host feeder
-# alone, =0: never.
-HOST_FEED = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), "auto")
+# child's CPU instead). One CUDA context, not two. BLOCKPREP_HOST_FEED=1: every feeder a host feeder; =auto:
+# feeder="auto" tries one after the first child and keeps the faster (`loaders.fast.trial`); off by default: on the
+# H200 the trial kept it on `seg-elastic` in one call (0.76 of the ceiling against 0.65 without it) and in another
+# found no winner, and the child started again made 0.75 against 0.82 (docs/benchmarks.md).
+HOST_FEED = {"1": True, "auto": "auto"}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), False)
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the
 # generator's state on the CUDA device that uses them (`loaders.tail.uniforms`: cupy's compiler, the kernel checked
 # once a process against numpy): "auto" where the tail runs in the training process; "1" also where a host

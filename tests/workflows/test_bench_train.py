@@ -385,3 +385,20 @@ def test_slices_train_without_their_augmentations(out: Path) -> None:
     assert benchmark.main(args) == 0
     names = [r["name"] for r in _rows(out / "unaugmented" / "bench.csv")]
     assert any(n.endswith("augment=False") for n in names), names
+
+
+def test_a_row_may_have_a_host_feeder_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """...@host_feed='auto': feeder="auto" tries a host feeder after the first child, in the child's variable too
+    (`loaders.tunables.HOST_FEED`, which reads "auto" from the environment as the row sets it)."""
+    import importlib
+
+    from loaders import tunables
+    from workflows.bench.train_rows import _tunable
+
+    monkeypatch.delenv("BLOCKPREP_HOST_FEED", raising=False)
+    monkeypatch.setattr(tunables, "HOST_FEED", False)
+    with _tunable("HOST_FEED", "auto"):
+        assert tunables.HOST_FEED == "auto" and os.environ["BLOCKPREP_HOST_FEED"] == "auto"
+        assert importlib.reload(tunables).HOST_FEED == "auto"
+    assert "BLOCKPREP_HOST_FEED" not in os.environ
+    assert importlib.reload(tunables).HOST_FEED is False

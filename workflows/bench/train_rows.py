@@ -340,7 +340,7 @@ def fast_path(
     ahead = options.pop("capture_ahead", None)  # "fast-settled@capture_ahead=False": each capture opened where it is
     replay = options.pop("tail_replay", None)  # "fast-auto@feeder=False;tail_replay=True": planned tails replayed
     patterns = options.pop("tail_patterns", None)  # "...;tail_replay=True;tail_patterns=6": on the fired rows
-    host = options.pop("host_feed", None)  # "fast-settled@host_feed=True": the child on the CPU, the tail replayed here
+    host = options.pop("host_feed", None)  # "...@host_feed=True": a child on the CPU; ='auto': one tried
     draws = options.pop("device_draws", None)  # "...@host_feed=True;device_draws=False": offsets drawn on the host
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
@@ -365,10 +365,10 @@ def unaugmented(transform: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _tunable(name: str, on: bool | int | None) -> Iterator[None]:
+def _tunable(name: str, on: bool | int | str | None) -> Iterator[None]:
     """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY, HOST_FEED, DEVICE_DRAWS: on
-    or off; TAIL_PATTERNS: a count) and its environment variable BLOCKPREP_<name> (which the feeder's process reads)
-    set for one row, then put back; None leaves them."""
+    or off, HOST_FEED also "auto"; TAIL_PATTERNS: a count) and its environment variable BLOCKPREP_<name> (which the
+    feeder's process reads) set for one row, then put back; None leaves them."""
     from loaders import tunables
 
     if on is None:
@@ -376,9 +376,9 @@ def _tunable(name: str, on: bool | int | None) -> Iterator[None]:
         return
     var = f"BLOCKPREP_{name}"
     before, env = getattr(tunables, name), os.environ.get(var)
-    count = not isinstance(on, bool)
+    count = not isinstance(on, (bool, str))
     setattr(tunables, name, int(on) if count else on)
-    os.environ[var] = str(int(on)) if count else "1" if on else "0"
+    os.environ[var] = str(int(on)) if count else on if isinstance(on, str) else "1" if on else "0"
     try:
         yield
     finally:
