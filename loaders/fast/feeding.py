@@ -165,9 +165,10 @@ class FeederSide:
         once and the batches stay here."""
         import time
 
-        if self._feeder is not None:
-            self._feeder.go()
-        while self._feeder is not None and not self._feeder_ready():
+        while self._feeder is not None:
+            self._feeder.go()  # a child started in a failed one's place is told too
+            if self._feeder_ready():
+                return
             time.sleep(0.02)
 
     def _feeder_ready(self) -> bool:
@@ -182,11 +183,20 @@ class FeederSide:
         except FeederError as exc:
             if not self._feeder_auto:
                 raise
+            trial = self._trial
+            if trial is not None and trial.first is not None:  # a host feeder's child tried: the first verdict's
+                warnings.warn(f"{exc}; the host feeder is not tried", RuntimeWarning, stacklevel=3)
+                self._trial, self._verdict = None, f"{trial.first[2]}; a host feeder's child could not start"
+                if trial.first[0] == DEVICE:
+                    self._feeder_swap(host=False)  # the first kind of child started again
+                else:
+                    self._feeder_back()
+                return False
             warnings.warn(f"{exc}; the batches are made in this process instead", RuntimeWarning, stacklevel=3)
             self._feeder.close()
             self._feeder = None
             self.tail_thread = self.tail_thread or self._tail_default
-            if self._trial is not None:  # nothing left to compare
+            if trial is not None:  # nothing left to compare
                 self._trial, self._verdict = None, f"batches made in this process: {exc}"
             return False
 

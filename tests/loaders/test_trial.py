@@ -4,6 +4,7 @@ and fed by the child, the verdict, and the batches coming back to the training p
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,37 @@ def test_a_host_feeder_tried_and_kept_or_left_gives_the_in_process_loaders_batch
         for e, (g, w) in enumerate(zip(got, want)):
             _same(g, w, f"epoch {e}")
         assert fed.state_dict() == want_loader.state_dict()
+    finally:
+        fed.close()
+        want_loader.close()
+
+
+def test_a_host_feeder_that_cannot_start_leaves_the_first_childs_batches(
+    made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host feeder's child that fails to build its loader is said once, and the first verdict's choice (here a
+    child with a device, started again) makes the batches: the in-process loader's, every epoch."""
+    from loaders.fast import feeding
+
+    options: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}
+    want_loader = _loader(made, {**options, "feeder": False})
+    want = [[_plain(b) for b in want_loader] for _ in range(5)]
+    monkeypatch.setattr(feeding, "_host", lambda spec, device: {**spec, "host_feed": True, "no_such_option": 1})
+    fed = _loader(made, {**options, "feeder": True})
+    fed._feeder_auto = True  # as feeder="auto" would on a GPU: a child's failure said, not raised
+    fed._trial = FeederTrial(least=1, margin=100.0, host=True)
+    try:
+        got: list[list[Any]] = []
+        for _ in range(5):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                fed.wait_feeder()
+            assert all("the host feeder is not tried" in str(w.message) for w in said)
+            got.append([_plain(b) for b in fed])
+        assert str(fed.feeder_verdict).endswith("a host feeder's child could not start"), fed.feeder_verdict
+        assert fed.feeder_pid is not None and not fed._host_feed
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
     finally:
         fed.close()
         want_loader.close()
