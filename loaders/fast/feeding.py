@@ -184,7 +184,7 @@ class FeederSide:
             if not self._feeder_auto:
                 raise
             trial = self._trial
-            if trial is not None and trial.first is not None:  # a host feeder's child tried: the first verdict's
+            if trial is not None and trial.first is not None:  # a host feeder's child: the first choice back
                 warnings.warn(f"{exc}; the host feeder is not tried", RuntimeWarning, stacklevel=3)
                 self._trial, self._verdict = None, f"{trial.first[2]}; a host feeder's child could not start"
                 if trial.first[0] == DEVICE:

@@ -83,15 +83,25 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_cache(tmp_path_factory)
 
 
+def _wanted_and_fed(made: tuple[Path, Path], options: dict[str, Any], epochs: int) -> tuple[Any, list[Any], Any]:
+    """(the in-process loader, its first `epochs` epochs' batches, a loader with feeder=True and the same options)."""
+    want_loader = _loader(made, {**options, "feeder": False})
+    want = [[_plain(b) for b in want_loader] for _ in range(epochs)]
+    return want_loader, want, _loader(made, {**options, "feeder": True})
+
+
+def _epochs_same(got: list[Any], want: list[Any]) -> None:
+    for e, (g, w) in enumerate(zip(got, want)):
+        _same(g, w, f"epoch {e}")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Path, Path], device: str) -> None:
     """The verdict taken at an epoch's end brings the batches back to this process from the same random states:
     every epoch, before, during and after the feeder, equal to the in-process loader's; the child is closed.
     On a GPU the tier filled here was lent to the child (kept here) and serves again as it was."""
     options: dict[str, Any] = {"gpu_budget": "1GiB", "prefetch": 2, "device": device}
-    want_loader = _loader(made, {**options, "feeder": False})
-    want = [[_plain(b) for b in want_loader] for _ in range(5)]
-    fed = _loader(made, {**options, "feeder": True})
+    want_loader, want, fed = _wanted_and_fed(made, options, 5)
     fed._trial = FeederTrial(least=1, margin=-1.0)  # any fed period longer than none: always back
     try:
         it = iter(fed)
@@ -108,8 +118,7 @@ def test_batches_back_from_the_feeder_are_the_in_process_loaders(made: tuple[Pat
         if device != "cpu":
             assert fed.tier_bytes == lent  # the tier lent is this process's again, not filled a second time
         got += [[_plain(b) for b in fed] for _ in range(2)]
-        for e, (g, w) in enumerate(zip(got, want)):
-            _same(g, w, f"epoch {e}")
+        _epochs_same(got, want)
         assert fed.state_dict() == want_loader.state_dict()
     finally:
         fed.close()
@@ -122,10 +131,7 @@ def test_a_host_feeder_tried_and_kept_or_left_gives_the_in_process_loaders_batch
 ) -> None:
     """Every move of the trial at an epoch's end (the first child closed, a host feeder's started, then kept, or
     closed and the first kind started again) leaves the batches the in-process loader's, epoch after epoch."""
-    options: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}
-    want_loader = _loader(made, {**options, "feeder": False})
-    want = [[_plain(b) for b in want_loader] for _ in range(7)]
-    fed = _loader(made, {**options, "feeder": True})
+    want_loader, want, fed = _wanted_and_fed(made, {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}, 7)
     # margin -1: the first child kept (any period), the host feeder kept (any); 100: the first child kept, the host
     # feeder left for it
     fed._trial = FeederTrial(least=1, margin=margin, host=True)
@@ -139,8 +145,7 @@ def test_a_host_feeder_tried_and_kept_or_left_gives_the_in_process_loaders_batch
         assert str(fed.feeder_verdict).startswith(said), fed.feeder_verdict
         assert hosts[-1] == (said == "host feeder kept") and True in hosts
         assert fed.feeder_pid is not None and fed._feeder._proc.poll() is None
-        for e, (g, w) in enumerate(zip(got, want)):
-            _same(g, w, f"epoch {e}")
+        _epochs_same(got, want)
         assert fed.state_dict() == want_loader.state_dict()
     finally:
         fed.close()
@@ -154,11 +159,8 @@ def test_a_host_feeder_that_cannot_start_leaves_the_first_childs_batches(
     child with a device, started again) makes the batches: the in-process loader's, every epoch."""
     from loaders.fast import feeding
 
-    options: dict[str, Any] = {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}
-    want_loader = _loader(made, {**options, "feeder": False})
-    want = [[_plain(b) for b in want_loader] for _ in range(5)]
     monkeypatch.setattr(feeding, "_host", lambda spec, device: {**spec, "host_feed": True, "no_such_option": 1})
-    fed = _loader(made, {**options, "feeder": True})
+    want_loader, want, fed = _wanted_and_fed(made, {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}, 5)
     fed._feeder_auto = True  # as feeder="auto" would on a GPU: a child's failure said, not raised
     fed._trial = FeederTrial(least=1, margin=100.0, host=True)
     try:
@@ -171,8 +173,7 @@ def test_a_host_feeder_that_cannot_start_leaves_the_first_childs_batches(
             got.append([_plain(b) for b in fed])
         assert str(fed.feeder_verdict).endswith("a host feeder's child could not start"), fed.feeder_verdict
         assert fed.feeder_pid is not None and not fed._host_feed
-        for e, (g, w) in enumerate(zip(got, want)):
-            _same(g, w, f"epoch {e}")
+        _epochs_same(got, want)
     finally:
         fed.close()
         want_loader.close()
