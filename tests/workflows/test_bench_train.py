@@ -313,7 +313,8 @@ class _Trial:
 
 def test_settled_row_times_the_choice_once_it_is_warm() -> None:
     """fast-settled: a loader with no feeder is settled at once; one the child keeps, once decided; one whose
-    batches came back, from the second epoch after (the first is this process's warm-up)."""
+    batches came back, or whose child the trial started again, from the second epoch after (the first is a
+    warm-up)."""
     from workflows.bench.train_rows import _chosen
 
     assert _chosen(_Trial(None, None))()
@@ -324,6 +325,8 @@ def test_settled_row_times_the_choice_once_it_is_warm() -> None:
     assert starting.waited == 0
     assert chosen() and chosen()
     assert starting.waited == 2  # a child started again by the trial is ready before a timed epoch
+    starting.feeder_pid = 456  # the trial's host feeder lost: the first kind of child started again
+    assert [chosen(), chosen()] == [False, True]  # its first epoch fills its tier: untimed
     back = _Trial("batches made in this process again: 59.0 ms a step fed, 56.9 ms made here", None)
     chosen = _chosen(back)
     assert [chosen(), chosen(), chosen()] == [False, True, True]

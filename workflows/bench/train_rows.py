@@ -37,15 +37,19 @@ def _loader_epochs(loader: Any, stop: Callable[[], None] | None = None) -> Calla
 def _chosen(loader: Any) -> Callable[[], bool]:
     """Asked at each epoch's start: whether `feeder="auto"` has chosen and its choice is warm. Where the batches
     came back to this process, the first epoch after is its warm-up (its own tail thread and draws starting, as
-    every row's first epoch is) and is not timed either."""
+    every row's first epoch is) and is not timed either; so is the first epoch of a child the trial started in
+    another's place (its device tier filled again, as the first child's was before the verdict)."""
     since_back = [0]
+    last_pid: list[int | None] = [loader.feeder_pid]
 
     def chosen() -> bool:
+        last, pid = last_pid[0], loader.feeder_pid
+        last_pid[0] = pid
         if loader.feeder_verdict is None:
-            return loader.feeder_pid is None  # no feeder at all: nothing to choose
-        if loader.feeder_pid is not None:  # kept by the child (or the first child again: ready before timing it)
+            return pid is None  # no feeder at all: nothing to choose
+        if pid is not None:  # kept by the child, or another started in its place: ready before timing it
             loader.wait_feeder()
-            return True
+            return pid == last
         since_back[0] += 1
         return since_back[0] > 1
 
