@@ -37,12 +37,15 @@ class Plan:
 
     per_item = False
     eager = False
+    graphed = True  # False: its work runs eagerly from its draws, between the graphs (`loaders.tail.drawn_plans`)
     exact_on_cuda = (
         True  # its work on a CUDA device shown bit for bit MONAI's there (tests/loaders/test_tail_replay.py)
     )
 
     def __init__(self, t: Any, keys: list[Hashable]) -> None:
         self.t, self.keys = t, keys
+        # device flags where MONAI would have raised, left by an ungraphed plan's work (`loaders.tail.checks`)
+        self.checks: list[tuple[Any, BaseException]] = []
 
     def draw(self, n: int) -> Drawn:
         raise NotImplementedError
@@ -276,6 +279,18 @@ def _fired(name: str) -> Callable[[Any, list[Hashable], Like], Plan | None]:
     return make
 
 
+def _drawn(name: str) -> Callable[[Any, list[Hashable], Like], Plan | None]:
+    """A plan maker of `loaders.tail.drawn_plans`."""
+
+    def make(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+        from loaders.tail import drawn_plans
+
+        maker: Callable[[Any, list[Hashable], Like], Plan | None] = getattr(drawn_plans, name)
+        return maker(t, keys, like)
+
+    return make
+
+
 def _affine(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     from loaders.tail.affine import plan_affine
 
@@ -340,6 +355,8 @@ _PLANS: dict[str, Callable[[Any, list[Hashable], Like], Plan | None]] = {
     "RandBiasFieldd": _fired("bias_field"),
     "RandHistogramShiftd": _fired("histogram_shift"),
     "RandStdShiftIntensityd": _fired("std_shift"),
+    "RandGaussianSharpend": _drawn("plan_sharpen"),
+    "RandCoarseDropoutd": _drawn("plan_dropout"),
     "RandFlipd": _flip,
     "RandRotate90d": _rotate90,
     "RandScaleIntensityd": _scale,

@@ -202,6 +202,7 @@ class _Chain:
                 continue
             if not plan.per_item:
                 data.update(plan.apply(data, _up(d, device), d.kind))
+                self._checked(plan)
                 continue
             rows = [plan.apply({k: data[k][i : i + 1] for k in plan.keys}, _up(di, device), di.kind)
                     for i, di in enumerate(d)]  # fmt: skip
@@ -222,10 +223,15 @@ class _Chain:
                 buf.copy_(batch[k], non_blocking=True)  # from page-locked host memory too, without waiting
             self.made = _made(drawn, device)
             for j, (plan, d) in enumerate(zip(self.plans, drawn)):
-                if plan.eager:
+                if plan.eager or not plan.graphed:
                     src, dst = self._views(j, None)
-                    for k, v in self._eager_step(plan, src).items():
-                        dst[k].copy_(v)
+                    if plan.eager:
+                        got = self._eager_step(plan, src)
+                    else:
+                        got = plan.apply(src, _up(d, device), d.kind)
+                        self._checked(plan)
+                    for k in plan.keys:
+                        dst[k].copy_(got.get(k, src[k]))
                 elif plan.per_item:
                     for i, di in enumerate(d):
                         self._launch(j, plan, di, i)
@@ -238,6 +244,11 @@ class _Chain:
         for v in out.values():
             v.record_stream(caller)
         return out
+
+    def _checked(self, plan: Plan) -> None:
+        """The device flags where MONAI would have raised that a plan's eager work left (`Plan.checks`), taken."""
+        self.checks.extend(plan.checks)
+        plan.checks = []
 
     def _eager_step(self, plan: Plan, data: dict[Hashable, Any]) -> dict[Hashable, Any]:
         """An eager step's entries: its batched version on the batch (never written), else MONAI item by item; the
@@ -385,6 +396,8 @@ def _up(d: Drawn, device: Any) -> dict[str, Any]:
     def up(a: Any) -> Any:
         if isinstance(a, Uniforms):
             return on_device([a], device)[0] if torch.device(device).type == "cuda" else torch.from_numpy(np.asarray(a))
-        return (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(device)
+        if isinstance(a, np.ndarray):
+            return torch.from_numpy(a).to(device)
+        return a.to(device) if isinstance(a, torch.Tensor) else a  # an ungraphed plan's draws as they are
 
     return {name: up(a) for name, a in d.values.items()}

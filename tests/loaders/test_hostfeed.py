@@ -101,6 +101,51 @@ def test_host_fed_batches_are_the_in_process_loaders(
     assert fed._feeder._proc.poll() is not None
 
 
+_AUGMENTED = """
+from monai.transforms import RandAffined, RandCoarseDropoutd, RandGaussianSharpend
+transform = Compose(transform.transforms + (
+    RandAffined(keys="image", prob=0.6, rotate_range=(0.1, 0.1, 0.1), scale_range=(0.1, 0.1, 0.1)),
+    RandGaussianSharpend(keys="image", prob=0.6),
+    RandCoarseDropoutd(keys="image", prob=0.6, holes=2, spatial_size=2),
+))
+"""
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"gpu_budget": 0, "prefetch": 2, "device": "cpu"}, id="cpu"),
+        pytest.param({"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, id="gpu", marks=pytest.mark.gpu),
+    ],
+)
+def test_an_affine_a_sharpening_and_a_dropout_drawn_in_the_child(
+    made: tuple[Path, Path], options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`seg-aug`'s transforms whose work follows their draws (the affine's products made on the host, the
+    sharpening's kernels, the dropout's holes and fills): drawn in the child, worked here from those draws alone,
+    the in-process loader's batches."""
+    from test_folds import CHAINS
+
+    source = CHAINS["posneg-3d"][2] + _AUGMENTED
+    want_loader = _loader(made, {**options, "feeder": False}, source)
+    want = _run(want_loader)
+    assert want_loader.assembly.tail.drawable() is True
+    monkeypatch.setattr(tunables, "HOST_FEED", True)
+    fed = _loader(made, {**options, "feeder": True}, source)
+    replayed = []
+    tail = type(fed.assembly.tail)
+    replay = tail.replay_drawn
+    monkeypatch.setattr(tail, "replay_drawn", lambda self, *a: replayed.append(1) or replay(self, *a))
+    try:
+        fed.wait_feeder()
+        got = _run(fed)
+        for e, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"epoch {e}")
+        assert fed._feeder._host is not None and len(replayed) >= sum(len(epoch) for epoch in got)  # some ahead
+    finally:
+        fed.close()
+
+
 def test_described_offsets_go_by_value() -> None:
     """A child's described draw (its generator's state, 2.5 KB) goes in the message, not a slot: the parent makes
     the numbers (`loaders.tail.uniforms`)."""

@@ -1,0 +1,181 @@
+"""Plans (`loaders.tail.plans`) whose work runs from the draws but outside the graphs: `RandGaussianSharpend` and
+`RandCoarseDropoutd`.
+
+Their work's shapes follow the draws (a sharpening kernel's length by its sigma, a hole's place and size), so one
+graph cannot serve every batch. But their draws need no image: they are made where the batch's other draws are
+(MONAI's own `randomize`, item by item, in the order `loaders.tail.fired` draws them, a random fill's numbers
+included), and the work runs eagerly between the graphs from those numbers alone, with the ops the batched versions
+run (`loaders.tail.sharpen`, `loaders.tail.dropout`). So a tail with them can be drawn in one process and worked in
+another (`BatchedTail.drawable`: a host feeder), at the cost of their Python on the items they fire on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from loaders.tail.plans import Drawn, Like, Plan
+
+
+class _Ungraphed(Plan):
+    """A plan run eagerly from its draws wherever it runs (`graphed` False); its draws' values are Python objects and
+    numpy arrays (`values["items"]`: per item, None where it is left as it is), not copied up as a graph's are."""
+
+    graphed = False
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def _items(self, values: dict[str, Any]) -> list[Any]:
+        return list(values.get("items") or [])
+
+
+class _SharpenPlan(_Ungraphed):
+    def __init__(self, t: Any, keys: list[Hashable], inner: Any) -> None:
+        super().__init__(t, keys)
+        self.inner = inner
+
+    def draw(self, n: int) -> Drawn:
+        from loaders.tail.fired import _drawn
+
+        items: list[Any] = []
+        for _ in range(n):
+            self.t.randomize(None)
+            if not self.t._do_transform:
+                items.append(None)
+                continue
+            self.inner.randomize(None)
+            items.append(_drawn(self.inner) if self.inner._do_transform else None)
+        return Drawn(("ungraphed",), {"items": items})
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        from loaders.tail.sharpen import filter_kernels, sharpened
+
+        items = self._items(values)
+        applied = [i for i, d in enumerate(items) if d is not None]
+        first = data[self.keys[0]]
+        if not applied or first.device.type == "meta":
+            return {}
+        out = {k: data[k].clone() for k in self.keys}
+        made: dict[int, list[list[Any]]] = {}  # an item's ndim -> each applied item's kernels
+        for k in self.keys:
+            x = data[k]
+            nd = x.ndim - 2
+            if nd not in made:
+                made[nd] = filter_kernels(self.inner.approx, [items[i] for i in applied], nd, x.device)
+            for j, i in enumerate(applied):
+                vars(self.inner).update(items[i])
+                out[k][i] = sharpened(self.inner, x[i], made[nd][j])
+        return out
+
+
+class _DropoutPlan(_Ungraphed):
+    """Each fired item's holes and, for a random fill, its numbers (numpy's `random_sample` where the fill spans
+    the item's own range: `loaders.tail.dropout.uniform_is_affine`; `uniform` over a range given), key by key and
+    hole by hole as the batched version draws them."""
+
+    def __init__(self, t: Any, keys: list[Hashable], inner: Any, item_shape: tuple[int, ...]) -> None:
+        super().__init__(t, keys)
+        self.inner, self.item_shape = inner, item_shape
+
+    def draw(self, n: int) -> Drawn:
+        items: list[Any] = []
+        for _ in range(n):
+            self.t.randomize(None)
+            if not self.t._do_transform:
+                items.append(None)
+                continue
+            inner = self.inner
+            inner.randomize(self.item_shape[1:])
+            if not inner._do_transform:
+                items.append(None)
+                continue
+            holes = list(inner.hole_coords)
+            fills: dict[Hashable, list[np.ndarray]] = {}
+            if isinstance(inner.fill_value, (tuple, list)) or inner.fill_value is None:
+                sizes = [self.item_shape] if not inner.dropout_holes else [_shape(self.item_shape, h) for h in holes]
+                for k in self.keys:
+                    fills[k] = [self._numbers(size) for size in sizes]
+            items.append({"holes": holes, "fills": fills})
+        return Drawn(("ungraphed",), {"items": items})
+
+    def _numbers(self, size: tuple[int, ...]) -> np.ndarray:
+        fill = self.inner.fill_value
+        if fill is None:
+            return np.asarray(self.inner.R.random_sample(size))
+        return np.asarray(self.inner.R.uniform(fill[0], fill[1], size=size))
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        import torch
+
+        from loaders.tail.dropout import RANGE_ERROR, _up
+
+        items = self._items(values)
+        fired = [i for i, d in enumerate(items) if d is not None]
+        first = data[self.keys[0]]
+        if not fired or first.device.type == "meta":
+            return {}
+        out = {k: data[k].clone() for k in self.keys}
+        for k in self.keys:
+            x = data[k]
+            spans = None
+            if self.inner.fill_value is None:  # each item's own range, as `loaders.tail.device.device_spans`
+                flat = x.reshape(x.shape[0], -1)
+                spans = torch.stack([flat.amin(1), flat.amax(1)], 1).to(torch.float64)
+            for i in fired:
+                d, img = items[i], x[i]
+                fills = d["fills"].get(k, [])
+                if spans is not None:
+                    lo, width = spans[i, 0], spans[i, 1] - spans[i, 0]
+                    self.checks.append((torch.isfinite(width), OverflowError(RANGE_ERROR)))
+                    fills = [_up(u, img).mul(width).add_(lo) for u in fills]
+                else:
+                    fills = [_up(u, img) for u in fills]
+                out[k][i] = _filled(self.inner, img, d["holes"], fills)
+        return out
+
+
+def _filled(inner: Any, img: Any, holes: list[Any], fills: list[Any]) -> Any:
+    """MONAI's `CoarseDropout` of one item from its holes and its fill numbers (as device tensors, or none where
+    the fill is a number)."""
+    import torch
+
+    if inner.dropout_holes:
+        out = img.clone()
+        for j, h in enumerate(holes):
+            out[h] = fills[j] if fills else inner.fill_value
+        return out
+    out = fills[0].to(img.dtype) if fills else torch.full_like(img, inner.fill_value)
+    for h in holes:
+        out[h] = img[h]
+    return out
+
+
+def _shape(item_shape: tuple[int, ...], hole: Any) -> tuple[int, ...]:
+    """The shape of `item[hole]` for an item of `item_shape` (nothing allocated)."""
+    return tuple(np.broadcast_to(np.empty((), dtype=np.bool_), item_shape)[hole].shape)
+
+
+def plan_sharpen(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    import torch
+
+    inner = getattr(t, "rand_sharpen", None)
+    if inner is None or getattr(t, "lazy", False) is not False:
+        return None
+    if any(like[k].dtype != torch.float32 for k in keys):
+        return None  # MONAI's output is float32: a float64 key's fired items would change dtype
+    return _SharpenPlan(t, keys, inner)
+
+
+def plan_dropout(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders.tail.dropout import uniform_is_affine
+
+    inner = getattr(t, "dropper", None)
+    if inner is None or getattr(t, "lazy", False) is not False:
+        return None
+    shapes = {tuple(like[k].shape[1:]) for k in keys}
+    if len(shapes) != 1 or (inner.fill_value is None and not uniform_is_affine()):
+        return None  # numpy's fill drawn from the item's range read on the host: run as the batched version runs it
+    return _DropoutPlan(t, keys, inner, shapes.pop())
