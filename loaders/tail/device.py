@@ -63,14 +63,19 @@ def float_keys(batch: TailBatch, keys: Sequence[Hashable]) -> bool:
 
 def device_spans(batch: TailBatch, keys: Sequence[Hashable]) -> dict[Hashable, list[tuple[Any, Any]]]:
     """Each key's (min, max) of every item as 0-dim float64 tensors where the batch is: nothing read back."""
-    import torch
-
     out: dict[Hashable, list[tuple[Any, Any]]] = {}
     for k in keys:
-        flat = batch.data[k].reshape(batch.n, -1)
-        both = torch.stack([flat.amin(1), flat.amax(1)], 1).to(torch.float64)
+        both = row_spans(batch.data[k])
         out[k] = [(both[i, 0], both[i, 1]) for i in range(batch.n)]
     return out
+
+
+def row_spans(x: Any) -> Any:
+    """Each item's (min, max) of a batch tensor, (n, 2) float64 where it is."""
+    import torch
+
+    flat = x.reshape(x.shape[0], -1)
+    return torch.stack([flat.amin(1), flat.amax(1)], 1).to(torch.float64)
 
 
 def item_spans(batch: TailBatch, keys: Sequence[Hashable]) -> dict[Hashable, list[tuple[float, float]]]:

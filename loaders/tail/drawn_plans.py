@@ -11,7 +11,7 @@ another (`BatchedTail.drawable`: a host feeder), at the cost of their Python on 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -39,16 +39,13 @@ class _SharpenPlan(_Ungraphed):
 
     def draw(self, n: int) -> Drawn:
         from loaders.tail.fired import _drawn
+        from loaders.tail.fired_plans import _fire
 
-        items: list[Any] = []
-        for _ in range(n):
-            self.t.randomize(None)
-            if not self.t._do_transform:
-                items.append(None)
-                continue
+        def drawn() -> dict[str, Any]:
             self.inner.randomize(None)
-            items.append(_drawn(self.inner) if self.inner._do_transform else None)
-        return Drawn(("ungraphed",), {"items": items})
+            return _drawn(self.inner)
+
+        return Drawn(("ungraphed",), {"items": _fire(self.t, self.inner, n, drawn)})
 
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         from loaders.tail.sharpen import filter_kernels, sharpened
@@ -81,25 +78,22 @@ class _DropoutPlan(_Ungraphed):
         self.inner, self.item_shape = inner, item_shape
 
     def draw(self, n: int) -> Drawn:
-        items: list[Any] = []
-        for _ in range(n):
-            self.t.randomize(None)
-            if not self.t._do_transform:
-                items.append(None)
-                continue
+        from loaders.tail.fired_plans import _fire
+
+        def drawn() -> dict[str, Any] | None:
             inner = self.inner
             inner.randomize(self.item_shape[1:])
             if not inner._do_transform:
-                items.append(None)
-                continue
+                return None  # no fill drawn either
             holes = list(inner.hole_coords)
             fills: dict[Hashable, list[np.ndarray]] = {}
             if isinstance(inner.fill_value, (tuple, list)) or inner.fill_value is None:
                 sizes = [self.item_shape] if not inner.dropout_holes else [_shape(self.item_shape, h) for h in holes]
                 for k in self.keys:
                     fills[k] = [self._numbers(size) for size in sizes]
-            items.append({"holes": holes, "fills": fills})
-        return Drawn(("ungraphed",), {"items": items})
+            return {"hole_coords": holes, "fills": fills}
+
+        return Drawn(("ungraphed",), {"items": _fire(self.t, self.inner, n, drawn)})
 
     def _numbers(self, size: tuple[int, ...]) -> np.ndarray:
         fill = self.inner.fill_value
@@ -110,7 +104,8 @@ class _DropoutPlan(_Ungraphed):
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         import torch
 
-        from loaders.tail.dropout import RANGE_ERROR, _up
+        from loaders.tail.device import row_spans
+        from loaders.tail.dropout import RANGE_ERROR, _up, holes_filled
 
         items = self._items(values)
         fired = [i for i, d in enumerate(items) if d is not None]
@@ -120,37 +115,27 @@ class _DropoutPlan(_Ungraphed):
         out = {k: data[k].clone() for k in self.keys}
         for k in self.keys:
             x = data[k]
-            spans = None
-            if self.inner.fill_value is None:  # each item's own range, as `loaders.tail.device.device_spans`
-                flat = x.reshape(x.shape[0], -1)
-                spans = torch.stack([flat.amin(1), flat.amax(1)], 1).to(torch.float64)
+            spans = row_spans(x) if self.inner.fill_value is None else None  # each item's own range
             for i in fired:
-                d, img = items[i], x[i]
-                fills = d["fills"].get(k, [])
+                img = x[i]
+                fills = [_up(u, img) for u in items[i]["fills"].get(k, [])]
                 if spans is not None:
                     lo, width = spans[i, 0], spans[i, 1] - spans[i, 0]
                     self.checks.append((torch.isfinite(width), OverflowError(RANGE_ERROR)))
-                    fills = [_up(u, img).mul(width).add_(lo) for u in fills]
-                else:
-                    fills = [_up(u, img) for u in fills]
-                out[k][i] = _filled(self.inner, img, d["holes"], fills)
+                    fills = [u.mul(width).add_(lo) for u in fills]
+                self.inner.hole_coords = items[i]["hole_coords"]
+                out[k][i] = holes_filled(self.inner, img, _in_turn(fills) if fills else None)
         return out
 
 
-def _filled(inner: Any, img: Any, holes: list[Any], fills: list[Any]) -> Any:
-    """MONAI's `CoarseDropout` of one item from its holes and its fill numbers (as device tensors, or none where
-    the fill is a number)."""
-    import torch
+def _in_turn(fills: list[Any]) -> Callable[[tuple[int, ...]], Any]:
+    """A fill of the sizes drawn, hole after hole: the numbers drawn for each, in turn."""
+    given = iter(fills)
 
-    if inner.dropout_holes:
-        out = img.clone()
-        for j, h in enumerate(holes):
-            out[h] = fills[j] if fills else inner.fill_value
-        return out
-    out = fills[0].to(img.dtype) if fills else torch.full_like(img, inner.fill_value)
-    for h in holes:
-        out[h] = img[h]
-    return out
+    def uniform(size: tuple[int, ...]) -> Any:
+        return next(given)
+
+    return uniform
 
 
 def _shape(item_shape: tuple[int, ...], hole: Any) -> tuple[int, ...]:

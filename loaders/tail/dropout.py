@@ -19,6 +19,7 @@ Otherwise each key's min and max of every item come back in one read a batch and
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,12 +43,20 @@ def filled(inner: Any, img: Any, span: tuple[Any, Any] | None, checks: list[Any]
         uniform = (
             _on_device(inner, fill, img, checks) if isinstance(fill[0], torch.Tensor) else _on_host(inner, fill, img)
         )
+    return holes_filled(inner, img, uniform if ranged else None)
+
+
+def holes_filled(inner: Any, img: Any, uniform: Callable[[tuple[int, ...]], Any] | None) -> Any:
+    """MONAI's `CoarseDropout` of one item with its holes drawn (`inner.hole_coords`): filled with `uniform(size)`
+    (a random fill, as device numbers), or with `inner.fill_value` where `uniform` is None."""
+    import torch
+
     if inner.dropout_holes:
         out = img.clone()
         for h in inner.hole_coords:
-            out[h] = uniform(tuple(out[h].shape)) if ranged else fill
+            out[h] = uniform(tuple(out[h].shape)) if uniform is not None else inner.fill_value
         return out
-    out = uniform(tuple(img.shape)).to(img.dtype) if ranged else torch.full_like(img, fill)
+    out = uniform(tuple(img.shape)).to(img.dtype) if uniform is not None else torch.full_like(img, inner.fill_value)
     for h in inner.hole_coords:
         out[h] = img[h]
     return out
