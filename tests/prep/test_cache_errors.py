@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cacheutil import REPO, SPHERES
@@ -161,6 +162,23 @@ def _xxh3_per_item(root: Path) -> list[list[int]]:
     return [sorted(e.xxh3 for e in cache.entries(i)) for i in range(cache.n_items)]
 
 
+def _slow_at_the_end(root: Path, nifti_dataset: Any) -> Path:
+    """Four small items, then twelve larger ones: the run is still busy when its first items are journaled (24 small
+    ones could all be done before two Ctrl-Cs reached it on a loaded machine)."""
+    datalist = nifti_dataset(root / "data", count=4, size=40, seed=5)
+    big = nifti_dataset(root / "big", count=12, size=96, seed=6)
+    doc = json.loads(datalist.read_text())
+    for entry in json.loads(big.read_text())["training"]:
+        for key, rel in entry.items():
+            moved = f"{Path(rel).parent}/big_{Path(rel).name}"
+            (root / "big" / rel).rename(root / "data" / moved)
+            entry[key] = moved
+        doc["training"].append(entry)
+    doc["numTraining"] = len(doc["training"])
+    datalist.write_text(json.dumps(doc))
+    return datalist
+
+
 @pytest.mark.parametrize("mode", ["--threads", "--processes"])
 def test_double_ctrl_c_exits_at_once_with_one_line_and_resumes(tmp_path: Path, mode: str) -> None:
     """Two SIGINTs to the process group (a terminal's Ctrl-C reaches the dask worker processes too)."""
@@ -169,7 +187,7 @@ def test_double_ctrl_c_exits_at_once_with_one_line_and_resumes(tmp_path: Path, m
 
     from prep.synth import nifti_dataset
 
-    datalist = nifti_dataset(tmp_path / "data", count=24, size=40, seed=5)
+    datalist = _slow_at_the_end(tmp_path, nifti_dataset)
     out = tmp_path / "cache"
     cmd = [sys.executable, "-m", "prep", *_cache_args(datalist, out, mode)]
     cmd[cmd.index("--workers") + 1] = "2"
@@ -191,8 +209,8 @@ def test_double_ctrl_c_exits_at_once_with_one_line_and_resumes(tmp_path: Path, m
     assert len([line for line in stderr.splitlines() if line.startswith("interrupted")]) == 1, stderr
     assert not (out / "manifest.json").exists()
     summary = prepare_cache(datalist, SPHERES, out, workers=2, processes=False)
-    assert summary.n_resumed > 0 and summary.n_items == 24
+    assert summary.n_resumed > 0 and summary.n_items == 16
     # the resumed items' sampling sets were not made by this run's workers: made from the cache after it
-    assert summary.sampling.startswith("sampling sets: 24 items") and "by the workers" not in summary.sampling
+    assert summary.sampling.startswith("sampling sets: 16 items") and "by the workers" not in summary.sampling
     clean = prepare_cache(datalist, SPHERES, tmp_path / "clean", workers=1, processes=False)
-    assert clean.n_items == 24 and _xxh3_per_item(out) == _xxh3_per_item(tmp_path / "clean")
+    assert clean.n_items == 16 and _xxh3_per_item(out) == _xxh3_per_item(tmp_path / "clean")
