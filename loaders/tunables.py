@@ -117,11 +117,12 @@ DEVICE_DRAWS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_DEVICE_DRAW
 # In a replayed tail, batches of at most this many items have a graph per pattern of the items a costly transform
 # fires on (at most 2**n each, captured as they first come), its work on those items alone, as its batched version
 # runs it; larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). On
-# the fired rows alone `seg-aug`'s replayed tail cost its step about half what the masks did, but RandAffined's
-# resample came out 6e-7 from MONAI's on the GPU, its grids then made by one matmul of the fired rows; they are made
-# item by item now, as MONAI makes each, not run on a GPU since: 0 (every batch by the mask) until then
-# (docs/benchmarks.md). BLOCKPREP_TAIL_PATTERNS=N in the environment sets it.
-TAIL_PATTERNS = int(os.environ.get("BLOCKPREP_TAIL_PATTERNS", "") or 0)
+# the fired rows alone `seg-aug`'s replayed tail cost its step about half what the masks did. RandAffined's grids are
+# made item by item as MONAI makes each (its products drawn on the host where MONAI makes them there), and on the
+# fired rows alone its resample, the elastic's and the intensity plans' are MONAI's bit for bit on the H200
+# (tests/loaders/test_tail_replay.py, -m gpu; docs/benchmarks.md). BLOCKPREP_TAIL_PATTERNS=N in the environment
+# sets it (0: every batch by the mask).
+TAIL_PATTERNS = int(os.environ.get("BLOCKPREP_TAIL_PATTERNS", "") or 8)
 # In a feeder's child, a batch is copied into its hand-over slot on the tail thread right after its tail's work is
 # queued, so that both reach the GPU as one arrival (each arrival of the child's work is a turn of its context on
 # the GPU: docs/benchmarks.md), not at the parent's credit from the main thread. BLOCKPREP_PACK_AHEAD=0 in the
