@@ -292,9 +292,13 @@ class _AffinePlan(MatrixPlan):
         here = torch.device("cpu")
         identity = cached if cached is not None and cached.device == here else _identity(self.size, here)
         flat = torch.as_tensor(identity).to(dtype=torch.float32).view((nd + 1, -1))
-        coords = np.zeros((n, nd, flat.shape[1]), dtype=np.float32)
-        for i in np.flatnonzero(drawn.values["fired"]):
-            coords[i] = (torch.from_numpy(drawn.values["mats"][i]) @ flat)[:nd].numpy()
+        fired = np.flatnonzero(drawn.values["fired"])
+        # where the work runs on the fired rows alone (`on_fired`), their products alone (one row of zeros where
+        # none fired); else a row for every item, zeros where it did not fire
+        alone = isinstance(drawn.kind, tuple) and drawn.kind[:1] == ("rows",)
+        coords = np.zeros((max(len(fired), 1) if alone else n, nd, flat.shape[1]), dtype=np.float32)
+        for j, i in enumerate(fired):
+            coords[j if alone else i] = (torch.from_numpy(drawn.values["mats"][i]) @ flat)[:nd].numpy()
         return Drawn(drawn.kind, {**drawn.values, "coords": coords})
 
     def values_like(self, n: int) -> dict[str, Any]:
@@ -318,8 +322,9 @@ class _AffinePlan(MatrixPlan):
 
         def grids(rows: Any) -> Any:
             if len(rows) not in made:
-                if self.host_products:  # the host's products, drawn with the matrices
-                    coords = rows_of(values["coords"], rows)
+                if self.host_products:  # the host's products, drawn with the matrices (the fired rows' alone)
+                    coords = values["coords"]
+                    coords = coords if int(coords.shape[0]) == len(rows) else rows_of(coords, rows)
                     made[len(rows)] = _normalised(self.t, coords, self.size, self.size, first.device)
                 else:  # each item's grid by a matmul of its own on the device
                     mats = values["mats"]

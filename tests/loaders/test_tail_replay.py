@@ -11,7 +11,7 @@ import pytest
 import torch
 from tailutil import K, assert_same, make_batch, reference_batches
 
-from loaders.tail.plans import plan_of
+from loaders.tail.plans import Drawn, plan_of
 from loaders.tail.replay import ReplayedTail
 
 
@@ -70,10 +70,14 @@ def test_draws_have_the_shapes_said() -> None:
         plan = plan_of(t, like)
         assert plan is not None
         said = plan.values_like(5)
-        drawn = plan.draw(5).values
+        d = plan.draw(5)
+        drawn = d.values
         assert sorted(said) == sorted(drawn)
         for name, a in drawn.items():
-            assert tuple(said[name].shape) == a.shape
+            want = tuple(said[name].shape)
+            if name == "coords" and d.kind[:1] == ("rows",):  # the affine's products: the fired rows' alone
+                want = (max(len(d.kind[1]), 1), *want[1:])
+            assert want == a.shape
             assert said[name].dtype == torch.from_numpy(np.zeros(1, a.dtype)).dtype
 
 
@@ -222,12 +226,20 @@ def _drawn_apart() -> list[Any]:
     ]
 
 
+@pytest.mark.parametrize("patterns", [0, 8])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
-def test_draws_made_by_one_tail_replayed_by_another_equal_monai(device: str) -> None:
+def test_draws_made_by_one_tail_replayed_by_another_equal_monai(
+    device: str, patterns: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What a host feeder does: one tail makes the draws (its random state MONAI's), another of other random
     states does the work from them alone (as graphs on a GPU): MONAI's batches, bit for bit, every plan exact on a
-    CUDA device, and the whole tail drawable."""
+    CUDA device, and the whole tail drawable; its work on every item kept by masks (0), or on the fired rows alone
+    (8: the affine's products then drawn for those rows alone)."""
     from monai.transforms import Compose
+
+    from loaders import tunables
+
+    monkeypatch.setattr(tunables, "TAIL_PATTERNS", patterns)
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("no GPU here")
@@ -236,11 +248,15 @@ def test_draws_made_by_one_tail_replayed_by_another_equal_monai(device: str) -> 
                                                                           for b in given])  # fmt: skip
     drawer = ReplayedTail(Compose(_drawn_apart()).set_random_state(11).transforms)
     worker = ReplayedTail(Compose(_drawn_apart()).set_random_state(99).transforms)
+    rows = set()  # the affine's products' rows, batch by batch
     for b, w in zip(given, want):
         assert drawer.drawable(b) and worker.covers(b)
-        got = worker.replay(b, drawer.draw(b))
+        drawn = drawer.draw(b)
+        rows |= {d.values["coords"].shape[0] for d in drawn if isinstance(d, Drawn) and "coords" in d.values}
+        got = worker.replay(b, drawn)
         assert_same(got, w)
         assert not worker.checks or all(bool(ok) for ok, _ in worker.checks)
+    assert rows == {4} if patterns == 0 else bool(rows) and min(rows) < 4
 
 
 @pytest.mark.gpu
