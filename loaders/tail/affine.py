@@ -284,6 +284,8 @@ class _AffinePlan(MatrixPlan):
     def draw(self, n: int) -> Drawn:
         import torch
 
+        from loaders.tail.plans import fired_rows
+
         drawn = super().draw(n)
         if not self.host_products:
             return drawn
@@ -295,7 +297,7 @@ class _AffinePlan(MatrixPlan):
         fired = np.flatnonzero(drawn.values["fired"])
         # where the work runs on the fired rows alone (`on_fired`), their products alone (one row of zeros where
         # none fired); else a row for every item, zeros where it did not fire
-        alone = isinstance(drawn.kind, tuple) and drawn.kind[:1] == ("rows",)
+        alone = fired_rows(drawn.kind) is not None
         coords = np.zeros((max(len(fired), 1) if alone else n, nd, flat.shape[1]), dtype=np.float32)
         for j, i in enumerate(fired):
             coords[j if alone else i] = (torch.from_numpy(drawn.values["mats"][i]) @ flat)[:nd].numpy()
@@ -315,16 +317,16 @@ class _AffinePlan(MatrixPlan):
         first = data[self.keys[0]]
         if first.device.type == "meta":
             return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
-        from loaders.tail.plans import on_fired, rows_of
+        from loaders.tail.plans import fired_rows, on_fired, rows_of
 
         dtype, align = _resample_dtype(self.t), self.t.rand_affine.resampler.align_corners
         made: dict[int, Any] = {}  # the grids of the rows resampled, made once for every key
+        alone = fired_rows(kind) is not None  # the products drawn for the fired rows alone (`draw`)
 
         def grids(rows: Any) -> Any:
             if len(rows) not in made:
                 if self.host_products:  # the host's products, drawn with the matrices (the fired rows' alone)
-                    coords = values["coords"]
-                    coords = coords if int(coords.shape[0]) == len(rows) else rows_of(coords, rows)
+                    coords = values["coords"] if alone else rows_of(values["coords"], rows)
                     made[len(rows)] = _normalised(self.t, coords, self.size, self.size, first.device)
                 else:  # each item's grid by a matmul of its own on the device
                     mats = values["mats"]

@@ -110,6 +110,12 @@ def fired_kind(fired: np.ndarray) -> Hashable:
     return ("rows", tuple(int(i) for i in np.flatnonzero(fired))) if len(fired) <= tunables.TAIL_PATTERNS else ()
 
 
+def fired_rows(kind: Any) -> tuple[int, ...] | None:
+    """The fired rows a draw's kind names (`fired_kind`: its work on those rows alone), or None (every item, the
+    fired kept by a mask)."""
+    return kind[1] if isinstance(kind, tuple) and kind[:1] == ("rows",) else None
+
+
 def rows_of(x: Any, rows: Sequence[int]) -> Any:
     """Rows `rows` of a batch tensor (`loaders.tail.device.rows_of`: in a capture, its index a constant held with
     the graph)."""
@@ -125,9 +131,9 @@ def on_fired(x: Any, kind: Any, fired: Any, op: Callable[[Any, Sequence[int]], A
     import torch
 
     n = int(x.shape[0])
-    if not (isinstance(kind, tuple) and kind[:1] == ("rows",)):
+    rows = fired_rows(kind)
+    if rows is None:
         return _kept(fired, op(x, range(n)), rest(x))
-    rows = kind[1]
     if not rows:
         return rest(x)
     done = op(rows_of(x, rows), rows)
