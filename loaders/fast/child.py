@@ -202,6 +202,15 @@ def _bound_to_parent() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _host_threads() -> None:
+    """A host feeder's torch threads: its work is stacking and copying batches, which a few threads do at memory
+    speed; torch's default (a thread a core) left them spinning beside the training process's (py-spy, H200)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, min(4, cores // 4)))
+
+
 PROFILE = "BLOCKPREP_FEEDER_PROFILE"  # a folder: the child's thread profiled (cProfile), feeder-PID.prof there
 
 
@@ -258,6 +267,7 @@ def _serve(checkpoint: Any) -> None:
         uniforms.tell(bool(spec.pop("device_draws", False)) if host else tunables.DEVICE_DRAWS is True)
         if host:  # `loaders.fast.hostfeed`: no CUDA here; batches made on the CPU, their tails' draws alone
             spec.update(device="cpu", gpu_budget=0)
+            _host_threads()
         conn.recv_bytes()  # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not
         loader = PreparedLoader(**spec)
         if host and hasattr(loader.assembly.tail, "draw_only"):

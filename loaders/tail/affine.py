@@ -18,6 +18,7 @@ import numpy as np
 from loaders.tail.device import to_device
 from loaders.tail.graphs import host_read
 from loaders.tail.plans import Drawn, MatrixPlan
+from loaders.tail.products import Products, at_once, identity, same_products, shown
 from loaders.tail.tailbatch import TailBatch, gather, keys_of
 
 
@@ -62,17 +63,12 @@ def _grids(
     monais = _monais(t)
     where = monais if where is None else torch.device(where)
     cached = t.rand_affine._cached_grid
-    identity = cached if cached is not None and cached.device == where else _identity(sp_size, where)
-    flat = torch.as_tensor(identity).to(dtype=torch.float32)
+    grid = cached if cached is not None and cached.device == where else identity(sp_size, where)
+    flat = torch.as_tensor(grid).to(dtype=torch.float32)
     flat = flat.view((flat.shape[0], -1))
     nd = len(sp_size)
     mats = to_device(mats, where)
-    if stacked:
-        n = mats.shape[0]
-        padded = mats if n > 1 else torch.cat([mats, torch.eye(nd + 1, dtype=mats.dtype, device=where)[None]])
-        coords = torch.matmul(padded, flat)[:n]
-    else:
-        coords = _products(mats, flat, device)
+    coords = at_once(mats, flat) if stacked else _products(mats, flat, device)
     return _normalised(t, coords[:, :nd], sp_size, in_size, device)
 
 
@@ -97,60 +93,29 @@ def _monais(t: Any) -> Any:
     return cached.device if cached is not None else torch.device(t.rand_affine.rand_affine_grid.device or "cpu")
 
 
-_SAME_ON_DEVICE: dict[tuple[tuple[int, ...], str, int], bool] = {}
-
-
 def _made_where(t: Any, tb: TailBatch, sp_size: tuple[int, ...], device: Any, m: int) -> tuple[Any, bool]:
     """(where m items' grids are made, whether at once): where MONAI makes them on the host and the batch is on a
     CUDA device, there at once if a product of max(m, 2) probe matrices there gives the host's numbers bit for bit
-    (checked once a process for each size, device and count: on an H200 two or more did and one did not, 7.6e-6
-    off), else on the host an item at a time; elsewhere where MONAI makes them, an item at a time."""
+    (`loaders.tail.products.same_products`), else on the host an item at a time; elsewhere where MONAI makes them,
+    an item at a time."""
     import torch
 
     monais, device = _monais(t), torch.device(device)
     if monais.type != "cpu" or device.type != "cuda":
         return monais, False
-    key = (tuple(sp_size), str(device), max(m, 2))
-    if key not in _SAME_ON_DEVICE:
+    same = shown(sp_size, device, max(m, 2))
+    if same is None:  # checked once: its read of the GPU closes a captured segment
         with host_read(tb):
-            _SAME_ON_DEVICE[key] = _same_products(t, sp_size, device, key[2])
-    return (device, True) if _SAME_ON_DEVICE[key] else (monais, False)
+            same = same_products(_host_identity(t, sp_size), sp_size, device, max(m, 2))
+    return (device, True) if same else (monais, False)
 
 
-def _same_products(t: Any, sp_size: tuple[int, ...], device: Any, m: int) -> bool:
-    """Whether m matrices (turns, scales and shifts as RandAffined draws them) times the identity grid, at once on
-    `device`, equal each one's product on the host bit for bit."""
+def _host_identity(t: Any, sp_size: tuple[int, ...]) -> Any:
+    """The identity grid MONAI multiplies on the host: the transform's cached one, else `create_grid`'s."""
     import torch
 
-    nd = len(sp_size)
-    g = torch.Generator().manual_seed(m)
-    mats = torch.eye(nd + 1).repeat(m, 1, 1)
-    mats[:, :nd, :nd] += 0.2 * (torch.rand((m, nd, nd), generator=g) - 0.5)
-    mats[:, :nd, nd] = 10 * (torch.rand((m, nd), generator=g) - 0.5)
     cached = t.rand_affine._cached_grid
-    identity = cached if cached is not None else _identity(sp_size, torch.device("cpu"))
-    flat = torch.as_tensor(identity).to(dtype=torch.float32).view((nd + 1, -1))
-    host = torch.stack([a @ flat for a in mats])
-    there = _identity(sp_size, torch.device(device)).to(dtype=torch.float32).view((nd + 1, -1))  # as `_grids` makes it
-    return torch.equal(torch.matmul(mats.to(device), there).cpu(), host)
-
-
-_IDENTITY: dict[tuple[tuple[int, ...], str], Any] = {}  # MONAI's identity grid on the host by size, made once
-
-
-def _identity(sp_size: tuple[int, ...], where: Any) -> Any:
-    """MONAI's identity grid (`create_grid`) made at `where`: kept on the host; made anew on a device (there it may
-    be made inside a capture, from the graph's own memory)."""
-    from monai.transforms.utils import create_grid
-
-    key = (tuple(sp_size), str(where))
-    if str(where) != "cpu":
-        return create_grid(sp_size, device=where, backend="torch")
-    if key not in _IDENTITY:
-        if len(_IDENTITY) > 4:
-            _IDENTITY.clear()
-        _IDENTITY[key] = create_grid(sp_size, device=where, backend="torch")
-    return _IDENTITY[key]
+    return cached if cached is not None and cached.device.type == "cpu" else identity(sp_size, torch.device("cpu"))
 
 
 def _products(mats: Any, flat: Any, device: Any) -> Any:
@@ -258,9 +223,10 @@ def plan_affine(t: Any, keys: list[Hashable], like: Any) -> Any:
 
 
 class _AffinePlan(MatrixPlan):
-    """Each item's matrix and, for the items it fires on, its product with the identity grid made on the host as
-    MONAI makes it (`host_products`: the draws then carry the grids' numbers, so the work is MONAI's on any device;
-    else the products are made on the batch's device, which on an H200 came out up to 5.4e-7 from the host's)."""
+    """Each item's matrix and, for the items it fires on, its product with the identity grid as MONAI makes it on
+    the host (`host_products`: the draws then carry the grids' numbers, described, `loaders.tail.products`, so the
+    work is MONAI's on any device; else the products are made on the batch's device an item at a time, which on an
+    H200 came out up to 5.4e-7 from the host's)."""
 
     def __init__(self, t: Any, keys: list[Hashable], modes: list[tuple[Any, Any]], size: tuple[int, ...]) -> None:
         super().__init__(t, keys, size)
@@ -282,26 +248,20 @@ class _AffinePlan(MatrixPlan):
         return matrix
 
     def draw(self, n: int) -> Drawn:
-        import torch
-
         from loaders.tail.plans import fired_rows
 
         drawn = super().draw(n)
         if not self.host_products:
             return drawn
-        nd = len(self.size)
-        cached = self.t.rand_affine._cached_grid
-        here = torch.device("cpu")
-        identity = cached if cached is not None and cached.device == here else _identity(self.size, here)
-        flat = torch.as_tensor(identity).to(dtype=torch.float32).view((nd + 1, -1))
-        fired = np.flatnonzero(drawn.values["fired"])
-        # where the work runs on the fired rows alone (`on_fired`), their products alone (one row of zeros where
-        # none fired); else a row for every item, zeros where it did not fire
-        alone = fired_rows(drawn.kind) is not None
-        coords = np.zeros((max(len(fired), 1) if alone else n, nd, flat.shape[1]), dtype=np.float32)
-        for j, i in enumerate(fired):
-            coords[j if alone else i] = (torch.from_numpy(drawn.values["mats"][i]) @ flat)[:nd].numpy()
-        return Drawn(drawn.kind, {**drawn.values, "coords": coords})
+        mats, fired = drawn.values["mats"], drawn.values["fired"]
+        # described, made where the work runs (`Products`): where it runs on the fired rows alone (`on_fired`),
+        # their products alone (one row of zeros where none fired); else a row for every item, zeros where it did
+        # not fire
+        if fired_rows(drawn.kind) is not None:
+            chosen = mats[fired] if fired.any() else np.zeros_like(mats[:1])
+        else:
+            chosen = np.where(fired[:, None, None], mats, np.float32(0))
+        return Drawn(drawn.kind, {**drawn.values, "coords": Products(np.ascontiguousarray(chosen), self.size)})
 
     def values_like(self, n: int) -> dict[str, Any]:
         from loaders.tail.plans import _meta

@@ -364,12 +364,17 @@ class _Chain:
 
 
 def _made(drawn: list[Any], device: Any) -> dict[int, Any]:
-    """The batch's described draws (`loaders.tail.uniforms.Uniforms`) made on `device` by one launch, by id."""
+    """The batch's described draws made on `device`, by id: its `loaders.tail.uniforms.Uniforms` by one launch,
+    its `loaders.tail.products.Products` each by one product there."""
+    from loaders.tail.products import Products
     from loaders.tail.uniforms import Uniforms, on_device
 
     values = [v for d in drawn for di in (d if isinstance(d, list) else [d]) if isinstance(di, Drawn)
-              for v in di.values.values() if isinstance(v, Uniforms)]  # fmt: skip
-    return {id(v): t for v, t in zip(values, on_device(values, device))}
+              for v in di.values.values()]  # fmt: skip
+    uniforms = [v for v in values if isinstance(v, Uniforms)]
+    made = {id(v): t for v, t in zip(uniforms, on_device(uniforms, device))}
+    made.update({id(v): v.on(device) for v in values if isinstance(v, Products)})
+    return made
 
 
 def _pinned(value: Any) -> Any:
@@ -391,9 +396,12 @@ def _up(d: Drawn, device: Any) -> dict[str, Any]:
     """A draw's values on `device` (eagerly)."""
     import torch
 
+    from loaders.tail.products import Products
     from loaders.tail.uniforms import Uniforms, on_device
 
     def up(a: Any) -> Any:
+        if isinstance(a, Products):
+            return a.on(device)
         if isinstance(a, Uniforms):
             return on_device([a], device)[0] if torch.device(device).type == "cuda" else torch.from_numpy(np.asarray(a))
         if isinstance(a, np.ndarray):
