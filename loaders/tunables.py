@@ -118,7 +118,8 @@ DEVICE_DRAWS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_DEVICE_DRAW
 # fires on (at most 2**n each, captured as they first come), its work on those items alone, as its batched version
 # runs it; larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). On
 # the fired rows alone `seg-aug`'s replayed tail cost its step about half what the masks did. RandAffined's grids are
-# made item by item as MONAI makes each (its products drawn on the host where MONAI makes them there), and on the
+# MONAI's (its products with the identity grid drawn described and made at once on the device where shown to give
+# the host's numbers there, else on the host: `loaders.tail.products`), and on the
 # fired rows alone its resample, the elastic's and the intensity plans' are MONAI's bit for bit on the H200
 # (tests/loaders/test_tail_replay.py, -m gpu; docs/benchmarks.md). BLOCKPREP_TAIL_PATTERNS=N in the environment
 # sets it (0: every batch by the mask).
