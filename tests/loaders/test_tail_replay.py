@@ -307,10 +307,19 @@ def test_intensity_plans_eager_equal_monai(patterns: int, monkeypatch: pytest.Mo
 
 
 @pytest.mark.gpu
-def test_intensity_graphs_equal_monai_on_the_gpu() -> None:
+@pytest.mark.parametrize("patterns", [0, 6])
+def test_intensity_graphs_equal_monai_on_the_gpu(patterns: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As graphs: by the masks, one graph a transform; on the fired rows alone, one a transform and pattern."""
+    from loaders import tunables
+
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    assert _compare_intensity("cuda:0", 6).captures == len(_intensity())  # one graph each: the masks
+    monkeypatch.setattr(tunables, "TAIL_PATTERNS", patterns)
+    captures = _compare_intensity("cuda:0", 6).captures
+    if patterns:
+        assert len(_intensity()) <= captures <= len(_intensity()) * 2**5  # batches of 5
+    else:
+        assert captures == len(_intensity())
 
 
 @pytest.mark.gpu
