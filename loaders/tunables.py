@@ -105,7 +105,8 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 # feeder="auto" tries one after the first child and keeps the faster (`loaders.fast.trial`); off by default: on the
 # H200 the trial kept it on `seg-elastic` in one call (0.76 of the ceiling against 0.65 without it) and found no
 # winner in two others (29.6 against 29.4 and 29.2 ms a step), where the child started again made 0.80 against the
-# defaults' 0.86 once warm; on `seg-aug`, whose tail it can now draw, it made 0.67 against 0.90 (docs/benchmarks.md).
+# defaults' 0.86 once warm; with the affine's products made on the device, 0.91 against 0.87 on `seg-elastic` and
+# 0.86 against 0.88 on `seg-aug`, its hand-over in the training process 6.2 ms a step (docs/benchmarks.md).
 HOST_FEED = {"1": True, "auto": "auto"}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), False)
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the
 # generator's state on the CUDA device that uses them (`loaders.tail.uniforms`: cupy's compiler, the kernel checked
