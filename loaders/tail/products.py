@@ -17,24 +17,23 @@ from typing import Any
 import numpy as np
 
 _IDENTITY: dict[tuple[tuple[int, ...], str], Any] = {}  # MONAI's identity grid by size and device, made once
-_ON_DEVICE: dict[tuple[tuple[int, ...], str], Any] = {}  # the same on a device, for `Products.on` alone
 _SAME_ON_DEVICE: dict[tuple[tuple[int, ...], str, int], bool] = {}
 
 
-def identity(sp_size: tuple[int, ...], where: Any, kept: dict[Any, Any] | None = _IDENTITY) -> Any:
-    """MONAI's identity grid (`create_grid`) made at `where`: kept on the host; made anew on a device (there it may
-    be made inside a capture, from the graph's own memory), unless `kept` says where to keep it."""
+def identity(sp_size: tuple[int, ...], where: Any, keep: bool = False) -> Any:
+    """MONAI's identity grid (`create_grid`) made at `where`: kept on the host; on a device made anew (there it may
+    be made inside a capture, from the graph's own memory) unless `keep` (asked outside any capture)."""
     import torch
     from monai.transforms.utils import create_grid
 
     key = (tuple(sp_size), str(where))
-    if kept is None or (kept is _IDENTITY and torch.device(where).type != "cpu"):
+    if torch.device(where).type != "cpu" and not keep:
         return create_grid(sp_size, device=where, backend="torch")
-    if key not in kept:
-        if len(kept) > 4:
-            kept.clear()
-        kept[key] = create_grid(sp_size, device=where, backend="torch")
-    return kept[key]
+    if key not in _IDENTITY:
+        if len(_IDENTITY) > 4:
+            _IDENTITY.clear()
+        _IDENTITY[key] = create_grid(sp_size, device=where, backend="torch")
+    return _IDENTITY[key]
 
 
 def flat(grid: Any) -> Any:
@@ -120,5 +119,5 @@ class Products:
         host_grid = identity(self.size, torch.device("cpu"))
         if device.type == "cuda" and same_products(host_grid, self.size, device, max(len(self.mats), 2)):
             mats = to_device(torch.from_numpy(np.ascontiguousarray(self.mats)), device)
-            return at_once(mats, flat(identity(self.size, device, _ON_DEVICE)))[:, : len(self.size)]
+            return at_once(mats, flat(identity(self.size, device, keep=True)))[:, : len(self.size)]
         return to_device(torch.from_numpy(np.asarray(self)), device)
