@@ -108,6 +108,11 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 # defaults' 0.86 once warm; with the affine's products made on the device, 0.91 against 0.87 on `seg-elastic` and
 # 0.86 against 0.88 on `seg-aug`, its hand-over in the training process 6.2 ms a step (docs/benchmarks.md).
 HOST_FEED = {"1": True, "auto": "auto"}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), False)
+# A host feeder's batches on a GPU are taken in the training process on a thread of the loader's
+# (`loaders.fast.hostfeed.Taker`: the message, the copies up and the tail's launches while the training thread waits
+# for its step's kernels), up to two ahead. BLOCKPREP_HOST_TAKE_THREAD=0 in the environment takes each on the
+# training thread as it is asked for (and the next where it has come); =1 on a thread for a loader on the CPU too.
+HOST_TAKE_THREAD = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_TAKE_THREAD", ""), "gpu")
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the
 # generator's state on the CUDA device that uses them (`loaders.tail.uniforms`: cupy's compiler, the kernel checked
 # once a process against numpy): "auto" where the tail runs in the training process; "1" also where a host

@@ -298,33 +298,52 @@ class Feeder:
         if self._host is not None:
             self._host.settle(self._tally)  # the last epoch's last slot: its copies up have run
         snap = loader.cursor.begin(epoch, skip)
-        # a host feeder's slot is counted taken a batch late (once its copies up have run), and one batch is taken
+        # a host feeder's slot is counted taken a batch late (once its copies up have run), and batches are taken
         # ahead of the caller's: two credits more
         credits = loader.prefetch + (2 if getattr(loader, "_host_feed", False) else 0)
         self._send("epoch", EpochAsk(epoch, skip, loader.rank, loader.world, dict(snap), credits))
         self._finished = False  # the child has left the epoch (its end, or an error it said)
         ahead: collections.deque[tuple[dict[str, Any], Any, Any]] = collections.deque()
+        taker = self._taker(loader, skip, n)
         try:
             got = skip  # batches received from the child
             for k in range(skip, n):
-                if not ahead:
+                if taker is not None:
+                    ahead.append(taker.next())
+                    got += 1
+                elif not ahead:
                     ahead.append(self._take(loader, got, n))
                     got += 1
                 # a host feeder's next batch, where it has come: its copies up and its tail's work queued now, to
                 # run beside the caller's step on this one rather than after it
-                if self._host is not None and got < n and self._conn.poll():
+                if taker is None and self._host is not None and got < n and self._conn.poll():
                     ahead.append(self._take(loader, got, n))
                     got += 1
                 batch, snap, event = ahead.popleft()
                 batch = loader._handover(batch, event)
                 loader.cursor.delivered(epoch, k + 1, snap)
                 yield batch
+            if taker is not None:
+                taker.stop()
             self._finished = True
             self._expect("end")
         finally:
+            if taker is not None:
+                taker.stop()
             if not self._finished and self._conn is not None and self._proc.poll() is None:
                 self._stop()
             loader.cursor.end()
+
+    def _taker(self, loader: Any, skip: int, n: int) -> Any:
+        """A host feeder's batches taken on a thread (`loaders.fast.hostfeed.Taker`) on a GPU; None: taken here."""
+        from loaders import tunables
+
+        wanted = tunables.HOST_TAKE_THREAD
+        if not getattr(loader, "_host_feed", False) or wanted is False or (wanted == "gpu" and not loader.gpu):
+            return None
+        from loaders.fast.hostfeed import Taker
+
+        return Taker(lambda k: self._take(loader, k, n), self._conn.poll, loader.device, skip, n)
 
     def _take(self, loader: Any, k: int, n: int) -> tuple[dict[str, Any], Any, Any]:
         """Batch `k`'s message, the batch out of its slot; a host feeder's replayed on a stream of this end's, with

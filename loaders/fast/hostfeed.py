@@ -13,12 +13,19 @@ The batch's large arrays (its tensors and the tail's large draws, an elastic def
 ring of slots in one shared memory file (a memfd of the child's, opened by the parent through /proc and registered
 with CUDA there once): the child writes each into a free slot, the parent's copies up read it, and the parent's
 tally frees the slot once those copies have run (`HostSlots.taken`). Everything else goes by value in the message.
+
+On a GPU the parent takes each batch on a thread of its own (`Taker`): its message, its copies up and its tail's
+graph launches run while the training thread waits for its step's kernels (torch lets go of the interpreter lock
+in a wait), so that `next()` only hands over a batch made ready beside the step, just in time.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import queue
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +33,7 @@ import numpy as np
 
 from loaders.fast.feeder import outgoing
 
-__all__ = ["HostRing", "HostSlots", "InHost"]
+__all__ = ["HostRing", "HostSlots", "InHost", "Taker"]
 
 _SMALL = 4 << 10  # arrays below this go by value in the message
 _ALIGN = 4096
@@ -238,3 +245,99 @@ class HostSlots:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
             self.registered = False
+
+
+class Taker:
+    """A host feeder's batches `first`..`n`-1 of an epoch taken on a thread (`take(k)`, once `poll(timeout)` says the
+    child's next message has come), on `device`, one ahead of the caller's `next`. Its errors are raised by `next`;
+    `stop` ends it wherever it is (what it took and nobody asked for is dropped, as a stopped epoch's).
+
+    Each batch is taken as late as it can be and still be ready when asked for: by the shortest of the caller's
+    last periods (from one `next` to the next) less the longest of its last takes and `MARGIN`. A training loop
+    that reads its loss waits for its step's kernels at the step's end, without the interpreter lock: the take runs
+    then, and not at the step's start, where the loop's launches hold the lock and the GPU waits for each (the
+    queue of the step before ran empty at its read)."""
+
+    MARGIN = 0.003  # seconds
+    KEPT = 8  # periods and takes the timing is drawn from
+
+    def __init__(self, take: Callable[[int], Any], poll: Callable[[float], bool], device: Any, first: int,
+                 n: int) -> None:  # fmt: skip
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._stopped = threading.Event()
+        self._asked = threading.Event()  # the caller took the last batch
+        self._asks: list[float] = []  # when the caller took each (the last KEPT + 1)
+        self._spent: list[float] = []  # seconds each take ran (the last KEPT)
+        self._thread = threading.Thread(target=self._run, args=(take, poll, device, first, n), daemon=True,
+                                        name="blockprep-host-take")  # fmt: skip
+        self._thread.start()
+
+    def _run(self, take: Callable[[int], Any], poll: Callable[[float], bool], device: Any, first: int, n: int) -> None:
+        import contextlib
+        import time
+
+        import torch
+
+        on = torch.device(device)
+        try:
+            with torch.cuda.device(on) if on.type == "cuda" else contextlib.nullcontext():
+                for k in range(first, n):
+                    if self._spent and not self._turn():  # the first at once
+                        return
+                    while not poll(0.05):
+                        if self._stopped.is_set():
+                            return
+                    began = time.perf_counter()
+                    got = take(k)
+                    self._spent = [*self._spent[-self.KEPT + 1 :], time.perf_counter() - began]
+                    if not self._put(got):
+                        return
+        except BaseException as exc:  # noqa: BLE001  (raised in the caller's thread by `next`)
+            self._put(exc)
+
+    def _turn(self) -> bool:
+        """Wait until the caller has taken the last batch and the next one is due (False: stopped meanwhile)."""
+        import time
+
+        while not self._asked.wait(0.05):
+            if self._stopped.is_set():
+                return False
+        self._asked.clear()
+        asks = self._asks
+        if len(asks) >= 3:
+            period = min(b - a for a, b in zip(asks, asks[1:]))
+            due = asks[-1] + period - max(self._spent) - self.MARGIN
+            while (left := due - time.perf_counter()) > 0:
+                if self._stopped.wait(min(left, 0.05)):
+                    return False
+        return not self._stopped.is_set()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> Any:
+        """The next batch taken (as `take` gave it); what ended the thread raised here."""
+        import time
+
+        while True:
+            try:
+                got = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the host feeder's taking thread left before the epoch's last batch") from None
+        self._asks = [*self._asks[-self.KEPT :], time.perf_counter()]
+        self._asked.set()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()

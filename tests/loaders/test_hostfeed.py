@@ -14,7 +14,7 @@ from test_feeder import _run
 from test_state import _loader, _plain, _same, make_cache
 
 from loaders import tunables
-from loaders.fast.hostfeed import HostRing, HostSlots, InHost
+from loaders.fast.hostfeed import HostRing, HostSlots, InHost, Taker
 from loaders.tail.plans import Drawn
 from loaders.tail.replay import DRAWN, Drawings
 
@@ -72,18 +72,26 @@ def test_a_batch_larger_than_the_slots_goes_by_value() -> None:
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "thread"),
     [
-        pytest.param({"gpu_budget": 0, "prefetch": 2}, id="cpu"),
-        pytest.param({"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, id="gpu", marks=pytest.mark.gpu),
+        pytest.param({"gpu_budget": 0, "prefetch": 2}, "gpu", id="cpu"),
+        pytest.param({"gpu_budget": 0, "prefetch": 2}, True, id="cpu-taken-on-a-thread"),
+        pytest.param(
+            {"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, "gpu", id="gpu", marks=pytest.mark.gpu
+        ),  # fmt: skip
+        pytest.param(
+            {"gpu_budget": "1GiB", "prefetch": 2, "device": "cuda:0"}, False, id="gpu-taken-here", marks=pytest.mark.gpu
+        ),  # fmt: skip
     ],
 )
 def test_host_fed_batches_are_the_in_process_loaders(
-    made: tuple[Path, Path], options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    made: tuple[Path, Path], options: dict[str, Any], thread: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also with the batches taken on a thread of this process (`Taker`) and without it."""
     want_loader = _loader(made, {**options, "feeder": False})
     want = _run(want_loader)
     monkeypatch.setattr(tunables, "HOST_FEED", True)
+    monkeypatch.setattr(tunables, "HOST_TAKE_THREAD", thread)
     fed = _loader(made, {**options, "feeder": True})
     try:
         fed.wait_feeder()  # every batch from the child
@@ -162,6 +170,66 @@ def test_described_offsets_go_by_value() -> None:
     sent = out[DRAWN].drawn[0][0].values["offset"]
     assert isinstance(sent, Uniforms) and sent.pos == 17 and np.array_equal(sent.key, key)
     assert isinstance(out["image"], InHost)
+
+
+def test_the_taker_hands_over_in_order_raises_what_ended_it_and_stops_while_waiting() -> None:
+    """`Taker`: the batches in order, one ahead of the caller; an error of `take` raised by `next`; `stop` returns
+    while the thread waits for a message that never comes, or for the caller to take one."""
+    import threading
+    import time
+
+    taken: list[int] = []
+
+    def take(k: int) -> int:
+        if k == 5:
+            raise ValueError("batch 5 is bad")
+        taken.append(k)
+        return k * 10
+
+    taker = Taker(take, lambda timeout: True, "cpu", 2, 7)
+    assert [taker.next(), taker.next()] == [20, 30]
+    time.sleep(0.3)
+    assert taken == [2, 3, 4]  # one ahead, none past it: 5 raises only once the caller has taken 4
+    assert taker.next() == 40
+    with pytest.raises(ValueError, match="batch 5 is bad"):
+        taker.next()
+    taker.stop()
+
+    come = threading.Event()
+    waiting = Taker(take, lambda timeout: come.wait(timeout), "cpu", 0, 3)
+    time.sleep(0.2)
+    waiting.stop()  # nothing came: it leaves from its wait
+    assert not waiting._thread.is_alive()
+    ahead = Taker(take, lambda timeout: True, "cpu", 0, 4)
+    time.sleep(0.2)
+    ahead.stop()  # one taken, nobody asking: it leaves from its wait for the caller
+    assert not ahead._thread.is_alive() and taken[-1] == 0
+
+
+def test_the_taker_takes_a_batch_just_in_time_for_the_callers_next() -> None:
+    """Once it has seen the caller's period, each take starts that period after the caller's last `next`, less the
+    longest take and a margin: a caller 50 ms a step with takes of 10 ms finds each taken about 3 ms before asking."""
+    import time
+
+    began: list[float] = []
+
+    def take(k: int) -> int:
+        began.append(time.perf_counter())
+        time.sleep(0.01)
+        return k
+
+    taker = Taker(take, lambda timeout: True, "cpu", 0, 8)
+    asked = []
+    for k in range(8):
+        time.sleep(0.05)  # the caller's step
+        asked.append(time.perf_counter())
+        assert taker.next() == k
+    taker.stop()
+    # take k+1 began after the caller asked for k (one ahead); from the fourth on, late in the caller's step (about
+    # 37 ms after its ask: the median, so that a busy machine's late wake-up does not decide it)
+    assert all(b > a for a, b in zip(asked, began[1:]))
+    late = sorted(b - a for a, b in zip(asked[3:], began[4:]))
+    assert late[len(late) // 2] > 0.02, late
 
 
 def test_the_next_batch_is_taken_ahead_of_the_callers(made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
