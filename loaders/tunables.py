@@ -110,7 +110,7 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 HOST_FEED = {"1": True, "auto": "auto"}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), False)
 # A host feeder's batches on a GPU are taken in the training process on a thread of the loader's
 # (`loaders.fast.hostfeed.Taker`: the message, the copies up and the tail's launches while the training thread waits
-# for its step's kernels), up to two ahead. BLOCKPREP_HOST_TAKE_THREAD=0 in the environment takes each on the
+# for its step's kernels), one ahead and just in time. BLOCKPREP_HOST_TAKE_THREAD=0 in the environment takes each on the
 # training thread as it is asked for (and the next where it has come); =1 on a thread for a loader on the CPU too.
 HOST_TAKE_THREAD = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_TAKE_THREAD", ""), "gpu")
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the

@@ -310,7 +310,6 @@ class Feeder:
             for k in range(skip, n):
                 if taker is not None:
                     ahead.append(taker.next())
-                    got += 1
                 elif not ahead:
                     ahead.append(self._take(loader, got, n))
                     got += 1
