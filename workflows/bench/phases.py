@@ -38,8 +38,8 @@ class Phases:
 
 
 def timed_steps(batches: Iterator[tuple[Any, Any]], step: Callable[[Any, Any], Any], sync: Callable[[], Any],
-                n: int) -> Phases:  # fmt: skip
-    """n steps from `batches`, each phase timed."""
+                n: int, marks: list[tuple[float, ...]] | None = None) -> Phases:  # fmt: skip
+    """n steps from `batches`, each phase timed (each step's five instants appended to `marks` where given)."""
     sums = [0.0] * 4
     for _ in range(n):
         t0 = time.perf_counter()
@@ -51,6 +51,8 @@ def timed_steps(batches: Iterator[tuple[Any, Any]], step: Callable[[Any, Any], A
         t3 = time.perf_counter()
         sync()
         t4 = time.perf_counter()
+        if marks is not None:
+            marks.append((t0, t1, t2, t3, t4))
         for i, (a, b) in enumerate(((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
             sums[i] += b - a
     return Phases(n, *(1e3 * s / max(1, n) for s in sums))
@@ -102,6 +104,58 @@ def handover_calls() -> Iterator[dict[str, tuple[float, float, int]]]:
         out.update({k: (statistics.fmean(v), statistics.median(v), len(v)) for k, v in samples.items()})
 
 
+@contextlib.contextmanager
+def take_spans() -> Iterator[list[tuple[float, float, bool]]]:
+    """The feeder's takes of a batch (`Feeder._take`: its message, its copies up, its tail's launches) while inside:
+    (start, end, on a thread other than the caller's) each."""
+    import threading
+
+    from loaders.fast import feeder
+
+    spans: list[tuple[float, float, bool]] = []
+    take = feeder.Feeder._take
+    caller = threading.get_ident()
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return take(self, *args, **kwargs)
+        finally:
+            spans.append((t, time.perf_counter(), threading.get_ident() != caller))
+
+    feeder.Feeder._take = timed  # type: ignore[method-assign]
+    try:
+        yield spans
+    finally:
+        feeder.Feeder._take = take  # type: ignore[method-assign]
+
+
+def takes_said(marks: list[tuple[float, ...]], spans: list[tuple[float, float, bool]], captures: int) -> str:
+    """Where the takes ran against the steps' phases (ms a step of takes within each), how long each took, and the
+    tail's graphs captured a step."""
+    if not marks or not spans:
+        return "no takes timed"
+    names = ("next", "synced", "launches", "synced after", "between")
+    within = [0.0] * 5
+    for a, b, _ in spans:
+        for m, nxt in zip(marks, [*marks[1:], None]):
+            edges = [*m, nxt[0] if nxt else m[4]]
+            for i in range(5):
+                within[i] += max(0.0, min(b, edges[i + 1]) - max(a, edges[i]))
+    took = sorted(1e3 * (b - a) for a, b, _ in spans)
+    n = len(marks)
+    where = "a thread" if any(t for *_, t in spans) else "the caller's thread"
+    return (f"takes ({len(spans)}, on {where}): ms a take mean {statistics.fmean(took):.2f}, median "
+            f"{took[len(took) // 2]:.2f}, max {took[-1]:.2f}; ms a step of takes within " + ", ".join(
+                f"{name} {1e3 * w / n:.2f}" for name, w in zip(names, within)) +
+            f"; graphs captured a step {captures / n:.2f}")  # fmt: skip
+
+
+def _captures(loader: Any) -> int:
+    replay = getattr(getattr(getattr(loader, "assembly", None), "tail", None), "_replay", None)
+    return int(getattr(replay, "captures", 0) or 0)
+
+
 def endless(loader: Any, device: str) -> Generator[tuple[Any, Any], None, None]:
     """(image, label) on `device`, epoch after epoch of `loader`."""
     from workflows.bench.train_loop import on_device
@@ -127,14 +181,18 @@ def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any
         resident = next(feed)
         same = itertools.repeat(resident)
         _show("resident batch", timed_steps(same, step, sync, steps))
-        with handover_calls() as calls:
-            row = timed_steps(feed, step, sync, steps)
+        marks: list[tuple[float, ...]] = []
+        before = _captures(loader)
+        with handover_calls() as calls, take_spans() as spans:
+            row = timed_steps(feed, step, sync, steps, marks)
+        captured = _captures(loader) - before
         _show(f"{name} (batches made by {loader.feeder_pid or 'this process'})", row)
         _show("resident batch again", timed_steps(same, step, sync, steps))
         if calls:
             print("  the hand-over's calls here (ms a call: mean/median, calls): " + ", ".join(
                 f"{k} {v:.3f}/{m:.3f} ({n})" for k, (v, m, n) in calls.items()))  # fmt: skip
             print(f"  {_states_said(loader)}")
+            print(f"  {takes_said(marks, spans, captured)}")
         feed.close()
         loader.close()
 

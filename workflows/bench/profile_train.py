@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "True", "False"],
         action="append",
         help="--first-batch: this feeder setting (repeat for several, in one process); default auto and False. "
+        "--phases: the rows' feeders (default True and False). "
         "--timeline: the loader's feeder (default False: one trace holds both streams; else the training "
         "process's kernels beside the feeder's process)",
     )
@@ -160,13 +161,14 @@ def _phases(a: argparse.Namespace) -> int:
     opts = _options(a)
     _, pipeline, cache = build_data(opts, a.work)
 
-    def build(feeder: bool) -> Any:
+    def build(feeder: bool | str) -> Any:
         chain = transform_of(pipeline, 0)
         chain = unaugmented(chain) if a.unaugmented else chain
         return lambda: PreparedLoader(cache, chain, opts.batch, device=a.device, seed=0, feeder=feeder)
 
     print(f"{a.workload}{' unaugmented' if a.unaugmented else ''}: {a.steps} training steps a row, {a.device}")
-    phases({"feeder=True": build(True), "feeder=False": build(False)}, make_step(opts, a.device), a.device, a.steps)
+    rows = {f"feeder={f}": build(_feeder(f)) for f in a.feeder or ("True", "False")}
+    phases(rows, make_step(opts, a.device), a.device, a.steps)
     return 0
 
 
