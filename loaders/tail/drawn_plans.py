@@ -68,6 +68,56 @@ class _SharpenPlan(_Ungraphed):
         return out
 
 
+class _SharpenItems(Plan):
+    """RandGaussianSharpend with MONAI's "erf" kernels, item by item: each fired item's sigmas and weight copied up to
+    a graph for its kernels' lengths (a few kinds: the lengths follow the sigmas' ranges), the kernels made and
+    MONAI's filtering run in it; the items it skips left as they are (`AS_IS`: nothing launched)."""
+
+    per_item = True
+
+    def __init__(self, t: Any, keys: list[Hashable], inner: Any, nd: int) -> None:
+        super().__init__(t, keys)
+        self.inner, self.nd = inner, nd
+
+    def draw_items(self, n: int) -> list[Drawn]:
+        from loaders.tail import gauss
+        from loaders.tail.fired import _drawn
+        from loaders.tail.fired_plans import _fire
+        from loaders.tail.plans import AS_IS
+        from loaders.tail.sharpen import TRUNCATED, sigmas_of
+
+        def drawn() -> dict[str, Any]:
+            self.inner.randomize(None)
+            return _drawn(self.inner)
+
+        out = []
+        for d in _fire(self.t, self.inner, n, drawn):
+            if d is None:
+                out.append(Drawn(AS_IS, {}))
+                continue
+            sigmas = np.array([float(s) for s in sigmas_of(d, self.nd)], dtype=np.float32)  # the filters' float32
+            tails = tuple(gauss.tail_of(float(s), TRUNCATED) for s in sigmas)
+            out.append(Drawn(("sharpened", tails), {"sigmas": sigmas, "a": np.array([d["a"]], dtype=np.float32)}))
+        return out
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        from loaders.tail import gauss
+        from loaders.tail.sharpen import TRUNCATED, sharpened_with
+
+        first = data[self.keys[0]]
+        if first.device.type == "meta" or not (isinstance(kind, tuple) and kind[:1] == ("sharpened",)):
+            return {k: data[k] for k in self.keys}
+        sigmas, tails = values["sigmas"], kind[1]
+        if sigmas.is_cuda:
+            kernels = gauss._erf_rows(sigmas, list(tails), TRUNCATED)
+        else:
+            kernels = [gauss.kernel(sigmas[j : j + 1], t, TRUNCATED) for j, t in enumerate(tails)]
+        return {k: sharpened_with(data[k], kernels, values["a"]) for k in self.keys}
+
+
 class _DropoutPlan(_Ungraphed):
     """Each fired item's holes and, for a random fill, its numbers (numpy's `random_sample` where the fill spans
     the item's own range: `loaders.tail.dropout.uniform_is_affine`; `uniform` over a range given), key by key and
@@ -146,11 +196,16 @@ def _shape(item_shape: tuple[int, ...], hole: Any) -> tuple[int, ...]:
 def plan_sharpen(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     import torch
 
+    from loaders import tunables
+
     inner = getattr(t, "rand_sharpen", None)
     if inner is None or getattr(t, "lazy", False) is not False:
         return None
     if any(like[k].dtype != torch.float32 for k in keys):
         return None  # MONAI's output is float32: a float64 key's fired items would change dtype
+    dims = {like[k].ndim - 2 for k in keys}
+    if str(inner.approx).lower() == "erf" and len(dims) == 1 and tunables.SHARPEN_GRAPHED:
+        return _SharpenItems(t, keys, inner, dims.pop())
     return _SharpenPlan(t, keys, inner)
 
 

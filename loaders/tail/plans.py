@@ -30,6 +30,9 @@ class Drawn:
     values: dict[str, Any]
 
 
+AS_IS = ("as is",)  # a per-item plan's kind for an item it leaves as it is: nothing launched for it
+
+
 class Plan:
     """One transform's draws and work. `keys`: the batch entries it reads and writes. A plan `per_item` draws a
     `Drawn` for each item (`draw_items`) and works on one item at a time (a batch of one), its graphs captured for

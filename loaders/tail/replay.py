@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from loaders.tail.graphs import holding
-from loaders.tail.plans import Drawn, Like, Plan, plan_of
+from loaders.tail.plans import AS_IS, Drawn, Like, Plan, plan_of
 
 _log = logging.getLogger("loaders.tail")
 
@@ -233,8 +233,12 @@ class _Chain:
                     for k in plan.keys:
                         dst[k].copy_(got.get(k, src[k]))
                 elif plan.per_item:
+                    if any(di.kind == AS_IS for di in d):  # the items left as they are: copied over first
+                        for k in plan.keys:
+                            self.buffers[j + 1][k].copy_(self.buffers[j][k])
                     for i, di in enumerate(d):
-                        self._launch(j, plan, di, i)
+                        if di.kind != AS_IS:
+                            self._launch(j, plan, di, i)
                 else:
                     self._launch(j, plan, d, None)
             out = {k: v.clone() for k, v in self.buffers[-1].items()}

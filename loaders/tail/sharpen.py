@@ -19,29 +19,41 @@ TRUNCATED = 4.0  # GaussianFilter's default, which GaussianSharpen uses
 def filter_kernels(approx: str, drawn: list[Mapping[str, Any]], nd: int, device: Any) -> list[list[Any]]:
     """Each drawn item's 2 * nd kernels (its first filter's, then its second's), as MONAI's `GaussianFilter`s
     for its sigmas make them on `device`."""
-    from monai.utils import ensure_tuple_size
-
-    sigmas: list[Any] = []
-    for d in drawn:
-        if d["x2"] is None or d["y2"] is None or d["z2"] is None or d["a"] is None:
-            raise RuntimeError("please call the `randomize()` function first.")
-        for part in ((d["x1"], d["y1"], d["z1"]), (d["x2"], d["y2"], d["z2"])):
-            sigmas.extend(ensure_tuple_size(vals=part, dim=nd))
+    sigmas = [s for d in drawn for s in sigmas_of(d, nd)]
     made = gauss.kernels(sigmas, TRUNCATED, approx, device)
     per = 2 * nd
     return [made[j * per : (j + 1) * per] for j in range(len(drawn))]
 
 
-def sharpened(inner: Any, img: Any, kernels: list[Any]) -> Any:
-    """MONAI's `RandGaussianSharpen(img, randomize=False)` with the draws `inner` holds and its filters' kernels
-    (img: one item, channel first, a plain tensor)."""
+def sigmas_of(drawn: Mapping[str, Any], nd: int) -> list[Any]:
+    """An item's 2 * nd sigmas as `GaussianSharpen` hands them to its two filters (the first's, then the second's)."""
+    from monai.utils import ensure_tuple_size
+
+    d = drawn
+    if d["x2"] is None or d["y2"] is None or d["z2"] is None or d["a"] is None:
+        raise RuntimeError("please call the `randomize()` function first.")
+    out: list[Any] = []
+    for part in ((d["x1"], d["y1"], d["z1"]), (d["x2"], d["y2"], d["z2"])):
+        out.extend(ensure_tuple_size(vals=part, dim=nd))
+    return out
+
+
+def sharpened_with(x: Any, kernels: list[Any], a: Any) -> Any:
+    """`GaussianSharpen`'s filtering and sum on x (a batch of one, channel first) with its filters' kernels and its
+    weight `a` (a float, or a float32 tensor of the float's number: the same product)."""
     import torch
     from monai.networks.layers.simplelayers import separable_filtering
 
+    nd = x.ndim - 2
+    x = x.to(torch.float32)
+    blurred = separable_filtering(x=x, kernels=kernels[:nd])
+    twice = separable_filtering(x=blurred, kernels=kernels[nd:])
+    return blurred + a * (blurred - twice)
+
+
+def sharpened(inner: Any, img: Any, kernels: list[Any]) -> Any:
+    """MONAI's `RandGaussianSharpen(img, randomize=False)` with the draws `inner` holds and its filters' kernels
+    (img: one item, channel first, a plain tensor)."""
     if not inner._do_transform:
         return img
-    nd = img.ndim - 1
-    x = img.to(torch.float32)
-    blurred = separable_filtering(x=x.unsqueeze(0), kernels=kernels[:nd])
-    twice = separable_filtering(x=blurred, kernels=kernels[nd:])
-    return (blurred + inner.a * (blurred - twice)).squeeze(0)
+    return sharpened_with(img.unsqueeze(0), kernels, inner.a).squeeze(0)
