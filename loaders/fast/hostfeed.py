@@ -253,7 +253,9 @@ class Taker:
     `stop` ends it wherever it is (what it took and nobody asked for is dropped, as a stopped epoch's).
 
     Each batch is taken as late as it can be and still be ready when asked for: by the shortest of the caller's
-    last periods (from one `next` to the next) less the longest of its last takes and `MARGIN`. A training loop
+    last periods (from one `next` to the next) less the median of its last takes and `MARGIN` (not the longest: a
+    take that captured a new graph, many times the others, would pull the next ones into the caller's launches, where
+    they slow both; such a take is late once instead). A training loop
     that reads its loss waits for its step's kernels at the step's end, without the interpreter lock: the take runs
     then, and not at the step's start, where the loop's launches hold the lock and the GPU waits for each (the
     queue of the step before ran empty at its read)."""
@@ -306,7 +308,7 @@ class Taker:
         asks = self._asks
         if len(asks) >= 3:
             period = min(b - a for a, b in zip(asks, asks[1:]))
-            due = asks[-1] + period - max(self._spent) - self.MARGIN
+            due = asks[-1] + period - sorted(self._spent)[len(self._spent) // 2] - self.MARGIN
             while (left := due - time.perf_counter()) > 0:
                 if self._stopped.wait(min(left, 0.05)):
                     return False
