@@ -130,11 +130,11 @@ DEVICE_DRAWS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_DEVICE_DRAW
 # (tests/loaders/test_tail_replay.py, -m gpu; docs/benchmarks.md). BLOCKPREP_TAIL_PATTERNS=N in the environment
 # sets it (0: every batch by the mask).
 TAIL_PATTERNS = int(os.environ.get("BLOCKPREP_TAIL_PATTERNS", "") or 8)
-# In a replayed tail, RandGaussianSharpend (MONAI's "erf" kernels) runs item by item as graphs, one for each set of
-# its kernels' lengths, instead of eagerly between the graphs: its eager filtering was 44% of a host-fed `seg-aug`
-# batch's taking in the training process (py-spy, H200; docs/benchmarks.md). BLOCKPREP_SHARPEN_GRAPHED=0 in the
-# environment runs it eagerly.
-SHARPEN_GRAPHED = os.environ.get("BLOCKPREP_SHARPEN_GRAPHED", "") != "0"
+# In a replayed tail, RandGaussianSharpend (MONAI's "erf" kernels) and RandCoarseDropoutd (holes of one size) run
+# item by item as graphs, one for each set of the kernels' lengths or the holes' shapes, instead of eagerly between
+# the graphs: their eager work was 44% and 10% of a host-fed `seg-aug` batch's taking in the training process
+# (py-spy, H200; docs/benchmarks.md). BLOCKPREP_ITEMS_GRAPHED=0 in the environment runs them eagerly.
+ITEMS_GRAPHED = os.environ.get("BLOCKPREP_ITEMS_GRAPHED", "") != "0"
 # In a feeder's child, a batch is copied into its hand-over slot on the tail thread right after its tail's work is
 # queued, so that both reach the GPU as one arrival (each arrival of the child's work is a turn of its context on
 # the GPU: docs/benchmarks.md), not at the parent's credit from the main thread. BLOCKPREP_PACK_AHEAD=0 in the

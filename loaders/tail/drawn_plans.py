@@ -1,12 +1,13 @@
-"""Plans (`loaders.tail.plans`) whose work runs from the draws but outside the graphs: `RandGaussianSharpend` and
-`RandCoarseDropoutd`.
+"""Plans (`loaders.tail.plans`) for `RandGaussianSharpend` and `RandCoarseDropoutd`, whose work's shapes follow the
+draws (a sharpening kernel's length by its sigma, a hole's place and size).
 
-Their work's shapes follow the draws (a sharpening kernel's length by its sigma, a hole's place and size), so one
-graph cannot serve every batch. But their draws need no image: they are made where the batch's other draws are
-(MONAI's own `randomize`, item by item, in the order `loaders.tail.fired` draws them, a random fill's numbers
-included), and the work runs eagerly between the graphs from those numbers alone, with the ops the batched versions
-run (`loaders.tail.sharpen`, `loaders.tail.dropout`). So a tail with them can be drawn in one process and worked in
-another (`BatchedTail.drawable`: a host feeder), at the cost of their Python on the items they fire on.
+Their draws need no image: they are made where the batch's other draws are (MONAI's own `randomize`, item by item,
+in the order `loaders.tail.fired` draws them, a random fill's numbers included), so a tail with them can be drawn in
+one process and worked in another (`BatchedTail.drawable`: a host feeder). Where the shapes come in a few kinds
+(MONAI's "erf" kernels, whose lengths follow the sigmas' ranges; holes of one size, as many each time), the work runs
+item by item as graphs, one a kind, the places and numbers copied up to them; otherwise it runs eagerly between the
+graphs, with the ops the batched versions run (`loaders.tail.sharpen`, `loaders.tail.dropout`), at the cost of its
+Python on the items they fire on.
 """
 
 from __future__ import annotations
@@ -130,20 +131,21 @@ class _DropoutPlan(_Ungraphed):
     def draw(self, n: int) -> Drawn:
         from loaders.tail.fired_plans import _fire
 
-        def drawn() -> dict[str, Any] | None:
-            inner = self.inner
-            inner.randomize(self.item_shape[1:])
-            if not inner._do_transform:
-                return None  # no fill drawn either
-            holes = list(inner.hole_coords)
-            fills: dict[Hashable, list[np.ndarray]] = {}
-            if isinstance(inner.fill_value, (tuple, list)) or inner.fill_value is None:
-                sizes = [self.item_shape] if not inner.dropout_holes else [_shape(self.item_shape, h) for h in holes]
-                for k in self.keys:
-                    fills[k] = [self._numbers(size) for size in sizes]
-            return {"hole_coords": holes, "fills": fills}
+        return Drawn(("ungraphed",), {"items": _fire(self.t, self.inner, n, self._one)})
 
-        return Drawn(("ungraphed",), {"items": _fire(self.t, self.inner, n, drawn)})
+    def _one(self) -> dict[str, Any] | None:
+        """A fired item's holes and fills (None where the inner transform does not fire: no fill drawn either)."""
+        inner = self.inner
+        inner.randomize(self.item_shape[1:])
+        if not inner._do_transform:
+            return None
+        holes = list(inner.hole_coords)
+        fills: dict[Hashable, list[np.ndarray]] = {}
+        if isinstance(inner.fill_value, (tuple, list)) or inner.fill_value is None:
+            sizes = [self.item_shape] if not inner.dropout_holes else [_shape(self.item_shape, h) for h in holes]
+            for k in self.keys:
+                fills[k] = [self._numbers(size) for size in sizes]
+        return {"hole_coords": holes, "fills": fills}
 
     def _numbers(self, size: tuple[int, ...]) -> np.ndarray:
         fill = self.inner.fill_value
@@ -178,6 +180,89 @@ class _DropoutPlan(_Ungraphed):
         return out
 
 
+class _DropoutItems(_DropoutPlan):
+    """RandCoarseDropoutd's holes (of one size, filled inside) item by item: each fired item's hole corners and fill
+    numbers copied up to a graph for its holes' shapes, which writes them as `holes_filled` does (a random fill over
+    the item's range made there, in float64, its range's check a device flag); the items it skips left as they are."""
+
+    per_item = True
+    graphed = True
+
+    def draw_items(self, n: int) -> list[Drawn]:
+        from loaders.tail.fired_plans import _fire
+        from loaders.tail.plans import AS_IS
+
+        out = []
+        for d in _fire(self.t, self.inner, n, self._one):
+            if d is None:
+                out.append(Drawn(AS_IS, {}))
+                continue
+            holes = d["hole_coords"]
+            shapes = tuple(_shape(self.item_shape, h) for h in holes)
+            values: dict[str, Any] = {"starts": np.array([_corner(h) for h in holes], dtype=np.int64)}
+            for j, k in enumerate(self.keys):
+                if d["fills"].get(k):
+                    values[f"fill{j}"] = np.concatenate([np.asarray(f, dtype=np.float64).reshape(-1)
+                                                         for f in d["fills"][k]])  # fmt: skip
+            out.append(Drawn(("holes", shapes), values))
+        return out
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        import torch
+
+        from loaders.tail.device import row_spans
+        from loaders.tail.dropout import RANGE_ERROR
+
+        first = data[self.keys[0]]
+        if first.device.type == "meta" or not (isinstance(kind, tuple) and kind[:1] == ("holes",)):
+            return {k: data[k] for k in self.keys}
+        out = {}
+        for j, k in enumerate(self.keys):
+            x = data[k]
+            o = x.clone()
+            flat = o.view(-1)
+            fills = values.get(f"fill{j}")
+            if fills is not None and self.inner.fill_value is None:  # over the item's own range, made here
+                span = row_spans(x)[0]
+                lo, width = span[0], span[1] - span[0]
+                self.checks.append((torch.isfinite(width), OverflowError(RANGE_ERROR)))
+                fills = fills.mul(width).add_(lo)
+            at = 0
+            for h, shape in enumerate(kind[1]):
+                index = _hole_index(shape, tuple(x.shape[1:]), values["starts"][h])
+                if fills is None:
+                    flat.index_fill_(0, index, self.inner.fill_value)
+                else:
+                    flat.index_copy_(0, index, fills[at : at + index.numel()].to(o.dtype))
+                    at += index.numel()
+            out[k] = o
+        return out
+
+
+def _corner(hole: Any) -> list[int]:
+    """A hole's first index along each spatial axis (its slices' starts: MONAI's holes are whole-channel boxes)."""
+    if hole[0] != slice(None) or any(s.step not in (None, 1) or s.start is None for s in hole[1:]):
+        raise ValueError(f"RandCoarseDropoutd drew a hole {hole!r} that is not a box; run it with "
+                         "BLOCKPREP_ITEMS_GRAPHED=0 and report it")  # fmt: skip
+    return [int(s.start) for s in hole[1:]]
+
+
+def _hole_index(shape: tuple[int, ...], item_shape: tuple[int, ...], corner: Any) -> Any:
+    """The flat indices, in C order, of a hole of `shape` (channels first) at `corner` (a device vector of its
+    spatial starts) in a contiguous item of `item_shape` (channels first)."""
+    import torch
+
+    strides = [int(np.prod(item_shape[d + 1 :])) for d in range(len(item_shape))]
+    index = torch.zeros((), dtype=torch.int64, device=corner.device)
+    for size, stride in zip(shape, strides):
+        index = index.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device=corner.device) * stride
+    offset = sum(corner[d] * strides[d + 1] for d in range(len(shape) - 1))
+    return index.reshape(-1) + offset
+
+
 def _in_turn(fills: list[Any]) -> Callable[[tuple[int, ...]], Any]:
     """A fill of the sizes drawn, hole after hole: the numbers drawn for each, in turn."""
     given = iter(fills)
@@ -204,12 +289,13 @@ def plan_sharpen(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     if any(like[k].dtype != torch.float32 for k in keys):
         return None  # MONAI's output is float32: a float64 key's fired items would change dtype
     dims = {like[k].ndim - 2 for k in keys}
-    if str(inner.approx).lower() == "erf" and len(dims) == 1 and tunables.SHARPEN_GRAPHED:
+    if str(inner.approx).lower() == "erf" and len(dims) == 1 and tunables.ITEMS_GRAPHED:
         return _SharpenItems(t, keys, inner, dims.pop())
     return _SharpenPlan(t, keys, inner)
 
 
 def plan_dropout(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
+    from loaders import tunables
     from loaders.tail.dropout import uniform_is_affine
 
     inner = getattr(t, "dropper", None)
@@ -218,4 +304,7 @@ def plan_dropout(t: Any, keys: list[Hashable], like: Like) -> Plan | None:
     shapes = {tuple(like[k].shape[1:]) for k in keys}
     if len(shapes) != 1 or (inner.fill_value is None and not uniform_is_affine()):
         return None  # numpy's fill drawn from the item's range read on the host: run as the batched version runs it
-    return _DropoutPlan(t, keys, inner, shapes.pop())
+    item_shape = shapes.pop()
+    if tunables.ITEMS_GRAPHED and inner.dropout_holes and inner.max_spatial_size is None and inner.max_holes is None:
+        return _DropoutItems(t, keys, inner, item_shape)  # holes of one size, as many each time: a few graphs
+    return _DropoutPlan(t, keys, inner, item_shape)

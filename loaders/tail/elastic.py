@@ -400,7 +400,8 @@ class _ElasticPlan(Plan):
     per_item = True
 
     def __init__(self, t: Any, keys: list[Hashable], modes: list[tuple[Any, Any]], size: tuple[int, ...]) -> None:
-        self.t, self.keys, self.modes, self.size = t, keys, modes, size
+        super().__init__(t, keys)
+        self.modes, self.size = modes, size
         self.inner = t.rand_3d_elastic
 
     def draw_items(self, n: int) -> list[Any]:

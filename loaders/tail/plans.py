@@ -47,7 +47,7 @@ class Plan:
 
     def __init__(self, t: Any, keys: list[Hashable]) -> None:
         self.t, self.keys = t, keys
-        # device flags where MONAI would have raised, left by an ungraphed plan's work (`loaders.tail.checks`)
+        # device flags where MONAI would have raised, left by a plan's work (`loaders.tail.checks`)
         self.checks: list[tuple[Any, BaseException]] = []
 
     def draw(self, n: int) -> Drawn:

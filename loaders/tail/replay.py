@@ -52,6 +52,7 @@ class _Graph:
     graph: Any
     dev: dict[str, Any]
     held: list[Any]  # the host tensors of constants its copies read
+    checks: list[tuple[Any, BaseException]]  # device flags its work leaves where MONAI would have raised (its memory)
 
 
 def _entries(batch: Mapping[Hashable, Any], n: int) -> list[Hashable]:
@@ -207,6 +208,7 @@ class _Chain:
             rows = [plan.apply({k: data[k][i : i + 1] for k in plan.keys}, _up(di, device), di.kind)
                     for i, di in enumerate(d)]  # fmt: skip
             data.update({k: torch.cat([r[k] for r in rows]) for k in plan.keys})
+            self._checked(plan)
         return data
 
     def run(self, batch: Mapping[Hashable, Any], drawn: list[Any], device: Any = None) -> dict[Hashable, Any]:
@@ -285,11 +287,13 @@ class _Chain:
             g.dev[name].copy_(self._source(a), non_blocking=True)
         if row is None:
             g.graph.replay()
+            self.checks.extend((flag.clone(), e) for flag, e in g.checks)  # before the next replay writes them
             return
         ins, outs = self._views(j, row)
         for k in plan.keys:
             ins[k].copy_(self.buffers[j][k][row : row + 1])
         g.graph.replay()
+        self.checks.extend((flag.clone(), e) for flag, e in g.checks)
         for k in plan.keys:
             self.buffers[j + 1][k][row : row + 1].copy_(outs[k])
 
@@ -346,6 +350,7 @@ class _Chain:
         for name, h in given.items():
             dev[name].copy_(h, non_blocking=True)
         work()  # once outside the capture: what a first call sets up is not captured
+        plan.checks = []  # its flags are that run's; the graph's own are kept with it
         self.stream.synchronize()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -363,7 +368,8 @@ class _Chain:
             if was_enabled:
                 gc.enable()
         self.captures += 1
-        self.graphs[key] = _Graph(graph, dev, held)
+        self.graphs[key] = _Graph(graph, dev, held, plan.checks)
+        plan.checks = []
         return self.graphs[key]
 
 

@@ -208,7 +208,7 @@ def test_seg_augs_chain_eager_equals_monai() -> None:
     batch = _given(1, "cpu", channels=1)[0]
     like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in batch.items()}
     kinds = [type(plan_of(t, like)).__name__ for t in _seg_aug()]
-    assert "Eager" not in kinds and {"_Flip", "_AffinePlan", "_SharpenItems", "_DropoutPlan"} <= set(kinds)
+    assert "Eager" not in kinds and {"_Flip", "_AffinePlan", "_SharpenItems", "_DropoutItems"} <= set(kinds)
     assert plan_of(mt.RandGaussianSharpend(keys="image", prob=0.5), {k: v.double() for k, v in like.items()}) is None
     _compare_elastic("cpu", 3, _seg_aug)
 
@@ -443,3 +443,37 @@ def test_a_tail_says_whether_its_batches_could_be_drawn_alone(smooth: bool, want
     batch = make_batch(2)
     tail({"image": batch["image"], "label": batch["label"].float()})  # a float label, as the chain's head leaves it
     assert tail.drawable() is want
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_items_left_as_they_are_and_a_hole_over_an_infinite_range_raise_as_monai(device: str) -> None:
+    """The sharpening and the dropout run item by item (graphs on a GPU, one per kind, the items they skip left as
+    they are): MONAI's batches; an item holding inf whose holes are filled over its range leaves a false flag
+    that raises MONAI's error, also where a graph captured before replays it."""
+    import monai.transforms as mt
+    from monai.transforms import Compose
+
+    from loaders.tail.checks import raise_failed
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+
+    def chain() -> list[Any]:
+        return [mt.RandGaussianSharpend("image", prob=0.5), mt.RandCoarseDropoutd("image", prob=0.6, holes=2,
+                                                                                  spatial_size=3)]  # fmt: skip
+
+    given = [{"image": make_batch(n=4, spatial=(9, 10, 10), seed=s)["image"].to(device)} for s in range(5)]
+    want = reference_batches(Compose(chain()).set_random_state(3), [{"image": b["image"].clone()} for b in given])
+    tail = ReplayedTail(Compose(chain()).set_random_state(3).transforms)
+    kinds = {type(p).__name__ for p in tail._chain(given[0]).plans}
+    assert kinds == {"_SharpenItems", "_DropoutItems"}
+    for b, w in zip(given, want):
+        assert_same(tail.run(b), w, keys=("image",))
+        raise_failed(tail.checks)
+    bad = {"image": given[0]["image"].clone()}
+    bad["image"][:, 0, 0, 0, 0] = float("inf")  # every item: whichever the holes fire on
+    drawer = ReplayedTail(Compose([mt.RandCoarseDropoutd("image", prob=1.0, holes=2, spatial_size=3)]).transforms)
+    drawer.run(given[1])  # its graph captured on a finite batch first
+    with pytest.raises(OverflowError, match="Range exceeds valid bounds"):
+        drawer.run(bad)
+        raise_failed(drawer.checks)
