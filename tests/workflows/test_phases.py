@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from workflows.bench import profile_train
-from workflows.bench.phases import handover_calls, takes_said, timed_steps
+from workflows.bench.phases import handover_calls, parts_said, take_parts, takes_said, timed_steps
 
 
 def test_each_phase_is_timed_where_it_is_spent() -> None:
@@ -38,6 +38,20 @@ def test_takes_are_told_by_the_phase_they_ran_in() -> None:
     assert takes_said([], spans, 0) == "no takes timed"
 
 
+def test_the_takes_parts_are_timed_and_put_back() -> None:
+    from loaders.fast import feeder
+    from loaders.tail import replay
+
+    before = (feeder.Feeder._take, replay._made, replay._Chain._launch)
+    with take_parts() as spent:
+        assert replay._made is not before[1]
+        replay._made([], "cpu")
+        spent["takes"] += 1
+    assert (feeder.Feeder._take, replay._made, replay._Chain._launch) == before
+    assert spent["made on the device"] > 0 and spent["launches"] == 0
+    assert parts_said(spent).startswith("ms a take: message 0.00") and parts_said({}) == "no take's parts timed"
+
+
 def test_the_hand_over_hooks_are_put_back() -> None:
     from loaders.fast import feeder
 
@@ -58,6 +72,7 @@ def test_phases_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert fed and "this process" not in fed[0]  # the feeder's batches, waited for
     assert "feeder=False (batches made by this process)" in out
     assert "takes (" in out  # the feeder's takes timed against the steps
+    assert "ms a take: message " in out  # and their parts
     assert out.count("resident batch again") == 2 and "the hand-over's calls here" in out
     said = [line.split() for line in out.splitlines() if "random states a batch:" in line]
     assert said and int(said[0][4].rstrip(",")) >= 1  # mednist's random transforms, their states with each batch

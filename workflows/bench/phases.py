@@ -130,6 +130,48 @@ def take_spans() -> Iterator[list[tuple[float, float, bool]]]:
         feeder.Feeder._take = take  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def take_parts() -> Iterator[dict[str, float]]:
+    """Seconds spent while inside in each part of a host feeder's take (its message received, its slot's views, the
+    draws made on the device, the graphs' launches with the captures among them, the captures, the eager steps),
+    by name; "takes" counts the takes."""
+    from loaders.fast import feeder, hostfeed
+    from loaders.tail import replay
+
+    parts = {"message": (feeder.Feeder, "_recv"), "slot views": (hostfeed.HostSlots, "views"),
+             "made on the device": (replay, "_made"), "launches": (replay._Chain, "_launch"),
+             "captures": (replay._Chain, "_capture"), "eager steps": (replay._Chain, "_eager_step"),
+             "takes": (feeder.Feeder, "_take")}  # fmt: skip
+    spent = dict.fromkeys(parts, 0.0)
+    kept = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+
+    def timing(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] += 1.0 if name == "takes" else time.perf_counter() - t
+
+        return timed
+
+    for name, (owner, attr) in parts.items():
+        setattr(owner, attr, timing(name, kept[name]))
+    try:
+        yield spent
+    finally:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, kept[name])
+
+
+def parts_said(spent: dict[str, float]) -> str:
+    """`take_parts`' seconds as ms a take."""
+    n = spent.get("takes", 0.0)
+    if not n:
+        return "no take's parts timed"
+    return "ms a take: " + ", ".join(f"{k} {1e3 * v / n:.2f}" for k, v in spent.items() if k != "takes")
+
+
 def takes_said(marks: list[tuple[float, ...]], spans: list[tuple[float, float, bool]], captures: int) -> str:
     """Where the takes ran against the steps' phases (ms a step of takes within each), how long each took, and the
     tail's graphs captured a step."""
@@ -183,7 +225,7 @@ def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any
         _show("resident batch", timed_steps(same, step, sync, steps))
         marks: list[tuple[float, ...]] = []
         before = _captures(loader)
-        with handover_calls() as calls, take_spans() as spans:
+        with handover_calls() as calls, take_spans() as spans, take_parts() as parts:
             row = timed_steps(feed, step, sync, steps, marks)
         captured = _captures(loader) - before
         _show(f"{name} (batches made by {loader.feeder_pid or 'this process'})", row)
@@ -193,6 +235,7 @@ def phases(loaders: dict[str, Callable[[], Any]], step: Callable[[Any, Any], Any
                 f"{k} {v:.3f}/{m:.3f} ({n})" for k, (v, m, n) in calls.items()))  # fmt: skip
             print(f"  {_states_said(loader)}")
             print(f"  {takes_said(marks, spans, captured)}")
+            print(f"  {parts_said(parts)}")
         feed.close()
         loader.close()
 
