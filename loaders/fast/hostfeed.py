@@ -9,10 +9,11 @@ item); the training process copies the batch up from page-locked shared memory a
 those draws as CUDA graphs (`BatchedTail.replay_drawn`). One context, and the training process's host work a
 batch is its copies up and one graph launch a transform.
 
-The batch's large arrays (its tensors and the tail's large draws, an elastic deformation's offsets) go through a
-ring of slots in one shared memory file (a memfd of the child's, opened by the parent through /proc and registered
-with CUDA there once): the child writes each into a free slot, the parent's copies up read it, and the parent's
-tally frees the slot once those copies have run (`HostSlots.taken`). Everything else goes by value in the message.
+The batch's large arrays (its tensors, an elastic deformation's offsets) and every array of its tail's draws go
+through a ring of slots in one shared memory file (a memfd of the child's, opened by the parent through /proc and
+registered with CUDA there once): the child writes each into a free slot, the parent's copies up read it (page-locked
+already: no staging copy for a draw of a few numbers either), and the parent's tally frees the slot once those copies
+have run (`HostSlots.taken`). Everything else goes by value in the message.
 
 On a GPU the parent takes each batch on a thread of its own (`Taker`): its message, its copies up and its tail's
 graph launches run while the training thread waits for its step's kernels (torch lets go of the interpreter lock
@@ -35,7 +36,7 @@ from loaders.fast.feeder import outgoing
 
 __all__ = ["HostRing", "HostSlots", "InHost", "Taker"]
 
-_SMALL = 4 << 10  # arrays below this go by value in the message
+_SMALL = 4 << 10  # arrays below this go by value in the message (a tail's draws of any size go in the slot)
 _ALIGN = 4096
 
 
@@ -122,12 +123,15 @@ class HostRing:
 
         large: list[np.ndarray] = []
 
-        def take(value: Any) -> Any:
+        def take(value: Any, least: int = _SMALL) -> Any:
             a = _array(value)
-            if a is None or a.nbytes < _SMALL:
+            if a is None or a.nbytes < least or a.nbytes == 0:
                 return value
             large.append(a)
             return _Large(len(large) - 1)
+
+        def drawn_value(value: Any) -> Any:  # a draw's arrays of any size: page-locked at once in the parent
+            return take(value, 1)
 
         drawn = batch.get(DRAWN)
         if drawn is not None:  # host tensors as numpy arrays: never torch's shared memory, which needs a shared key
@@ -135,11 +139,13 @@ class HostRing:
             batch = {**batch, DRAWN: drawn}
         top = {k: take(v) if k != "_items" else v for k, v in batch.items() if k != DRAWN}
         if drawn is not None:
-            drawn = Drawings([_drawn_map(d, take) for d in drawn.drawn])
+            drawn = Drawings([_drawn_map(d, drawn_value) for d in drawn.drawn])
         places, need = [], 0
-        for a in large:
+        for a in large:  # each at a page, a small draw at 64 bytes
+            align = _ALIGN if a.nbytes >= _SMALL else 64
+            need = -(-need // align) * align
             places.append(need)
-            need += -(-a.nbytes // _ALIGN) * _ALIGN
+            need += a.nbytes
         if large and self.view is None:
             self._make(need, send)
         if not large or need > self.slot_bytes:

@@ -36,24 +36,27 @@ class _Tally:
 
 
 def test_a_batch_goes_through_the_slots_as_it_was_made() -> None:
-    """Large arrays (the batch's tensors, a per-item draw) by slot, small ones and the rest by value; the parent's
-    views are the child's numbers; a slot is freed once the batch after it is taken."""
+    """Large arrays (the batch's tensors, a per-item draw) and every draw by slot, small entries of the batch and
+    the rest by value; the parent's views are the child's numbers; a slot is freed once the batch after it is
+    taken."""
     tally = _Tally()
     ring = HostRing(3, tally)
     said: list[tuple[Any, ...]] = []
     image = torch.arange(2 * 4096, dtype=torch.float32).reshape(2, 1, 64, 32, 2)
     offsets = np.random.default_rng(0).random((1, 3, 96, 96, 96), dtype=np.float32)  # copied in pieces
     drawn = Drawings([Drawn(("x",), {"flip": np.array([1, 0])}), [Drawn((), {}), Drawn(("d",), {"offset": offsets})]])
-    batch = {"image": image, "_items": torch.tensor([3, 5]), "name": ["a", "b"], DRAWN: drawn}
+    batch = {"image": image, "_items": torch.tensor([3, 5]), "name": ["a", "b"], "weight": np.ones(3), DRAWN: drawn}
     at, out = ring.pack(batch, lambda *m: said.append(m))
     assert at == 0 and said[0][0] == "hostslots"
     assert isinstance(out["image"], InHost)
     assert isinstance(out[DRAWN].drawn[1][1].values["offset"], InHost)
-    assert isinstance(out[DRAWN].drawn[0].values["flip"], np.ndarray)  # small: by value
+    assert isinstance(out[DRAWN].drawn[0].values["flip"], InHost)  # a draw of two numbers too
+    assert isinstance(out["weight"], np.ndarray)  # a small entry of the batch: by value
     slots = HostSlots(*said[0][1:])
     got = slots.views(at, out)
     assert torch.equal(got["image"], image)
     assert np.array_equal(got[DRAWN].drawn[1][1].values["offset"].numpy(), offsets)
+    assert got[DRAWN].drawn[0].values["flip"].tolist() == [1, 0] and got["weight"].tolist() == [1.0, 1.0, 1.0]
     assert got["name"] == ["a", "b"]
     slots.taken(tally, 1, None)
     assert tally.n == 0  # its slot is still read until the next batch is taken
