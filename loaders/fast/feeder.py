@@ -181,6 +181,7 @@ class Feeder:
         self._fences: list[Any] = []
         self._host: Any = None  # a host feeder's slots (`loaders.fast.hostfeed.HostSlots`)
         self._ahead: Any = None  # the CUDA stream a host feeder's batches are replayed from, ahead of the caller's
+        self._take_times: Any = None  # a host feeder's takes' timing, kept across epochs (`hostfeed.TakeTimes`)
         self._finished = False
         self._ready = False  # the child says so once it has built its loader (imports included: seconds)
         # the child connects once its interpreter and this package's imports are up (seconds on a GPU box): a
@@ -340,9 +341,11 @@ class Feeder:
         wanted = tunables.HOST_TAKE_THREAD
         if not getattr(loader, "_host_feed", False) or wanted is False or (wanted == "gpu" and not loader.gpu):
             return None
-        from loaders.fast.hostfeed import Taker
+        from loaders.fast.hostfeed import Taker, TakeTimes
 
-        return Taker(lambda k: self._take(loader, k, n), self._conn.poll, loader.device, skip, n)
+        if self._take_times is None:
+            self._take_times = TakeTimes()
+        return Taker(lambda k: self._take(loader, k, n), self._conn.poll, loader.device, skip, n, self._take_times)
 
     def _take(self, loader: Any, k: int, n: int) -> tuple[dict[str, Any], Any, Any]:
         """Batch `k`'s message, the batch out of its slot; a host feeder's replayed on a stream of this end's, with

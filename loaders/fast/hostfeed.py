@@ -27,14 +27,14 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from loaders.fast.feeder import outgoing
 
-__all__ = ["HostRing", "HostSlots", "InHost", "Taker"]
+__all__ = ["HostRing", "HostSlots", "InHost", "TakeTimes", "Taker"]
 
 _SMALL = 4 << 10  # arrays below this go by value in the message (a tail's draws of any size go in the slot)
 _ALIGN = 4096
@@ -253,6 +253,15 @@ class HostSlots:
             self.registered = False
 
 
+@dataclass
+class TakeTimes:
+    """When the caller took its last batches and how long the last takes ran: kept by the feeder across epochs, so
+    that an epoch's second take is timed as the last epoch's were."""
+
+    asks: list[float] = field(default_factory=list)  # when the caller took each (the last KEPT + 1)
+    spent: list[float] = field(default_factory=list)  # seconds each take ran (the last KEPT)
+
+
 class Taker:
     """A host feeder's batches `first`..`n`-1 of an epoch taken on a thread (`take(k)`, once `poll(timeout)` says the
     child's next message has come), on `device`, one ahead of the caller's `next`. Its errors are raised by `next`;
@@ -270,12 +279,11 @@ class Taker:
     KEPT = 8  # periods and takes the timing is drawn from
 
     def __init__(self, take: Callable[[int], Any], poll: Callable[[float], bool], device: Any, first: int,
-                 n: int) -> None:  # fmt: skip
+                 n: int, times: TakeTimes | None = None) -> None:  # fmt: skip
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._stopped = threading.Event()
         self._asked = threading.Event()  # the caller took the last batch
-        self._asks: list[float] = []  # when the caller took each (the last KEPT + 1)
-        self._spent: list[float] = []  # seconds each take ran (the last KEPT)
+        self._times = TakeTimes() if times is None else times
         self._thread = threading.Thread(target=self._run, args=(take, poll, device, first, n), daemon=True,
                                         name="blockprep-host-take")  # fmt: skip
         self._thread.start()
@@ -290,14 +298,15 @@ class Taker:
         try:
             with torch.cuda.device(on) if on.type == "cuda" else contextlib.nullcontext():
                 for k in range(first, n):
-                    if self._spent and not self._turn():  # the first at once
+                    if k > first and not self._turn():  # the first at once
                         return
                     while not poll(0.05):
                         if self._stopped.is_set():
                             return
                     began = time.perf_counter()
                     got = take(k)
-                    self._spent = [*self._spent[-self.KEPT + 1 :], time.perf_counter() - began]
+                    spent = self._times.spent
+                    self._times.spent = [*spent[-self.KEPT + 1 :], time.perf_counter() - began]
                     if not self._put(got):
                         return
         except BaseException as exc:  # noqa: BLE001  (raised in the caller's thread by `next`)
@@ -311,10 +320,10 @@ class Taker:
             if self._stopped.is_set():
                 return False
         self._asked.clear()
-        asks = self._asks
-        if len(asks) >= 3:
+        asks, spent = self._times.asks, self._times.spent
+        if len(asks) >= 3 and spent:
             period = min(b - a for a, b in zip(asks, asks[1:]))
-            due = asks[-1] + period - sorted(self._spent)[len(self._spent) // 2] - self.MARGIN
+            due = asks[-1] + period - sorted(spent)[len(spent) // 2] - self.MARGIN
             while (left := due - time.perf_counter()) > 0:
                 if self._stopped.wait(min(left, 0.05)):
                     return False
@@ -340,7 +349,7 @@ class Taker:
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the host feeder's taking thread left before the epoch's last batch") from None
-        self._asks = [*self._asks[-self.KEPT :], time.perf_counter()]
+        self._times.asks = [*self._times.asks[-self.KEPT :], time.perf_counter()]
         self._asked.set()
         if isinstance(got, BaseException):
             raise got

@@ -258,6 +258,33 @@ def test_one_long_take_does_not_pull_the_next_ones_into_the_callers_step() -> No
     assert late[len(late) // 2] > 0.025, late
 
 
+def test_an_epochs_second_take_is_timed_by_the_last_epochs() -> None:
+    """The feeder keeps the takes' timing across epochs (`TakeTimes`): the next epoch's first batch is taken at once,
+    its second late in the caller's step, as the last epoch's were (not at once, as a taker without a history)."""
+    import time
+
+    from loaders.fast.hostfeed import TakeTimes
+
+    began: list[float] = []
+
+    def take(k: int) -> int:
+        began.append(time.perf_counter())
+        time.sleep(0.005)
+        return k
+
+    times = TakeTimes()
+    for n in (6, 3):
+        began.clear()
+        taker = Taker(take, lambda timeout: True, "cpu", 0, n, times)
+        asked = []
+        for k in range(n):
+            time.sleep(0.05)
+            asked.append(time.perf_counter())
+            assert taker.next() == k
+        taker.stop()
+    assert began[1] - asked[0] > 0.025, (began, asked)
+
+
 def test_the_next_batch_is_taken_ahead_of_the_callers(made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the child has made it, the next batch is taken (and its tail's work queued) before the caller's batch is
     handed over, so that its work runs beside the caller's step: the same batches, one more taken."""
