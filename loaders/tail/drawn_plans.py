@@ -222,7 +222,7 @@ class _DropoutItems(_DropoutPlan):
         out = {}
         for j, k in enumerate(self.keys):
             x = data[k]
-            o = x.clone()
+            o = x.clone(memory_format=torch.contiguous_format)  # the flat indices below are a contiguous item's
             flat = o.view(-1)
             fills = values.get(f"fill{j}")
             if fills is not None and self.inner.fill_value is None:  # over the item's own range, made here

@@ -477,3 +477,25 @@ def test_items_left_as_they_are_and_a_hole_over_an_infinite_range_raise_as_monai
     with pytest.raises(OverflowError, match="Range exceeds valid bounds"):
         drawer.run(bad)
         raise_failed(drawer.checks)
+
+
+def test_holes_land_where_monai_puts_them_in_an_item_of_any_layout() -> None:
+    """The dropout's holes written by flat index into a contiguous copy: an item laid out channels-last comes out
+    as the contiguous one does, and as MONAI's own transform makes it."""
+    import monai.transforms as mt
+
+    from loaders.tail.replay import _up
+
+    x = make_batch(n=1, spatial=(9, 10, 10), seed=2)["image"].repeat(1, 2, 1, 1, 1)
+    like = {"image": torch.empty(x.shape, dtype=x.dtype, device="meta")}
+    t = mt.RandCoarseDropoutd("image", prob=1.0, holes=3, spatial_size=(2, 3, 4), fill_value=0.5)
+    want = mt.RandCoarseDropoutd("image", prob=1.0, holes=3, spatial_size=(2, 3, 4), fill_value=0.5)
+    want.set_random_state(4)
+    t.set_random_state(4)
+    plan = plan_of(t, like)
+    assert type(plan).__name__ == "_DropoutItems"
+    (d,) = plan.draw_items(1)
+    ref = want({"image": x[0].clone()})["image"].as_subclass(torch.Tensor)
+    for item in (x, x.to(memory_format=torch.channels_last_3d)):
+        got = plan.apply({"image": item}, _up(d, "cpu"), d.kind)["image"]
+        assert torch.equal(got[0], ref)
