@@ -125,7 +125,7 @@ class HostRing:
 
         def take(value: Any, least: int = _SMALL) -> Any:
             a = _array(value)
-            if a is None or a.nbytes < least or a.nbytes == 0:
+            if a is None or a.nbytes < least:
                 return value
             large.append(a)
             return _Large(len(large) - 1)
@@ -270,10 +270,10 @@ class Taker:
     Each batch is taken as late as it can be and still be ready when asked for: by the shortest of the caller's
     last periods (from one `next` to the next) less the median of its last takes and `MARGIN` (not the longest: a
     take that captured a new graph, many times the others, would pull the next ones into the caller's launches, where
-    they slow both; such a take is late once instead). A training loop
-    that reads its loss waits for its step's kernels at the step's end, without the interpreter lock: the take runs
-    then, and not at the step's start, where the loop's launches hold the lock and the GPU waits for each (the
-    queue of the step before ran empty at its read)."""
+    they slow both; such a take is late once instead). A training loop that reads its loss waits for its step's
+    kernels at the step's end, without the interpreter lock: the take runs then, and not at the step's start, where
+    the loop's launches hold the lock and the GPU waits for each (the queue of the step before ran empty at its
+    read)."""
 
     MARGIN = 0.003  # seconds
     KEPT = 8  # periods and takes the timing is drawn from

@@ -108,8 +108,7 @@ class _SharpenItems(Plan):
         from loaders.tail import gauss
         from loaders.tail.sharpen import TRUNCATED, sharpened_with
 
-        first = data[self.keys[0]]
-        if first.device.type == "meta" or not (isinstance(kind, tuple) and kind[:1] == ("sharpened",)):
+        if _left(data, self.keys, kind, "sharpened"):
             return {k: data[k] for k in self.keys}
         sigmas, tails = values["sigmas"], kind[1]
         if sigmas.is_cuda:
@@ -207,17 +206,13 @@ class _DropoutItems(_DropoutPlan):
             out.append(Drawn(("holes", shapes), values))
         return out
 
-    def values_like(self, n: int) -> dict[str, Any]:
-        return {}
-
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
         import torch
 
         from loaders.tail.device import row_spans
         from loaders.tail.dropout import RANGE_ERROR
 
-        first = data[self.keys[0]]
-        if first.device.type == "meta" or not (isinstance(kind, tuple) and kind[:1] == ("holes",)):
+        if _left(data, self.keys, kind, "holes"):
             return {k: data[k] for k in self.keys}
         out = {}
         for j, k in enumerate(self.keys):
@@ -240,6 +235,12 @@ class _DropoutItems(_DropoutPlan):
                     at += index.numel()
             out[k] = o
         return out
+
+
+def _left(data: dict[Hashable, Any], keys: list[Hashable], kind: Any, tag: str) -> bool:
+    """Whether an item-by-item plan leaves the item as it is: shapes alone (meta), or a kind other than its work's
+    (`AS_IS`, an item it skips)."""
+    return data[keys[0]].device.type == "meta" or not (isinstance(kind, tuple) and kind[:1] == (tag,))
 
 
 def _corner(hole: Any) -> list[int]:
