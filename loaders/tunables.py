@@ -120,9 +120,11 @@ HOST_TAKE_THREAD = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_TA
 # against 0.88 drawn in the child, one call: docs/benchmarks.md) and in a feeder's child with a CUDA context of its
 # own; "0" never (drawn on the host).
 DEVICE_DRAWS = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_DEVICE_DRAWS", ""), "auto")
-# In a replayed tail, batches of at most this many items have a graph per pattern of the items a costly transform
-# fires on (at most 2**n each, captured as they first come), its work on those items alone, as its batched version
-# runs it; larger batches compute every item and keep the fired ones by a mask (more GPU work in the one graph). On
+# In a replayed tail, batches of at most this many items have a graph per count of the items a costly transform
+# fires on (n + 1 each, captured as they first come; the rows picked on the device from the mask), its work on those
+# items alone, as its batched version runs it; larger batches compute every item and keep the fired ones by a mask
+# (more GPU work in the one graph). A graph per pattern of rows, before, was 2**n of them: 96 of the 150 graphs a
+# replayed `seg-aug` captured over its first 120 batches, against 30 a count. On
 # the fired rows alone `seg-aug`'s replayed tail cost its step about half what the masks did. RandAffined's grids are
 # MONAI's (its products with the identity grid drawn described and made at once on the device where shown to give
 # the host's numbers there, else on the host: `loaders.tail.products`), and on the

@@ -248,7 +248,7 @@ class _AffinePlan(MatrixPlan):
         return matrix
 
     def draw(self, n: int) -> Drawn:
-        from loaders.tail.plans import fired_rows
+        from loaders.tail.plans import fired_count
 
         drawn = super().draw(n)
         if not self.host_products:
@@ -257,7 +257,7 @@ class _AffinePlan(MatrixPlan):
         # described, made where the work runs (`Products`): where it runs on the fired rows alone (`on_fired`),
         # their products alone (one row of zeros where none fired); else a row for every item, zeros where it did
         # not fire
-        if fired_rows(drawn.kind) is not None:
+        if fired_count(drawn.kind) is not None:
             chosen = mats[fired] if fired.any() else np.zeros_like(mats[:1])
         else:
             chosen = np.where(fired[:, None, None], mats, np.float32(0))
@@ -277,11 +277,11 @@ class _AffinePlan(MatrixPlan):
         first = data[self.keys[0]]
         if first.device.type == "meta":
             return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
-        from loaders.tail.plans import fired_rows, on_fired, rows_of
+        from loaders.tail.plans import fired_count, on_fired, rows_of
 
         dtype, align = _resample_dtype(self.t), self.t.rand_affine.resampler.align_corners
         made: dict[int, Any] = {}  # the grids of the rows resampled, made once for every key
-        alone = fired_rows(kind) is not None  # the products drawn for the fired rows alone (`draw`)
+        alone = fired_count(kind) is not None  # the products drawn for the fired rows alone (`draw`)
 
         def grids(rows: Any) -> Any:
             if len(rows) not in made:
@@ -289,9 +289,9 @@ class _AffinePlan(MatrixPlan):
                     coords = values["coords"] if alone else rows_of(values["coords"], rows)
                     made[len(rows)] = _normalised(self.t, coords, self.size, self.size, first.device)
                 else:  # each item's grid by a matmul of its own on the device
-                    mats = values["mats"]
-                    made[len(rows)] = torch.cat([_grids(self.t, mats[i : i + 1], self.size, self.size, first.device,
-                                                        first.device) for i in rows])  # fmt: skip
+                    mats = rows_of(values["mats"], rows)
+                    made[len(rows)] = torch.cat([_grids(self.t, mats[j : j + 1], self.size, self.size, first.device,
+                                                        first.device) for j in range(len(rows))])  # fmt: skip
             return made[len(rows)]
 
         out = {}

@@ -45,11 +45,41 @@ def tail_stream(device: Any) -> Any:
         return torch.cuda.Stream(device=device, priority=-1)
 
 
-def rows_of(x: Any, rows: Sequence[int]) -> Any:
-    """`x[rows]` along the batch dim, the index uploaded without the host waiting (a list index is copied to the
-    device from pageable memory: the host waits for the work queued before it)."""
+class Picked(Sequence[int]):
+    """The rows of a batch that fired, as an index on its device (made from the mask where the work runs: no host
+    number in it, so one graph serves every choice of `len` rows). `rows_of` picks them; an op on them works on
+    positions 0..len-1 of what it picks."""
+
+    def __init__(self, index: Any) -> None:
+        self.at = index
+
+    def __len__(self) -> int:
+        return int(self.at.shape[0])
+
+    def __getitem__(self, i: Any) -> Any:
+        raise TypeError("Picked rows are a device index: pick with rows_of, then work by position")
+
+
+def fired_index(fired: Any, count: int) -> Any:
+    """The indices of the `count` true entries of the (n,) bool mask `fired`, in order, made where it is (elementwise
+    ops and a sum: nothing read back, and the same kernels whichever entries are true)."""
     import torch
 
+    n = int(fired.shape[0])
+    at = torch.cumsum(fired.to(torch.int64), 0) - 1  # each fired row's place among the fired
+    slots = torch.arange(count, dtype=torch.int64, device=fired.device)
+    hit = (at.unsqueeze(0) == slots.unsqueeze(1)) & fired.unsqueeze(0)  # (count, n): row i is the j-th fired
+    return (hit.to(torch.int64) * torch.arange(n, dtype=torch.int64, device=fired.device)).sum(1)
+
+
+def rows_of(x: Any, rows: Sequence[int]) -> Any:
+    """`x[rows]` along the batch dim: by the rows' device index (`Picked`), or a list's index uploaded without the
+    host waiting (a list index is copied to the device from pageable memory: the host waits for the work queued
+    before it)."""
+    import torch
+
+    if isinstance(rows, Picked):
+        return x.index_select(0, rows.at)
     if list(rows) == list(range(x.shape[0])):
         return x
     return x.index_select(0, to_device(torch.as_tensor(list(rows), dtype=torch.long), x.device))

@@ -70,17 +70,23 @@ class _SharpenPlan(_Ungraphed):
 
 
 class _SharpenItems(Plan):
-    """RandGaussianSharpend with MONAI's "erf" kernels, item by item: each fired item's sigmas and weight copied up to
-    a graph for its kernels' lengths (a few kinds: the lengths follow the sigmas' ranges), the kernels made and
-    MONAI's filtering run in it; the items it skips left as they are (`AS_IS`: nothing launched)."""
+    """RandGaussianSharpend with MONAI's "erf" kernels, item by item, in two parts: this one, each fired item's first
+    filtering, and `_SharpenSecond`, its second filtering and sum. Each part's graphs are one for each set of its
+    own filter's kernels' lengths (which follow the sigmas' ranges: a few kinds a part, where one graph for both
+    filters' lengths would have their product), the sigmas and weight copied up to them; the items it skips left as
+    they are (`AS_IS`: nothing launched)."""
 
     per_item = True
 
     def __init__(self, t: Any, keys: list[Hashable], inner: Any, nd: int) -> None:
         super().__init__(t, keys)
         self.inner, self.nd = inner, nd
+        self.second = _SharpenSecond(t, keys, nd)
 
-    def draw_items(self, n: int) -> list[Drawn]:
+    def parts(self) -> list[Plan]:
+        return [self, self.second]
+
+    def draw_all(self, n: int) -> list[Any]:
         from loaders.tail import gauss
         from loaders.tail.fired import _drawn
         from loaders.tail.fired_plans import _fire
@@ -91,31 +97,64 @@ class _SharpenItems(Plan):
             self.inner.randomize(None)
             return _drawn(self.inner)
 
-        out = []
+        first, second = [], []
         for d in _fire(self.t, self.inner, n, drawn):
             if d is None:
-                out.append(Drawn(AS_IS, {}))
+                first.append(Drawn(AS_IS, {}))
+                second.append(Drawn(AS_IS, {}))
                 continue
             sigmas = np.array([float(s) for s in sigmas_of(d, self.nd)], dtype=np.float32)  # the filters' float32
             tails = tuple(gauss.tail_of(float(s), TRUNCATED) for s in sigmas)
-            out.append(Drawn(("sharpened", tails), {"sigmas": sigmas, "a": np.array([d["a"]], dtype=np.float32)}))
-        return out
+            nd = self.nd
+            first.append(Drawn(("blurred", tails[:nd]), {"sigmas": sigmas[:nd]}))
+            second.append(Drawn(("sharpened", tails[nd:]), {"sigmas": sigmas[nd:],
+                                                           "a": np.array([d["a"]], dtype=np.float32)}))  # fmt: skip
+        return [first, second]
 
     def values_like(self, n: int) -> dict[str, Any]:
         return {}
 
     def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
-        from loaders.tail import gauss
-        from loaders.tail.sharpen import TRUNCATED, sharpened_with
+        from loaders.tail.sharpen import blurred_with
+
+        if _left(data, self.keys, kind, "blurred"):
+            return {k: data[k] for k in self.keys}
+        kernels = _kernels(values["sigmas"], kind[1])
+        return {k: blurred_with(data[k], kernels) for k in self.keys}
+
+
+class _SharpenSecond(Plan):
+    """`_SharpenItems`' second part: a fired item's second filtering and the sharpening's sum, from its first
+    filtering's output (drawn with the first part: `follows`)."""
+
+    per_item = True
+    follows = True
+
+    def __init__(self, t: Any, keys: list[Hashable], nd: int) -> None:
+        super().__init__(t, keys)
+        self.nd = nd
+
+    def values_like(self, n: int) -> dict[str, Any]:
+        return {}
+
+    def apply(self, data: dict[Hashable, Any], values: dict[str, Any], kind: Any = ()) -> dict[Hashable, Any]:
+        from loaders.tail.sharpen import sharpened_from
 
         if _left(data, self.keys, kind, "sharpened"):
             return {k: data[k] for k in self.keys}
-        sigmas, tails = values["sigmas"], kind[1]
-        if sigmas.is_cuda:
-            kernels = gauss._erf_rows(sigmas, list(tails), TRUNCATED)
-        else:
-            kernels = [gauss.kernel(sigmas[j : j + 1], t, TRUNCATED) for j, t in enumerate(tails)]
-        return {k: sharpened_with(data[k], kernels, values["a"]) for k in self.keys}
+        kernels = _kernels(values["sigmas"], kind[1])
+        return {k: sharpened_from(data[k], kernels, values["a"]) for k in self.keys}
+
+
+def _kernels(sigmas: Any, tails: tuple[int, ...]) -> list[Any]:
+    """One filter's "erf" kernels for its sigmas (a float32 tensor) and their half lengths, made where the sigmas are
+    (`loaders.tail.gauss`: on a CUDA device with no host read)."""
+    from loaders.tail import gauss
+    from loaders.tail.sharpen import TRUNCATED
+
+    if sigmas.is_cuda:
+        return gauss._erf_rows(sigmas, list(tails), TRUNCATED)
+    return [gauss.kernel(sigmas[j : j + 1], t, TRUNCATED) for j, t in enumerate(tails)]
 
 
 class _DropoutPlan(_Ungraphed):

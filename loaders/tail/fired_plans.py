@@ -62,7 +62,11 @@ class _PerItemValue(Plan):
         value = values["value"]
 
         def op(x: Any) -> Any:
-            return lambda rows_x, rows: torch.stack([self.work(rows_x[j], value[i]) for j, i in enumerate(rows)])
+            def worked(rows_x: Any, rows: Any) -> Any:
+                picked = rows_of(value, rows)
+                return torch.stack([self.work(rows_x[j], picked[j]) for j in range(len(rows))])
+
+            return worked
 
         return _each_key(self.keys, data, kind, values["fired"], op)
 

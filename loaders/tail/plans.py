@@ -50,6 +50,17 @@ class Plan:
         # device flags where MONAI would have raised, left by a plan's work (`loaders.tail.checks`)
         self.checks: list[tuple[Any, BaseException]] = []
 
+    follows = False  # a later part of another plan (`parts`): its draws made with the first part's (`draw_all`)
+
+    def parts(self) -> list[Plan]:
+        """The plans this one runs as, in turn (itself; or its parts, where splitting its work in steps keeps the
+        kinds of each step's graphs few)."""
+        return [self]
+
+    def draw_all(self, n: int) -> list[Any]:
+        """The draws of each of `parts`, in turn: each a `Drawn`, or a per-item part's list of them."""
+        return [self.draw_items(n) if self.per_item else self.draw(n)]
+
     def draw(self, n: int) -> Drawn:
         raise NotImplementedError
 
@@ -106,22 +117,23 @@ def _meta(shape: tuple[int, ...], dtype: str) -> Any:
 
 
 def fired_kind(fired: np.ndarray) -> Hashable:
-    """The kind of a draw whose work runs on the fired items (`on_fired`): their rows, where the batch has at most
-    `loaders.tunables.TAIL_PATTERNS` items, or () for every item."""
+    """The kind of a draw whose work runs on the fired items (`on_fired`): how many fired, where the batch has at most
+    `loaders.tunables.TAIL_PATTERNS` items (their rows picked where the graph runs, from the mask: one graph a count,
+    whichever rows), or () for every item."""
     from loaders import tunables
 
-    return ("rows", tuple(int(i) for i in np.flatnonzero(fired))) if len(fired) <= tunables.TAIL_PATTERNS else ()
+    return ("fired", int(np.count_nonzero(fired))) if len(fired) <= tunables.TAIL_PATTERNS else ()
 
 
-def fired_rows(kind: Any) -> tuple[int, ...] | None:
-    """The fired rows a draw's kind names (`fired_kind`: its work on those rows alone), or None (every item, the
-    fired kept by a mask)."""
-    return kind[1] if isinstance(kind, tuple) and kind[:1] == ("rows",) else None
+def fired_count(kind: Any) -> int | None:
+    """How many items fired, where a draw's kind says its work runs on those alone (`fired_kind`), or None (every
+    item, the fired kept by a mask)."""
+    return kind[1] if isinstance(kind, tuple) and kind[:1] == ("fired",) else None
 
 
 def rows_of(x: Any, rows: Sequence[int]) -> Any:
-    """Rows `rows` of a batch tensor (`loaders.tail.device.rows_of`: in a capture, its index a constant held with
-    the graph)."""
+    """Rows `rows` of a batch tensor (`loaders.tail.device.rows_of`: picked by a device index, `Picked`; or, a list
+    of numbers, in a capture its index a constant held with the graph)."""
     from loaders.tail.device import rows_of as picked
 
     return picked(x, rows)
@@ -129,21 +141,26 @@ def rows_of(x: Any, rows: Sequence[int]) -> Any:
 
 def on_fired(x: Any, kind: Any, fired: Any, op: Callable[[Any, Sequence[int]], Any],
              rest: Callable[[Any], Any] = lambda v: v) -> Any:  # fmt: skip
-    """`op(rows of x, rows)` on the fired items, `rest` of the others: where `kind` holds the fired rows, `op` runs on
-    those alone (their rows gathered and put back by stacks); else on every item, the fired kept by the mask."""
+    """`op(rows of x, rows)` on the fired items, `rest` of the others: where `kind` holds how many fired, `op` runs on
+    those alone (their rows picked from the mask and put back by an index copy); else on every item, the fired kept
+    by the mask."""
     import torch
 
     n = int(x.shape[0])
-    rows = fired_rows(kind)
-    if rows is None:
+    count = fired_count(kind)
+    if count is None:
         return _kept(fired, op(x, range(n)), rest(x))
-    if not rows:
+    if count == 0:
         return rest(x)
+    if count == n:
+        return op(x, range(n))
+    from loaders.tail.device import Picked, fired_index
+
+    rows = Picked(fired_index(fired, count))
     done = op(rows_of(x, rows), rows)
-    if len(rows) == n:
-        return done
-    at = {i: j for j, i in enumerate(rows)}
-    return torch.stack([done[at[i]] if i in at else rest(x[i]) for i in range(n)])
+    others = rest(x)
+    common = torch.promote_types(done.dtype, others.dtype)
+    return others.to(common).index_copy(0, rows.at, done.to(common))
 
 
 def _kept(fired: Any, done: Any, x: Any) -> Any:

@@ -90,16 +90,15 @@ def plans_of(transforms: Sequence[Any], like: Like) -> tuple[list[Plan], list[Li
     for t in transforms:
         try:
             plan = plan_of(t, likes[-1])
-            after = dict(likes[-1])
-            if plan is not None:
-                after.update(plan.apply(likes[-1], plan.values_like(n), ()))
+            parts = [] if plan is None else plan.parts()
+            for part in parts:  # each part's output shapes, on the part before's
+                likes.append({**likes[-1], **part.apply(likes[-1], part.values_like(n), ())})
         except (AttributeError, TypeError, ValueError, RuntimeError, KeyError) as e:  # a MONAI of other attributes
             _log.info("ReplayedTail: no plan for %s here (%r); the tail runs as the others", type(t).__name__, e)
             return None
         if plan is None:
             return None
-        plans.append(plan)
-        likes.append(after)
+        plans.extend(parts)
     return plans, likes
 
 
@@ -154,7 +153,7 @@ class ReplayedTail:
         chain = self._chain(batch)
         if chain is None:
             raise ValueError("ReplayedTail: a transform has no plan for this batch (check `covers` first)")
-        return [plan.draw_items(chain.n) if plan.per_item else plan.draw(chain.n) for plan in chain.plans]
+        return [d for plan in chain.plans if not plan.follows for d in plan.draw_all(chain.n)]
 
     def replay(self, batch: Mapping[Hashable, Any], drawn: list[Any], device: Any = None) -> dict[Hashable, Any]:
         """The batch through the tail's work from `drawn` (`draw`'s, here or in another process), on `device` (the

@@ -41,13 +41,23 @@ def sigmas_of(drawn: Mapping[str, Any], nd: int) -> list[Any]:
 def sharpened_with(x: Any, kernels: list[Any], a: Any) -> Any:
     """`GaussianSharpen`'s filtering and sum on x (a batch of one, channel first) with its filters' kernels and its
     weight `a` (a float, or a float32 tensor of the float's number: the same product)."""
+    nd = x.ndim - 2
+    return sharpened_from(blurred_with(x, kernels[:nd]), kernels[nd:], a)
+
+
+def blurred_with(x: Any, kernels: list[Any]) -> Any:
+    """`GaussianSharpen`'s first filtering: x in float32 through its first filter's kernels."""
     import torch
     from monai.networks.layers.simplelayers import separable_filtering
 
-    nd = x.ndim - 2
-    x = x.to(torch.float32)
-    blurred = separable_filtering(x=x, kernels=kernels[:nd])
-    twice = separable_filtering(x=blurred, kernels=kernels[nd:])
+    return separable_filtering(x=x.to(torch.float32), kernels=kernels)
+
+
+def sharpened_from(blurred: Any, kernels: list[Any], a: Any) -> Any:
+    """`GaussianSharpen`'s second filtering of the first's output and its sum, with the second filter's kernels."""
+    from monai.networks.layers.simplelayers import separable_filtering
+
+    twice = separable_filtering(x=blurred, kernels=kernels)
     return blurred + a * (blurred - twice)
 
 

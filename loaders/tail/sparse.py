@@ -253,7 +253,7 @@ class _RotatePlan(MatrixPlan):
         from monai.transforms.utils import resolves_modes
         from monai.utils import get_equivalent_dtype
 
-        from loaders.tail.plans import on_fired
+        from loaders.tail.plans import on_fired, rows_of
 
         if data[self.keys[0]].device.type == "meta":
             return {k: torch.empty(data[k].shape, dtype=torch.float32, device="meta") for k in self.keys}
@@ -268,8 +268,9 @@ class _RotatePlan(MatrixPlan):
             to = get_equivalent_dtype(dtype or inner.dtype or x.dtype, torch.Tensor)
 
             def turned(v: Any, rows: Any, to: Any = to, xform: Any = xform, corners: Any = corners) -> Any:
-                theta = values["theta"].to(to)  # each item's normalized as MONAI normalizes one: a matmul of its own
-                norm = torch.cat([_normalized(theta[i : i + 1], sp, corners, xform.zero_centered) for i in rows])
+                theta = rows_of(values["theta"], rows).to(to)  # each item's normalized as MONAI normalizes one
+                norm = torch.cat([_normalized(theta[j : j + 1], sp, corners, xform.zero_centered)
+                                  for j in range(len(rows))])  # fmt: skip
                 return xform(v.to(to), _reversed(norm, len(sp)), spatial_size=sp).float()
 
             out[k] = on_fired(x, kind, values["fired"], turned, lambda v: v.to(torch.float32))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tailutil import K, assert_same, make_batch, reference_batches
 
-from loaders.tail.plans import Drawn, fired_rows, plan_of
+from loaders.tail.plans import Drawn, fired_count, plan_of
 from loaders.tail.replay import ReplayedTail
 
 
@@ -75,9 +75,9 @@ def test_draws_have_the_shapes_said() -> None:
         assert sorted(said) == sorted(drawn)
         for name, a in drawn.items():
             want = tuple(said[name].shape)
-            rows = fired_rows(d.kind)
-            if name == "coords" and rows is not None:  # the affine's products: the fired rows' alone
-                want = (max(len(rows), 1), *want[1:])
+            count = fired_count(d.kind)
+            if name == "coords" and count is not None:  # the affine's products: the fired rows' alone
+                want = (max(count, 1), *want[1:])
             assert want == a.shape
             assert said[name].dtype == torch.from_numpy(np.zeros(1, a.dtype)).dtype
 
@@ -466,7 +466,7 @@ def test_items_left_as_they_are_and_a_hole_over_an_infinite_range_raise_as_monai
     want = reference_batches(Compose(chain()).set_random_state(3), [{"image": b["image"].clone()} for b in given])
     tail = ReplayedTail(Compose(chain()).set_random_state(3).transforms)
     kinds = {type(p).__name__ for p in tail._chain(given[0]).plans}
-    assert kinds == {"_SharpenItems", "_DropoutItems"}
+    assert kinds == {"_SharpenItems", "_SharpenSecond", "_DropoutItems"}
     for b, w in zip(given, want):
         assert_same(tail.run(b), w, keys=("image",))
         raise_failed(tail.checks)
@@ -477,6 +477,51 @@ def test_items_left_as_they_are_and_a_hole_over_an_infinite_range_raise_as_monai
     with pytest.raises(OverflowError, match="Range exceeds valid bounds"):
         drawer.run(bad)
         raise_failed(drawer.checks)
+
+
+def test_fired_rows_are_picked_by_a_device_index_made_from_the_mask() -> None:
+    """A costly plan's graph is one a count of fired items: their rows' index made from the mask where the work
+    runs, for every mask of a batch of five, in order; `on_fired` puts the worked rows back where they were."""
+    import itertools
+
+    from loaders.tail.device import Picked, fired_index
+    from loaders.tail.plans import fired_kind, on_fired
+
+    x = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    for bits in itertools.product([False, True], repeat=5):
+        fired = np.array(bits)
+        kind = fired_kind(fired)
+        assert kind == ("fired", int(fired.sum()))
+        mask = torch.from_numpy(fired)
+        assert fired_index(mask, kind[1]).tolist() == np.flatnonzero(fired).tolist()
+        got = on_fired(x, kind, mask, lambda v, rows: v * 10 + len(rows))
+        want = torch.where(mask[:, None], x * 10 + int(fired.sum()), x)
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="device index"):
+        list(Picked(torch.arange(2)))
+
+
+def test_the_sharpenings_graphs_follow_each_filters_lengths_not_their_product() -> None:
+    """RandGaussianSharpend replayed in two parts, each keyed by its own filter's kernels' lengths: over many fired
+    items the kinds of each part stay within one filter's lengths (27 for three axes of three lengths), far fewer
+    than the pairs of filters the items drew."""
+    import monai.transforms as mt
+
+    like = {"image": torch.empty((4, 1, 12, 12, 12), device="meta")}
+    t = mt.RandGaussianSharpend("image", prob=1.0)
+    t.set_random_state(5)
+    first, second = plan_of(t, like).parts()
+    assert second.follows and not first.follows
+    kinds: tuple[set[Any], set[Any], set[Any]] = (set(), set(), set())
+    for _ in range(150):
+        a, b = first.draw_all(4)
+        for da, db in zip(a, b):
+            kinds[0].add(da.kind)
+            kinds[1].add(db.kind)
+            kinds[2].add((da.kind, db.kind))
+    assert {k[0] for k in kinds[0]} == {"blurred"} and {k[0] for k in kinds[1]} == {"sharpened"}
+    assert len(kinds[0]) <= 27 and len(kinds[1]) <= 27
+    assert len(kinds[2]) > len(kinds[0]) + len(kinds[1])
 
 
 def test_holes_land_where_monai_puts_them_in_an_item_of_any_layout() -> None:
