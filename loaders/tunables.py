@@ -113,6 +113,13 @@ HOST_FEED = {"1": True, "auto": "auto"}.get(os.environ.get("BLOCKPREP_HOST_FEED"
 # for its step's kernels), one ahead and just in time. BLOCKPREP_HOST_TAKE_THREAD=0 in the environment takes each on the
 # training thread as it is asked for (and the next where it has come); =1 on a thread for a loader on the CPU too.
 HOST_TAKE_THREAD = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_TAKE_THREAD", ""), "gpu")
+# How long before the caller's next `next` that thread aims to have its take done, in ms: a number, fixed; "auto",
+# from 3 ms down by a quarter of a ms each batch ready in time and up by one each batch the caller waited for (so
+# each take runs as late in the caller's step as it can: where a training loop waits for its step's kernels, after
+# its launches). BLOCKPREP_HOST_TAKE_MARGIN in the environment sets it.
+HOST_TAKE_MARGIN: float | str = (lambda v: "auto" if v in ("", "auto") else float(v))(
+    os.environ.get("BLOCKPREP_HOST_TAKE_MARGIN", "")
+)
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the
 # generator's state on the CUDA device that uses them (`loaders.tail.uniforms`: cupy's compiler, the kernel checked
 # once a process against numpy): "auto" where the tail runs in the training process; "1" also where a host

@@ -260,6 +260,35 @@ class TakeTimes:
 
     asks: list[float] = field(default_factory=list)  # when the caller took each (the last KEPT + 1)
     spent: list[float] = field(default_factory=list)  # seconds each take ran (the last KEPT)
+    margin: float | None = None  # seconds a take aims to be done before the caller asks (None: not set yet)
+
+    def margin_now(self) -> float:
+        """The margin the next take is timed by (`loaders.tunables.HOST_TAKE_MARGIN`)."""
+        from loaders import tunables
+
+        if tunables.HOST_TAKE_MARGIN != "auto":
+            return float(tunables.HOST_TAKE_MARGIN) / 1e3
+        if self.margin is None:
+            self.margin = MARGIN_START
+        return self.margin
+
+    def asked(self, waited: float) -> None:
+        """The caller took a batch after waiting `waited` seconds for it: an "auto" margin up by `MARGIN_UP` where it
+        waited, else down by `MARGIN_DOWN` (within `MARGIN_LEAST`..`MARGIN_MOST`)."""
+        import time
+
+        self.asks = [*self.asks[-Taker.KEPT :], time.perf_counter()]
+        if self.margin is None:
+            return
+        if waited > LATE:
+            self.margin = min(self.margin + MARGIN_UP, MARGIN_MOST)
+        else:
+            self.margin = max(self.margin - MARGIN_DOWN, MARGIN_LEAST)
+
+
+# an "auto" take margin, seconds: where it starts, its steps, its bounds; a caller waiting longer than LATE is late
+MARGIN_START, MARGIN_UP, MARGIN_DOWN, MARGIN_LEAST, MARGIN_MOST = 0.003, 0.001, 0.00025, 0.0002, 0.010
+LATE = 0.0002
 
 
 class Taker:
@@ -268,14 +297,14 @@ class Taker:
     `stop` ends it wherever it is (what it took and nobody asked for is dropped, as a stopped epoch's).
 
     Each batch is taken as late as it can be and still be ready when asked for: by the shortest of the caller's
-    last periods (from one `next` to the next) less the median of its last takes and `MARGIN` (not the longest: a
+    last periods (from one `next` to the next) less the median of its last takes and a margin (`TakeTimes.margin_now`;
+    the median, not the longest take: a
     take that captured a new graph, many times the others, would pull the next ones into the caller's launches, where
     they slow both; such a take is late once instead). A training loop that reads its loss waits for its step's
     kernels at the step's end, without the interpreter lock: the take runs then, and not at the step's start, where
     the loop's launches hold the lock and the GPU waits for each (the queue of the step before ran empty at its
     read)."""
 
-    MARGIN = 0.003  # seconds
     KEPT = 8  # periods and takes the timing is drawn from
 
     def __init__(self, take: Callable[[int], Any], poll: Callable[[float], bool], device: Any, first: int,
@@ -323,7 +352,7 @@ class Taker:
         asks, spent = self._times.asks, self._times.spent
         if len(asks) >= 3 and spent:
             period = min(b - a for a, b in zip(asks, asks[1:]))
-            due = asks[-1] + period - sorted(spent)[len(spent) // 2] - self.MARGIN
+            due = asks[-1] + period - sorted(spent)[len(spent) // 2] - self._times.margin_now()
             while (left := due - time.perf_counter()) > 0:
                 if self._stopped.wait(min(left, 0.05)):
                     return False
@@ -342,6 +371,7 @@ class Taker:
         """The next batch taken (as `take` gave it); what ended the thread raised here."""
         import time
 
+        began = time.perf_counter()
         while True:
             try:
                 got = self._queue.get(timeout=0.1)
@@ -349,7 +379,7 @@ class Taker:
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the host feeder's taking thread left before the epoch's last batch") from None
-        self._times.asks = [*self._times.asks[-self.KEPT :], time.perf_counter()]
+        self._times.asked(time.perf_counter() - began)
         self._asked.set()
         if isinstance(got, BaseException):
             raise got

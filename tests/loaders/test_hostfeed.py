@@ -285,6 +285,31 @@ def test_an_epochs_second_take_is_timed_by_the_last_epochs() -> None:
     assert began[1] - asked[0] > 0.025, (began, asked)
 
 
+def test_the_take_margin_follows_the_callers_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An "auto" margin starts at 3 ms, comes down a quarter of a ms with each batch ready when asked for and goes up
+    a ms with each the caller waited for, within its bounds; a fixed one (ms) is what it says."""
+    from loaders.fast import hostfeed
+    from loaders.fast.hostfeed import TakeTimes
+
+    monkeypatch.setattr(tunables, "HOST_TAKE_MARGIN", "auto")
+    times = TakeTimes()
+    assert times.margin_now() == pytest.approx(0.003)
+    for _ in range(4):
+        times.asked(0.0)
+    assert times.margin_now() == pytest.approx(0.002)
+    times.asked(0.005)
+    assert times.margin_now() == pytest.approx(0.003)
+    for _ in range(100):
+        times.asked(0.0)
+    assert times.margin_now() == pytest.approx(hostfeed.MARGIN_LEAST)
+    for _ in range(100):
+        times.asked(0.01)
+    assert times.margin_now() == pytest.approx(hostfeed.MARGIN_MOST)
+    assert len(times.asks) == hostfeed.Taker.KEPT + 1
+    monkeypatch.setattr(tunables, "HOST_TAKE_MARGIN", 1.5)
+    assert TakeTimes().margin_now() == pytest.approx(0.0015)
+
+
 def test_the_next_batch_is_taken_ahead_of_the_callers(made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Once the child has made it, the next batch is taken (and its tail's work queued) before the caller's batch is
     handed over, so that its work runs beside the caller's step: the same batches, one more taken."""
