@@ -81,7 +81,7 @@ class _SharpenItems(Plan):
     def __init__(self, t: Any, keys: list[Hashable], inner: Any, nd: int) -> None:
         super().__init__(t, keys)
         self.inner, self.nd = inner, nd
-        self.second = _SharpenSecond(t, keys, nd)
+        self.second = _SharpenSecond(t, keys)
 
     def parts(self) -> list[Plan]:
         return [self, self.second]
@@ -129,10 +129,6 @@ class _SharpenSecond(Plan):
 
     per_item = True
     follows = True
-
-    def __init__(self, t: Any, keys: list[Hashable], nd: int) -> None:
-        super().__init__(t, keys)
-        self.nd = nd
 
     def values_like(self, n: int) -> dict[str, Any]:
         return {}

@@ -39,6 +39,7 @@ class Plan:
     each row and kind: where what the kernels depend on differs by item (a kernel's length drawn per item)."""
 
     per_item = False
+    follows = False  # a later part of another plan (`parts`): its draws made with the first part's (`draw_all`)
     eager = False
     graphed = True  # False: its work runs eagerly from its draws, between the graphs (`loaders.tail.drawn_plans`)
     exact_on_cuda = (
@@ -49,8 +50,6 @@ class Plan:
         self.t, self.keys = t, keys
         # device flags where MONAI would have raised, left by a plan's work (`loaders.tail.checks`)
         self.checks: list[tuple[Any, BaseException]] = []
-
-    follows = False  # a later part of another plan (`parts`): its draws made with the first part's (`draw_all`)
 
     def parts(self) -> list[Plan]:
         """The plans this one runs as, in turn (itself; or its parts, where splitting its work in steps keeps the
