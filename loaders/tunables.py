@@ -101,23 +101,33 @@ TAIL_REPLAY = {"1": True, "here": "here"}.get(os.environ.get("BLOCKPREP_TAIL_REP
 # A feeder's child that never touches CUDA (`loaders.fast.hostfeed`): it reads, crops and stacks each batch on the
 # CPU and makes its tail's draws alone; the training process copies the batch up from page-locked shared memory and
 # replays the tail's work from those draws (a tail some transform of which has no plan, or runs eagerly, runs on the
-# child's CPU instead). One CUDA context, not two. BLOCKPREP_HOST_FEED=1: every feeder a host feeder; =auto:
-# feeder="auto" tries one after the first child and keeps the faster (`loaders.fast.trial`); off by default: on the
-# H200 the trial kept it on `seg-elastic` in one call (0.76 of the ceiling against 0.65 without it) and found no
-# winner in two others (29.6 against 29.4 and 29.2 ms a step), where the child started again made 0.80 against the
-# defaults' 0.86 once warm; with the affine's products made on the device, 0.91 against 0.87 on `seg-elastic` and
-# 0.86 against 0.88 on `seg-aug`, its hand-over in the training process 6.2 ms a step (docs/benchmarks.md).
-HOST_FEED = {"1": True, "auto": "auto"}.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), False)
+# child's CPU instead). One CUDA context, not two. By default ("chosen"), feeder="auto" on a GPU starts a host
+# feeder where the first batch made in the training process shows its tail drawable (`BatchedTail.drawable`) and
+# the training loop's period with the batches made there is at least HOST_FEED_PERIOD (the median of the latest
+# HOST_FEED_LOOK periods of its second epoch made there, or of HOST_FEED_FIRST periods of its first, which the
+# device tier's filling and the tail's first captures lengthen); else a child with a CUDA context. A host feeder's
+# replays and takes cost the training process 3-4 ms a step, which a long step hides and a short one pays (H200,
+# one call each: `seg-elastic` 0.85-0.89 of the ceiling against 0.77-0.84 with a CUDA child, `seg-ct` 0.95-0.96
+# against 0.93, `seg-aug` 0.88 both; `spheres`, 8-10 ms a step made here, 0.72-0.76 against 0.83-0.88; the loop's
+# period made here, the trial's: `spheres` 6.0-10.4 ms, `seg-aug` and `seg-elastic` 30-32, `seg-ct` 48-51).
+# BLOCKPREP_HOST_FEED=1: every feeder a host feeder; =0: none; =auto: feeder="auto" tries one after the first child
+# and keeps the faster (`loaders.fast.trial`).
+_HOST_FEEDS: dict[str, bool | str] = {"1": True, "0": False, "auto": "auto"}
+HOST_FEED: bool | str = _HOST_FEEDS.get(os.environ.get("BLOCKPREP_HOST_FEED", ""), "chosen")
+HOST_FEED_PERIOD = 0.020
+HOST_FEED_LOOK = 8
+HOST_FEED_FIRST = 64
 # A host feeder's batches on a GPU are taken in the training process on a thread of the loader's
 # (`loaders.fast.hostfeed.Taker`: the message, the copies up and the tail's launches while the training thread waits
 # for its step's kernels), one ahead and just in time. BLOCKPREP_HOST_TAKE_THREAD=0 in the environment takes each on the
 # training thread as it is asked for (and the next where it has come); =1 on a thread for a loader on the CPU too.
 HOST_TAKE_THREAD = {"0": False, "1": True}.get(os.environ.get("BLOCKPREP_HOST_TAKE_THREAD", ""), "gpu")
-# How long before the caller's next `next` that thread aims to have its take done, in ms: a number, fixed; "auto",
-# from 3 ms down by a quarter of a ms each batch ready in time and up by one each batch the caller waited for (so
-# each take runs as late in the caller's step as it can: where a training loop waits for its step's kernels, after
-# its launches). BLOCKPREP_HOST_TAKE_MARGIN in the environment sets it.
-HOST_TAKE_MARGIN: float | str = (lambda v: "auto" if v in ("", "auto") else float(v))(
+# How long before the caller's next `next` that thread aims to have its take done, in ms: a number, fixed (3 by
+# default); "auto", from 3 ms down by a quarter of a ms each batch ready in time and up by one each batch the caller
+# waited for (it settles where one batch in five is late: on the H200, `seg-elastic` 0.86-0.87 of the ceiling with
+# it against 0.88-0.89 with 3 ms fixed, over two rounds of one call). BLOCKPREP_HOST_TAKE_MARGIN in the environment
+# sets it.
+HOST_TAKE_MARGIN: float | str = (lambda v: "auto" if v == "auto" else float(v or 3))(
     os.environ.get("BLOCKPREP_HOST_TAKE_MARGIN", "")
 )
 # Where numpy's uniform numbers a transform draws by the million (`Rand3DElasticd`'s offsets) are made from the

@@ -259,6 +259,11 @@ def _serve(checkpoint: Any) -> None:
         from loaders.fast.loader import PreparedLoader  # its imports' errors are said to the parent too
 
         spec = pickle.loads(conn.recv_bytes())
+        # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not; or the
+        # arguments it changed (a host feeder chosen by the training loop's first periods: `loaders.fast.feeding`)
+        said = conn.recv_bytes()
+        if said != b"go":
+            spec.update(pickle.loads(said))
         host = spec.pop("host_feed", False)
         from loaders.tail import uniforms
 
@@ -268,7 +273,6 @@ def _serve(checkpoint: Any) -> None:
         if host:  # `loaders.fast.hostfeed`: no CUDA here; batches made on the CPU, their tails' draws alone
             spec.update(device="cpu", gpu_budget=0)
             _host_threads()
-        conn.recv_bytes()  # "go": the parent's first batch is made (`Feeder.go`), so this CUDA context holds it up not
         loader = PreparedLoader(**spec)
         if host and hasattr(loader.assembly.tail, "draw_only"):
             loader.assembly.tail.draw_only = True

@@ -190,7 +190,7 @@ class Feeder:
         # the child builds its loader (its CUDA context) once told to go: a context made while this process makes
         # its first batch holds up that batch's pinned and device allocations (the driver serializes them: 3.6 s
         # against 0.16 on an H200, docs/benchmarks.md), so it is told once the first batch is made (`go`)
-        self._go_said = False
+        self._go_said: bytes | None = None  # b"go", or the loader's arguments changed, pickled
         self._go_lock = threading.Lock()
         self._accepting = threading.Thread(target=self._connect, args=(payload,), daemon=True,
                                            name="blockprep-feeder-accept")  # fmt: skip
@@ -205,22 +205,25 @@ class Feeder:
             return
         with self._go_lock:
             self._box.append(conn)
-            if self._go_said:
-                self._say_go(conn)
+            if self._go_said is not None:
+                self._say_go(conn, self._go_said)
 
-    def go(self) -> None:
-        """Let the child build its loader (and its CUDA context): now where it has connected, else once it does."""
+    def go(self, changed: dict[str, Any] | None = None) -> bool:
+        """Let the child build its loader (and its CUDA context): now where it has connected, else once it does;
+        `changed`: arguments of its loader changed first (a host feeder's, `loaders.fast.feeding`). True where this
+        call said it (the first), False where it was said already."""
         with self._go_lock:
-            if self._go_said:
-                return
-            self._go_said = True
+            if self._go_said is not None:
+                return False
+            self._go_said = b"go" if changed is None else pickle.dumps(changed)
             if self._box and not isinstance(self._box[0], BaseException):
-                self._say_go(self._box[0])
+                self._say_go(self._box[0], self._go_said)
+            return True
 
     @staticmethod
-    def _say_go(conn: Any) -> None:
+    def _say_go(conn: Any, said: bytes) -> None:
         with contextlib.suppress(OSError):  # a child gone: said when it is next asked for
-            conn.send_bytes(b"go")
+            conn.send_bytes(said)
 
     def _connected(self, wait: bool) -> bool:
         """Whether the child has connected and has its arguments (waited for with `wait`); FeederError where it

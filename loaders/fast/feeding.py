@@ -13,7 +13,7 @@ import numpy as np
 
 from loaders import tunables
 from loaders.errors import ArgumentTypeError, ArgumentValueError
-from loaders.fast.trial import DEVICE, HERE, HOST, FeederTrial
+from loaders.fast.trial import DEVICE, HERE, HOST, FeederTrial, host_at_start
 from loaders.tunables import TIER_SHARE_TENSORS
 
 
@@ -33,6 +33,9 @@ class FeederSide:
     _feeder_auto: bool
     _host_feed: bool = False
     _child_spec: dict[str, Any] | None = None  # the first child's arguments (a host feeder's made from them)
+    _choosing: bool = False  # the first child's kind chosen by the first periods (`trial.host_at_start`)
+    _periods: list[float] | None = None  # the training loop's periods with the batches made here, until chosen
+    _periods_of: tuple[int, bool] = (-1, False)  # the epoch they are of, and whether one before it was made here
     _tail_default: bool
     _trial: FeederTrial | None
     _verdict: str | None
@@ -73,6 +76,8 @@ class FeederSide:
         self._child_spec = spec
         if tunables.HOST_FEED is True:  # the child on the CPU, the tail replayed here (`loaders.fast.hostfeed`)
             spec = _host(spec, self.device)
+        self._choosing = tunables.HOST_FEED == "chosen" and auto and self.gpu
+        self._periods = []
         self._host_feed = bool(spec.get("host_feed"))
         try:
             return payload(spec)
@@ -140,15 +145,25 @@ class FeederSide:
         at the first batch boundary after the child is ready, the rest of the epoch is the child's, from the
         random states as of the last batch delivered: the same batches either way. A child that could not start
         leaves every batch to this process (feeder="auto": said once, with why; feeder=True raises)."""
+        import time
+
         k = skip
         here = self._run(chunks, epoch, skip, self.tail_thread or self._tail_default)
+        last = None
+        if self._choosing and not self._periods_of[1] and self._periods_of[0] != epoch:
+            later = self._periods_of[0] >= 0  # from the second epoch made here on, its periods alone
+            self._periods, self._periods_of = [] if later else self._periods, (epoch, later)
         try:
             for batch in here:
                 k += 1
                 self.made_here += 1
                 if self._feeder is not None:  # the child's CUDA context made after this first batch, not during it
-                    self._feeder.go()
+                    self._feeder_go()
                 yield batch
+                now = time.perf_counter()
+                if last is not None and self._choosing and self._periods is not None:
+                    self._periods.append(now - last)
+                last = now
                 if k < len(chunks) and self._feeder_ready():
                     break
             else:
@@ -158,6 +173,23 @@ class FeederSide:
         self._tier_to_feeder()
         yield from self._feeder.run(self, epoch, k, len(chunks))
 
+    def _feeder_go(self) -> None:
+        """The child told to build its loader: at once; or, where its kind is chosen (`loaders.tunables.HOST_FEED`
+        "chosen"), once the training loop's first periods with the batches made here tell which
+        (`trial.host_at_start`): a host feeder's child where its tail is drawable and the step is long."""
+        if not self._choosing:
+            self._feeder.go()
+            return
+        drawable = getattr(self.assembly.tail, "drawable", None)
+        host = host_at_start(self._periods or [], drawable() if drawable is not None else None, self._periods_of[1])
+        if host is None:
+            return
+        self._choosing, self._periods = False, None
+        if not host:
+            self._feeder.go()
+        elif self._feeder.go({"host_feed": True, "device_draws": _device_draws(self.device)}):
+            self._host_feed = True
+
     def wait_feeder(self) -> None:
         """Wait until the feeder's child makes the batches (it starts beside the training: its imports and its
         loader, seconds); at once without a feeder. Until then this process makes them, so nothing needs it;
@@ -165,6 +197,7 @@ class FeederSide:
         once and the batches stay here."""
         import time
 
+        self._choosing = False  # the child waited for before the periods could tell: the first kind
         while self._feeder is not None:
             self._feeder.go()  # a child started in a failed one's place is told too
             if self._feeder_ready():
@@ -215,6 +248,14 @@ class FeederSide:
         """feeder="auto": where the batches are made after comparing both (`loaders.fast.trial`), with the two
         loop periods measured; None before that (or with no feeder)."""
         return self._verdict
+
+    @property
+    def feeder_kind(self) -> str | None:
+        """The kind of child making this loader's batches: "host" (`loaders.fast.hostfeed`), "device" (its own
+        CUDA context, or its CPU on a CPU loader), or None (the batches made in this process)."""
+        if self._feeder is None:
+            return None
+        return "host" if self._host_feed else "device"
 
     @property
     def feeder_pid(self) -> int | None:

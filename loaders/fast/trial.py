@@ -26,9 +26,17 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from loaders.tunables import TRIAL_LEAST, TRIAL_MARGIN, TRIAL_SKIP, TRIAL_WINDOW
+from loaders.tunables import (
+    HOST_FEED_FIRST,
+    HOST_FEED_LOOK,
+    HOST_FEED_PERIOD,
+    TRIAL_LEAST,
+    TRIAL_MARGIN,
+    TRIAL_SKIP,
+    TRIAL_WINDOW,
+)
 
-__all__ = ["FeederTrial"]
+__all__ = ["FeederTrial", "host_at_start"]
 
 # what `decide` asks of the loader
 HERE, KEEP, HOST, DEVICE = "here", "keep", "host", "device"
@@ -110,3 +118,17 @@ class FeederTrial:
             return HOST
         self.verdict = said
         return HERE if kind == HERE else KEEP
+
+
+def host_at_start(periods: list[float], drawable: bool | None, later: bool) -> bool | None:
+    """Whether the feeder's child, not started yet, is a host feeder's (`loaders.tunables.HOST_FEED` "chosen"):
+    where the tail is drawable (the first batch made here tells) and the training loop's median period over the
+    latest `HOST_FEED_LOOK` of `periods` (the batches made here) is at least `HOST_FEED_PERIOD`, so the host
+    feeder's work in this process (its takes and replays) hides in the step. `later`: the periods are of an epoch
+    after the first made here (whose periods the device tier's filling and the tail's first captures lengthen);
+    without it, `HOST_FEED_FIRST` periods of the first are needed. None until there are enough."""
+    if drawable is not True:
+        return False
+    if len(periods) < (HOST_FEED_LOOK + 1 if later else HOST_FEED_FIRST):
+        return None
+    return statistics.median(periods[-HOST_FEED_LOOK:]) >= HOST_FEED_PERIOD

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from test_state import _loader, _plain, _same, make_cache
 
-from loaders.fast.trial import DEVICE, HERE, HOST, KEEP, FeederTrial
-from loaders.tunables import TRIAL_SKIP
+from loaders.fast.trial import DEVICE, HERE, HOST, KEEP, FeederTrial, host_at_start
+from loaders.tunables import HOST_FEED_FIRST, HOST_FEED_LOOK, HOST_FEED_PERIOD, TRIAL_SKIP
 
 
 def _epoch(trial: FeederTrial, made: list[int], plan: str, step_s: float, fed_s: float, here_s: float = 0.0) -> None:
@@ -173,6 +173,50 @@ def test_a_host_feeder_that_cannot_start_leaves_the_first_childs_batches(
             got.append([_plain(b) for b in fed])
         assert str(fed.feeder_verdict).endswith("a host feeder's child could not start"), fed.feeder_verdict
         assert fed.feeder_pid is not None and not fed._host_feed
+        _epochs_same(got, want)
+    finally:
+        fed.close()
+        want_loader.close()
+
+
+def test_a_host_feeder_is_chosen_for_a_drawable_tail_and_a_long_step() -> None:
+    """The latest periods against `HOST_FEED_PERIOD`: from an epoch after the first made here, or from enough of
+    the first; nothing said before, and never a host feeder for a tail that is not drawable (or not known to be)."""
+    long, short = [HOST_FEED_PERIOD * 1.2] * (HOST_FEED_LOOK + 1), [HOST_FEED_PERIOD * 0.8] * (HOST_FEED_LOOK + 1)
+    assert host_at_start(long[:-1], True, later=True) is None
+    assert host_at_start(long, True, later=True) is True and host_at_start(short, True, later=True) is False
+    assert host_at_start(long, True, later=False) is None  # the first epoch's: lengthened by its tier's filling
+    first = [1.0] * HOST_FEED_FIRST
+    assert host_at_start(first[:-1], True, later=False) is None
+    assert host_at_start(first[:-HOST_FEED_LOOK] + short[:HOST_FEED_LOOK], True, later=False) is False
+    assert host_at_start(long, False, later=True) is False and host_at_start(long, None, later=True) is False
+
+
+@pytest.mark.parametrize(("least", "host"), [(0.02, True), (10.0, False)])
+def test_the_childs_kind_is_chosen_by_the_first_periods(
+    made: tuple[Path, Path], least: float, host: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """feeder="auto" on a GPU (`HOST_FEED` "chosen"; forced here on the CPU): the child is told to build its loader
+    once the training loop's periods with the batches made here say which kind: a host feeder's where the tail is
+    drawable and the step at least `least` (each step here 0.04 s), else the first kind. The in-process loader's
+    batches either way."""
+    from loaders.fast import trial
+
+    monkeypatch.setattr(trial, "HOST_FEED_PERIOD", least)
+    want_loader, want, fed = _wanted_and_fed(made, {"gpu_budget": 0, "prefetch": 2, "device": "cpu"}, 12)
+    fed._choosing, fed._periods = True, []
+    try:
+        got: list[list[Any]] = []
+        while fed._choosing and len(got) < 10:
+            got.append([])
+            for b in fed:
+                got[-1].append(_plain(b))
+                time.sleep(0.04)  # the training step
+        assert not fed._choosing and fed.assembly.tail.drawable() is True
+        fed.wait_feeder()
+        got += [[_plain(b) for b in fed] for _ in range(2)]
+        assert fed._host_feed == host and (fed._feeder._host is not None) == host  # the host slots, or none
+        assert fed.made_here < sum(map(len, got))  # some from the child
         _epochs_same(got, want)
     finally:
         fed.close()

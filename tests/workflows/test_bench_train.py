@@ -404,4 +404,7 @@ def test_a_row_may_have_a_host_feeder_tried(monkeypatch: pytest.MonkeyPatch) -> 
         assert tunables.HOST_FEED == "auto" and os.environ["BLOCKPREP_HOST_FEED"] == "auto"
         assert importlib.reload(tunables).HOST_FEED == "auto"
     assert "BLOCKPREP_HOST_FEED" not in os.environ
-    assert importlib.reload(tunables).HOST_FEED is False
+    assert importlib.reload(tunables).HOST_FEED == "chosen"
+    with _tunable("HOST_TAKE_MARGIN", 2):  # ...;host_take_margin=2: milliseconds, a float as the variable gives
+        assert tunables.HOST_TAKE_MARGIN == 2.0 and os.environ["BLOCKPREP_HOST_TAKE_MARGIN"] == "2.0"
+        assert importlib.reload(tunables).HOST_TAKE_MARGIN == 2.0

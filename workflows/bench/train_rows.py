@@ -346,10 +346,12 @@ def fast_path(
     patterns = options.pop("tail_patterns", None)  # "...;tail_replay=True;tail_patterns=6": on the fired rows
     host = options.pop("host_feed", None)  # "...@host_feed=True": a child on the CPU; ='auto': one tried
     draws = options.pop("device_draws", None)  # "...@host_feed=True;device_draws=False": offsets drawn on the host
+    margin = options.pop("host_take_margin", None)  # "...@host_feed=True;host_take_margin=3": the take's margin, ms
     augment = options.pop("augment", True)  # "fast-settled@augment=False": the chain without its augmentations
     with _tunable("TAIL_GRAPHS", graphs), _tunable("PACK_AHEAD", pack), _tunable("CAPTURE_AHEAD", ahead), \
             _tunable("TAIL_REPLAY", replay), _tunable("TAIL_PATTERNS", patterns), \
-            _tunable("HOST_FEED", host), _tunable("DEVICE_DRAWS", draws):  # fmt: skip
+            _tunable("HOST_FEED", host), _tunable("DEVICE_DRAWS", draws), \
+            _tunable("HOST_TAKE_MARGIN", margin):  # fmt: skip
         return _fast_row(pipeline, cache, opts, budget, label, serving, settled, bricks, options, augment)
 
 
@@ -371,8 +373,9 @@ def unaugmented(transform: Any) -> Any:
 @contextlib.contextmanager
 def _tunable(name: str, on: bool | int | str | None) -> Iterator[None]:
     """`loaders.tunables.<name>` (TAIL_GRAPHS, PACK_AHEAD, CAPTURE_AHEAD, TAIL_REPLAY, HOST_FEED, DEVICE_DRAWS: on
-    or off, HOST_FEED also "auto"; TAIL_PATTERNS: a count) and its environment variable BLOCKPREP_<name> (which the
-    feeder's process reads) set for one row, then put back; None leaves them."""
+    or off, HOST_FEED also "auto"; TAIL_PATTERNS: a count; HOST_TAKE_MARGIN: milliseconds or "auto") and its
+    environment variable BLOCKPREP_<name> (which the feeder's process reads) set for one row, then put back; None
+    leaves them."""
     from loaders import tunables
 
     if on is None:
@@ -381,8 +384,9 @@ def _tunable(name: str, on: bool | int | str | None) -> Iterator[None]:
     var = f"BLOCKPREP_{name}"
     before, env = getattr(tunables, name), os.environ.get(var)
     count = not isinstance(on, (bool, str))
-    setattr(tunables, name, int(on) if count else on)
-    os.environ[var] = str(int(on)) if count else on if isinstance(on, str) else "1" if on else "0"
+    value = (float(on) if isinstance(before, float) or name == "HOST_TAKE_MARGIN" else int(on)) if count else on
+    setattr(tunables, name, value)
+    os.environ[var] = str(value) if count else on if isinstance(on, str) else "1" if on else "0"
     try:
         yield
     finally:
@@ -421,6 +425,7 @@ def _fast_row(
             row.note = f"{row.note}; {loader.feeder_verdict}".lstrip("; ")
         if loader.feeder_pid is not None:  # the batches' own process: its CPU over the row (warm epoch included)
             row.extra["feeder CPU s"] = _cpu_seconds(loader.feeder_pid)
+            row.extra["feeder"] = loader.feeder_kind
     finally:
         loader.close()
         drop_bricks(cache)
