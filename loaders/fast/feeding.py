@@ -185,7 +185,7 @@ class FeederSide:
         if host is None:
             return
         self._choosing, self._periods = False, None
-        if host and self.device.index not in (None, self.torch.cuda.current_device()):
+        if host and self.gpu and self.device.index not in (None, self.torch.cuda.current_device()):
             host = False  # a loader on a GPU other than this process's current one: a CUDA child, as shown there
         if not host:
             self._feeder.go()
