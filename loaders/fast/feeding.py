@@ -36,6 +36,7 @@ class FeederSide:
     _choosing: bool = False  # the first child's kind chosen by the first periods (`trial.host_at_start`)
     _periods: list[float] | None = None  # the training loop's periods with the batches made here, until chosen
     _periods_of: tuple[int, bool] = (-1, False)  # the epoch they are of, and whether one before it was made here
+    _drawable: bool | None = None  # whether the first batch's tail could be replayed here (`BatchedTail.drawable`)
     _tail_default: bool
     _trial: FeederTrial | None
     _verdict: str | None
@@ -180,8 +181,10 @@ class FeederSide:
         if not self._choosing:
             self._feeder.go()
             return
-        drawable = getattr(self.assembly.tail, "drawable", None)
-        host = host_at_start(self._periods or [], drawable() if drawable is not None else None, self._periods_of[1])
+        if self._drawable is None:  # the first batch's tail tells, once
+            drawable = getattr(self.assembly.tail, "drawable", None)
+            self._drawable = drawable() if drawable is not None else False
+        host = host_at_start(self._periods or [], self._drawable, self._periods_of[1])
         if host is None:
             return
         self._choosing, self._periods = False, None
