@@ -199,7 +199,8 @@ class FeederSide:
         """Wait until the feeder's child makes the batches (it starts beside the training: its imports and its
         loader, seconds); at once without a feeder. Until then this process makes them, so nothing needs it;
         a benchmark of a long run's steady state does. feeder="auto": a child that could not start is said
-        once and the batches stay here."""
+        once and the batches stay here; a child not yet told its kind is one with a CUDA context (no periods
+        made here to choose by: `_feeder_go`)."""
         import time
 
         self._choosing = False  # the child waited for before the periods could tell: the first kind
