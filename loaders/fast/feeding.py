@@ -192,7 +192,7 @@ class FeederSide:
             host = False  # a loader on a GPU other than this process's current one: a CUDA child, as shown there
         if not host:
             self._feeder.go()
-        elif self._feeder.go({"host_feed": True, "device_draws": _device_draws(self.device)}):
+        elif self._feeder.go(_host_args(self.device)):
             self._host_feed = True
 
     def wait_feeder(self) -> None:
@@ -271,7 +271,12 @@ class FeederSide:
 
 def _host(spec: dict[str, Any], device: Any) -> dict[str, Any]:
     """A feeder child's arguments made a host feeder's (`loaders.fast.hostfeed`)."""
-    return {**spec, "host_feed": True, "device_draws": _device_draws(device)}
+    return {**spec, **_host_args(device)}
+
+
+def _host_args(device: Any) -> dict[str, Any]:
+    """What makes a feeder child a host feeder, for a loader on `device`."""
+    return {"host_feed": True, "device_draws": _device_draws(device)}
 
 
 def _device_draws(device: Any) -> bool:

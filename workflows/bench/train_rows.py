@@ -384,7 +384,7 @@ def _tunable(name: str, on: bool | int | str | None) -> Iterator[None]:
     var = f"BLOCKPREP_{name}"
     before, env = getattr(tunables, name), os.environ.get(var)
     count = not isinstance(on, (bool, str))
-    value = (float(on) if isinstance(before, float) or name == "HOST_TAKE_MARGIN" else int(on)) if count else on
+    value = (float(on) if name == "HOST_TAKE_MARGIN" else int(on)) if count else on
     setattr(tunables, name, value)
     os.environ[var] = str(value) if count else on if isinstance(on, str) else "1" if on else "0"
     try:
